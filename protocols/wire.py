@@ -1,0 +1,107 @@
+"""Framing of protocol messages on a byte stream: a msgpack header plus an optional raw payload.
+
+Frame layout (all integers big-endian)::
+
+    u32 header_length | u32 payload_length | header (msgpack map) | payload (raw bytes)
+
+Both lengths are checked against limits *before* anything else is read, so a peer that announces an oversized frame
+costs us 8 bytes, not the frame. Everything a peer sends is untrusted: every failure to parse raises
+:class:`ProtocolViolation` (the caller excludes that peer), never anything else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from typing import Any
+
+import msgpack
+
+from protocols.interfaces import StreamReader, StreamWriter
+
+_PREFIX = struct.Struct(">II")
+#: Largest msgpack header accepted from a peer, in bytes.
+MAX_HEADER_BYTES = 64 * 1024
+
+
+class ProtocolViolation(Exception):
+    """A peer sent bytes that do not follow the protocol (oversized, truncated, malformed, wrong schema)."""
+
+
+def encode_frame(header: dict[str, Any], payload: bytes | memoryview = b"") -> list[bytes | memoryview]:
+    """Serialize a frame into buffers ready for ``writer.write`` (the payload is not copied)."""
+    header_bytes = msgpack.packb(header, use_bin_type=True)
+    if len(header_bytes) > MAX_HEADER_BYTES:
+        raise ValueError(f"frame header is {len(header_bytes)} bytes, more than {MAX_HEADER_BYTES}")
+    return [_PREFIX.pack(len(header_bytes), len(payload)), header_bytes, payload]
+
+
+async def write_frame(writer: StreamWriter, header: dict[str, Any], payload: bytes | memoryview = b"") -> int:
+    """Write one frame and wait until the transport accepted it. Returns the number of bytes written."""
+    total = 0
+    for buffer in encode_frame(header, payload):
+        if len(buffer):
+            writer.write(buffer)
+            total += len(buffer)
+    await writer.drain()
+    return total
+
+
+async def read_frame(reader: StreamReader, max_payload_bytes: int) -> tuple[dict[str, Any], bytes, int]:
+    """Read one frame; returns ``(header, payload, bytes_read)``.
+
+    Raises:
+        ProtocolViolation: header or payload larger than allowed, stream ended mid-frame, header not a msgpack map.
+    """
+    header, payload_length, header_bytes = await read_header(reader)
+    if payload_length > max_payload_bytes:
+        raise ProtocolViolation(f"payload of {payload_length} bytes exceeds the limit of {max_payload_bytes}")
+    payload = await read_payload(reader, payload_length)
+    return header, payload, header_bytes + payload_length
+
+
+async def read_header(reader: StreamReader) -> tuple[dict[str, Any], int, int]:
+    """Read a frame's prefix and header, not its payload: returns ``(header, payload_length, bytes_read)``.
+
+    The caller must check ``payload_length`` against what it expects, then call :func:`read_payload`.
+    """
+    try:
+        prefix = await reader.readexactly(_PREFIX.size)
+    except asyncio.IncompleteReadError as e:
+        raise ProtocolViolation(f"stream ended after {len(e.partial)} of {_PREFIX.size} prefix bytes") from None
+    header_length, payload_length = _PREFIX.unpack(prefix)
+    if header_length > MAX_HEADER_BYTES:
+        raise ProtocolViolation(f"header of {header_length} bytes exceeds the limit of {MAX_HEADER_BYTES}")
+    try:
+        header_bytes = await reader.readexactly(header_length)
+    except asyncio.IncompleteReadError as e:
+        raise ProtocolViolation(f"stream ended mid-header ({len(e.partial)} of {header_length} bytes)") from None
+    try:
+        header = msgpack.unpackb(header_bytes, raw=False, strict_map_key=True, max_ext_len=0)
+    except Exception as e:  # msgpack raises several unrelated types on garbage
+        raise ProtocolViolation(f"malformed msgpack header: {type(e).__name__}: {e}") from None
+    if not isinstance(header, dict):
+        raise ProtocolViolation(f"frame header must be a map, got {type(header).__name__}")
+    return header, payload_length, _PREFIX.size + header_length
+
+
+async def read_payload(reader: StreamReader, payload_length: int) -> bytes:
+    """Read a payload whose length :func:`read_header` returned (and the caller accepted)."""
+    if not payload_length:
+        return b""
+    try:
+        return await reader.readexactly(payload_length)
+    except asyncio.IncompleteReadError as e:
+        raise ProtocolViolation(f"stream ended mid-payload ({len(e.partial)} of {payload_length} bytes)") from None
+
+
+def require(header: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
+    """``header[key]`` if present and of type ``kind``; otherwise :class:`ProtocolViolation`."""
+    value = header.get(key)
+    if not isinstance(value, kind) or (isinstance(value, bool) and bool not in _as_tuple(kind)):
+        raise ProtocolViolation(f"field {key!r} must be {kind}, got {type(value).__name__}")
+    return value
+
+
+def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
+    return kind if isinstance(kind, tuple) else (kind,)

@@ -1,0 +1,205 @@
+"""Matchmaking + butterfly all-reduce among in-process peers (no sockets)."""
+
+import asyncio
+
+import pytest
+import torch
+
+from peerd.transport.inprocess import Hub
+from protocols.allreduce import AllReduceConfig, AllReduceFailed, ButterflyAllReduce, PartReducer, partition_sizes
+from protocols.diloco import weighted_average
+from protocols.matchmaking import AdmissionRefused, MatchmakingConfig, Matchmaker, MatchmakingFailed
+
+pytestmark = pytest.mark.timeout(60)
+
+MM = MatchmakingConfig(matchmaking_timeout_s=3.0, request_timeout_s=1.0, poll_interval_s=0.05)
+AR = AllReduceConfig(compression="none", sender_timeout_s=1.0, reducer_timeout_s=2.0)
+
+
+async def _peers(hub, n, admit=None, compression="none"):
+    peers = []
+    for i in range(n):
+        t = hub.transport(f"peer{i:02d}")
+        mm = Matchmaker(t, "run", MM, admit=admit)
+        ar = ButterflyAllReduce(t, "run", AllReduceConfig(compression, AR.sender_timeout_s, AR.reducer_timeout_s))
+        await mm.start()
+        await ar.start()
+        peers.append((mm, ar))
+    return peers
+
+
+async def _round(peer, key, x, w, expected=None, info=None):
+    mm, ar = peer
+    group = await mm.form_group(key, info or {}, expected_size=expected)
+    return await ar.run(group, x, w)
+
+
+def test_partition_sizes():
+    assert partition_sizes(10, 3) == [4, 3, 3]
+    assert sum(partition_sizes(7, 7)) == 7
+    with pytest.raises(ValueError):
+        partition_sizes(5, 0)
+
+
+def test_part_reducer_rejects_bad_parts_without_changing_the_sum():
+    r = PartReducer(3)
+    r.add("a", torch.ones(3), 2.0)
+    for bad in [(torch.ones(4), 1.0), (torch.tensor([1.0, float("nan"), 0.0]), 1.0), (torch.ones(3), -1.0),
+                (torch.ones(3), float("inf")), (torch.ones(3, dtype=torch.float64), 1.0)]:
+        with pytest.raises(ValueError):
+            r.add("b", *bad)
+    with pytest.raises(ValueError):
+        r.add("a", torch.ones(3), 1.0)
+    r.add("c", torch.full((3,), 4.0), 1.0)
+    assert torch.equal(r.mean(), torch.full((3,), 2.0))
+    assert r.contributors == ["a", "c"]
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 5])
+def test_weighted_mean_bit_identical_on_every_member(n):
+    async def main():
+        hub = Hub()
+        peers = await _peers(hub, n)
+        g = torch.Generator().manual_seed(n)
+        xs = [torch.randn(1003, generator=g) for _ in range(n)]
+        ws = [float(i + 1) for i in range(n)]
+        results = await asyncio.gather(*[_round(p, "r0", x, w, expected=n) for p, x, w in zip(peers, xs, ws)])
+        reference = weighted_average(xs, ws)
+        for res in results:
+            assert res.group_size == n
+            assert torch.equal(res.averaged, results[0].averaged)
+            torch.testing.assert_close(res.averaged, reference, rtol=1e-5, atol=1e-6)
+        if n > 1:
+            assert all(res.bytes_sent > 0 and res.bytes_received > 0 for res in results)
+
+    asyncio.run(main())
+
+
+def test_fp16_results_identical_across_members():
+    async def main():
+        hub = Hub()
+        peers = await _peers(hub, 3, compression="fp16")
+        xs = [torch.randn(5000) for _ in range(3)]
+        results = await asyncio.gather(*[_round(p, "r0", x, 1.0, expected=3) for p, x in zip(peers, xs)])
+        for res in results:
+            assert torch.equal(res.averaged, results[0].averaged)
+        err = (results[0].averaged - weighted_average(xs, [1, 1, 1])).norm() / weighted_average(xs, [1, 1, 1]).norm()
+        assert err < 1e-3
+
+    asyncio.run(main())
+
+
+def test_staggered_arrivals_form_one_group_without_expected_size():
+    async def main():
+        hub = Hub()
+        peers = await _peers(hub, 3)
+
+        async def late(peer, delay, x):
+            await asyncio.sleep(delay)
+            return await _round(peer, "r1", x, 1.0, expected=3)
+
+        xs = [torch.full((10,), float(i)) for i in range(3)]
+        results = await asyncio.gather(*[late(p, 0.3 * i, x) for i, (p, x) in enumerate(zip(peers, xs))])
+        for res in results:
+            assert res.group_size == 3
+            assert torch.equal(res.averaged, torch.full((10,), 1.0))
+
+    asyncio.run(main())
+
+
+def test_window_expires_with_the_peers_present():
+    async def main():
+        hub = Hub()
+        peers = await _peers(hub, 3)
+        xs = [torch.full((8,), float(i)) for i in range(2)]
+        # expected 3 but only 2 come: the group seals when the matchmaking window ends
+        results = await asyncio.gather(*[_round(p, "r2", x, 1.0, expected=3) for p, x in zip(peers[:2], xs)])
+        assert [r.group_size for r in results] == [2, 2]
+        assert torch.equal(results[0].averaged, torch.full((8,), 0.5))
+
+    asyncio.run(main())
+
+
+def test_admission_refusal_reaches_the_refused_peer():
+    async def main():
+        hub = Hub()
+        admit = lambda own, peer, info: None if info.get("digest") == own.get("digest") else "digest differs"
+        peers = await _peers(hub, 3, admit=admit)
+        x = torch.zeros(4)
+        tasks = [
+            _round(peers[0], "r3", x, 1.0, expected=2, info={"digest": "a"}),
+            _round(peers[1], "r3", x, 1.0, expected=2, info={"digest": "a"}),
+            _round(peers[2], "r3", x, 1.0, expected=2, info={"digest": "b"}),
+        ]
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        assert results[0].group_size == results[1].group_size == 2
+        assert isinstance(results[2], AdmissionRefused)
+
+    asyncio.run(main())
+
+
+def test_dead_registrant_is_skipped_and_min_group_size_enforced():
+    async def main():
+        hub = Hub()
+        peers = await _peers(hub, 3)
+        # peer00 registers, then vanishes: the others must route around the smallest PeerID
+        t = asyncio.ensure_future(peers[0][0].form_group("r4", {}, expected_size=3))
+        await asyncio.sleep(0.1)
+        hub.disconnect("peer00")
+        xs = [torch.full((6,), 2.0), torch.full((6,), 4.0)]
+        results = await asyncio.gather(*[_round(p, "r4", x, 1.0, expected=2) for p, x in zip(peers[1:], xs)])
+        assert all(torch.equal(r.averaged, torch.full((6,), 3.0)) for r in results)
+        t.cancel()
+        strict = Matchmaker(hub.transport("peer09"), "run",
+                            MatchmakingConfig(matchmaking_timeout_s=0.5, request_timeout_s=0.2,
+                                              poll_interval_s=0.05, min_group_size=2))
+        await strict.start()
+        with pytest.raises(MatchmakingFailed):
+            await strict.form_group("r5", {})
+
+    asyncio.run(main())
+
+
+def test_reducer_death_fails_the_round_for_everyone_and_a_late_sender_still_gets_the_mean():
+    async def main():
+        hub = Hub()
+        peers = await _peers(hub, 3)
+        groups = await asyncio.gather(*[p[0].form_group("r6", {}, expected_size=3) for p in peers])
+        hub.disconnect(groups[0].members[2])
+        survivors = [p for p in peers if p[0].peer_id != groups[0].members[2]]
+        results = await asyncio.gather(*[p[1].run(groups[0], torch.ones(30), 1.0) for p in survivors],
+                                       return_exceptions=True)
+        assert all(isinstance(r, AllReduceFailed) for r in results)
+
+    asyncio.run(main())
+
+
+def test_malformed_part_excludes_sender_and_keeps_the_mean_of_the_honest():
+    async def main():
+        hub = Hub()
+        peers = await _peers(hub, 3)
+        groups = await asyncio.gather(*[p[0].form_group("r7", {}, expected_size=3) for p in peers])
+        group = groups[0]
+        by_id = {p[0].peer_id: p for p in peers}
+        bad = group.members[1]
+        # the bad peer sends a part with NaN; the honest ones average normally
+        honest = [m for m in group.members if m != bad]
+        xs = {m: torch.full((9,), float(i)) for i, m in enumerate(group.members)}
+        xs[bad] = torch.full((9,), float("nan"))
+        codec_ok = [by_id[m][1].run(group, xs[m], 1.0) for m in honest]
+        bad_run = by_id[bad][1].run(group, torch.full((9,), 5.0), 1.0)
+        # the bad member reduces honestly but sends NaN parts to the others
+        by_id[bad][1]._encode_part = lambda part: torch.full_like(part, float("nan")).numpy().tobytes()
+        results = await asyncio.gather(*codec_ok, bad_run, return_exceptions=True)
+        for r in results[:2]:
+            assert not isinstance(r, BaseException), r
+        assert torch.equal(results[0].averaged, results[1].averaged)
+        # honest reducers excluded the bad sender: their parts are the honest mean; the bad member's own part
+        # (reduced by itself, honestly) also holds its local 5.0
+        honest_mean = (xs[honest[0]] + xs[honest[1]]) / 2
+        expected = honest_mean.clone()
+        expected[3:6] = (xs[honest[0]][3:6] + xs[honest[1]][3:6] + 5.0) / 3
+        assert torch.equal(results[0].averaged, expected)
+        assert sum(bad in r.excluded for r in results[:2]) == 2
+
+    asyncio.run(main())
