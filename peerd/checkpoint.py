@@ -1,0 +1,77 @@
+"""Local checkpoints of a peer's training state, written atomically after every outer round.
+
+One file per run: ``<checkpoint_dir>/<run_id>/state.safetensors``. Tensors are stored with safetensors (no pickle:
+a checkpoint cannot run code when loaded); the small metadata (outer round, sampler position, run fingerprint) is
+JSON in the safetensors header. Writes go to a temporary file in the same folder, are fsync'ed, then renamed over
+the old file and the folder is fsync'ed, so a crash at any moment leaves either the old or the new checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+logger = logging.getLogger(__name__)
+
+FILENAME = "state.safetensors"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint exists but cannot be used (corrupt, or from another run configuration)."""
+
+
+@dataclass
+class Checkpoint:
+    """Tensors (name -> CPU tensor) and JSON-serializable metadata."""
+
+    tensors: dict[str, torch.Tensor]
+    metadata: dict[str, Any]
+
+
+def checkpoint_path(checkpoint_dir: str | os.PathLike, run_id: str) -> Path:
+    return Path(checkpoint_dir) / run_id / FILENAME
+
+
+def save_checkpoint(path: str | os.PathLike, checkpoint: Checkpoint) -> int:
+    """Atomically write ``checkpoint`` to ``path``; returns the file size in bytes."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {name: t.detach().cpu().contiguous() for name, t in checkpoint.tensors.items()}
+    blob = st_save(tensors, metadata={"peerd": json.dumps(checkpoint.metadata, sort_keys=True)})
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(blob)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return len(blob)
+
+
+def load_checkpoint(path: str | os.PathLike) -> Optional[Checkpoint]:
+    """Read a checkpoint; None if there is none. Raises CheckpointError if the file is unreadable or corrupt."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    try:
+        blob = path.read_bytes()
+        tensors = st_load(blob)
+        header_len = int.from_bytes(blob[:8], "little")
+        header = json.loads(blob[8 : 8 + header_len])
+        metadata = json.loads(header["__metadata__"]["peerd"])
+    except (SafetensorError, ValueError, KeyError, OSError) as e:
+        raise CheckpointError(f"checkpoint {path} is unreadable: {e}") from None
+    return Checkpoint(tensors, metadata)

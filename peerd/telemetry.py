@@ -1,0 +1,74 @@
+"""Logging setup (human-readable or JSON lines) and the status records peers keep in the DHT.
+
+Structured events are ordinary log records with ``extra={"event": ..., ...}``: the JSON formatter writes those
+fields as keys, so tests and log shippers read them without parsing prose.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+_STANDARD_ATTRS = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record: time, level, logger, message, plus every ``extra`` field."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "time": round(record.created, 3),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        for key, value in vars(record).items():
+            if key not in _STANDARD_ATTRS and not key.startswith("_"):
+                out[key] = value
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def setup_logging(log_format: str = "text", level: str | None = None) -> None:
+    """Configure the root logger on stderr. Level from ``level`` or ``PEERD_LOGLEVEL`` (default INFO)."""
+    level = (level or os.environ.get("PEERD_LOGLEVEL") or "INFO").upper()
+    handler = logging.StreamHandler(sys.stderr)
+    if log_format == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    # hivemind installs its own handler on its loggers; keep its chatter below ours
+    for name in ("hivemind",):
+        logging.getLogger(name).setLevel(max(logging.WARNING, root.level))
+    logging.captureWarnings(True)
+
+
+def status_key(run_id: str) -> str:
+    """DHT key under which every peer of ``run_id`` keeps its status record (subkey = PeerID)."""
+    return f"peerd.{run_id}.status"
+
+
+def config_key(run_id: str) -> str:
+    """DHT key of the run's published configuration."""
+    return f"peerd.{run_id}.config"
+
+
+STATUS_FIELDS = ("role", "outer_round", "inner_step", "loss", "tokens_per_s", "eval_nats_per_byte", "digest")
+
+
+def make_status(**fields: Any) -> dict[str, Any]:
+    """A status record: the known fields (missing ones None) plus the time it was made."""
+    unknown = set(fields) - set(STATUS_FIELDS)
+    if unknown:
+        raise ValueError(f"unknown status fields {sorted(unknown)}")
+    record = {name: fields.get(name) for name in STATUS_FIELDS}
+    record["time"] = time.time()
+    return record
