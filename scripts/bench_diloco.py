@@ -153,17 +153,17 @@ def run_local(s: Settings, data_parallel: bool, workdir: str) -> RunResult:
     label = f"data-parallel AdamW, gloo all-reduce ({world} procs)" if data_parallel else "AdamW (1 process)"
     result = RunResult(label, 1 if data_parallel else None)
     out_path = os.path.join(workdir, f"{'dp' if data_parallel else 'baseline'}.json")
-    listener = store = None
+    store = None
     saved_env = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME")}
     try:
         if data_parallel:
             # torch's TCPStore server binds the wildcard address; serve it here from a socket bound to loopback.
-            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            listener.bind(("127.0.0.1", 0))
-            listener.listen(128)
-            port = listener.getsockname()[1]
-            store = dist.TCPStore("127.0.0.1", port, world, True, timeout=datetime.timedelta(seconds=120),
-                                  wait_for_workers=False, master_listen_fd=listener.fileno())
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+                listener.bind(("127.0.0.1", 0))
+                listener.listen(128)
+                port = listener.getsockname()[1]
+                store = dist.TCPStore("127.0.0.1", port, world, True, timeout=datetime.timedelta(seconds=120),
+                                      wait_for_workers=False, master_listen_fd=os.dup(listener.fileno()))
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
         else:
             port = None
@@ -185,9 +185,7 @@ def run_local(s: Settings, data_parallel: bool, workdir: str) -> RunResult:
     except Exception as e:  # noqa: BLE001 - a failed method is reported, the others still run
         result.notes.append(f"failed: {type(e).__name__}: {e}")
     finally:
-        del store
-        if listener is not None:
-            listener.close()
+        del store  # closes its listening socket
         for k, v in saved_env.items():
             if v is None:
                 os.environ.pop(k, None)

@@ -1,0 +1,12 @@
+import pytest
+
+from tests.integration.swarm import Swarm
+
+
+@pytest.fixture
+def swarm(tmp_path):
+    s = Swarm(tmp_path)
+    try:
+        yield s
+    finally:
+        s.close()

@@ -1,0 +1,140 @@
+"""Real peers as separate processes on 127.0.0.1: start, read their JSON events, stop, always clean up."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[2]
+LOCAL = ROOT / "node_configs" / "machines" / "local-test.toml"
+TINY = ROOT / "node_configs" / "runs" / "tiny-test.toml"
+
+
+def peerd_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "peerd.cli", *args]
+
+
+@dataclass
+class Peer:
+    name: str
+    proc: subprocess.Popen
+    log: Path
+    _seen: int = 0
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+    def poll_events(self) -> list[dict[str, Any]]:
+        """Parse new JSON log lines; returns all events so far."""
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        lines = text.splitlines()
+        complete = lines if text.endswith("\n") else lines[:-1]
+        for line in complete[self._seen:]:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict):
+                self.events.append(record)
+        self._seen = len(complete)
+        return self.events
+
+    def of(self, event: str) -> list[dict[str, Any]]:
+        return [e for e in self.poll_events() if e.get("event") == event]
+
+    def digests(self) -> dict[int, str]:
+        """outer round -> theta_outer digest, from completed rounds and state downloads."""
+        out = {e["outer_round"]: e["digest"] for e in self.of("state_download")}
+        out.update({e["outer_round"]: e["digest"] for e in self.of("outer_round")})
+        return out
+
+
+class Swarm:
+    """A bootstrap node plus workers, each its own process tree; :meth:`close` kills everything."""
+
+    def __init__(self, workdir: Path):
+        self.workdir = workdir
+        self.peers: list[Peer] = []
+        self.bootstrap_maddr: Optional[str] = None
+        self._bootstrap: Optional[subprocess.Popen] = None
+
+    def start_bootstrap(self, timeout_s: float = 30.0) -> str:
+        out = self.workdir / "bootstrap.out"
+        with open(out, "w") as stdout, open(self.workdir / "bootstrap.err", "w") as stderr:
+            self._bootstrap = subprocess.Popen(
+                peerd_cmd("bootstrap", "--config", str(LOCAL), "--identity", str(self.workdir / "bootstrap.key")),
+                stdout=stdout, stderr=stderr, start_new_session=True,
+            )
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            lines = [l for l in out.read_text().splitlines() if "/p2p/" in l]
+            if lines:
+                self.bootstrap_maddr = lines[0].strip()
+                return self.bootstrap_maddr
+            if self._bootstrap.poll() is not None:
+                raise RuntimeError(f"bootstrap exited: {(self.workdir / 'bootstrap.err').read_text()[-2000:]}")
+            time.sleep(0.1)
+        raise TimeoutError("bootstrap node did not print its multiaddrs")
+
+    def start_peer(self, name: str, run_id: str, run_config: Optional[Path] = TINY, *extra: str) -> Peer:
+        args = ["join", "--run-id", run_id, "--config", str(LOCAL), "--log-format", "json",
+                "--identity", str(self.workdir / f"{name}.key"), "--checkpoint-dir", str(self.workdir / f"ckpt-{name}")]
+        if self.bootstrap_maddr:
+            args += ["--initial-peers", self.bootstrap_maddr]
+        if run_config is not None:
+            args += ["--run-config", str(run_config)]
+        log = self.workdir / f"{name}.log"
+        with open(log, "w") as stderr:
+            proc = subprocess.Popen(peerd_cmd(*args, *extra), stdout=subprocess.DEVNULL, stderr=stderr,
+                                    start_new_session=True, env={**os.environ, "PEERD_LOGLEVEL": "INFO"})
+        peer = Peer(name, proc, log)
+        self.peers.append(peer)
+        return peer
+
+    def wait_for(self, condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            if condition():
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"timed out after {timeout_s} s waiting for {what}; logs:\n{self.tails()}")
+
+    def wait_exit(self, peer: Peer, timeout_s: float) -> int:
+        try:
+            return peer.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{peer.name} did not exit within {timeout_s} s; logs:\n{self.tails()}") from None
+
+    def tails(self, chars: int = 1500) -> str:
+        return "\n".join(f"--- {p.name} (rc={p.proc.poll()})\n{p.log.read_text(errors='replace')[-chars:]}"
+                         for p in self.peers)
+
+    def close(self) -> None:
+        procs = [p.proc for p in self.peers] + ([self._bootstrap] if self._bootstrap else [])
+        for proc in procs:
+            _kill_tree(proc.pid, signal.SIGKILL)
+        for proc in procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def _kill_tree(pid: int, sig: int) -> None:
+    try:
+        parent = psutil.Process(pid)
+        family = parent.children(recursive=True) + [parent]
+    except psutil.NoSuchProcess:
+        return
+    for proc in family:
+        try:
+            proc.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass

@@ -1,0 +1,73 @@
+"""Real peers (hivemind DHT + p2pd, one process each) training the tiny model with DiLoCo on Shakespeare."""
+
+import signal
+
+import pytest
+
+from tests.integration.swarm import TINY
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+def _config(tmp_path, name, **changes):
+    """The tiny test run config with some top-level keys changed."""
+    text = TINY.read_text()
+    for key, value in changes.items():
+        lines = [f"{key} = {value}" if line.split("=")[0].strip() == key else line for line in text.splitlines()]
+        text = "\n".join(lines) + "\n"
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_three_peers_hold_bit_identical_theta_outer_and_learn(swarm):
+    swarm.start_bootstrap()
+    peers = [swarm.start_peer(f"p{i}", "trio") for i in range(3)]
+    for peer in peers:
+        assert swarm.wait_exit(peer, 180) == 0, swarm.tails()
+    for round_ in (1, 2):
+        digests = {p.digests().get(round_) for p in peers}
+        assert len(digests) == 1 and None not in digests, f"round {round_}: {digests}"
+    for peer in peers:
+        rounds = peer.of("outer_round")
+        assert [e["outer_round"] for e in rounds] == [1, 2]
+        assert all(e["group_size"] == 3 for e in rounds), rounds
+        assert all(e["bytes_sent"] > 0 for e in rounds)
+        start = peer.of("eval")[0]["eval_nats_per_byte"]
+        assert rounds[-1]["eval_nats_per_byte"] < start, (start, rounds[-1])
+
+
+def test_late_joiner_downloads_state_and_averages_with_the_swarm(swarm, tmp_path):
+    # rounds of ~4 s, so that the joiner (a few seconds to start) arrives while the run is under way
+    config = _config(tmp_path, "run.toml", max_outer_rounds=3, inner_steps=40)
+    swarm.start_bootstrap()
+    first = [swarm.start_peer(f"p{i}", "late", config) for i in range(3)]
+    swarm.wait_for(lambda: all(p.digests().get(1) for p in first), 120, "round 1 on the first three peers")
+    joiner = swarm.start_peer("joiner", "late", None)  # no --run-config: reads the published one
+    for peer in first + [joiner]:
+        assert swarm.wait_exit(peer, 180) == 0, swarm.tails()
+    downloads = joiner.of("state_download")
+    assert downloads, swarm.tails()
+    for round_ in (2, 3):
+        digests = {p.digests().get(round_) for p in first + [joiner]}
+        assert len(digests) == 1 and None not in digests, f"round {round_}: {digests}"
+    # by round 3 the joiner trains and averages as a full member
+    assert joiner.of("outer_round") and joiner.of("outer_round")[-1]["group_size"] == 4, swarm.tails()
+
+
+def test_sigterm_checkpoints_and_restart_resumes(swarm, tmp_path):
+    config = _config(tmp_path, "solo.toml", max_outer_rounds=3)
+    peer = swarm.start_peer("solo", "solo", config)
+    swarm.wait_for(lambda: peer.digests().get(1) is not None, 120, "round 1")
+    digest_1 = peer.digests()[1]
+    peer.proc.send_signal(signal.SIGTERM)
+    assert swarm.wait_exit(peer, 60) == 0
+    assert peer.of("leave"), "no leave event after SIGTERM"
+    last_round = peer.of("leave")[-1]["outer_round"]
+    again = swarm.start_peer("solo", "solo", config)
+    assert swarm.wait_exit(again, 120) == 0, swarm.tails()
+    resumed = again.of("resume")
+    assert resumed and resumed[0]["outer_round"] == last_round
+    if last_round == 1:
+        assert resumed[0]["digest"] == digest_1
+    assert again.digests().get(3), "did not reach round 3 after resuming"
