@@ -58,6 +58,14 @@ def _node_flags(p: argparse.ArgumentParser, listen_default: Optional[str] = None
     p.add_argument("--log-level", metavar="LEVEL", help="DEBUG, INFO, WARNING... (default: $PEERD_LOGLEVEL or INFO)")
 
 
+def _worker_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("worker")
+    g.add_argument("--device", choices=("auto", "cpu", "cuda"), help="where to train (default auto)")
+    g.add_argument("--threads", type=int, metavar="N", help="CPU threads for torch (default: torch's choice)")
+    g.add_argument("--checkpoint-dir", metavar="DIR", help="checkpoint folder (default ~/.peerd/checkpoints)")
+    g.add_argument("--data", metavar="PATH|GLOB", help="train on this local UTF-8 text instead of the run's corpus")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="peerd",
@@ -78,10 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-config", metavar="FILE",
                    help="run config TOML (node_configs/runs/*.toml); required to start a new run, checked against "
                    "the published one otherwise")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), help="where to train (default auto)")
-    p.add_argument("--threads", type=int, metavar="N", help="CPU threads for torch (default: torch's choice)")
-    p.add_argument("--checkpoint-dir", metavar="DIR", help="checkpoint folder (default ~/.peerd/checkpoints)")
-    p.add_argument("--data", metavar="PATH|GLOB", help="train on this local UTF-8 text instead of the run's corpus")
+    _worker_flags(p)
     _node_flags(p)
 
     p = sub.add_parser("bootstrap", help="run a DHT-only node that other peers use as --initial-peers",
@@ -100,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     csub.required = True
     c = csub.add_parser("show", help="print the effective node config (and a run config if given)")
     c.add_argument("--run-config", metavar="FILE", help="also validate and print this run config")
+    _worker_flags(c)
     _node_flags(c)
     return parser
 

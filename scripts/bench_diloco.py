@@ -88,6 +88,8 @@ class RunResult:
     curve: list[tuple[int, float]] = field(default_factory=list)
     """(training tokens of all peers together, eval nats/byte)."""
     bytes_per_peer: float | None = None
+    bytes_received_per_peer: float | None = None
+    """DiLoCo only: mean of the daemons' ``bytes_received``; in a closed group it must equal the sent mean."""
     wall_s: float | None = None
     ok: bool = False
     notes: list[str] = field(default_factory=list)
@@ -175,6 +177,7 @@ def run_local(s: Settings, data_parallel: bool, workdir: str) -> RunResult:
             out = json.load(f)
         result.curve = [(int(t), float(v)) for t, v in out["curve"]]
         params = out["params"]
+        result.notes.append(f"training loop {out['train_s']:.0f} s of the wall time (the rest: process start-up)")
         if data_parallel:
             # Analytic: a ring all-reduce sends 2(N-1)/N of the fp32 gradient per peer per step.
             result.bytes_per_peer = 2 * (world - 1) / world * 4 * params * s.steps
@@ -330,7 +333,7 @@ def run_diloco(s: Settings, h: int, args: argparse.Namespace, workdir: str) -> R
                 [peerd, "join", "--run-id", f"bench-diloco-h{h}-{os.getpid()}", "--run-config", config_path,
                  "--initial-peers", initial_peer, "--identity", os.path.join(rundir, f"peer{i}.key"),
                  "--checkpoint-dir", os.path.join(rundir, f"ckpt{i}"), "--host-maddrs", LOOPBACK_MADDR,
-                 "--log-format", "json"],
+                 "--threads", "1", "--log-format", "json"],
                 stdout=open(os.path.join(rundir, f"peer{i}.out"), "w"), stderr=subprocess.PIPE, text=True, env=env)
             _pump(p.stderr, os.path.join(rundir, f"peer{i}.err"), lambda line, i=i: on_peer_line(i, line))
             peers.append(p)
@@ -384,6 +387,12 @@ def _summarize_diloco(result: RunResult, events: list[list[dict]], s: Settings, 
     per_peer_bytes = [sum(int(e.get("bytes_sent") or 0) for e in evs if e.get("event") == "outer_round")
                       for evs in events]
     result.bytes_per_peer = sum(per_peer_bytes) / len(per_peer_bytes)
+    per_peer_received = [sum(int(e.get("bytes_received") or 0) for e in evs if e.get("event") == "outer_round")
+                         for evs in events]
+    result.bytes_received_per_peer = sum(per_peer_received) / len(per_peer_received)
+    if abs(sum(per_peer_bytes) - sum(per_peer_received)) > 0.01 * max(sum(per_peer_received), 1):
+        notes.append(f"logged bytes_sent total {_fmt_bytes(sum(per_peer_bytes))} but bytes_received total "
+                     f"{_fmt_bytes(sum(per_peer_received))} over all peers; within one group these must match")
     if per_peer_bytes and max(per_peer_bytes) > 1.2 * min(per_peer_bytes):
         notes.append(f"bytes_sent per peer uneven: {per_peer_bytes}")
     expected_tokens = h * s.batch_size * s.seq_len
@@ -512,9 +521,15 @@ def _reading(results: list[RunResult], base: RunResult | None, dp: RunResult | N
             reduction = dp.bytes_per_peer / r.bytes_per_peer
             expected = 2 * r.h  # every H steps instead of every step, fp16 instead of fp32
             agree = "agrees with" if 0.7 * expected <= reduction <= 1.3 * expected else "departs from"
-            text += (f" and sends {reduction:.0f}x fewer bytes per peer than data parallel, which {agree} the "
-                     f"~2H = {expected}x expected from one fp16 all-reduce every H steps instead of an fp32 one "
-                     f"every step")
+            text += (f" and sends {reduction:.0f}x fewer bytes per peer than data parallel by its logged "
+                     f"`bytes_sent`, which {agree} the ~2H = {expected}x expected from one fp16 all-reduce every H "
+                     f"steps instead of an fp32 one every step")
+            rec = r.bytes_received_per_peer
+            if rec and abs(rec - r.bytes_per_peer) > 0.05 * rec:
+                text += (f"; but the peers' logged `bytes_received` average {_fmt_bytes(rec)} per peer against "
+                         f"{_fmt_bytes(r.bytes_per_peer)} sent, and in a closed group the totals must match, so "
+                         f"`bytes_sent` under-counts: by received bytes the reduction is "
+                         f"{dp.bytes_per_peer / rec:.0f}x")
         parts.append(text + ".")
     if dp and dp.final is not None:
         parts.append(f"Data parallel ends {dp.final / base.final - 1:+.1%} from the baseline, as it should be near 0 "

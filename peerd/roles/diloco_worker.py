@@ -212,7 +212,8 @@ class DiLoCoWorker:
                 return
             result = await self._bounded_on_stop(self.allreduce.run(group, pseudo_gradient, weight))
         except AdmissionRefused as e:
-            logger.warning("round %d: %s; downloading the leader's state", r + 1, e.reason)
+            logger.warning("round %d: %s; adopting the leader's state after its round", r + 1, e.reason)
+            await self._wait_for_round(e.leader, r + 1)
             await self._download_from([e.leader])
             return
         except (MatchmakingFailed, AllReduceFailed, asyncio.TimeoutError) as e:
@@ -311,6 +312,18 @@ class DiLoCoWorker:
             self.round_quota = max(1, self.hp.inner_steps - max(in_round, default=0))
         return adopted
 
+    async def _wait_for_round(self, peer: str, outer_round: int) -> None:
+        """Wait (bounded by the round's timeouts) until ``peer``'s status shows ``outer_round``: the leader that
+        refused us is finishing that round right now, and its state after the round is the one worth adopting."""
+        loop = asyncio.get_running_loop()
+        averaging = self.run.averaging
+        deadline = loop.time() + averaging.matchmaking_timeout_s + averaging.reducer_timeout_s
+        while loop.time() < deadline and not self.stop.is_set():
+            status = (await self._live_peers()).get(peer)
+            if status is None or status["outer_round"] >= outer_round:
+                return
+            await asyncio.sleep(min(1.0, self.node.status_interval_s))
+
     async def _download_from(self, peers: list[str]) -> bool:
         expected = {"theta": (torch.float32, self.outer.numel), "momentum": (torch.float32, self.outer.numel)}
         max_bytes = 2 * 4 * self.outer.numel
@@ -333,6 +346,7 @@ class DiLoCoWorker:
             self.steps_since_sync, self.samples_since_sync = 0, 0
             self.round_quota = self.hp.inner_steps
             self._refresh_snapshot()
+            await self._publish_status()
             logger.info(
                 "downloaded outer round %d state (%.1f MB) from %s in %.2f s%s",
                 outer.outer_round, len(snapshot.payload) / 1e6, peer, time.perf_counter() - started,

@@ -1,0 +1,105 @@
+"""The command line: help, usage errors, run-config conflicts, status of a live run."""
+
+import json
+import signal
+import subprocess
+
+import pytest
+
+from tests.integration.swarm import LOCAL, TINY, Swarm, peerd_cmd
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _peerd(*args, timeout=90):
+    return subprocess.run(peerd_cmd(*args), capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("command", [[], ["join"], ["bootstrap"], ["status"], ["config", "show"]])
+def test_help_exits_zero_and_describes_the_command(command):
+    result = _peerd(*command, "--help")
+    assert result.returncode == 0, result.stderr
+    assert "usage: peerd" in result.stdout and "--help" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["join"], "--run-id"),
+        (["join", "--run-id", "x", "--no-such-flag"], "--no-such-flag"),
+        (["join", "--run-id", "bad id!"], "invalid run id"),
+        (["join", "--run-id", "x", "--device", "tpu"], "--device"),
+        (["frobnicate"], "frobnicate"),
+    ],
+)
+def test_usage_errors_exit_2_with_one_clear_line(args, needle):
+    result = _peerd(*args)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], result.stderr
+
+
+def test_bad_config_file_exits_2_naming_the_key(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[node]\ndevise = 'cpu'\n")
+    result = _peerd("config", "show", "--config", str(bad))
+    assert result.returncode == 2
+    assert "devise" in result.stderr and str(bad) in result.stderr
+
+
+def test_config_show_prints_the_effective_config():
+    result = _peerd("config", "show", "--config", str(LOCAL), "--run-config", str(TINY), "--threads", "2")
+    assert result.returncode == 0, result.stderr
+    shown = json.loads(result.stdout)
+    assert shown["node"]["threads"] == 2  # the flag beats the file's 1
+    assert shown["node"]["host_maddrs"] == ["/ip4/127.0.0.1/tcp/0"]
+    assert shown["run"]["model"] == "tiny"
+
+
+@pytest.mark.slow
+def test_status_conflicting_config_and_missing_config(tmp_path):
+    swarm = Swarm(tmp_path)
+    try:
+        maddr = swarm.start_bootstrap()
+        endless = tmp_path / "endless.toml"
+        endless.write_text(TINY.read_text().replace("max_outer_rounds = 2", "max_outer_rounds = 0"))
+        peer = swarm.start_peer("p0", "cli-run", endless)
+        swarm.wait_for(lambda: bool(peer.of("eval")), 90, "the peer to start training")
+
+        status = _peerd("status", "--run-id", "cli-run", "--initial-peers", maddr, "--json")
+        assert status.returncode == 0, status.stderr
+        peers = json.loads(status.stdout)["peers"]
+        assert len(peers) == 1 and next(iter(peers.values()))["role"] == "diloco"
+        table = _peerd("status", "--run-id", "cli-run", "--initial-peers", maddr)
+        assert table.returncode == 0 and "1 live peer" in table.stdout and "diloco" in table.stdout
+
+        conflicting = tmp_path / "other.toml"
+        conflicting.write_text(endless.read_text().replace('model = "tiny"', 'model = "small"'))
+        refused = _peerd("join", "--run-id", "cli-run", "--run-config", str(conflicting), "--config", str(LOCAL),
+                         "--initial-peers", maddr, "--identity", str(tmp_path / "x.key"),
+                         "--checkpoint-dir", str(tmp_path / "x"))
+        assert refused.returncode == 1
+        assert "disagrees" in refused.stderr and "model" in refused.stderr
+
+        missing = _peerd("join", "--run-id", "no-such-run", "--config", str(LOCAL), "--initial-peers", maddr,
+                         "--identity", str(tmp_path / "y.key"), "--checkpoint-dir", str(tmp_path / "y"))
+        assert missing.returncode == 1
+        assert "no configuration published" in missing.stderr and "--run-config" in missing.stderr
+
+        peer.proc.send_signal(signal.SIGINT)
+        assert swarm.wait_exit(peer, 60) == 0
+        assert peer.of("leave")
+    finally:
+        swarm.close()
+
+
+def test_bootstrap_keeps_its_peer_id_across_restarts(tmp_path):
+    ids = []
+    for _ in range(2):
+        swarm = Swarm(tmp_path)
+        try:
+            ids.append(swarm.start_bootstrap().rsplit("/p2p/", 1)[1])
+        finally:
+            swarm.close()
+    assert ids[0] == ids[1] and ids[0].startswith("12D3KooW")
+    assert oct((tmp_path / "bootstrap.key").stat().st_mode & 0o777) == "0o600"

@@ -1,0 +1,384 @@
+"""Run and node configuration: presets, schema errors, precedence, env parsing, fingerprints, cross-field checks."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from peerd.config import (
+    AveragingConfig,
+    ConfigError,
+    NodeConfig,
+    RunConfig,
+    load_node_config,
+    load_run_config,
+)
+from protocols.diloco import DiLoCoHyperparams
+
+pytestmark = pytest.mark.timeout(60)
+
+REPO = Path(__file__).resolve().parents[2]
+RUN_PRESETS = sorted((REPO / "node_configs" / "runs").glob("*.toml"))
+MACHINE_PRESETS = sorted((REPO / "node_configs" / "machines").glob("*.toml"))
+
+
+def write(tmp_path: Path, text: str, name: str = "config.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+# ------------------------------------------------------------------------------------------------------------ defaults
+
+
+def test_defaults_are_valid():
+    run = RunConfig()
+    assert run.model == "small" and run.averaging == AveragingConfig() and run.diloco == DiLoCoHyperparams()
+    assert run.averaging.reducer_timeout_s > run.averaging.sender_timeout_s
+    node = NodeConfig()
+    assert node.status_ttl_s > node.status_interval_s
+    assert load_node_config(None, environ={}) == node
+    # the averaging config builds the protocol configs it stands for
+    assert run.averaging.matchmaking().request_timeout_s == run.averaging.request_timeout_s
+    assert run.averaging.allreduce().compression == run.averaging.compression
+
+
+def test_presets_exist():
+    assert len(RUN_PRESETS) >= 3 and len(MACHINE_PRESETS) >= 3
+
+
+@pytest.mark.parametrize("path", RUN_PRESETS, ids=lambda p: p.name)
+def test_every_run_preset_loads(path):
+    run = load_run_config(path)
+    assert isinstance(run, RunConfig)
+    # presets set values that differ from the defaults somewhere, and they survive the DHT round trip
+    assert run != RunConfig()
+    assert RunConfig.from_dict(run.to_dict()) == run
+    assert RunConfig.from_dict(run.to_dict()).fingerprint() == run.fingerprint()
+
+
+@pytest.mark.parametrize("path", MACHINE_PRESETS, ids=lambda p: p.name)
+def test_every_machine_preset_loads(path):
+    node = load_node_config(str(path), environ={})
+    assert isinstance(node, NodeConfig)
+    assert node != NodeConfig()
+
+
+def test_tiny_test_preset_values(tmp_path):
+    run = load_run_config(REPO / "node_configs" / "runs" / "tiny-test.toml")
+    assert (run.model, run.seq_len, run.max_outer_rounds) == ("tiny", 64, 2)
+    assert run.diloco.inner_steps == 10
+    # TOML integers given for float fields become floats
+    assert run.averaging.sender_timeout_s == 10.0 and isinstance(run.averaging.sender_timeout_s, float)
+
+
+# ------------------------------------------------------------------------------------------------------ schema errors
+
+
+@pytest.mark.parametrize(
+    "text, key",
+    [
+        ('modle = "tiny"\n', "modle"),
+        ('[averaging]\ncompresion = "fp16"\n', "compresion"),
+        ("[diloco]\ninner_step = 3\n", "inner_step"),
+        ("[extra]\nx = 1\n", "extra"),
+    ],
+)
+def test_unknown_run_key_names_key_and_file(tmp_path, text, key):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_run_config(path)
+    assert key in str(info.value) and str(path) in str(info.value)
+
+
+@pytest.mark.parametrize("text", ['treads = 2\n', '[node]\ntreads = 2\n'])
+def test_unknown_node_key_names_key_and_file(tmp_path, text):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_node_config(str(path), environ={})
+    assert "treads" in str(info.value) and str(path) in str(info.value)
+
+
+def test_top_level_keys_beside_a_node_table_are_not_silently_dropped(tmp_path):
+    """A key written above the ``[node]`` header is neither used nor reported today: it must be refused."""
+    path = write(tmp_path, 'threads = 3\n[node]\ndevice = "cpu"\n')
+    with pytest.raises(ConfigError) as info:
+        load_node_config(str(path), environ={})
+    assert "threads" in str(info.value) and str(path) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "text, key",
+    [
+        ('seq_len = "64"\n', "seq_len"),
+        ("seq_len = 64.5\n", "seq_len"),
+        ("seq_len = true\n", "seq_len"),
+        ("model = 1\n", "model"),
+        ('[averaging]\nsender_timeout_s = "10"\n', "sender_timeout_s"),
+        ("[averaging]\nmin_group_size = false\n", "min_group_size"),
+        ('[diloco]\ninner_lr = "fast"\n', "inner_lr"),
+    ],
+)
+def test_wrong_run_type_names_key_and_file(tmp_path, text, key):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_run_config(path)
+    assert key in str(info.value) and str(path) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "text, key",
+    [
+        ('[node]\nthreads = "2"\n', "threads"),
+        ("[node]\nthreads = true\n", "threads"),
+        ("[node]\ndevice = 0\n", "device"),
+        ('[node]\nnat_port_map = "yes"\n', "nat_port_map"),
+        ("[node]\ninitial_peers = [1, 2]\n", "initial_peers"),
+        ("[node]\ndata = 5\n", "data"),
+        ('[node]\nstatus_ttl_s = "30"\n', "status_ttl_s"),
+    ],
+)
+def test_wrong_node_type_names_key_and_file(tmp_path, text, key):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_node_config(str(path), environ={})
+    assert key in str(info.value) and str(path) in str(info.value)
+
+
+@pytest.mark.parametrize("text, key", [("averaging = 5\n", "averaging"), ('diloco = "x"\n', "diloco")])
+def test_a_section_that_is_not_a_table_is_a_config_error(tmp_path, text, key):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_run_config(path)
+    assert key in str(info.value) and str(path) in str(info.value)
+
+
+def test_a_node_section_that_is_not_a_table_is_a_config_error(tmp_path):
+    path = write(tmp_path, "node = 5\n")
+    with pytest.raises(ConfigError) as info:
+        load_node_config(str(path), environ={})
+    assert str(path) in str(info.value)
+
+
+def test_missing_and_invalid_files(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_run_config(tmp_path / "nope.toml")
+    with pytest.raises(ConfigError, match="not found"):
+        load_node_config(str(tmp_path / "nope.toml"), environ={})
+    bad = write(tmp_path, "model = \n")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_run_config(bad)
+
+
+def test_out_of_range_values_name_the_file(tmp_path):
+    path = write(tmp_path, 'model = "huge"\n')
+    with pytest.raises(ConfigError) as info:
+        load_run_config(path)
+    assert "model" in str(info.value) and str(path) in str(info.value)
+    with pytest.raises(ConfigError, match="device"):
+        load_node_config(str(write(tmp_path, '[node]\ndevice = "tpu"\n', "n.toml")), environ={})
+
+
+def test_string_given_for_a_list_becomes_a_one_element_tuple(tmp_path):
+    path = write(tmp_path, '[node]\ninitial_peers = "/ip4/127.0.0.1/tcp/1/p2p/x"\n')
+    assert load_node_config(str(path), environ={}).initial_peers == ("/ip4/127.0.0.1/tcp/1/p2p/x",)
+
+
+# ---------------------------------------------------------------------------------------------------------- precedence
+
+
+def test_precedence_defaults_file_env_overrides(tmp_path):
+    path = str(write(tmp_path, '[node]\nthreads = 2\ndevice = "cpu"\nlog_every_steps = 7\n'))
+    assert NodeConfig().threads == 0
+    from_file = load_node_config(path, environ={})
+    assert (from_file.threads, from_file.device, from_file.log_every_steps) == (2, "cpu", 7)
+    from_env = load_node_config(path, environ={"PEERD_THREADS": "3"})
+    assert (from_env.threads, from_env.device, from_env.log_every_steps) == (3, "cpu", 7)
+    from_flags = load_node_config(path, environ={"PEERD_THREADS": "3"}, overrides={"threads": 4, "device": None})
+    # a None override means "flag not given": the lower layers stand
+    assert (from_flags.threads, from_flags.device, from_flags.log_every_steps) == (4, "cpu", 7)
+    # env alone (no file) beats the defaults
+    assert load_node_config(None, environ={"PEERD_DEVICE": "cuda:1"}).device == "cuda:1"
+
+
+def test_environ_defaults_to_os_environ_and_ignores_other_variables(monkeypatch):
+    monkeypatch.setenv("PEERD_THREADS", "5")
+    monkeypatch.setenv("PEERD_NOT_A_FIELD", "whatever")
+    monkeypatch.setenv("THREADS", "9")
+    assert load_node_config().threads == 5
+
+
+def test_unknown_override_is_a_config_error():
+    with pytest.raises(ConfigError, match="bogus"):
+        load_node_config(None, environ={}, overrides={"bogus": 1})
+
+
+# -------------------------------------------------------------------------------------------------------- env parsing
+
+
+def test_env_parsing_of_lists_bools_ints_floats_and_strings():
+    env = {
+        "PEERD_INITIAL_PEERS": "/ip4/1.2.3.4/tcp/1/p2p/A, /ip4/5.6.7.8/tcp/2/p2p/B  /dns/x/tcp/3/p2p/C",
+        "PEERD_HOST_MADDRS": "/ip4/127.0.0.1/tcp/0",
+        "PEERD_ANNOUNCE_MADDRS": "",
+        "PEERD_NAT_PORT_MAP": "yes",
+        "PEERD_THREADS": "8",
+        "PEERD_STATUS_INTERVAL_S": "2.5",
+        "PEERD_STATUS_TTL_S": "10",
+        "PEERD_DATA": "/data/*.txt",
+        "PEERD_IDENTITY": "/keys/id.key",
+    }
+    node = load_node_config(None, environ=env)
+    assert node.initial_peers == ("/ip4/1.2.3.4/tcp/1/p2p/A", "/ip4/5.6.7.8/tcp/2/p2p/B", "/dns/x/tcp/3/p2p/C")
+    assert node.host_maddrs == ("/ip4/127.0.0.1/tcp/0",)
+    assert node.announce_maddrs == ()
+    assert node.nat_port_map is True
+    assert node.threads == 8 and isinstance(node.threads, int)
+    assert node.status_interval_s == 2.5 and node.status_ttl_s == 10.0 and isinstance(node.status_ttl_s, float)
+    assert node.data == "/data/*.txt" and node.identity == "/keys/id.key"
+
+
+@pytest.mark.parametrize("raw, expected", [("1", True), ("true", True), ("TRUE", True), ("Yes", True),
+                                           ("0", False), ("false", False), ("no", False), ("NO", False)])
+def test_env_bools(raw, expected):
+    assert load_node_config(None, environ={"PEERD_NAT_PORT_MAP": raw}).nat_port_map is expected
+
+
+@pytest.mark.parametrize(
+    "var, raw",
+    [
+        ("PEERD_THREADS", "two"),
+        ("PEERD_THREADS", "1.5"),
+        ("PEERD_THREADS", ""),
+        ("PEERD_NAT_PORT_MAP", "maybe"),
+        ("PEERD_NAT_PORT_MAP", ""),
+        ("PEERD_STATUS_TTL_S", "soon"),
+        ("PEERD_LOG_EVERY_STEPS", "1e3"),
+    ],
+)
+def test_bad_env_value_names_the_variable(var, raw):
+    with pytest.raises(ConfigError) as info:
+        load_node_config(None, environ={var: raw})
+    assert var in str(info.value)
+
+
+def test_env_value_out_of_range_is_a_config_error():
+    with pytest.raises(ConfigError, match="threads"):
+        load_node_config(None, environ={"PEERD_THREADS": "-1"})
+
+
+# --------------------------------------------------------------------------------------- serialization, fingerprint
+
+
+def test_run_config_dict_round_trip():
+    run = RunConfig(
+        model="tiny", seq_len=32, batch_size=4, dataset="local", seed=3, max_outer_rounds=5, eval_batches=0,
+        diloco=DiLoCoHyperparams(inner_steps=7, inner_lr=1e-3, inner_betas=(0.8, 0.9), outer_nesterov=False),
+        averaging=AveragingConfig(compression="int8", min_group_size=2, matchmaking_timeout_s=9.0,
+                                  request_timeout_s=2.0, sender_timeout_s=4.0, reducer_timeout_s=8.0),
+    )
+    data = run.to_dict()
+    assert data["diloco"]["inner_betas"] == [0.8, 0.9]
+    assert data["averaging"]["compression"] == "int8"
+    back = RunConfig.from_dict(data)
+    assert back == run
+    assert back.fingerprint() == run.fingerprint()
+    # to_dict is plain data: it survives msgpack-like JSON-ish handling untouched
+    assert RunConfig.from_dict(back.to_dict()).to_dict() == data
+
+
+def test_fingerprint_is_deterministic_short_hex():
+    a, b = RunConfig(), RunConfig()
+    assert a.fingerprint() == b.fingerprint()
+    assert len(a.fingerprint()) == 16 and int(a.fingerprint(), 16) >= 0
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"seq_len": 128},
+        {"seed": 1},
+        {"model": "tiny"},
+        {"diloco": DiLoCoHyperparams(inner_lr=1e-3)},
+        {"diloco": DiLoCoHyperparams(outer_nesterov=False)},
+        {"averaging": AveragingConfig(compression="int8")},
+        {"averaging": AveragingConfig(min_group_size=2)},
+    ],
+    ids=lambda c: next(iter(c)),
+)
+def test_any_change_changes_the_fingerprint(change):
+    base = RunConfig()
+    changed = dataclasses.replace(base, **change)
+    assert changed != base
+    assert changed.fingerprint() != base.fingerprint()
+
+
+def test_equal_configs_have_equal_fingerprints_whatever_the_number_types():
+    """Integers given for float fields: the config compares equal to its DHT round trip, so must its fingerprint.
+
+    DiLoCoHyperparams converts ints to floats at construction; AveragingConfig does not, so the fingerprint of a
+    directly built config differs from the one a peer computes after reading it back from the DHT.
+    """
+    direct = RunConfig(averaging=AveragingConfig(sender_timeout_s=10, reducer_timeout_s=20),
+                       diloco=DiLoCoHyperparams(outer_lr=1))
+    published = RunConfig.from_dict(direct.to_dict())
+    assert published == direct
+    assert published.fingerprint() == direct.fingerprint()
+
+
+# -------------------------------------------------------------------------------------------- cross-field validation
+
+
+@pytest.mark.parametrize("sender, reducer", [(30.0, 30.0), (30.0, 10.0)])
+def test_reducer_timeout_must_exceed_sender_timeout(sender, reducer):
+    with pytest.raises(ConfigError, match="reducer_timeout_s"):
+        AveragingConfig(sender_timeout_s=sender, reducer_timeout_s=reducer)
+    with pytest.raises(ConfigError, match="reducer_timeout_s"):
+        RunConfig.from_dict({"averaging": {"sender_timeout_s": sender, "reducer_timeout_s": reducer}})
+    AveragingConfig(sender_timeout_s=sender, reducer_timeout_s=sender + 0.5)
+
+
+@pytest.mark.parametrize("request_s, matchmaking_s", [(5.0, 5.0), (10.0, 5.0)])
+def test_request_timeout_must_be_below_matchmaking_timeout(request_s, matchmaking_s):
+    with pytest.raises(ConfigError, match="request_timeout_s"):
+        AveragingConfig(request_timeout_s=request_s, matchmaking_timeout_s=matchmaking_s)
+    AveragingConfig(request_timeout_s=matchmaking_s - 0.5, matchmaking_timeout_s=matchmaking_s)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"method": "gossip"}, {"compression": "zstd"}, {"min_group_size": 0}, {"sender_timeout_s": 0.0},
+     {"matchmaking_timeout_s": -1.0}],
+)
+def test_other_invalid_averaging_values(kwargs):
+    with pytest.raises(ConfigError):
+        AveragingConfig(**kwargs)
+
+
+def test_run_config_errors_name_the_source(tmp_path):
+    path = write(tmp_path, "[averaging]\nsender_timeout_s = 30\nreducer_timeout_s = 30\n")
+    with pytest.raises(ConfigError) as info:
+        load_run_config(path)
+    assert str(path) in str(info.value) and "reducer_timeout_s" in str(info.value)
+
+
+@pytest.mark.parametrize("interval, ttl", [(5.0, 5.0), (5.0, 1.0), (0.0, 10.0), (-1.0, 10.0)])
+def test_status_ttl_must_exceed_status_interval(interval, ttl):
+    with pytest.raises(ConfigError, match="status_ttl_s"):
+        NodeConfig(status_interval_s=interval, status_ttl_s=ttl)
+    with pytest.raises(ConfigError, match="status_ttl_s"):
+        load_node_config(None, environ={"PEERD_STATUS_INTERVAL_S": str(interval), "PEERD_STATUS_TTL_S": str(ttl)})
+
+
+@pytest.mark.parametrize("kwargs", [{"device": "gpu"}, {"threads": -1}, {"log_every_steps": 0}])
+def test_other_invalid_node_values(kwargs):
+    with pytest.raises(ConfigError):
+        NodeConfig(**kwargs)
+
+
+def test_node_paths_expand_the_home_folder(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    node = NodeConfig(identity="~/id.key", checkpoint_dir="~/ckpt")
+    assert node.identity_path == tmp_path / "id.key"
+    assert node.checkpoint_path == tmp_path / "ckpt"
+    assert NodeConfig(device="cuda:3").device == "cuda:3"

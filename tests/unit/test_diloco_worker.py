@@ -1,0 +1,111 @@
+"""The DiLoCo worker's round logic on the in-process transport: failed rounds roll back, then recover."""
+
+import asyncio
+
+import pytest
+import torch
+
+from peerd.config import AveragingConfig, NodeConfig, RunConfig
+from peerd.roles.diloco_worker import DiLoCoWorker
+from peerd.transport.inprocess import Hub
+from protocols.allreduce import AllReduceFailed
+from protocols.diloco import DiLoCoHyperparams, OuterState, flatten_parameters
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _run(min_group_size: int) -> RunConfig:
+    return RunConfig(
+        model="tiny", seq_len=32, batch_size=4, eval_batches=0,
+        diloco=DiLoCoHyperparams(inner_steps=3, warmup_steps=2, inner_lr=1e-3),
+        averaging=AveragingConfig(compression="none", min_group_size=min_group_size, matchmaking_timeout_s=1.5,
+                                  request_timeout_s=0.5, sender_timeout_s=1.0, reducer_timeout_s=2.0),
+    )
+
+
+def _worker(hub, name, run, tmp_path) -> DiLoCoWorker:
+    node = NodeConfig(checkpoint_dir=str(tmp_path / name), threads=1)
+    return DiLoCoWorker("unit", run, node, hub.transport(name), asyncio.Event())
+
+
+async def _start(worker):
+    for component in (worker.matchmaker, worker.allreduce, worker.state_server):
+        await component.start()
+    worker._refresh_snapshot()
+    await worker._publish_status()
+
+
+def test_round_without_enough_peers_keeps_theta_outer_and_local_progress(tmp_path):
+    async def main():
+        worker = _worker(Hub(), "alone", _run(min_group_size=2), tmp_path)
+        await _start(worker)
+        before = worker.outer.digest()
+        await worker._train_until_quota()
+        local = flatten_parameters(worker.model)
+        await worker._outer_round()
+        assert worker.stats.rounds_failed == 1
+        assert worker.outer.digest() == before  # bit-identical rollback
+        assert torch.equal(flatten_parameters(worker.model), local)  # local steps kept
+        assert worker.steps_since_sync == 3 and worker.round_quota == 6  # next pseudo-gradient covers both
+        await worker._train_until_quota()
+        assert worker.steps_since_sync == 6 and worker.samples_since_sync == 24
+
+    asyncio.run(main())
+
+
+def test_injected_allreduce_failure_rolls_back_everyone_then_the_next_round_succeeds(tmp_path):
+    async def main():
+        hub = Hub()
+        a, b = (_worker(hub, name, _run(min_group_size=2), tmp_path) for name in ("peer-a", "peer-b"))
+        for w in (a, b):
+            await _start(w)
+        fired = []
+        real_run = b.allreduce.run
+
+        async def failing_run(group, tensor, weight):
+            if not fired:
+                fired.append(group.group_id)
+                raise AllReduceFailed("injected")
+            return await real_run(group, tensor, weight)
+
+        b.allreduce.run = failing_run
+        start = a.outer.digest()
+        assert start == b.outer.digest()
+        for w in (a, b):
+            await w._train_until_quota()
+        await asyncio.gather(a._outer_round(), b._outer_round())
+        assert len(fired) == 1
+        assert a.stats.rounds_failed == b.stats.rounds_failed == 1
+        assert a.outer.digest() == b.outer.digest() == start
+        for w in (a, b):
+            await w._train_until_quota()
+        await asyncio.gather(a._outer_round(), b._outer_round())
+        assert a.outer.outer_round == b.outer.outer_round == 1
+        assert a.outer.digest() == b.outer.digest() != start
+        # the successful round averaged all six local steps of each peer
+        assert a.steps_since_sync == b.steps_since_sync == 0
+
+    asyncio.run(main())
+
+
+def test_refused_peer_downloads_the_leaders_state(tmp_path):
+    async def main():
+        hub = Hub()
+        a, b = (_worker(hub, name, _run(min_group_size=1), tmp_path) for name in ("peer-a", "peer-b"))
+        for w in (a, b):
+            await _start(w)
+        # b diverged (e.g. it averaged in another group): same round, different theta_outer
+        b.outer = OuterState(b.outer.theta + 1.0, b.outer.momentum.clone(), 0)
+        b._refresh_snapshot()
+        for _ in range(4):
+            for w in (a, b):
+                await w._train_until_quota()
+            await asyncio.gather(a._outer_round(), b._outer_round())
+            if a.outer.outer_round == b.outer.outer_round and a.outer.digest() == b.outer.digest():
+                break
+        # the refused peer adopted the leader's state, then they average together again
+        assert a.outer.outer_round == b.outer.outer_round >= 1
+        assert a.outer.digest() == b.outer.digest()
+        assert not torch.equal(a.outer.theta, OuterState.initial(a.outer.theta).theta + 1.0)
+
+    asyncio.run(main())
