@@ -48,11 +48,15 @@ def save_checkpoint(path: str | os.PathLike, checkpoint: Checkpoint) -> int:
     tensors = {name: t.detach().cpu().contiguous() for name, t in checkpoint.tensors.items()}
     blob = st_save(tensors, metadata={"peerd": json.dumps(checkpoint.metadata, sort_keys=True)})
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(blob)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(blob)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)

@@ -60,6 +60,11 @@ class AveragingConfig:
     """A member waits this long for every reducer's answer."""
 
     def __post_init__(self) -> None:
+        for name in ("matchmaking_timeout_s", "request_timeout_s", "sender_timeout_s", "reducer_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"averaging.{name} must be a number of seconds, got {value!r}")
+            object.__setattr__(self, name, float(value))  # equal configs must print (and hash) alike
         if self.method not in AVERAGING_METHODS:
             raise ConfigError(f"averaging.method must be one of {AVERAGING_METHODS}, got {self.method!r}")
         if self.compression not in CODECS:
@@ -205,7 +210,11 @@ def load_node_config(
     values: dict[str, Any] = {}
     if config_file:
         data = _read_toml(config_file)
-        data = data.get("node", data)
+        if "node" in data:
+            stray = sorted(set(data) - {"node"})
+            if stray:
+                raise ConfigError(f"{config_file}: keys outside the [node] table: {', '.join(stray)}")
+            data = data["node"]
         values.update(_check_keys(NodeConfig, data, config_file))
     known = {f.name: f for f in fields(NodeConfig)}
     for name, f in known.items():
@@ -247,7 +256,9 @@ def _read_toml(path: str | os.PathLike) -> dict[str, Any]:
         raise ConfigError(f"{path}: invalid TOML: {e}") from None
 
 
-def _check_keys(cls: type, data: Mapping[str, Any], source: str) -> dict[str, Any]:
+def _check_keys(cls: type, data: Any, source: str) -> dict[str, Any]:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{source}: expected a table of keys, got {type(data).__name__} {data!r}")
     names = {f.name for f in fields(cls)}
     for key in data:
         if key not in names:

@@ -13,6 +13,9 @@ import sys
 import time
 from typing import Any
 
+# hivemind renames WARNING to WARN process-wide; log shippers expect the standard names
+_LEVELS = {logging.DEBUG: "DEBUG", logging.INFO: "INFO", logging.WARNING: "WARNING", logging.ERROR: "ERROR",
+           logging.CRITICAL: "CRITICAL"}
 _STANDARD_ATTRS = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}
 
 
@@ -22,7 +25,7 @@ class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
             "time": round(record.created, 3),
-            "level": record.levelname,
+            "level": _LEVELS.get(record.levelno, record.levelname),
             "logger": record.name,
             "message": record.getMessage(),
         }

@@ -148,6 +148,8 @@ class _ReduceSession:
     excluded: dict[str, str] = field(default_factory=dict)
     bytes_sent: int = 0
     bytes_received: int = 0
+    answers: int = 0
+    answered: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class ButterflyAllReduce:
@@ -221,7 +223,7 @@ class ButterflyAllReduce:
                     part, b_sent, b_received = next(others)
                     sent, received = sent + b_sent, received + b_received
                 averaged[offsets[i] : offsets[i] + sizes[i]] = part
-            # answers to other members may still be in flight; they are counted as they complete
+            await self._wait_answers_written(session)
             return AllReduceResult(
                 averaged,
                 len(group.members),
@@ -239,6 +241,15 @@ class ButterflyAllReduce:
             asyncio.get_running_loop().call_later(
                 self.config.reducer_timeout_s, self._forget, group.group_id
             )
+
+    async def _wait_answers_written(self, session: _ReduceSession, grace_s: float = 2.0) -> None:
+        """Let our answers to the other contributors finish (briefly), so the byte counts are complete."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while session.answers < len(session.reducer.contributors) - 1 and loop.time() < deadline:
+            session.answered.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(session.answered.wait(), deadline - loop.time())
 
     def _forget(self, group_id: str) -> None:
         self._sessions.pop(group_id, None)
@@ -332,7 +343,10 @@ class ButterflyAllReduce:
         session.arrived.set()
         try:
             await asyncio.wait_for(session.finished.wait(), cfg.reducer_timeout_s)
-            session.bytes_sent += await write_frame(writer, {"status": "ok"}, session.result_bytes)
+            written = await write_frame(writer, {"status": "ok"}, session.result_bytes)
+            session.bytes_sent += written
+            session.answers += 1
+            session.answered.set()
         except (asyncio.TimeoutError, ConnectionError, OSError) as e:
             logger.info("could not answer %s for group %s: %r", peer, session.group.group_id, e)
 

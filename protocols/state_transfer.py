@@ -47,21 +47,25 @@ class StateSnapshot:
     def tensors(self, expected: dict[str, tuple[torch.dtype, int]]) -> dict[str, torch.Tensor]:
         """Unpack and validate against ``expected`` = {name: (dtype, numel)}. Raises ProtocolViolation."""
         spec = require(self.header, "tensors", list)
-        names = [entry[0] if isinstance(entry, list) and entry else None for entry in spec]
-        if sorted(map(str, names)) != sorted(expected):
+        for entry in spec:
+            if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
+                    and isinstance(entry[1], str) and isinstance(entry[2], int) and not isinstance(entry[2], bool)):
+                raise ProtocolViolation(f"malformed tensor entry {entry!r}")
+        names = [entry[0] for entry in spec]
+        if sorted(names) != sorted(expected):
             raise ProtocolViolation(f"state has tensors {names}, expected {sorted(expected)}")
         out, offset = {}, 0
-        for entry in spec:
-            if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[2], int)):
-                raise ProtocolViolation(f"malformed tensor entry {entry!r}")
-            name, dtype_name, numel = entry
+        for name, dtype_name, numel in spec:
             dtype, want_numel = expected[name]
             if _DTYPES.get(dtype_name) != dtype or numel != want_numel:
                 raise ProtocolViolation(f"{name}: got {dtype_name} x {numel}, expected {dtype} x {want_numel}")
             size = numel * dtype.itemsize
             if offset + size > len(self.payload):
                 raise ProtocolViolation("state payload shorter than its header says")
-            tensor = torch.frombuffer(bytearray(self.payload[offset : offset + size]), dtype=dtype)
+            if size == 0:
+                tensor = torch.empty(0, dtype=dtype)
+            else:
+                tensor = torch.frombuffer(bytearray(self.payload[offset : offset + size]), dtype=dtype)
             if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
                 raise ProtocolViolation(f"{name} has non-finite values")
             out[name] = tensor

@@ -4,8 +4,8 @@ Frame layout (all integers big-endian)::
 
     u32 header_length | u32 payload_length | header (msgpack map) | payload (raw bytes)
 
-Both lengths are checked against limits *before* anything else is read, so a peer that announces an oversized frame
-costs us 8 bytes, not the frame. Everything a peer sends is untrusted: every failure to parse raises
+The header length is checked right after the 8-byte prefix and the payload length before any payload byte is read,
+so a peer that announces an oversized frame costs us at most the prefix plus a bounded header, not the frame. Everything a peer sends is untrusted: every failure to parse raises
 :class:`ProtocolViolation` (the caller excludes that peer), never anything else.
 """
 
@@ -77,11 +77,12 @@ async def read_header(reader: StreamReader) -> tuple[dict[str, Any], int, int]:
     except asyncio.IncompleteReadError as e:
         raise ProtocolViolation(f"stream ended mid-header ({len(e.partial)} of {header_length} bytes)") from None
     try:
-        header = msgpack.unpackb(header_bytes, raw=False, strict_map_key=True, max_ext_len=0)
+        header = msgpack.unpackb(header_bytes, raw=False, strict_map_key=True, ext_hook=_refuse_ext)
     except Exception as e:  # msgpack raises several unrelated types on garbage
         raise ProtocolViolation(f"malformed msgpack header: {type(e).__name__}: {e}") from None
     if not isinstance(header, dict):
         raise ProtocolViolation(f"frame header must be a map, got {type(header).__name__}")
+    _check_plain(header)
     return header, payload_length, _PREFIX.size + header_length
 
 
@@ -93,6 +94,27 @@ async def read_payload(reader: StreamReader, payload_length: int) -> bytes:
         return await reader.readexactly(payload_length)
     except asyncio.IncompleteReadError as e:
         raise ProtocolViolation(f"stream ended mid-payload ({len(e.partial)} of {payload_length} bytes)") from None
+
+
+_PLAIN = (str, bytes, int, float, bool, type(None))
+
+
+def _check_plain(value: Any, depth: int = 0) -> None:
+    """Headers hold only maps, lists and scalars (no msgpack extensions such as timestamps), nested at most 16 deep."""
+    if depth > 16:
+        raise ProtocolViolation("frame header nested too deeply")
+    if isinstance(value, dict):
+        for item in value.values():
+            _check_plain(item, depth + 1)
+    elif isinstance(value, list):
+        for item in value:
+            _check_plain(item, depth + 1)
+    elif not isinstance(value, _PLAIN):
+        raise ProtocolViolation(f"frame header holds a {type(value).__name__}, not a plain msgpack value")
+
+
+def _refuse_ext(code: int, data: bytes) -> Any:
+    raise ValueError(f"msgpack ext type {code} is not part of the protocol")
 
 
 def require(header: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:

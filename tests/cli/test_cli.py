@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from tests.integration.swarm import LOCAL, TINY, Swarm, peerd_cmd
+from peerd.localswarm import LOCAL, TINY, Swarm, peerd_cmd
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -1,6 +1,6 @@
 import pytest
 
-from tests.integration.swarm import Swarm
+from peerd.localswarm import Swarm
 
 
 @pytest.fixture

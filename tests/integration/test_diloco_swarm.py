@@ -4,7 +4,7 @@ import signal
 
 import pytest
 
-from tests.integration.swarm import TINY
+from peerd.localswarm import TINY
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

@@ -203,3 +203,17 @@ def test_malformed_part_excludes_sender_and_keeps_the_mean_of_the_honest():
         assert sum(bad in r.excluded for r in results[:2]) == 2
 
     asyncio.run(main())
+
+
+def test_bytes_sent_count_both_directions_of_the_butterfly():
+    async def main():
+        hub = Hub()
+        n, numel = 4, 4000
+        peers = await _peers(hub, n, compression="fp16")
+        results = await asyncio.gather(*[_round(p, "r8", torch.randn(numel), 1.0, expected=n) for p in peers])
+        payload = 2 * (n - 1) / n * numel * 2  # each peer sends (N-1)/N of the vector and (N-1) answers of 1/N
+        for r in results:
+            assert payload <= r.bytes_sent <= payload * 1.1, (r.bytes_sent, payload)
+            assert payload <= r.bytes_received <= payload * 1.1
+
+    asyncio.run(main())

@@ -1,4 +1,8 @@
-"""Real peers as separate processes on 127.0.0.1: start, read their JSON events, stop, always clean up."""
+"""A swarm of real peers on one machine: each peer its own ``peerd`` process on 127.0.0.1.
+
+Used by the integration tests, the local demo and the benchmarks: start a bootstrap node and workers, read their
+JSON log events, stop them, and always clean up whole process trees (a worker's DHT child and p2pd included).
+"""
 
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ from typing import Any, Callable, Optional
 
 import psutil
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 LOCAL = ROOT / "node_configs" / "machines" / "local-test.toml"
 TINY = ROOT / "node_configs" / "runs" / "tiny-test.toml"
 
@@ -84,6 +88,7 @@ class Swarm:
         raise TimeoutError("bootstrap node did not print its multiaddrs")
 
     def start_peer(self, name: str, run_id: str, run_config: Optional[Path] = TINY, *extra: str) -> Peer:
+        """Start ``peerd join`` with its own identity and checkpoint folder; extra flags are appended."""
         args = ["join", "--run-id", run_id, "--config", str(LOCAL), "--log-format", "json",
                 "--identity", str(self.workdir / f"{name}.key"), "--checkpoint-dir", str(self.workdir / f"ckpt-{name}")]
         if self.bootstrap_maddr:
