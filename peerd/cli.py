@@ -110,6 +110,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _run_async(coro: Any) -> Any:
+    """Run the daemon's event loop on uvloop where it is installed (faster stream I/O), else on asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
 def _node_config(args: argparse.Namespace) -> NodeConfig:
     overrides: dict[str, Any] = {
         "initial_peers": args.initial_peers, "host_maddrs": args.host_maddrs, "announce_maddrs": args.announce_maddrs,
@@ -125,7 +134,7 @@ def _cmd_join(args: argparse.Namespace) -> int:
 
     node = _node_config(args)
     run = load_run_config(args.run_config) if args.run_config else None
-    asyncio.run(join(args.run_id, node, run))
+    _run_async(join(args.run_id, node, run))
     return 0
 
 
@@ -133,7 +142,7 @@ def _cmd_bootstrap(args: argparse.Namespace) -> int:
     from peerd.daemon import bootstrap
 
     node = _node_config(args)
-    asyncio.run(bootstrap(node, on_ready=lambda maddr: print(maddr, flush=True)))
+    _run_async(bootstrap(node, on_ready=lambda maddr: print(maddr, flush=True)))
     return 0
 
 
@@ -143,7 +152,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     node = _node_config(args)
     if not node.initial_peers:
         raise UsageError("peerd status: --initial-peers is required (any peer of the run)")
-    peers, config = asyncio.run(read_status(node, args.run_id))
+    peers, config = _run_async(read_status(node, args.run_id))
     if args.json:
         print(json.dumps({"run_id": args.run_id, "config": config, "peers": peers}, indent=2, sort_keys=True))
         return 0
