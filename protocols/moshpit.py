@@ -1,0 +1,113 @@
+"""Moshpit averaging (Ryabinin et al. 2021, "Moshpit SGD", NeurIPS): all-reduce in small groups on a virtual grid.
+
+N peers sit on a virtual d-dimensional grid with side M (M^d >= N). In round r every peer all-reduces with the
+peers that share all of its coordinates except coordinate ``r mod d``: a group of (at most) M peers. With N = M^d
+and no failures, d consecutive rounds give every peer the exact global (weighted) average; with failures or a
+partially filled grid the peers still converge to the average exponentially fast.
+
+Grid placement is decided locally and identically by every peer from the list of live peers: each epoch of d rounds,
+peers are ordered by ``sha256(epoch, PeerID)`` and peer number i gets the base-M digits of i as coordinates, so
+groups are reshuffled every epoch (groupmates of one epoch are spread across groups in the next). Peers whose views
+of the live list differ may land in groups of unexpected size; matchmaking then seals what arrives in time.
+
+Defaults follow the paper's experiments: target group size M = 4 (paper: groups of 4-32), grid dimension
+d = ceil(log_M N).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from protocols.allreduce import AllReduceResult, ButterflyAllReduce
+from protocols.matchmaking import Matchmaker
+
+
+# ---------------------------------------------------------------------------------------------------------- pure core
+
+
+@dataclass(frozen=True)
+class Grid:
+    """A virtual grid of ``side`` ** ``dims`` cells holding ``n_peers`` peers."""
+
+    side: int
+    dims: int
+    n_peers: int
+
+    @classmethod
+    def for_peers(cls, n_peers: int, target_group_size: int) -> "Grid":
+        """The smallest grid with side ``target_group_size`` that holds ``n_peers`` (side shrinks for tiny swarms)."""
+        if n_peers < 1 or target_group_size < 2:
+            raise ValueError(f"need n_peers >= 1 and target_group_size >= 2, got {n_peers}, {target_group_size}")
+        side = min(target_group_size, max(n_peers, 2))
+        dims = max(1, math.ceil(math.log(n_peers, side) - 1e-9)) if n_peers > 1 else 1
+        return cls(side, dims, n_peers)
+
+    def coordinates(self, index: int) -> tuple[int, ...]:
+        """Base-``side`` digits of ``index`` (little-endian), one per dimension."""
+        if not 0 <= index < self.side**self.dims:
+            raise ValueError(f"index {index} outside a grid of {self.side}^{self.dims}")
+        return tuple((index // self.side**k) % self.side for k in range(self.dims))
+
+    def dimension(self, outer_round: int) -> int:
+        """The coordinate that varies inside the groups of round ``outer_round``."""
+        return outer_round % self.dims
+
+    def group_of(self, coords: Sequence[int], outer_round: int) -> tuple[int, ...]:
+        """Coordinates that identify the group: all but the current dimension (that one is set to -1)."""
+        dim = self.dimension(outer_round)
+        return tuple(-1 if k == dim else c for k, c in enumerate(coords))
+
+
+def placement(peers: Sequence[str], epoch: int) -> list[str]:
+    """Order of peers on the grid for an epoch: by sha256(epoch, PeerID). Identical on every peer."""
+    return sorted(set(peers), key=lambda p: hashlib.sha256(f"{epoch}:{p}".encode()).digest())
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """Where one peer averages in one round: its group key and how many peers the grid puts in that group."""
+
+    key: str
+    expected_size: int
+    coordinates: tuple[int, ...]
+
+
+def assign(peer: str, live_peers: Sequence[str], outer_round: int, target_group_size: int) -> Assignment:
+    """The group of ``peer`` in round ``outer_round`` given the live peers (``peer`` is added if missing)."""
+    everyone = sorted(set(live_peers) | {peer})
+    grid = Grid.for_peers(len(everyone), target_group_size)
+    epoch = outer_round // grid.dims
+    order = placement(everyone, epoch)
+    coords = grid.coordinates(order.index(peer))
+    group = grid.group_of(coords, outer_round)
+    size = sum(1 for i in range(len(order)) if grid.group_of(grid.coordinates(i), outer_round) == group)
+    cell = ".".join("x" if c < 0 else str(c) for c in group)
+    return Assignment(f"moshpit.r{outer_round}.g{grid.side}x{grid.dims}.{cell}", size, coords)
+
+
+# ------------------------------------------------------------------------------------------------------------ runner
+
+
+class MoshpitAverager:
+    """One moshpit round = matchmaking on the grid group key, then a butterfly all-reduce inside the group."""
+
+    def __init__(self, matchmaker: Matchmaker, allreduce: ButterflyAllReduce, target_group_size: int = 4):
+        if target_group_size < 2:
+            raise ValueError(f"target_group_size must be >= 2, got {target_group_size}")
+        self.matchmaker = matchmaker
+        self.allreduce = allreduce
+        self.target_group_size = target_group_size
+
+    async def average(
+        self, outer_round: int, tensor: torch.Tensor, weight: float, live_peers: Sequence[str]
+    ) -> AllReduceResult:
+        """Average ``tensor`` (P,) fp32 with this round's grid group. Raises MatchmakingFailed / AllReduceFailed."""
+        me = self.matchmaker.peer_id
+        where = assign(me, live_peers, outer_round, self.target_group_size)
+        group = await self.matchmaker.form_group(where.key, {}, expected_size=where.expected_size)
+        return await self.allreduce.run(group, tensor, weight)

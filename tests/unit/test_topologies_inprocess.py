@@ -1,0 +1,158 @@
+"""Moshpit and gossip averaging among in-process peers (pure grid logic, convergence, weights, failures)."""
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from peerd.transport.inprocess import Hub
+from protocols.allreduce import AllReduceConfig, ButterflyAllReduce
+from protocols.diloco import weighted_average
+from protocols.gossip import GossipAverager, GossipConfig, choose_partners, consensus_distance, pair_average
+from protocols.matchmaking import MatchmakingConfig, Matchmaker
+from protocols.moshpit import Grid, MoshpitAverager, assign
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_grid_shapes():
+    assert (Grid.for_peers(4, 2).side, Grid.for_peers(4, 2).dims) == (2, 2)
+    assert (Grid.for_peers(16, 4).side, Grid.for_peers(16, 4).dims) == (4, 2)
+    assert (Grid.for_peers(8, 2).side, Grid.for_peers(8, 2).dims) == (2, 3)
+    assert (Grid.for_peers(3, 4).side, Grid.for_peers(3, 4).dims) == (3, 1)
+    assert Grid.for_peers(1, 4).dims == 1
+    assert Grid(2, 2, 4).coordinates(3) == (1, 1)
+    with pytest.raises(ValueError):
+        Grid.for_peers(4, 1)
+
+
+def test_assignments_partition_the_peers_into_orthogonal_groups():
+    peers = [f"p{i}" for i in range(4)]
+    rounds = []
+    for r in (0, 1):
+        groups = {}
+        for p in peers:
+            a = assign(p, peers, r, 2)
+            groups.setdefault(a.key, set()).add(p)
+            assert a.expected_size == 2
+        assert sorted(len(g) for g in groups.values()) == [2, 2]
+        rounds.append(list(groups.values()))
+    # no pair of peers shares a group in both rounds: that is what makes 2 rounds exact
+    for g0 in rounds[0]:
+        for g1 in rounds[1]:
+            assert len(g0 & g1) == 1
+
+
+def test_pair_average_is_symmetric_and_preserves_mass():
+    a, b = torch.randn(100), torch.randn(100)
+    x1, w1 = pair_average(a, 3.0, b, 1.0)
+    x2, w2 = pair_average(b, 1.0, a, 3.0)
+    assert torch.equal(x1, x2) and w1 == w2 == 2.0
+    torch.testing.assert_close(x1 * 2 * w1, a * 3 + b * 1)
+    assert choose_partners(["a", "b", "c"], "a", 5, random.Random(0)) in (["b", "c"], ["c", "b"])
+
+
+async def _moshpit_peers(hub, n, target):
+    mm_cfg = MatchmakingConfig(matchmaking_timeout_s=2.0, request_timeout_s=0.5, poll_interval_s=0.05)
+    out = []
+    for i in range(n):
+        t = hub.transport(f"peer{i:02d}")
+        mm, ar = Matchmaker(t, "m", mm_cfg), ButterflyAllReduce(t, "m", AllReduceConfig("none", 1.0, 2.0))
+        await mm.start()
+        await ar.start()
+        out.append(MoshpitAverager(mm, ar, target))
+    return out
+
+
+def test_moshpit_4_peers_2x2_grid_exact_average_after_2_rounds():
+    async def main():
+        hub = Hub()
+        peers = await _moshpit_peers(hub, 4, 2)
+        names = [f"peer{i:02d}" for i in range(4)]
+        xs = [torch.randn(1000, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+        ws = [1.0, 2.0, 3.0, 4.0]
+        reference = weighted_average(xs, ws)
+        state, weights = list(xs), list(ws)
+        for r in range(2):
+            results = await asyncio.gather(*[p.average(r, x, w, names) for p, x, w in zip(peers, state, weights)])
+            assert all(res.group_size == 2 for res in results)
+            state = [res.averaged for res in results]
+            weights = _group_weights(names, r, weights)  # a member speaks for its whole group next round
+        for x in state:
+            torch.testing.assert_close(x, reference, rtol=1e-5, atol=1e-6)
+
+    asyncio.run(main())
+
+
+def _group_weights(names, r, weights):
+    """Weight a member carries after round r: the mean weight of its group (keeps sum w x consistent)."""
+    out = []
+    for p in names:
+        a = assign(p, names, r, 2)
+        members = [i for i, q in enumerate(names) if assign(q, names, r, 2).key == a.key]
+        out.append(sum(weights[i] for i in members) / len(members))
+    return out
+
+
+async def _gossip_peers(hub, xs, ws, k=2, compression="none"):
+    states = [[x.clone(), w] for x, w in zip(xs, ws)]
+    peers = []
+    for i, st in enumerate(states):
+        t = hub.transport(f"g{i:02d}")
+
+        def getter(st=st):
+            return st[0], st[1]
+
+        def setter(x, w, st=st):
+            st[0], st[1] = x, w
+
+        g = GossipAverager(t, "g", GossipConfig(k, compression, 2.0), getter, setter, seed=i)
+        await g.start()
+        peers.append(g)
+    return peers, states
+
+
+def test_gossip_8_peers_reaches_the_weighted_average():
+    async def main():
+        hub = Hub()
+        n = 8
+        xs = [torch.randn(2000, generator=torch.Generator().manual_seed(i)) for i in range(n)]
+        ws = [float(i + 1) for i in range(n)]
+        reference = weighted_average(xs, ws)
+        peers, states = await _gossip_peers(hub, xs, ws)
+        names = [f"g{i:02d}" for i in range(n)]
+        distances = []
+        for r in range(30):
+            await asyncio.gather(*[p.gossip_round(names) for p in peers])
+            distances.append(consensus_distance([s[0] for s in states]))
+            if distances[-1] < 1e-3:
+                break
+        assert distances[-1] < 1e-3, distances
+        assert len(distances) <= 30
+        for s in states:
+            torch.testing.assert_close(s[0], reference, rtol=2e-3, atol=2e-3)
+        # push-sum keeps the total weight
+        assert abs(sum(s[1] for s in states) - sum(ws)) < 1e-6
+
+    asyncio.run(main())
+
+
+def test_gossip_survives_a_dead_peer_and_the_rest_converge():
+    async def main():
+        hub = Hub()
+        n = 6
+        xs = [torch.full((50,), float(i)) for i in range(n)]
+        peers, states = await _gossip_peers(hub, xs, [1.0] * n, compression="fp16")
+        names = [f"g{i:02d}" for i in range(n)]
+        await asyncio.gather(*[p.gossip_round(names) for p in peers])
+        hub.disconnect("g05")
+        failed = 0
+        for _ in range(25):
+            results = await asyncio.gather(*[p.gossip_round(names) for p in peers[:-1]])
+            failed += sum(r.failed for r in results)
+        assert failed > 0  # the dead peer was tried and skipped
+        alive = [s[0] for s in states[:-1]]
+        assert consensus_distance(alive) < 1e-3
+
+    asyncio.run(main())
