@@ -27,10 +27,13 @@ else:  # pragma: no cover
 from protocols.allreduce import AllReduceConfig
 from protocols.compression import CODECS
 from protocols.diloco import DiLoCoHyperparams
+from peerd.schedule import ActiveHours
 from protocols.matchmaking import MatchmakingConfig
 
 MODEL_NAMES = ("tiny", "small")
 AVERAGING_METHODS = ("allreduce",)
+#: Longest path a Unix socket address holds on Linux (sun_path is 108 bytes with the terminating NUL).
+MAX_UNIX_SOCKET_PATH = 107
 
 
 class ConfigError(ValueError):
@@ -177,6 +180,26 @@ class NodeConfig:
     """How often this peer refreshes its status record in the DHT."""
     status_ttl_s: float = 30.0
     """Lifetime of a status record; a peer silent for longer disappears from `peerd status`."""
+    gpu_memory_fraction: float = 0.0
+    """Largest share of the GPU's memory this process may allocate, 0 < f <= 1
+    (``torch.cuda.set_per_process_memory_fraction``); 0 = no limit. Ignored when training on CPU."""
+    upload_limit_mb_s: float = 0.0
+    """Cap on what this peer sends to other peers (all-reduce, state transfer, matchmaking) in MB/s (10^6 bytes per
+    second); 0 = unlimited. The DHT's own small messages are not paced."""
+    download_limit_mb_s: float = 0.0
+    """Cap on what this peer reads from other peers' streams in MB/s; 0 = unlimited."""
+    active_hours: Optional[str] = None
+    """Local-time windows in which this peer trains, e.g. "22:00-07:00" or "09:00-12:00,18:00-23:30". Outside them
+    it leaves rounds cleanly and pauses, then rejoins. None = always."""
+    metrics_port: Optional[int] = None
+    """Serve Prometheus metrics over HTTP on this TCP port (0 = any free port, logged); None = off."""
+    metrics_host: str = "127.0.0.1"
+    """Address the metrics endpoint binds (0.0.0.0 inside a container whose port is published)."""
+    control_socket: Optional[str] = None
+    """Unix socket of the local control channel (`peerd pause`, `resume`, `health`), mode 0600; default
+    ``<checkpoint_dir>/peerd.sock``."""
+    health_max_age_s: float = 1800.0
+    """`peerd health` fails when this peer has neither completed nor joined a round for this many seconds."""
 
     def __post_init__(self) -> None:
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
@@ -190,6 +213,26 @@ class NodeConfig:
                 f"status_ttl_s ({self.status_ttl_s}) must exceed status_interval_s ({self.status_interval_s}) > 0:"
                 " otherwise a live peer's record expires between refreshes"
             )
+        if not 0.0 <= self.gpu_memory_fraction <= 1.0:
+            raise ConfigError(f"gpu_memory_fraction must be in [0, 1] (0 = no limit), got {self.gpu_memory_fraction}")
+        for name in ("upload_limit_mb_s", "download_limit_mb_s"):
+            value = getattr(self, name)
+            if not (0.0 <= value < float("inf")):
+                raise ConfigError(f"{name} must be a number of MB/s >= 0 (0 = unlimited), got {value}")
+        if self.active_hours is not None:
+            try:
+                ActiveHours.parse(self.active_hours)
+            except ValueError as e:
+                raise ConfigError(f"active_hours: {e}") from None
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics_port must be a TCP port 0-65535 (0 = any free port), got {self.metrics_port}")
+        if not self.health_max_age_s > 0:
+            raise ConfigError(f"health_max_age_s must be > 0, got {self.health_max_age_s}")
+        if len(os.fsencode(self.control_socket_path)) > MAX_UNIX_SOCKET_PATH:
+            raise ConfigError(
+                f"control socket path {str(self.control_socket_path)!r} is longer than the {MAX_UNIX_SOCKET_PATH}"
+                " bytes a Unix socket allows: set control_socket (or a shorter checkpoint_dir)"
+            )
 
     @property
     def identity_path(self) -> Path:
@@ -198,6 +241,12 @@ class NodeConfig:
     @property
     def checkpoint_path(self) -> Path:
         return Path(os.path.expanduser(self.checkpoint_dir))
+
+    @property
+    def control_socket_path(self) -> Path:
+        if self.control_socket:
+            return Path(os.path.expanduser(self.control_socket))
+        return self.checkpoint_path / "peerd.sock"
 
 
 ENV_PREFIX = "PEERD_"

@@ -103,6 +103,15 @@ class Swarm:
         self.peers.append(peer)
         return peer
 
+    def start_process(self, name: str, argv: list[str]) -> Peer:
+        """Start any command as a managed peer process (stderr to ``<name>.log``); killed by :meth:`close`."""
+        log = self.workdir / f"{name}.log"
+        with open(log, "w") as stderr:
+            proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
+        peer = Peer(name, proc, log)
+        self.peers.append(peer)
+        return peer
+
     def wait_for(self, condition: Callable[[], bool], timeout_s: float, what: str) -> None:
         deadline = time.time() + timeout_s
         while time.time() < deadline:

@@ -1,4 +1,9 @@
-"""Shared fixtures: real peer processes on 127.0.0.1 that are always torn down, and a reaper for strays."""
+"""Shared fixtures: real peer processes on 127.0.0.1 that are always torn down, and a reaper for strays.
+
+Marker ``netns``: the test creates network namespaces (scripts/wan_testbed), which needs root. It is skipped, with
+the reason, only when the suite does not run as root; as root (CI, ``scripts/test``) it runs and a testbed failure
+is a test failure.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,11 @@ import signal
 
 import psutil
 import pytest
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("netns") is not None and os.geteuid() != 0:
+        pytest.skip("netns: needs root to create network namespaces (run scripts/test as root, as CI does)")
 
 
 @pytest.fixture(autouse=True, scope="session")

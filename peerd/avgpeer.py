@@ -1,0 +1,153 @@
+"""A standalone averaging peer: averages a synthetic vector with other such peers, for tests and benchmarks.
+
+Each peer joins the DHT, starts from ``randn(numel)`` seeded by its index, waits until ``--expect`` peers are
+present, then runs ``--rounds`` rounds of a topology (allreduce | moshpit | gossip) and writes one JSON line per
+round to ``--out``: round, seconds, bytes, group size or exchanges, and a sketch of its vector (the values at 4096
+fixed coordinates, the same on every peer) from which consensus distance can be estimated across peers. The final
+vector is saved next to it (``<out>.final.pt``). Gossip peers keep serving exchanges after their own rounds until
+every peer is done (or ``--linger-s`` passes), so late partners are not left alone.
+
+Usage: ``python -m peerd.avgpeer --index 0 --expect 4 --topology moshpit --out /tmp/p0.jsonl [--initial-peers M]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from peerd.transport.hivemind_backend import HivemindTransport
+from protocols.allreduce import AllReduceConfig, AllReduceFailed, ButterflyAllReduce
+from protocols.gossip import GossipAverager, GossipConfig
+from protocols.matchmaking import MatchmakingConfig, Matchmaker, MatchmakingFailed
+from protocols.moshpit import MoshpitAverager
+
+SKETCH = 4096
+
+
+def initial_vector(index: int, numel: int) -> torch.Tensor:
+    return torch.randn(numel, generator=torch.Generator().manual_seed(1000 + index))
+
+
+def sketch_indices(numel: int) -> torch.Tensor:
+    count = min(SKETCH, numel)
+    return torch.randperm(numel, generator=torch.Generator().manual_seed(7))[:count]
+
+
+async def run(args: argparse.Namespace) -> None:
+    transport = await HivemindTransport.create(
+        initial_peers=args.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False
+    )
+    out = open(args.out, "a", buffering=1)
+    try:
+        me = transport.peer_id
+        key = f"avg.{args.run_id}.members"
+        discovery = transport.discovery
+
+        async def members(include_done: bool = True) -> list[str]:
+            records = await discovery.get(key)
+            return sorted(p for p, r in records.items() if include_done or r.value != "done")
+
+        async def announce(state: str) -> None:
+            await discovery.store(key, me, state, discovery.time() + args.member_ttl_s)
+
+        state = {"x": initial_vector(args.index, args.numel), "w": float(args.weight)}
+        prefix = f"avg.{args.run_id}"
+        mm = Matchmaker(transport, prefix, MatchmakingConfig(args.matchmaking_timeout_s, 2.0, 0.2))
+        ar = ButterflyAllReduce(transport, prefix, AllReduceConfig(args.compression, args.timeout_s, 2 * args.timeout_s))
+        gossip = GossipAverager(
+            transport, prefix, GossipConfig(args.partners, args.compression, args.timeout_s),
+            get_state=lambda: (state["x"], state["w"]),
+            set_state=lambda x, w: state.update(x=x, w=w), seed=args.index,
+        )
+        for component in (mm, ar, gossip):
+            await component.start()
+        moshpit = MoshpitAverager(mm, ar, args.group_size)
+
+        deadline = time.time() + args.start_timeout_s
+        while len(await members()) < args.expect - 1 and time.time() < deadline:
+            await announce("alive")
+            await asyncio.sleep(0.3)
+        await announce("alive")
+        while len(await members()) < args.expect and time.time() < deadline:
+            await asyncio.sleep(0.3)
+        idx = sketch_indices(args.numel)
+        print(json.dumps({"event": "start", "peer": me, "index": args.index}), file=out)
+
+        for r in range(args.rounds):
+            await announce("alive")
+            live = [p for p in await members(include_done=False)]
+            started = time.perf_counter()
+            record = {"event": "round", "round": r + 1, "peer": me, "index": args.index}
+            try:
+                if args.topology == "gossip":
+                    res = await gossip.gossip_round(live)
+                    record.update(exchanges=res.exchanges, busy=res.busy, failed=res.failed,
+                                  bytes_sent=res.bytes_sent, bytes_received=res.bytes_received, ok=res.exchanges > 0)
+                else:
+                    if args.topology == "moshpit":
+                        res = await moshpit.average(r, state["x"], state["w"], live)
+                    else:
+                        group = await mm.form_group(f"allreduce.r{r}", {}, expected_size=len(live))
+                        res = await ar.run(group, state["x"], state["w"])
+                    state["x"] = res.averaged
+                    state["w"] = state["w"] * res.group_size  # this peer now speaks for its group
+                    record.update(group_size=res.group_size, bytes_sent=res.bytes_sent,
+                                  bytes_received=res.bytes_received, ok=True)
+            except (MatchmakingFailed, AllReduceFailed) as e:
+                record.update(ok=False, error=str(e), bytes_sent=0, bytes_received=0)
+            record["seconds"] = round(time.perf_counter() - started, 4)
+            record["sketch"] = state["x"][idx].tolist()
+            print(json.dumps(record), file=out)
+            if args.round_interval_s:
+                await asyncio.sleep(args.round_interval_s)
+
+        torch.save(state["x"], f"{args.out}.final.pt")
+        await announce("done")
+        if args.topology == "gossip":
+            linger_until = time.time() + args.linger_s
+            while time.time() < linger_until:
+                records = await discovery.get(key)
+                if all(r.value == "done" for r in records.values()):
+                    break
+                await asyncio.sleep(0.5)
+            torch.save(state["x"], f"{args.out}.final.pt")
+        print(json.dumps({"event": "done", "peer": me, "served": gossip.served}), file=out)
+    finally:
+        out.close()
+        await transport.shutdown()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--index", type=int, required=True, help="this peer's number (seeds its vector)")
+    p.add_argument("--expect", type=int, required=True, help="peers to wait for before round 1")
+    p.add_argument("--topology", choices=("allreduce", "moshpit", "gossip"), required=True)
+    p.add_argument("--out", required=True, help="JSON-lines output file")
+    p.add_argument("--initial-peers", nargs="*", default=[])
+    p.add_argument("--run-id", default="avg")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--numel", type=int, default=100_000)
+    p.add_argument("--weight", type=float, default=1.0)
+    p.add_argument("--compression", choices=("none", "fp16", "int8"), default="none")
+    p.add_argument("--group-size", type=int, default=2, help="moshpit target group size M")
+    p.add_argument("--partners", type=int, default=2, help="gossip partners per round k")
+    p.add_argument("--timeout-s", type=float, default=10.0)
+    p.add_argument("--matchmaking-timeout-s", type=float, default=10.0)
+    p.add_argument("--member-ttl-s", type=float, default=8.0)
+    p.add_argument("--start-timeout-s", type=float, default=60.0)
+    p.add_argument("--round-interval-s", type=float, default=0.0, help="pause between rounds")
+    p.add_argument("--linger-s", type=float, default=30.0)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.WARNING)
+    asyncio.run(run(args))
+
+
+if __name__ == "__main__":
+    main()
