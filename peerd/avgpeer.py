@@ -25,7 +25,7 @@ from peerd.transport.hivemind_backend import HivemindTransport
 from protocols.allreduce import AllReduceConfig, AllReduceFailed, ButterflyAllReduce
 from protocols.gossip import GossipAverager, GossipConfig
 from protocols.matchmaking import MatchmakingConfig, Matchmaker, MatchmakingFailed
-from protocols.moshpit import MoshpitAverager
+from protocols.moshpit import MoshpitAverager, round_to_join
 
 SKETCH = 4096
 
@@ -49,12 +49,21 @@ async def run(args: argparse.Namespace) -> None:
         key = f"avg.{args.run_id}.members"
         discovery = transport.discovery
 
-        async def members(include_done: bool = True) -> list[str]:
+        progress = {"state": "alive", "round": 0}
+
+        async def members(include_done: bool = True) -> dict[str, dict]:
             records = await discovery.get(key)
-            return sorted(p for p, r in records.items() if include_done or r.value != "done")
+            return {p: r.value for p, r in records.items()
+                    if isinstance(r.value, dict) and (include_done or r.value.get("state") != "done")}
 
         async def announce(state: str) -> None:
-            await discovery.store(key, me, state, discovery.time() + args.member_ttl_s)
+            progress["state"] = state
+            await discovery.store(key, me, dict(progress), discovery.time() + args.member_ttl_s)
+
+        async def heartbeat() -> None:  # a killed peer disappears from the member list within member_ttl_s
+            while True:
+                await asyncio.sleep(args.member_ttl_s / 3)
+                await announce(progress["state"])
 
         state = {"x": initial_vector(args.index, args.numel), "w": float(args.weight)}
         prefix = f"avg.{args.run_id}"
@@ -78,10 +87,16 @@ async def run(args: argparse.Namespace) -> None:
             await asyncio.sleep(0.3)
         idx = sketch_indices(args.numel)
         print(json.dumps({"event": "start", "peer": me, "index": args.index}), file=out)
+        beat = asyncio.ensure_future(heartbeat())
 
-        for r in range(args.rounds):
+        r = 0
+        for _ in range(args.rounds):
+            others = await members(include_done=False)
+            if args.topology == "moshpit":  # a peer that fell behind its groupmates skips to where they are
+                r = round_to_join(me, {p: int(v.get("round", 0)) for p, v in others.items()}, r, args.group_size)
+            progress["round"] = r
             await announce("alive")
-            live = [p for p in await members(include_done=False)]
+            live = sorted(others) if me in others else sorted([*others, me])
             started = time.perf_counter()
             record = {"event": "round", "round": r + 1, "peer": me, "index": args.index}
             try:
@@ -104,16 +119,18 @@ async def run(args: argparse.Namespace) -> None:
             record["seconds"] = round(time.perf_counter() - started, 4)
             record["sketch"] = state["x"][idx].tolist()
             print(json.dumps(record), file=out)
+            r += 1
+            progress["round"] = r
             if args.round_interval_s:
                 await asyncio.sleep(args.round_interval_s)
 
         torch.save(state["x"], f"{args.out}.final.pt")
+        beat.cancel()
         await announce("done")
         if args.topology == "gossip":
             linger_until = time.time() + args.linger_s
             while time.time() < linger_until:
-                records = await discovery.get(key)
-                if all(r.value == "done" for r in records.values()):
+                if all(v.get("state") == "done" for v in (await members()).values()):
                     break
                 await asyncio.sleep(0.5)
             torch.save(state["x"], f"{args.out}.final.pt")

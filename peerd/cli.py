@@ -9,13 +9,21 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import re
 import sys
 import time
 from typing import Any, Optional, Sequence
 
 from peerd import __version__
-from peerd.config import ConfigError, NodeConfig, RunConfig, load_node_config, load_run_config
+from peerd.config import (
+    ConfigError,
+    NodeConfig,
+    RunConfig,
+    load_node_config,
+    load_node_config_with_sources,
+    load_run_config,
+)
 
 logger = logging.getLogger("peerd")
 
@@ -62,8 +70,31 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("worker")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), help="where to train (default auto)")
     g.add_argument("--threads", type=int, metavar="N", help="CPU threads for torch (default: torch's choice)")
-    g.add_argument("--checkpoint-dir", metavar="DIR", help="checkpoint folder (default ~/.peerd/checkpoints)")
+    g.add_argument("--checkpoint-dir", metavar="DIR",
+                   help="checkpoint folder, also holds the control socket (default ~/.peerd/checkpoints)")
     g.add_argument("--data", metavar="PATH|GLOB", help="train on this local UTF-8 text instead of the run's corpus")
+    g = p.add_argument_group("volunteer limits and services")
+    g.add_argument("--gpu-memory-fraction", type=float, metavar="F",
+                   help="let this process allocate at most this share (0-1] of the GPU's memory (default no limit)")
+    g.add_argument("--upload-limit", type=float, metavar="MB_S", dest="upload_limit_mb_s",
+                   help="cap what this peer sends to other peers, in MB/s (default unlimited)")
+    g.add_argument("--download-limit", type=float, metavar="MB_S", dest="download_limit_mb_s",
+                   help="cap what this peer reads from other peers, in MB/s (default unlimited)")
+    g.add_argument("--active-hours", metavar="HH:MM-HH:MM[,...]",
+                   help="train only in these local-time windows, e.g. 22:00-07:00; pause outside them")
+    g.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="serve Prometheus metrics on this port (0 = any free port; host: metrics_host, default "
+                   "127.0.0.1)")
+
+
+def _control_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("finding the daemon")
+    g.add_argument("--config", metavar="FILE", help="the daemon's node config TOML")
+    g.add_argument("--checkpoint-dir", metavar="DIR", help="the daemon's checkpoint folder (default ~/.peerd/checkpoints)")
+    g.add_argument("--control-socket", metavar="PATH", help="the control socket (default <checkpoint-dir>/peerd.sock)")
+    p.add_argument("--json", action="store_true", help="print the daemon's whole reply as JSON")
+    p.add_argument("--log-format", choices=("text", "json"), default="text", help=argparse.SUPPRESS)
+    p.add_argument("--log-level", metavar="LEVEL", help=argparse.SUPPRESS)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "model if the run is under way, train, and average pseudo-gradients with the others every H "
                        "inner steps. The first peer of a run passes --run-config; later peers need only --run-id "
                        "and --initial-peers. Stop with Ctrl-C or SIGTERM: the peer checkpoints and leaves.")
-    p.add_argument("--run-id", required=True, type=_run_id, help="name of the run, e.g. shakespeare-demo")
+    p.add_argument("--run-id", type=_run_id, default=os.environ.get("PEERD_RUN_ID"),
+                   help="name of the run, e.g. shakespeare-demo (default $PEERD_RUN_ID)")
     p.add_argument("--run-config", metavar="FILE",
                    help="run config TOML (node_configs/runs/*.toml); required to start a new run, checked against "
                    "the published one otherwise")
@@ -92,13 +124,50 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bootstrap", help="run a DHT-only node that other peers use as --initial-peers",
                        description="Run a DHT-only node. Prints its multiaddrs (one per line on stdout) and serves "
                        "until stopped. Its PeerID stays the same across restarts (see --identity).")
+    p.add_argument("--checkpoint-dir", metavar="DIR",
+                   help="state folder; holds the control socket for `peerd health` (default ~/.peerd/checkpoints)")
     _node_flags(p)
 
     p = sub.add_parser("status", help="show the live peers of a run",
                        description="Read the status records that the peers of RUN_ID keep in the DHT.")
-    p.add_argument("--run-id", required=True, type=_run_id, help="name of the run")
+    p.add_argument("--run-id", type=_run_id, default=os.environ.get("PEERD_RUN_ID"),
+                   help="name of the run (default $PEERD_RUN_ID)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     _node_flags(p)
+
+    p = sub.add_parser("pause", help="pause the local daemon: it leaves rounds cleanly and stops training",
+                       description="Ask the daemon running on this machine (through its control socket) to pause: "
+                       "it abandons matchmaking, lets a running all-reduce finish, then trains no more and shows "
+                       "role 'paused' in `peerd status` until `peerd resume`.")
+    _control_flags(p)
+    p = sub.add_parser("resume", help="resume the local daemon after `peerd pause`",
+                       description="Lift a `peerd pause`: the daemon catches up with the run and trains again "
+                       "(unless it is outside its active hours).")
+    _control_flags(p)
+    p = sub.add_parser("health", help="exit 0 if the local daemon is up and made progress recently",
+                       description="Ask the local daemon whether it is healthy: up, and completed or joined a round "
+                       "within --max-age-s (a paused daemon is healthy). Exit 0 if so, 1 otherwise; prints one "
+                       "line. Used by the Docker HEALTHCHECK.")
+    p.add_argument("--max-age-s", type=float, metavar="S",
+                   help="longest time without a completed or joined round (default: the node's health_max_age_s)")
+    _control_flags(p)
+
+    p = sub.add_parser("install-service", help="write a systemd unit that runs `peerd join` as a service",
+                       description="Write a systemd unit (Type=notify, watchdog, hardened, a dedicated user, state in "
+                       "/var/lib/peerd) that runs `peerd join` for RUN_ID, and print the commands that enable it.")
+    p.add_argument("--run-id", type=_run_id, default=os.environ.get("PEERD_RUN_ID"),
+                   help="the run the service joins (default $PEERD_RUN_ID)")
+    p.add_argument("--run-config", metavar="FILE", help="run config TOML passed to `peerd join` (first peer of a run)")
+    p.add_argument("--config", metavar="FILE", help="node config TOML passed to `peerd join` (limits, addresses)")
+    p.add_argument("--initial-peers", nargs="+", metavar="MADDR", help=f"e.g. {EXAMPLE_PEER}")
+    p.add_argument("--user", default="peerd", help="dedicated system user the service runs as (default peerd)")
+    p.add_argument("--unit-dir", default="/etc/systemd/system", metavar="DIR",
+                   help="where to write peerd.service (default /etc/systemd/system)")
+    p.add_argument("--watchdog-s", type=int, default=120, metavar="S", help="WatchdogSec (default 120)")
+    p.add_argument("--peerd", metavar="PATH", help="absolute path of the peerd executable (default: this one)")
+    p.add_argument("--print", action="store_true", dest="print_only", help="print the unit instead of writing it")
+    p.add_argument("--log-format", choices=("text", "json"), default="text", help=argparse.SUPPRESS)
+    p.add_argument("--log-level", metavar="LEVEL", help=argparse.SUPPRESS)
 
     p = sub.add_parser("config", help="inspect configuration")
     csub = p.add_subparsers(dest="config_command", metavar="ACTION", parser_class=_Parser)
@@ -120,21 +189,37 @@ def _run_async(coro: Any) -> Any:
 
 
 def _node_config(args: argparse.Namespace) -> NodeConfig:
-    overrides: dict[str, Any] = {
-        "initial_peers": args.initial_peers, "host_maddrs": args.host_maddrs, "announce_maddrs": args.announce_maddrs,
-        "identity": args.identity, "nat_port_map": args.nat_port_map,
-    }
-    for name in ("device", "threads", "checkpoint_dir", "data"):
-        overrides[name] = getattr(args, name, None)
-    return load_node_config(args.config, overrides=overrides)
+    return load_node_config(args.config, overrides=_node_overrides(args))
+
+
+#: Node config keys that commands may take as flags (besides the addresses and identity of every DHT command).
+NODE_FLAGS = ("device", "threads", "checkpoint_dir", "data", "gpu_memory_fraction", "upload_limit_mb_s",
+              "download_limit_mb_s", "active_hours", "metrics_port", "control_socket")
+
+
+#: Flags spelled differently from their node config key.
+FLAG_NAMES = {"upload_limit_mb_s": "--upload-limit", "download_limit_mb_s": "--download-limit"}
+
+
+def _node_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    names = ("initial_peers", "host_maddrs", "announce_maddrs", "identity", "nat_port_map") + NODE_FLAGS
+    return {name: getattr(args, name, None) for name in names}
+
+
+def _require_run_id(args: argparse.Namespace) -> str:
+    if not args.run_id:
+        raise UsageError(f"peerd {args.command}: --run-id is required (or set PEERD_RUN_ID) (see `peerd "
+                         f"{args.command} --help`)")
+    return args.run_id
 
 
 def _cmd_join(args: argparse.Namespace) -> int:
     from peerd.daemon import join
 
+    run_id = _require_run_id(args)
     node = _node_config(args)
     run = load_run_config(args.run_config) if args.run_config else None
-    _run_async(join(args.run_id, node, run))
+    _run_async(join(run_id, node, run))
     return 0
 
 
@@ -149,6 +234,7 @@ def _cmd_bootstrap(args: argparse.Namespace) -> int:
 def _cmd_status(args: argparse.Namespace) -> int:
     from peerd.daemon import read_status
 
+    _require_run_id(args)
     node = _node_config(args)
     if not node.initial_peers:
         raise UsageError("peerd status: --initial-peers is required (any peer of the run)")
@@ -180,15 +266,119 @@ def _num(value: Any, fmt: str) -> str:
 def _cmd_config(args: argparse.Namespace) -> int:
     import dataclasses
 
-    node = _node_config(args)
-    out: dict[str, Any] = {"node": dataclasses.asdict(node)}
+    node, sources = load_node_config_with_sources(args.config, overrides=_node_overrides(args), flag_names=FLAG_NAMES)
+    out: dict[str, Any] = {"node": dataclasses.asdict(node), "sources": sources}
     if args.run_config:
         out["run"] = load_run_config(args.run_config).to_dict()
+        out["run_source"] = f"file {args.run_config}"
     print(json.dumps(out, indent=2))
     return 0
 
 
-COMMANDS = {"join": _cmd_join, "bootstrap": _cmd_bootstrap, "status": _cmd_status, "config": _cmd_config}
+def _control(args: argparse.Namespace, payload: dict[str, Any]) -> dict[str, Any]:
+    from peerd.control import request
+
+    node = _node_config(args)
+    return request(node.control_socket_path, payload)
+
+
+def _cmd_pause_resume(args: argparse.Namespace) -> int:
+    reply = _control(args, {"cmd": args.command})
+    if args.json:
+        print(json.dumps(reply, indent=2, sort_keys=True))
+    if not reply.get("ok"):
+        print(f"peerd {args.command}: {reply.get('error')}", file=sys.stderr)
+        return 1
+    if not args.json:
+        reasons = "; ".join(reply.get("pause_reasons", {}).values())
+        if args.command == "pause":
+            print("paused: the peer leaves its round (a running all-reduce finishes first) and trains no more"
+                  if reply.get("changed") else f"already paused ({reasons})")
+        elif reply.get("paused"):
+            print(f"still paused: {reasons}")
+        else:
+            print("resumed: the peer catches up with the run and trains again" if reply.get("changed")
+                  else "not paused: nothing to resume")
+    return 0
+
+
+def _cmd_health(args: argparse.Namespace) -> int:
+    if args.max_age_s is not None and not args.max_age_s > 0:
+        raise UsageError("peerd health: --max-age-s must be > 0")
+    reply = _control(args, {"cmd": "health", "max_age_s": args.max_age_s})
+    if args.json:
+        print(json.dumps(reply, indent=2, sort_keys=True))
+    if not reply.get("ok"):
+        print(f"unhealthy: {reply.get('error')}", file=sys.stderr)
+        return 1
+    healthy = bool(reply.get("healthy"))
+    if not args.json:
+        print(f"{'healthy' if healthy else 'unhealthy'}: {reply.get('message')}",
+              file=sys.stdout if healthy else sys.stderr)
+    return 0 if healthy else 1
+
+
+def _cmd_install_service(args: argparse.Namespace) -> int:
+    import shutil
+    from pathlib import Path
+
+    from peerd.systemd import needs_home, render_unit
+
+    run_id = _require_run_id(args)
+    peerd = args.peerd or _own_executable() or shutil.which("peerd")
+    if not peerd or not os.path.isabs(peerd):
+        raise UsageError("peerd install-service: cannot tell where the peerd executable is: pass --peerd PATH")
+    exec_args = [peerd, "join", "--run-id", run_id]
+    files = [peerd]
+    if args.config:
+        load_node_config(args.config, environ={})  # refuse a broken file now, not at the service's first start
+        exec_args += ["--config", os.path.abspath(args.config)]
+        files.append(os.path.abspath(args.config))
+    if args.run_config:
+        load_run_config(args.run_config)
+        exec_args += ["--run-config", os.path.abspath(args.run_config)]
+        files.append(os.path.abspath(args.run_config))
+    if args.initial_peers:
+        exec_args += ["--initial-peers", *args.initial_peers]
+    try:
+        unit = render_unit(exec_args, user=args.user, watchdog_s=args.watchdog_s,
+                           protect_home="read-only" if needs_home(files) else "yes")
+    except ValueError as e:
+        raise UsageError(f"peerd install-service: {e}") from None
+    if args.print_only:
+        print(unit, end="")
+        return 0
+    target = Path(args.unit_dir) / "peerd.service"
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(unit)
+    except OSError as e:
+        print(f"peerd install-service: cannot write {target}: {e.strerror or e} (run as root, or pass --unit-dir "
+              "or --print)", file=sys.stderr)
+        return 1
+    state = "/var/lib/peerd/checkpoints"
+    print(f"wrote {target}\n"
+          f"as root, once:\n"
+          f"  useradd --system --home-dir /var/lib/peerd --shell /usr/sbin/nologin {args.user}\n"
+          f"  usermod -aG video,render {args.user}    # GPUs only\n"
+          f"  systemctl daemon-reload\n"
+          f"  systemctl enable --now peerd.service\n"
+          f"then:\n"
+          f"  systemctl status peerd.service\n"
+          f"  journalctl -u peerd.service -f\n"
+          f"  sudo -u {args.user} {peerd} pause --checkpoint-dir {state}     # resume, health likewise")
+    return 0
+
+
+def _own_executable() -> Optional[str]:
+    """The ``peerd`` script beside this interpreter (a virtualenv's bin/), if there is one."""
+    candidate = os.path.join(os.path.dirname(os.path.abspath(sys.executable)), "peerd")
+    return candidate if os.access(candidate, os.X_OK) else None
+
+
+COMMANDS = {"join": _cmd_join, "bootstrap": _cmd_bootstrap, "status": _cmd_status, "config": _cmd_config,
+            "pause": _cmd_pause_resume, "resume": _cmd_pause_resume, "health": _cmd_health,
+            "install-service": _cmd_install_service}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -205,11 +395,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 130
     except Exception as e:
         from peerd.checkpoint import CheckpointError
+        from peerd.control import ControlUnavailable
         from peerd.daemon import RunConfigConflict
         from peerd.data import DataError
         from peerd.identity import IdentityError
+        from peerd.volunteer import ServiceError
 
-        if isinstance(e, (RunConfigConflict, CheckpointError, DataError, IdentityError, ConnectionError)):
+        if isinstance(e, ControlUnavailable):
+            print(f"{'unhealthy' if args.command == 'health' else 'peerd ' + args.command}: {e}", file=sys.stderr)
+            return 1
+        if isinstance(e, (RunConfigConflict, CheckpointError, DataError, IdentityError, ConnectionError,
+                          ServiceError)):
             logger.error("%s", e)
             return 1
         logger.exception("peerd failed: %s", e)

@@ -27,11 +27,12 @@ else:  # pragma: no cover
 from protocols.allreduce import AllReduceConfig
 from protocols.compression import CODECS
 from protocols.diloco import DiLoCoHyperparams
+from protocols.gossip import GossipConfig
 from peerd.schedule import ActiveHours
 from protocols.matchmaking import MatchmakingConfig
 
 MODEL_NAMES = ("tiny", "small")
-AVERAGING_METHODS = ("allreduce",)
+AVERAGING_METHODS = ("allreduce", "moshpit", "gossip")
 #: Longest path a Unix socket address holds on Linux (sun_path is 108 bytes with the terminating NUL).
 MAX_UNIX_SOCKET_PATH = 107
 
@@ -48,9 +49,17 @@ class AveragingConfig:
     """How peers average pseudo-gradients (timeouts in seconds)."""
 
     method: str = "allreduce"
-    """Topology: allreduce (one butterfly all-reduce among all peers present)."""
+    """Topology: allreduce (one butterfly all-reduce of pseudo-gradients among all peers present; theta_outer stays
+    bit-identical), moshpit (all-reduce in grid groups of ``group_size``, Ryabinin et al. 2021) or gossip (pairwise
+    push-pull with ``gossip_partners`` random peers, no barrier; Boyd et al. 2006). With moshpit and gossip every
+    peer applies its own outer step and then averages its outer state (theta_outer and momentum) with its group or
+    partners, so peers stay close rather than identical."""
     compression: str = "fp16"
-    """Wire codec of pseudo-gradients: none | fp16 | int8."""
+    """Wire codec of what is averaged: none | fp16 | int8."""
+    group_size: int = 4
+    """moshpit: target group size M (the grid has side M and ceil(log_M N) dimensions)."""
+    gossip_partners: int = 2
+    """gossip: partners a peer exchanges with after each of its outer steps (k)."""
     min_group_size: int = 1
     """A round with fewer peers fails (1 lets a lone peer keep applying outer steps)."""
     matchmaking_timeout_s: float = 30.0
@@ -70,6 +79,11 @@ class AveragingConfig:
             object.__setattr__(self, name, float(value))  # equal configs must print (and hash) alike
         if self.method not in AVERAGING_METHODS:
             raise ConfigError(f"averaging.method must be one of {AVERAGING_METHODS}, got {self.method!r}")
+        if self.group_size < 2 or self.gossip_partners < 1:
+            raise ConfigError(
+                f"averaging.group_size must be >= 2 and gossip_partners >= 1, got {self.group_size}, "
+                f"{self.gossip_partners}"
+            )
         if self.compression not in CODECS:
             raise ConfigError(f"averaging.compression must be one of {CODECS}, got {self.compression!r}")
         try:
@@ -88,6 +102,9 @@ class AveragingConfig:
 
     def allreduce(self) -> AllReduceConfig:
         return AllReduceConfig(self.compression, self.sender_timeout_s, self.reducer_timeout_s)
+
+    def gossip(self) -> GossipConfig:
+        return GossipConfig(self.gossip_partners, self.compression, self.sender_timeout_s)
 
 
 @dataclass(frozen=True)
@@ -256,7 +273,18 @@ def load_node_config(
     config_file: Optional[str] = None, environ: Mapping[str, str] = os.environ, overrides: Mapping[str, Any] = {}
 ) -> NodeConfig:
     """Merge defaults < TOML file (its ``[node]`` table, or the top level) < PEERD_<KEY> variables < overrides."""
+    return load_node_config_with_sources(config_file, environ, overrides)[0]
+
+
+def load_node_config_with_sources(
+    config_file: Optional[str] = None, environ: Mapping[str, str] = os.environ, overrides: Mapping[str, Any] = {},
+    flag_names: Mapping[str, str] = {},
+) -> tuple[NodeConfig, dict[str, str]]:
+    """:func:`load_node_config` plus where each value came from: key -> ``"default"``, ``"file PATH"``,
+    ``"env PEERD_KEY"`` or ``"flag --key"`` (overrides are the command line's flags; ``flag_names`` maps a key to
+    its flag where the two are spelled differently)."""
     values: dict[str, Any] = {}
+    sources: dict[str, str] = {f.name: "default" for f in fields(NodeConfig)}
     if config_file:
         data = _read_toml(config_file)
         if "node" in data:
@@ -265,17 +293,25 @@ def load_node_config(
                 raise ConfigError(f"{config_file}: keys outside the [node] table: {', '.join(stray)}")
             data = data["node"]
         values.update(_check_keys(NodeConfig, data, config_file))
+        sources.update({key: f"file {config_file}" for key in data})
     known = {f.name: f for f in fields(NodeConfig)}
     for name, f in known.items():
         raw = environ.get(ENV_PREFIX + name.upper())
         if raw is not None:
             values[name] = _parse_env(raw, f, ENV_PREFIX + name.upper())
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    return _build(NodeConfig, values, config_file or "node config")
+            sources[name] = f"env {ENV_PREFIX + name.upper()}"
+    given = {k: v for k, v in overrides.items() if v is not None}
+    values.update(given)
+    sources.update({k: f"flag {flag_names.get(k, '--' + k.replace('_', '-'))}" for k in given})
+    return _build(NodeConfig, values, config_file or "node config"), sources
 
 
 def _parse_env(raw: str, f: dataclasses.Field, var: str) -> Any:
     kind = str(f.type)
+    if kind.startswith("Optional["):
+        if raw.strip().lower() in ("", "none"):
+            return None
+        kind = kind[len("Optional["):-1]
     try:
         if kind.startswith("tuple"):
             return tuple(x for x in raw.replace(",", " ").split() if x)
@@ -315,7 +351,8 @@ def _check_keys(cls: type, data: Any, source: str) -> dict[str, Any]:
     return dict(data)
 
 
-_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "Optional[str]": (str, type(None))}
+_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "Optional[str]": (str, type(None)),
+          "Optional[int]": (int, type(None))}
 
 
 def _build(cls: type, data: Mapping[str, Any], source: str, **extra: Any) -> Any:
@@ -332,7 +369,7 @@ def _build(cls: type, data: Mapping[str, Any], source: str, **extra: Any) -> Any
                 raise ConfigError(f"{source}: {f.name} must be a list of strings, got {value!r}")
             data[f.name] = tuple(value)
         elif kind in _TYPES:
-            ok = isinstance(value, _TYPES[kind]) and not (isinstance(value, bool) and kind in ("int", "float"))
+            ok = isinstance(value, _TYPES[kind]) and not (isinstance(value, bool) and kind != "bool")
             if not ok:
                 raise ConfigError(f"{source}: {f.name} must be {kind}, got {type(value).__name__} {value!r}")
             if kind == "float":

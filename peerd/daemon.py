@@ -15,6 +15,7 @@ from peerd.config import ConfigError, NodeConfig, RunConfig
 from peerd.identity import load_or_create_identity
 from peerd.telemetry import config_key, status_key
 from peerd.transport.hivemind_backend import HivemindTransport
+from peerd.volunteer import VolunteerServices
 
 logger = logging.getLogger(__name__)
 
@@ -112,36 +113,44 @@ def _diff(a: dict, b: dict, prefix: str = "") -> list[tuple[str, object, object]
 
 async def join(run_id: str, node: NodeConfig, local_run: Optional[RunConfig]) -> None:
     """Join (or create) run ``run_id`` as a DiLoCo worker until stopped or the run's round limit."""
-    from peerd.roles.diloco_worker import DiLoCoWorker  # torch-heavy; keep `peerd --help` fast
+    from peerd.limits import apply_cpu_threads, apply_gpu_memory_fraction
+    from peerd.roles.diloco_worker import DiLoCoWorker, pick_device  # torch-heavy; keep `peerd --help` fast
 
     stop = asyncio.Event()
     install_stop_handlers(stop)
-    transport = await start_transport(node)
-    keeper = None
-    try:
-        logger.info("listening on %s", " ".join(transport.visible_maddrs()))
-        run = await resolve_run_config(transport, run_id, local_run)
-        keeper = asyncio.ensure_future(keep_run_config_alive(transport, run_id, run))
-        worker = DiLoCoWorker(run_id, run, node, transport, stop)
-        await worker.run_forever()
-    finally:
-        if keeper is not None:
-            keeper.cancel()
-        await transport.shutdown()
+    async with VolunteerServices(node, "diloco", stop, run_id=run_id) as services:
+        apply_cpu_threads(node.threads)
+        apply_gpu_memory_fraction(node.gpu_memory_fraction, pick_device(node.device))
+        transport = await start_transport(node)
+        keeper = None
+        try:
+            logger.info("listening on %s", " ".join(transport.visible_maddrs()))
+            run = await resolve_run_config(transport, run_id, local_run)
+            keeper = asyncio.ensure_future(keep_run_config_alive(transport, run_id, run))
+            worker = DiLoCoWorker(run_id, run, node, services.pace(transport), stop, gate=services.gate)
+            services.watch_peers(transport.discovery, run_id)
+            services.ready(f"joined run {run_id}")
+            await worker.run_forever()
+        finally:
+            if keeper is not None:
+                keeper.cancel()
+            await transport.shutdown()
 
 
 async def bootstrap(node: NodeConfig, on_ready=print) -> None:
     """Run a DHT-only node until stopped; ``on_ready`` receives each visible multiaddr."""
     stop = asyncio.Event()
     install_stop_handlers(stop)
-    transport = await start_transport(node)
-    try:
-        for maddr in transport.visible_maddrs():
-            on_ready(maddr)
-        logger.info("bootstrap node up; give peers --initial-peers with one of the addresses above")
-        await stop.wait()
-    finally:
-        await transport.shutdown()
+    async with VolunteerServices(node, "bootstrap", stop) as services:
+        transport = await start_transport(node)
+        try:
+            for maddr in transport.visible_maddrs():
+                on_ready(maddr)
+            logger.info("bootstrap node up; give peers --initial-peers with one of the addresses above")
+            services.ready("bootstrap node up")
+            await stop.wait()
+        finally:
+            await transport.shutdown()
 
 
 async def read_status(node: NodeConfig, run_id: str) -> tuple[dict[str, dict], Optional[dict]]:

@@ -73,7 +73,8 @@ class Swarm:
         out = self.workdir / "bootstrap.out"
         with open(out, "w") as stdout, open(self.workdir / "bootstrap.err", "w") as stderr:
             self._bootstrap = subprocess.Popen(
-                peerd_cmd("bootstrap", "--config", str(LOCAL), "--identity", str(self.workdir / "bootstrap.key")),
+                peerd_cmd("bootstrap", "--config", str(LOCAL), "--identity", str(self.workdir / "bootstrap.key"),
+                          "--checkpoint-dir", str(self.workdir / "bootstrap-state")),
                 stdout=stdout, stderr=stderr, start_new_session=True,
             )
         deadline = time.time() + timeout_s

@@ -54,6 +54,54 @@ def setup_logging(log_format: str = "text", level: str | None = None) -> None:
     logging.captureWarnings(True)
 
 
+def event_fields(record: logging.LogRecord) -> dict[str, Any]:
+    """The ``extra`` fields of a record (``event`` and the rest), as the JSON formatter writes them."""
+    return {k: v for k, v in vars(record).items() if k not in _STANDARD_ATTRS and not k.startswith("_")}
+
+
+class EventTap(logging.Handler):
+    """Hands every structured event (a record with ``extra={"event": ...}``) to subscribers: metrics, the daemon's
+    own state, systemd status lines. Attach it to the ``peerd`` logger with :meth:`attach`."""
+
+    def __init__(self, *subscribers: Any):
+        super().__init__(logging.DEBUG)
+        self.subscribers = list(subscribers)
+        self._restore: list[tuple[Any, int]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not isinstance(getattr(record, "event", None), str):
+            return
+        event = event_fields(record)
+        for subscriber in self.subscribers:
+            try:
+                subscriber(event)
+            except Exception:  # never let a subscriber break logging
+                self.handleError(record)
+
+    def attach(self, logger_name: str = "peerd") -> None:
+        """Receive INFO events even when the user asked for fewer log lines: the ``peerd`` logger lets INFO through
+        and the root handlers keep the user's level."""
+        root = logging.getLogger()
+        target = logging.getLogger(logger_name)
+        if target.getEffectiveLevel() > logging.INFO:
+            for handler in root.handlers:
+                if handler.level < root.level:
+                    self._restore.append((handler, handler.level))
+                    handler.setLevel(root.level)
+            self._restore.append((target, target.level))
+            target.setLevel(logging.INFO)
+        target.addHandler(self)
+        self._target = target
+
+    def detach(self) -> None:
+        target = getattr(self, "_target", None)
+        if target is not None:
+            target.removeHandler(self)
+        for obj, level in reversed(self._restore):
+            obj.setLevel(level)
+        self._restore.clear()
+
+
 def status_key(run_id: str) -> str:
     """DHT key under which every peer of ``run_id`` keeps its status record (subkey = PeerID)."""
     return f"peerd.{run_id}.status"

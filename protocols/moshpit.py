@@ -11,7 +11,7 @@ groups are reshuffled every epoch (groupmates of one epoch are spread across gro
 of the live list differ may land in groups of unexpected size; matchmaking then seals what arrives in time.
 
 Defaults follow the paper's experiments: target group size M = 4 (paper: groups of 4-32), grid dimension
-d = ceil(log_M N).
+d = floor(log_M N) with side ceil(N^(1/d)), so an N that is not a power of M gives groups a little larger than M.
 """
 
 from __future__ import annotations
@@ -40,11 +40,12 @@ class Grid:
 
     @classmethod
     def for_peers(cls, n_peers: int, target_group_size: int) -> "Grid":
-        """The smallest grid with side ``target_group_size`` that holds ``n_peers`` (side shrinks for tiny swarms)."""
+        """The grid for ``n_peers``: d = floor(log_M N) dimensions (at least 1) and side ceil(N^(1/d)), so groups
+        hold M to about 2M peers and nobody is left alone on a sparse grid (3 peers with M = 2 form one group)."""
         if n_peers < 1 or target_group_size < 2:
             raise ValueError(f"need n_peers >= 1 and target_group_size >= 2, got {n_peers}, {target_group_size}")
-        side = min(target_group_size, max(n_peers, 2))
-        dims = max(1, math.ceil(math.log(n_peers, side) - 1e-9)) if n_peers > 1 else 1
+        dims = max(1, math.floor(math.log(n_peers, target_group_size) + 1e-9)) if n_peers > 1 else 1
+        side = max(1, math.ceil(n_peers ** (1 / dims) - 1e-9))
         return cls(side, dims, n_peers)
 
     def coordinates(self, index: int) -> tuple[int, ...]:
@@ -88,6 +89,30 @@ def assign(peer: str, live_peers: Sequence[str], outer_round: int, target_group_
     size = sum(1 for i in range(len(order)) if grid.group_of(grid.coordinates(i), outer_round) == group)
     cell = ".".join("x" if c < 0 else str(c) for c in group)
     return Assignment(f"moshpit.r{outer_round}.g{grid.side}x{grid.dims}.{cell}", size, coords)
+
+
+def group_mates(peer: str, live_peers: Sequence[str], outer_round: int, target_group_size: int) -> list[str]:
+    """The other peers the grid puts in ``peer``'s group for ``outer_round``."""
+    everyone = sorted(set(live_peers) | {peer})
+    key = assign(peer, everyone, outer_round, target_group_size).key
+    return [p for p in everyone if p != peer and assign(p, everyone, outer_round, target_group_size).key == key]
+
+
+def round_to_join(peer: str, rounds: dict[str, int], outer_round: int, target_group_size: int) -> int:
+    """The round ``peer`` should average in next, given every live peer's next round (``rounds``).
+
+    Normally ``outer_round``. But if every groupmate of that round has already moved past it (we fell behind, e.g.
+    after waiting out a dead partner), waiting for them is pointless: skip ahead to the earliest round our
+    groupmates are at, and repeat. Groups are thereby re-aligned after a failure instead of timing out round after
+    round.
+    """
+    live = sorted(set(rounds) | {peer})
+    for _ in range(64):  # bounded: each step moves at least one round forward
+        mates = group_mates(peer, live, outer_round, target_group_size)
+        if not mates or not all(rounds.get(m, outer_round) > outer_round for m in mates):
+            return outer_round
+        outer_round = min(rounds[m] for m in mates)
+    return outer_round
 
 
 # ------------------------------------------------------------------------------------------------------------ runner

@@ -33,8 +33,10 @@ from peerd.checkpoint import Checkpoint, CheckpointError, checkpoint_path, load_
 from peerd.config import NodeConfig, RunConfig
 from peerd.data import DataError, WindowSampler, evaluate, load_corpus
 from peerd.models import build_model
+from peerd.pause import PauseGate
 from peerd.telemetry import make_status, status_key
 from protocols.allreduce import AllReduceFailed, ButterflyAllReduce
+from protocols.gossip import GossipAverager
 from protocols.diloco import (
     OuterState,
     flatten_parameters,
@@ -45,6 +47,7 @@ from protocols.diloco import (
 )
 from protocols.interfaces import Transport
 from protocols.matchmaking import AdmissionRefused, Matchmaker, MatchmakingFailed
+from protocols.moshpit import MoshpitAverager, round_to_join
 from protocols.state_transfer import StateServer, StateSnapshot, StateTransferFailed, download_state
 from protocols.wire import ProtocolViolation
 
@@ -80,13 +83,15 @@ class RoundStats:
 class DiLoCoWorker:
     """One peer's DiLoCo training. ``run()`` returns when stopped or after ``max_outer_rounds``."""
 
-    def __init__(self, run_id: str, run: RunConfig, node: NodeConfig, transport: Transport, stop: asyncio.Event):
+    def __init__(self, run_id: str, run: RunConfig, node: NodeConfig, transport: Transport, stop: asyncio.Event,
+                 gate: Optional[PauseGate] = None):
         self.run_id = run_id
         self.run = run
         self.node = node
         self.hp = run.diloco
         self.transport = transport
         self.stop = stop
+        self.gate = gate or PauseGate()  # paused: no inner steps, no matchmaking (see _wait_while_paused)
         self.peer_id = transport.streams.peer_id
         self.prefix = f"peerd.{run_id}"
         self.stats = RoundStats()
@@ -106,28 +111,40 @@ class DiLoCoWorker:
         self.samples_since_sync = 0
         self.round_quota = self.hp.inner_steps
         self._snapshot: Optional[StateSnapshot] = None
+        self._snapshot_of: Optional[OuterState] = None
         self.checkpoint_file = checkpoint_path(node.checkpoint_path, run_id)
 
-        self.matchmaker = Matchmaker(transport, self.prefix, run.averaging.matchmaking(), admit=self._admit)
+        self.round_start_theta = self.outer.theta
+        self.method = run.averaging.method
+        self.gossip_weight = float(run.batch_size * self.hp.inner_steps)
+        # only the all-reduce keeps theta_outer bit-identical, so only it refuses members that differ
+        admit = self._admit if self.method == "allreduce" else None
+        self.matchmaker = Matchmaker(transport, self.prefix, run.averaging.matchmaking(), admit=admit)
         self.allreduce = ButterflyAllReduce(transport, self.prefix, run.averaging.allreduce())
-        self.state_server = StateServer(transport, self.prefix, lambda: self._snapshot)
+        self.moshpit = MoshpitAverager(self.matchmaker, self.allreduce, run.averaging.group_size)
+        self.gossip = GossipAverager(transport, self.prefix, run.averaging.gossip(), self._gossip_state,
+                                     self._set_gossip_state)
+        self.state_server = StateServer(transport, self.prefix, self._current_snapshot)
+        self.components = (self.matchmaker, self.allreduce, self.gossip, self.state_server)
 
     # ------------------------------------------------------------------------------------------------------ lifecycle
 
     async def run_forever(self) -> None:
         """Train until stopped or ``max_outer_rounds`` is reached; always checkpoints before returning."""
-        for component in (self.matchmaker, self.allreduce, self.state_server):
+        for component in self.components:
             await component.start()
         self._resume()
-        self._refresh_snapshot()
         status_task = asyncio.ensure_future(self._publish_status_forever())
         try:
             await self._catch_up(await self._live_peers())
             await self._evaluate_and_log(event="eval", extra={"outer_round": self.outer.outer_round})
             while not self.stop.is_set() and not self._finished():
+                await self._wait_while_paused()
                 await self._train_until_quota()
                 if self.stop.is_set():
                     break
+                if self.gate.paused:
+                    continue
                 await self._outer_round()
         finally:
             status_task.cancel()
@@ -135,7 +152,7 @@ class DiLoCoWorker:
                 await status_task
             self._save_checkpoint()
             await self._publish_status(role="left")
-            for component in (self.matchmaker, self.allreduce, self.state_server):
+            for component in self.components:
                 with contextlib.suppress(Exception):
                     await component.stop()
         logger.info(
@@ -169,7 +186,7 @@ class DiLoCoWorker:
         loop = asyncio.get_running_loop()
         tokens_per_step = self.run.batch_size * self.run.seq_len
         window_start, window_steps = time.perf_counter(), 0
-        while self.steps_since_sync < self.round_quota and not self.stop.is_set():
+        while self.steps_since_sync < self.round_quota and not self.stop.is_set() and not self.gate.paused:
             loss = await loop.run_in_executor(None, self._inner_step)
             self.steps_since_sync += 1
             self.samples_since_sync += self.run.batch_size
@@ -195,79 +212,167 @@ class DiLoCoWorker:
         return None
 
     async def _outer_round(self) -> None:
+        """One outer round with the configured topology; on success theta_local restarts from theta_outer."""
         live = await self._live_peers()
-        if await self._catch_up(live):
+        # all-reduce peers move in lockstep: anyone ahead means we missed a round. Moshpit groups progress
+        # independently, so only a gap of two rounds means our groupmates are gone. Gossip has no rounds to share.
+        margin = {"allreduce": 1, "moshpit": 2}.get(self.method)
+        if margin is not None and await self._catch_up(live, margin):
             return
+        started = time.perf_counter()
+        if self.method == "allreduce":
+            outcome = await self._allreduce_round(live)
+        else:
+            outcome = await self._mixing_round(live)
+        if outcome is None:
+            return
+        result, weight, steps_in_round, digest = outcome
+        load_flat_parameters_(self.model, self.outer.theta)
+        self.round_start_theta = self.outer.theta
+        self.steps_since_sync, self.samples_since_sync = 0, 0
+        self.round_quota = self.hp.inner_steps
+        self.stats.rounds_ok += 1
+        self.stats.bytes_sent += result["bytes_sent"]
+        self.stats.bytes_received += result["bytes_received"]
+        self._save_checkpoint()
+        n = result["group_size"]
+        dp_bytes = int(steps_in_round * 2 * (n - 1) / n * 4 * self.outer.numel)
+        await self._evaluate_and_log(
+            event="outer_round",
+            extra={
+                **result, "outer_round": self.outer.outer_round, "round_s": round(time.perf_counter() - started, 3),
+                "weight": weight, "inner_steps": steps_in_round, "dp_equivalent_bytes": dp_bytes, "digest": digest,
+                "method": self.method,
+            },
+        )
+        await self._publish_status()
+
+    def _round_failed(self, r: int, error: Exception, what: str) -> None:
+        self.stats.rounds_failed += 1
+        logger.warning(
+            "round %d failed: %s; %s", r + 1, error, what,
+            extra={"event": "round_failed", "outer_round": r, "reason": str(error), "method": self.method},
+        )
+
+    async def _allreduce_round(self, live: dict[str, dict]) -> Optional[tuple[dict, float, int, str]]:
+        """Average pseudo-gradients with everyone present, then apply the shared outer step (bit-identical)."""
         r = self.outer.outer_round
         expected = 1 + sum(1 for p, s in live.items() if p != self.peer_id and s.get("outer_round") == r)
-        theta_local = flatten_parameters(self.model)
-        pseudo_gradient = self.outer.pseudo_gradient(theta_local)  # (P,)
+        pseudo_gradient = self.outer.pseudo_gradient(flatten_parameters(self.model))  # (P,)
         weight = float(self.samples_since_sync)
-        round_start = time.perf_counter()
         try:
             group = await self._unless_stopped(
                 self.matchmaker.form_group(f"round{r}", {"digest": self.outer.digest()}, expected_size=expected)
             )
             if group is None:
-                return
+                return None
             result = await self._bounded_on_stop(self.allreduce.run(group, pseudo_gradient, weight))
         except AdmissionRefused as e:
             logger.warning("round %d: %s; adopting the leader's state after its round", r + 1, e.reason)
             await self._wait_for_round(e.leader, r + 1)
             await self._download_from([e.leader])
-            return
+            return None
         except (MatchmakingFailed, AllReduceFailed, asyncio.TimeoutError) as e:
-            self.stats.rounds_failed += 1
-            logger.warning(
-                "round %d failed: %s; theta_outer unchanged, keeping %d local steps for the next attempt",
-                r + 1, e, self.steps_since_sync,
-                extra={"event": "round_failed", "outer_round": r, "reason": str(e)},
-            )
+            self._round_failed(r, e, f"theta_outer unchanged, keeping {self.steps_since_sync} local steps")
             self.round_quota = self.steps_since_sync + self.hp.inner_steps
-            return
+            return None
         if result is None:
-            return
-        new_outer = self.outer.apply(result.averaged, self.hp)
-        load_flat_parameters_(self.model, new_outer.theta)
-        self.outer = new_outer
-        steps_in_round = self.steps_since_sync
-        self.steps_since_sync, self.samples_since_sync = 0, 0
-        self.round_quota = self.hp.inner_steps
-        self.stats.rounds_ok += 1
-        self.stats.bytes_sent += result.bytes_sent
-        self.stats.bytes_received += result.bytes_received
-        self._refresh_snapshot()
-        self._save_checkpoint()
-        params = pseudo_gradient.numel()
-        n = result.group_size
-        dp_bytes = int(steps_in_round * 2 * (n - 1) / n * 4 * params)
-        await self._evaluate_and_log(
-            event="outer_round",
-            extra={
-                "outer_round": self.outer.outer_round, "group_size": n, "bytes_sent": result.bytes_sent,
+            return None
+        steps = self.steps_since_sync
+        self.outer = self.outer.apply(result.averaged, self.hp)
+        info = {"group_size": result.group_size, "bytes_sent": result.bytes_sent,
                 "bytes_received": result.bytes_received, "allreduce_s": round(result.seconds, 3),
-                "round_s": round(time.perf_counter() - round_start, 3), "weight": weight,
-                "inner_steps": steps_in_round, "dp_equivalent_bytes": dp_bytes, "digest": self.outer.digest(),
-                "excluded": result.excluded,
-            },
-        )
-        await self._publish_status()
+                "excluded": result.excluded}
+        return info, weight, steps, self.outer.digest()
+
+    async def _mixing_round(self, live: dict[str, dict]) -> Optional[tuple[dict, float, int, str]]:
+        """moshpit / gossip: apply our own outer step, then average the outer state (theta_outer, momentum) with
+        this round's grid group or random partners. A failed exchange keeps our own step (peers drift apart a little
+        until the next successful one); they are pulled together again by later rounds."""
+        r = self.outer.outer_round
+        if self.method == "moshpit":
+            rounds = {p: s["outer_round"] for p, s in live.items() if p != self.peer_id}
+            joined = round_to_join(self.peer_id, rounds, r, self.run.averaging.group_size)
+            if joined != r:
+                logger.info("our moshpit groupmates moved on: joining round %d instead of %d", joined + 1, r + 1)
+                self.outer = OuterState(self.outer.theta, self.outer.momentum, joined)
+                r = joined
+        weight = float(self.samples_since_sync)
+        delta = self.round_start_theta - flatten_parameters(self.model)  # own pseudo-gradient (P,)
+        stepped = self.outer.apply(delta, self.hp)  # onto the current state, which gossip may have mixed meanwhile
+        stepped = OuterState(stepped.theta, stepped.momentum, r + 1)
+        steps = self.steps_since_sync
+        info = {"group_size": 1, "bytes_sent": 0, "bytes_received": 0, "allreduce_s": 0.0, "excluded": {}}
+        started = time.perf_counter()
+        peers = sorted(live) if self.peer_id in live else sorted([*live, self.peer_id])
+        try:
+            if self.method == "moshpit":
+                packed = torch.cat([stepped.theta, stepped.momentum])  # (2P,)
+                try:
+                    result = await self._unless_stopped(self.moshpit.average(r, packed, weight, peers))
+                finally:  # our status keeps showing round r until the group is done: others match with us
+                    self.outer = stepped
+                if result is not None:
+                    self.outer = _unpack(result.averaged, r + 1)
+                    info.update(group_size=result.group_size, bytes_sent=result.bytes_sent,
+                                bytes_received=result.bytes_received, excluded=result.excluded)
+            else:
+                self.outer, self.gossip_weight = stepped, weight
+                result = await self._unless_stopped(self.gossip.gossip_round(peers))
+                if result is not None:
+                    info.update(group_size=1 + result.exchanges, bytes_sent=result.bytes_sent,
+                                bytes_received=result.bytes_received)
+        except (MatchmakingFailed, AllReduceFailed) as e:
+            self._round_failed(r, e, "keeping our own outer step")
+        info["allreduce_s"] = round(time.perf_counter() - started, 3)
+        return info, weight, steps, self.outer.digest()
+
+    def _gossip_state(self) -> tuple[torch.Tensor, float]:
+        return torch.cat([self.outer.theta, self.outer.momentum]), self.gossip_weight
+
+    def _set_gossip_state(self, packed: torch.Tensor, weight: float) -> None:
+        self.outer = _unpack(packed, self.outer.outer_round)
+        self.gossip_weight = weight
 
     async def _unless_stopped(self, coro) -> Any:
-        """Run ``coro`` but abandon it (returning None) as soon as a stop is requested."""
+        """Run ``coro`` but abandon it (returning None) as soon as a stop or a pause is requested."""
         task = asyncio.ensure_future(coro)
         stopper = asyncio.ensure_future(self.stop.wait())
+        pauser = asyncio.ensure_future(self.gate.wait_paused())
         try:
-            await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({task, stopper, pauser}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             stopper.cancel()
+            pauser.cancel()
         if task.done():
             return task.result()
         task.cancel()
         with contextlib.suppress(BaseException):
             await task
-        logger.info("stop requested: abandoned matchmaking")
+        logger.info("%s requested: abandoned matchmaking", "stop" if self.stop.is_set() else "pause")
         return None
+
+    async def _wait_while_paused(self) -> None:
+        """While the gate is paused: publish role "paused" (others stop counting on us), wait, then rejoin. Called
+        only between rounds, so a pause never breaks a running all-reduce."""
+        if not self.gate.paused or self.stop.is_set():
+            return
+        logger.info("paused (%s) at outer round %d, %d local steps", self.gate.describe(), self.outer.outer_round,
+                    self.steps_since_sync, extra={"event": "paused", "outer_round": self.outer.outer_round,
+                                                  "reasons": self.gate.reasons})
+        await self._publish_status()
+        resumed = asyncio.ensure_future(self.gate.wait_running())
+        stopper = asyncio.ensure_future(self.stop.wait())
+        try:
+            await asyncio.wait({resumed, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            resumed.cancel()
+            stopper.cancel()
+        if self.stop.is_set():
+            return
+        logger.info("resumed at outer round %d", self.outer.outer_round,
+                    extra={"event": "resumed", "outer_round": self.outer.outer_round})
+        await self._publish_status()
 
     async def _bounded_on_stop(self, coro) -> Any:
         """Run ``coro``; if a stop is requested meanwhile, give it at most SHUTDOWN_GRACE_S more seconds."""
@@ -297,10 +402,12 @@ class DiLoCoWorker:
             if isinstance(r.value, dict) and r.value.get("role") == ROLE and isinstance(r.value.get("outer_round"), int)
         }
 
-    async def _catch_up(self, live: dict[str, dict]) -> bool:
-        """Download the state of the most advanced live peer if it is ahead of us. True if we adopted a state."""
+    async def _catch_up(self, live: dict[str, dict], margin: int = 1) -> bool:
+        """Download the state of the most advanced live peer if it is ``margin`` or more rounds ahead of us.
+        True if we adopted a state."""
+        mine = self.outer.outer_round
         ahead = sorted(
-            ((s["outer_round"], p) for p, s in live.items() if p != self.peer_id and s["outer_round"] > self.outer.outer_round),
+            ((s["outer_round"], p) for p, s in live.items() if p != self.peer_id and s["outer_round"] >= mine + margin),
             reverse=True,
         )
         if not ahead:
@@ -345,7 +452,7 @@ class DiLoCoWorker:
             load_flat_parameters_(self.model, outer.theta)
             self.steps_since_sync, self.samples_since_sync = 0, 0
             self.round_quota = self.hp.inner_steps
-            self._refresh_snapshot()
+            self.round_start_theta = outer.theta
             await self._publish_status()
             logger.info(
                 "downloaded outer round %d state (%.1f MB) from %s in %.2f s%s",
@@ -357,11 +464,15 @@ class DiLoCoWorker:
             return True
         return False
 
-    def _refresh_snapshot(self) -> None:
-        self._snapshot = StateSnapshot.from_tensors(
-            {"theta": self.outer.theta, "momentum": self.outer.momentum},
-            {"outer_round": self.outer.outer_round, "digest": self.outer.digest(), "run": self.run.fingerprint()},
-        )
+    def _current_snapshot(self) -> StateSnapshot:
+        """The outer state as served to joiners, rebuilt only when the state object changed."""
+        if self._snapshot is None or self._snapshot_of is not self.outer:
+            self._snapshot_of = self.outer
+            self._snapshot = StateSnapshot.from_tensors(
+                {"theta": self.outer.theta, "momentum": self.outer.momentum},
+                {"outer_round": self.outer.outer_round, "digest": self.outer.digest(), "run": self.run.fingerprint()},
+            )
+        return self._snapshot
 
     # ------------------------------------------------------------------------------------------ evaluation, status
 
@@ -386,7 +497,8 @@ class DiLoCoWorker:
         else:
             logger.info("outer round %d: eval %s", extra["outer_round"], _fmt_eval(eval_loss), extra=extra)
 
-    async def _publish_status(self, role: str = ROLE) -> None:
+    async def _publish_status(self, role: Optional[str] = None) -> None:
+        role = role or ("paused" if self.gate.paused else ROLE)
         record = make_status(
             role=role, outer_round=self.outer.outer_round, inner_step=self.steps_since_sync,
             loss=self.stats.last_loss, tokens_per_s=self.stats.tokens_per_s,
@@ -434,6 +546,7 @@ class DiLoCoWorker:
         t = checkpoint.tensors
         try:
             self.outer = OuterState(t["theta_outer"].clone(), t["momentum"].clone(), int(meta["outer_round"]))
+            self.round_start_theta = self.outer.theta
             load_flat_parameters_(self.model, t["theta_local"])
             state = self.optimizer.state_dict()
             inner: dict[int, dict[str, torch.Tensor]] = {}
@@ -455,6 +568,12 @@ class DiLoCoWorker:
             self.checkpoint_file, self.outer.outer_round, self.steps_since_sync,
             extra={"event": "resume", "outer_round": self.outer.outer_round, "digest": self.outer.digest()},
         )
+
+
+def _unpack(packed: torch.Tensor, outer_round: int) -> OuterState:
+    """(2P,) = [theta_outer, momentum] back into an OuterState (validated: shapes, finite values)."""
+    numel = packed.numel() // 2
+    return OuterState(packed[:numel].clone(), packed[numel:].clone(), outer_round)
 
 
 def _fmt_eval(nats: Optional[float]) -> str:

@@ -71,3 +71,32 @@ def test_sigterm_checkpoints_and_restart_resumes(swarm, tmp_path):
     if last_round == 1:
         assert resumed[0]["digest"] == digest_1
     assert again.digests().get(3), "did not reach round 3 after resuming"
+
+
+@pytest.mark.parametrize("method", ["moshpit", "gossip"])
+def test_diloco_with_moshpit_and_gossip_learns_and_peers_stay_close(swarm, tmp_path, method):
+    from safetensors.torch import load_file
+
+    config = tmp_path / f"{method}.toml"
+    text = _config(tmp_path, "base.toml", max_outer_rounds=3).read_text()
+    config.write_text(text.replace('[averaging]', f'[averaging]\nmethod = "{method}"\ngroup_size = 2'))
+    swarm.start_bootstrap()
+    n = 4 if method == "moshpit" else 3  # moshpit: a full 2 x 2 grid, groups of 2 along alternating dimensions
+    peers = [swarm.start_peer(f"p{i}", method, config) for i in range(n)]
+    for peer in peers:
+        assert swarm.wait_exit(peer, 180) == 0, swarm.tails()
+    for peer in peers:
+        rounds = peer.of("outer_round")
+        assert [e["outer_round"] for e in rounds] == [1, 2, 3]
+        assert rounds[-1]["eval_nats_per_byte"] < peer.of("eval")[0]["eval_nats_per_byte"]
+        assert sum(e["group_size"] > 1 for e in rounds) >= 2, rounds  # it really averaged with others
+    thetas = [load_file(str(tmp_path / f"ckpt-p{i}" / method / "state.safetensors"))["theta_outer"] for i in range(n)]
+    from peerd.models import build_model
+    from protocols.diloco import flatten_parameters
+
+    start = flatten_parameters(build_model("tiny", 64, 0))
+    mean = sum(thetas) / n
+    # spread of the peers relative to how far training moved the model: 0 for the all-reduce, O(1) with no averaging
+    spread = max(float((t - mean).norm()) for t in thetas) / float((mean - start).norm())
+    print(f"{method}: max ||theta_i - mean|| / ||mean - theta_0|| after 3 rounds = {spread:.3f}")
+    assert spread < 0.5

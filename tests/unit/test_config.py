@@ -347,7 +347,7 @@ def test_request_timeout_must_be_below_matchmaking_timeout(request_s, matchmakin
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"method": "gossip"}, {"compression": "zstd"}, {"min_group_size": 0}, {"sender_timeout_s": 0.0},
+    [{"method": "ring"}, {"group_size": 1}, {"gossip_partners": 0}, {"compression": "zstd"}, {"min_group_size": 0}, {"sender_timeout_s": 0.0},
      {"matchmaking_timeout_s": -1.0}],
 )
 def test_other_invalid_averaging_values(kwargs):

@@ -29,9 +29,8 @@ def _worker(hub, name, run, tmp_path) -> DiLoCoWorker:
 
 
 async def _start(worker):
-    for component in (worker.matchmaker, worker.allreduce, worker.state_server):
+    for component in worker.components:
         await component.start()
-    worker._refresh_snapshot()
     await worker._publish_status()
 
 
@@ -96,7 +95,6 @@ def test_refused_peer_downloads_the_leaders_state(tmp_path):
             await _start(w)
         # b diverged (e.g. it averaged in another group): same round, different theta_outer
         b.outer = OuterState(b.outer.theta + 1.0, b.outer.momentum.clone(), 0)
-        b._refresh_snapshot()
         for _ in range(4):
             for w in (a, b):
                 await w._train_until_quota()

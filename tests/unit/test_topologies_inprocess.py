@@ -11,7 +11,7 @@ from protocols.allreduce import AllReduceConfig, ButterflyAllReduce
 from protocols.diloco import weighted_average
 from protocols.gossip import GossipAverager, GossipConfig, choose_partners, consensus_distance, pair_average
 from protocols.matchmaking import MatchmakingConfig, Matchmaker
-from protocols.moshpit import Grid, MoshpitAverager, assign
+from protocols.moshpit import Grid, MoshpitAverager, assign, group_mates, round_to_join
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -22,6 +22,8 @@ def test_grid_shapes():
     assert (Grid.for_peers(8, 2).side, Grid.for_peers(8, 2).dims) == (2, 3)
     assert (Grid.for_peers(3, 4).side, Grid.for_peers(3, 4).dims) == (3, 1)
     assert Grid.for_peers(1, 4).dims == 1
+    assert (Grid.for_peers(3, 2).side, Grid.for_peers(3, 2).dims) == (3, 1)  # one group, nobody alone
+    assert (Grid.for_peers(5, 2).side, Grid.for_peers(5, 2).dims) == (3, 2)
     assert Grid(2, 2, 4).coordinates(3) == (1, 1)
     with pytest.raises(ValueError):
         Grid.for_peers(4, 1)
@@ -42,6 +44,17 @@ def test_assignments_partition_the_peers_into_orthogonal_groups():
     for g0 in rounds[0]:
         for g1 in rounds[1]:
             assert len(g0 & g1) == 1
+
+
+def test_round_to_join_skips_only_when_every_groupmate_moved_on():
+    peers = ["a", "b", "c", "d"]
+    mates = group_mates("a", peers, 0, 2)
+    assert len(mates) == 1
+    others = [p for p in peers if p not in mates and p != "a"]
+    # the groupmate is still at round 0: wait for it, even if the other group is ahead
+    assert round_to_join("a", {mates[0]: 0, **{p: 3 for p in others}}, 0, 2) == 0
+    # the groupmate already left round 0: follow it
+    assert round_to_join("a", {mates[0]: 1, **{p: 1 for p in others}}, 0, 2) >= 1
 
 
 def test_pair_average_is_symmetric_and_preserves_mass():

@@ -1,0 +1,224 @@
+"""What makes a daemon a volunteer's service, around whatever role it runs.
+
+:class:`VolunteerServices` owns, for one daemon's lifetime: the pause gate (``peerd pause``/``resume``, active
+hours), the local control socket, systemd notifications and watchdog, the Prometheus endpoint, bandwidth pacing of
+the role's streams, and the daemon's view of its own progress (for ``peerd health``). It learns about the role's
+progress from the role's structured log events (:class:`peerd.telemetry.EventTap`), so roles need only one hook:
+checking the pause gate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from typing import Any, Mapping, Optional
+
+from peerd.config import NodeConfig
+from peerd.control import ControlServer
+from peerd.health import DaemonState, assess_health
+from peerd.pause import USER_REASON, PauseGate
+from peerd.schedule import ActiveHours, enforce_active_hours
+from peerd.systemd import Notifier, watchdog_interval_s, watchdog_loop
+from peerd.telemetry import EventTap, status_key
+from peerd.transport.pacing import PacedStreams, PacedTransport, pace
+
+logger = logging.getLogger(__name__)
+
+#: Shortest interval between two reads of the run's status records for the ``peers_seen`` metric, in seconds.
+PEERS_POLL_MIN_S = 5.0
+
+
+class ServiceError(RuntimeError):
+    """A service the volunteer asked for cannot start (e.g. the metrics port is taken)."""
+
+
+class VolunteerServices:
+    """Use as ``async with VolunteerServices(node, "diloco", stop, run_id) as services:`` around a role."""
+
+    def __init__(self, node: NodeConfig, role: str, stop: asyncio.Event, run_id: Optional[str] = None,
+                 environ: Mapping[str, str] = os.environ):
+        self.node = node
+        self.role = role
+        self.stop = stop
+        self.gate = PauseGate()
+        self.state = DaemonState(role=role, run_id=run_id, started_at=time.time())
+        self.notifier = Notifier.from_env(environ)
+        self.watchdog_s = watchdog_interval_s(environ)
+        self.streams: Optional[PacedStreams] = None
+        self.metrics = None
+        self.metrics_port: Optional[int] = None
+        self.peers_seen: Optional[int] = None
+        self.control_path: Optional[str] = None
+        self._control = ControlServer(node.control_socket_path, self._handle)
+        self._tasks: list[asyncio.Task] = []
+        self._stopping_sent = False
+        subscribers = [self.state.observe, self._systemd_status]
+        if node.metrics_port is not None:
+            from peerd.metrics import Metrics  # prometheus_client only when asked for
+
+            self.metrics = Metrics(lambda: self.streams.report() if self.streams else None)
+            subscribers.append(self.metrics.observe)
+        self._tap = EventTap(*subscribers)
+
+    # ---------------------------------------------------------------------------------------------------- lifecycle
+
+    async def __aenter__(self) -> "VolunteerServices":
+        self._tap.attach()
+        try:
+            await self._start()
+        except BaseException:
+            await self._close()
+            raise
+        return self
+
+    async def _start(self) -> None:
+        path = self.node.control_socket_path
+        try:
+            if await self._control.start():
+                self.control_path = str(path)
+                logger.info("control socket %s (peerd pause | resume | health)", path,
+                            extra={"event": "control", "path": str(path)})
+            else:
+                logger.warning("another peerd daemon serves the control socket %s: this one runs without one "
+                               "(give it its own --checkpoint-dir or control_socket)", path)
+        except OSError as e:
+            logger.warning("cannot create the control socket %s: %s; pause/resume/health are unavailable", path, e)
+        if self.metrics is not None:
+            try:
+                self.metrics_port = self.metrics.serve(self.node.metrics_host, self.node.metrics_port)
+            except OSError as e:
+                raise ServiceError(f"cannot serve metrics on {self.node.metrics_host}:{self.node.metrics_port}: {e}"
+                                   ) from None
+            logger.info("Prometheus metrics on http://%s:%d/metrics", self.node.metrics_host, self.metrics_port,
+                        extra={"event": "metrics", "host": self.node.metrics_host, "port": self.metrics_port})
+        if self.watchdog_s:
+            self._spawn(watchdog_loop(self.notifier, self.watchdog_s))
+        self._spawn(self._notify_stopping())
+        if self.node.active_hours:
+            self._spawn(enforce_active_hours(ActiveHours.parse(self.node.active_hours), self.gate))
+        self.notifier.status("starting")
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self._close()
+
+    async def _close(self) -> None:
+        if not self._stopping_sent:
+            self._stopping_sent = True
+            self.notifier.notify("STOPPING=1")
+        if self.streams is not None:
+            report = self.streams.report()
+            logger.info("bandwidth: %s", _describe(report), extra={"event": "bandwidth", **report})
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(BaseException):
+                await task
+        await self._control.close()
+        if self.metrics is not None:
+            self.metrics.close()
+        self._tap.detach()
+        self.notifier.close()
+
+    def _spawn(self, coro: Any) -> None:
+        self._tasks.append(asyncio.ensure_future(coro))
+
+    async def _notify_stopping(self) -> None:
+        await self.stop.wait()
+        self._stopping_sent = True
+        self.notifier.notify("STOPPING=1", "STATUS=stopping: leaving rounds, checkpointing")
+
+    # -------------------------------------------------------------------------------------------------- role hooks
+
+    def pace(self, transport: Any) -> PacedTransport:
+        """The transport the role gets: same discovery, streams paced at the node's caps and metered."""
+        up, down = self.node.upload_limit_mb_s, self.node.download_limit_mb_s
+        self.streams = pace(transport.streams, up * 1e6, down * 1e6)
+        if up or down:
+            logger.info("bandwidth caps: upload %s, download %s", _cap(up), _cap(down),
+                        extra={"event": "bandwidth_caps", "upload_mb_s": up, "download_mb_s": down})
+        return PacedTransport(transport.discovery, self.streams)
+
+    def ready(self, status: str) -> None:
+        """The role serves: tell systemd (READY=1) and count a bootstrap node as joined."""
+        if self.role == "bootstrap":
+            self.state.joined_at = time.time()
+        self.notifier.notify("READY=1", "STATUS=" + status)
+
+    def watch_peers(self, discovery: Any, run_id: str) -> None:
+        """Keep ``peers_seen`` (live peers of the run, from their status records) up to date."""
+        interval = max(PEERS_POLL_MIN_S, 2 * self.node.status_interval_s)
+
+        async def poll() -> None:
+            while True:
+                with contextlib.suppress(Exception):
+                    records = await discovery.get(status_key(run_id))
+                    live = [p for p, r in records.items() if isinstance(r.value, dict) and r.value.get("role") != "left"]
+                    self.peers_seen = len(live)
+                    if self.metrics is not None:
+                        self.metrics.peers_seen.set(len(live))
+                await asyncio.sleep(interval)
+
+        self._spawn(poll())
+
+    # ------------------------------------------------------------------------------------------------ control, status
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "pid": os.getpid(), "role": self.role, "run_id": self.state.run_id, "paused": self.gate.paused,
+            "pause_reasons": self.gate.reasons, "state": self.state.to_dict(), "peers_seen": self.peers_seen,
+            "bandwidth": self.streams.report() if self.streams else None, "metrics_port": self.metrics_port,
+        }
+
+    async def _handle(self, request: dict[str, Any]) -> dict[str, Any]:
+        cmd = request["cmd"]
+        if cmd == "status":
+            return {"ok": True, **self.snapshot()}
+        if cmd == "health":
+            max_age = request.get("max_age_s") or self.node.health_max_age_s
+            if not isinstance(max_age, (int, float)) or max_age <= 0:
+                return {"ok": False, "error": f"max_age_s must be a positive number, got {max_age!r}"}
+            healthy, message = assess_health(self.state, self.gate.reasons, time.time(), float(max_age))
+            return {"ok": True, "healthy": healthy, "message": message}
+        if cmd in ("pause", "resume"):
+            if self.role == "bootstrap":
+                return {"ok": False, "error": "a bootstrap node does not train: nothing to pause or resume"}
+            if cmd == "pause":
+                changed = self.gate.pause(USER_REASON, "paused by the volunteer (peerd pause)")
+            else:
+                changed = self.gate.resume(USER_REASON)
+            logger.info("control: %s%s; now %s", cmd, "" if changed else " (no change)", self.gate.describe(),
+                        extra={"event": f"control_{cmd}", "changed": changed, "paused": self.gate.paused})
+            return {"ok": True, "changed": changed, "paused": self.gate.paused, "pause_reasons": self.gate.reasons}
+        return {"ok": False, "error": f"unknown command {cmd!r} (status, pause, resume, health)"}
+
+    def _systemd_status(self, event: Mapping[str, Any]) -> None:
+        kind = event.get("event")
+        if not self.notifier.enabled:
+            return
+        if kind == "outer_round":
+            self.notifier.status(f"outer round {event.get('outer_round')} done, group of {event.get('group_size')}")
+        elif kind == "round_failed":
+            self.notifier.status(f"round {event.get('outer_round')} failed: {event.get('reason')}")
+        elif kind == "paused":
+            self.notifier.status(f"paused: {self.gate.describe()}")
+        elif kind in ("resumed", "eval") and self.state.worker_state == "training":
+            self.notifier.status(f"training run {self.state.run_id}, outer round {self.state.outer_round}")
+
+
+def _cap(mb_s: float) -> str:
+    return f"{mb_s:g} MB/s" if mb_s else "unlimited"
+
+
+def _describe(report: Mapping[str, Mapping[str, Any]]) -> str:
+    parts = []
+    for direction in ("upload", "download"):
+        side = report[direction]
+        rate = side.get("achieved_bytes_per_s")
+        limit = side.get("limit_bytes_per_s")
+        parts.append(f"{direction} {side['bytes'] / 1e6:.1f} MB"
+                     + (f" at {rate / 1e6:.2f} MB/s" if rate else "")
+                     + (f" (cap {limit / 1e6:g} MB/s)" if limit else ""))
+    return ", ".join(parts)

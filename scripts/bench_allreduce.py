@@ -1,0 +1,641 @@
+#!/usr/bin/env python
+"""Benchmark: peerd's averaging (Matchmaker + ButterflyAllReduce on HivemindTransport) vs hivemind's
+DecentralizedAverager vs torch.distributed gloo all_reduce, on the virtual WAN of scripts/wan_testbed. Needs root.
+
+Every peer is its own process (its own DHT child and p2pd for peerd and hivemind) inside its own network namespace,
+shaped by tbf; the loopback scenario runs all peers in one namespace of ours on 127.0.0.1 (no shaping), where the
+ratio to gloo shows pure software overhead. Each peer averages S bytes of fp32 (default 25 MB), weight rank + 1.
+
+Per repetition, the driver tells all peers "go" at once and each peer reports wall-clock timestamps (one machine,
+one clock): the all-reduce time is ``max(end) - min(start)`` over peers, where start is when the peer had its group
+(peerd: ``Matchmaker.form_group`` returned; hivemind: its step reached AWAITING_TRIGGER, then we trigger it; gloo:
+after a barrier); matchmaking time (median over peers, from "go" to having the group) is reported separately. The
+first repetition of every configuration is a warm-up (connections, allocations) and is not reported; the table
+shows the median of the others. peerd's results are checked: all peers bit-identical, error vs the exact weighted
+mean.
+
+Bound: 2 (N-1)/N * S_wire / B (B = the slowest peer's rate; S_wire = S after compression), the traffic each peer of
+a butterfly or ring all-reduce must upload and download. Link utilization = bound / measured.
+
+Results are appended to docs/benchmarks.md (a new dated section; other sections are left alone) unless --no-md.
+Network hygiene: peers listen only on their namespace's own 10.88.0.x address (or 127.0.0.1 inside a namespace of
+ours); hivemind with nat_port_map=False, use_ipfs=False, no relays.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import hashlib
+import importlib.machinery
+import importlib.util
+import json
+import os
+import platform
+import queue
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+CODECS = ("none", "fp16", "int8")
+GLOO_CODECS = ("none", "fp16")  # gloo sums in the tensor's dtype: no int8 all-reduce
+WIRE_BYTES_PER_VALUE = {"none": 4.0, "fp16": 2.0, "int8": 1.0 + 4.0 / 256}
+
+
+def load_wan_testbed():
+    path = os.path.join(REPO, "scripts", "wan_testbed")
+    loader = importlib.machinery.SourceFileLoader("wan_testbed", path)
+    spec = importlib.util.spec_from_loader("wan_testbed", loader)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["wan_testbed"] = module
+    loader.exec_module(module)
+    return module
+
+
+# ======================================================================================================= worker side
+
+
+def make_tensor(rank: int, rep: int, numel: int):
+    import torch
+
+    g = torch.Generator().manual_seed(1000 * rep + rank)
+    return torch.randn(numel, generator=g)  # (P,) fp32
+
+
+def reference_mean(world: int, rep: int, numel: int):
+    import torch
+
+    total = torch.zeros(numel, dtype=torch.float64)
+    for r in range(world):
+        total += (r + 1) * make_tensor(r, rep, numel).double()
+    return total / sum(r + 1 for r in range(world))
+
+
+_CPU_PROCS: list = []
+
+
+def cpu_tree() -> dict[str, float]:
+    """CPU seconds (user + system) so far of this process ("main"), its p2pd daemons ("p2pd") and its other
+    descendants ("helpers": hivemind's DHT and averager processes). The process list is read once (after start-up)
+    so that a sample costs well under a millisecond."""
+    import psutil
+
+    if not _CPU_PROCS:
+        me = psutil.Process()
+        _CPU_PROCS.append(("main", me))
+        for child in me.children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                _CPU_PROCS.append(("p2pd" if "p2pd" in child.name() else "helpers", child))
+    out = {"main": 0.0, "p2pd": 0.0, "helpers": 0.0}
+    for kind, proc in _CPU_PROCS:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            out[kind] += sum(proc.cpu_times()[:2])
+    return out
+
+
+def cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: round(after[k] - before.get(k, 0.0), 4) for k in after}
+
+
+def emit(obj: dict) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+async def _stdin_lines():
+    loop = asyncio.get_running_loop()
+    while True:
+        line = await loop.run_in_executor(None, sys.stdin.readline)
+        if not line:
+            return
+        yield line.split()
+
+
+def _my_maddr(maddrs: list[str], host: str) -> str:
+    mine = [m for m in maddrs if f"/ip4/{host}/" in m]
+    if not mine:
+        raise RuntimeError(f"no multiaddr on {host} among {maddrs}")
+    return mine[0]
+
+
+async def worker_peerd(a: argparse.Namespace) -> None:
+    import torch
+
+    from peerd.transport.hivemind_backend import HivemindTransport
+    from protocols.allreduce import AllReduceConfig, ButterflyAllReduce
+    from protocols.matchmaking import Matchmaker, MatchmakingConfig
+
+    torch.set_num_threads(1)
+    transport = await HivemindTransport.create(initial_peers=a.initial_peers, host_maddrs=[f"/ip4/{a.host}/tcp/0"],
+                                               nat_port_map=False)
+    try:
+        runners = {}
+        for codec in a.codecs:
+            prefix = f"bench.{codec}"
+            mm = Matchmaker(transport, prefix, MatchmakingConfig(matchmaking_timeout_s=60, request_timeout_s=5,
+                                                                 poll_interval_s=0.5, min_group_size=a.world))
+            ar = ButterflyAllReduce(transport, prefix, AllReduceConfig(codec, sender_timeout_s=120,
+                                                                       reducer_timeout_s=240))
+            await mm.start()
+            await ar.start()
+            runners[codec] = (mm, ar)
+        cpu_tree()
+        emit({"ready": _my_maddr(transport.visible_maddrs(), a.host)})
+        async for cmd in _stdin_lines():
+            if cmd[0] == "quit":
+                break
+            codec, rep = cmd[1], int(cmd[2])
+            mm, ar = runners[codec]
+            x = make_tensor(a.rank, rep, a.numel)
+            t_go = time.time()
+            group = await mm.form_group(f"{codec}-rep{rep}", {}, expected_size=a.world)
+            cpu0 = cpu_tree()
+            t_start = time.time()
+            result = await ar.run(group, x, float(a.rank + 1))
+            t_end = time.time()
+            cpu1 = cpu_tree()
+            out = result.averaged
+            err = float((out.double() - reference_mean(a.world, rep, a.numel)).abs().max())
+            emit({"go": t_go, "start": t_start, "end": t_end, "group_size": result.group_size,
+                  "sent": result.bytes_sent, "received": result.bytes_received, "max_err": err,
+                  "digest": hashlib.sha256(out.numpy().tobytes()).hexdigest()[:16], "cpu": cpu_delta(cpu0, cpu1)})
+    finally:
+        await transport.shutdown()
+
+
+def worker_hivemind(a: argparse.Namespace) -> None:
+    import hivemind
+    import torch
+    from hivemind.averaging.control import AveragingStage
+    from hivemind.compression import Float16Compression, NoCompression, Uniform8BitQuantization
+
+    torch.set_num_threads(1)
+    codecs = {"none": NoCompression(), "fp16": Float16Compression(), "int8": Uniform8BitQuantization()}
+    dht = hivemind.DHT(initial_peers=a.initial_peers, host_maddrs=[f"/ip4/{a.host}/tcp/0"], start=True,
+                       nat_port_map=False, use_ipfs=False, use_relay=False, use_auto_relay=False)
+    averagers = {}
+    try:
+        for codec in a.codecs:
+            averagers[codec] = hivemind.DecentralizedAverager(
+                [torch.zeros(a.numel)], dht, prefix=f"bench_{codec}", start=True, target_group_size=a.world,
+                min_group_size=a.world, compression=codecs[codec], min_matchmaking_time=2.0, request_timeout=1.0,
+                allreduce_timeout=240, sender_timeout=120, reducer_timeout=240, next_chunk_timeout=60)
+        cpu_tree()
+        emit({"ready": _my_maddr([str(m) for m in dht.get_visible_maddrs()], a.host)})
+        for line in sys.stdin:
+            cmd = line.split()
+            if not cmd or cmd[0] == "quit":
+                break
+            codec, rep = cmd[1], int(cmd[2])
+            averager = averagers[codec]
+            x = make_tensor(a.rank, rep, a.numel)
+            with averager.get_tensors() as tensors:
+                tensors[0].copy_(x)
+            t_go = time.time()
+            control = averager.step(weight=float(a.rank + 1), wait=False, require_trigger=True, timeout=120)
+            while control.stage != AveragingStage.AWAITING_TRIGGER and not control.done():
+                time.sleep(0.001)
+            cpu0 = cpu_tree()
+            t_start = time.time()
+            control.allow_allreduce()
+            gathered = control.result()
+            t_end = time.time()
+            cpu1 = cpu_tree()
+            with averager.get_tensors() as tensors:
+                out = tensors[0].clone()
+            err = float((out.double() - reference_mean(a.world, rep, a.numel)).abs().max())
+            emit({"go": t_go, "start": t_start, "end": t_end, "group_size": len(gathered) if gathered else 0,
+                  "max_err": err, "digest": hashlib.sha256(out.numpy().tobytes()).hexdigest()[:16],
+                  "cpu": cpu_delta(cpu0, cpu1)})
+    finally:
+        for averager in averagers.values():
+            averager.shutdown()
+        dht.shutdown()
+
+
+def worker_gloo(a: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ["GLOO_SOCKET_IFNAME"] = a.ifname
+    dist.init_process_group("gloo", init_method=f"tcp://{a.master}:{a.port}", rank=a.rank, world_size=a.world,
+                            timeout=datetime.timedelta(seconds=300))
+    try:
+        dist.all_reduce(torch.ones(16))  # connect everyone
+        cpu_tree()
+        emit({"ready": a.host})
+        for line in sys.stdin:
+            cmd = line.split()
+            if not cmd or cmd[0] == "quit":
+                break
+            codec, rep = cmd[1], int(cmd[2])
+            x = make_tensor(a.rank, rep, a.numel) * (a.rank + 1)
+            x = x.half() if codec == "fp16" else x
+            t_go = time.time()
+            dist.barrier()
+            cpu0 = cpu_tree()
+            t_start = time.time()
+            dist.all_reduce(x)
+            t_end = time.time()
+            cpu1 = cpu_tree()
+            emit({"go": t_go, "start": t_start, "end": t_end, "group_size": a.world, "cpu": cpu_delta(cpu0, cpu1)})
+    finally:
+        dist.destroy_process_group()
+
+
+def worker_main(a: argparse.Namespace) -> None:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if a.impl == "peerd":
+        import uvloop
+
+        uvloop.run(worker_peerd(a))
+    elif a.impl == "hivemind":
+        worker_hivemind(a)
+    else:
+        worker_gloo(a)
+
+
+# ======================================================================================================= driver side
+
+
+@dataclass
+class Scenario:
+    key: str
+    title: str
+    world: int
+    rates_mbit: list[Optional[float]]
+    """Per-peer rate (both directions); None = unshaped. Empty for loopback."""
+    codecs: tuple[str, ...]
+
+    @property
+    def loopback(self) -> bool:
+        return not self.rates_mbit
+
+    @property
+    def slowest_bps(self) -> Optional[float]:
+        rates = [r for r in self.rates_mbit if r]
+        return min(rates) * 1e6 if rates else None
+
+
+@dataclass
+class Row:
+    scenario: str
+    impl: str
+    codec: str
+    world: int
+    times: list[float] = field(default_factory=list)
+    matchmaking: list[float] = field(default_factory=list)
+    max_err: Optional[float] = None
+    identical: Optional[bool] = None
+    sent_mb: Optional[float] = None
+    error: Optional[str] = None
+    cpu: list[dict[str, float]] = field(default_factory=list)
+    """Per repetition: CPU seconds of all peers during their all-reduce windows, by process kind."""
+
+    def cpu_median(self) -> dict[str, float]:
+        kinds = sorted({k for c in self.cpu for k in c})
+        return {k: statistics.median(c.get(k, 0.0) for c in self.cpu) for k in kinds}
+
+
+class Worker:
+    """One worker process; lines on stdout are JSON, read by a thread into a queue."""
+
+    def __init__(self, argv: list[str], log_path: str):
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                     start_new_session=True)
+        self.lines: "queue.Queue[Optional[str]]" = queue.Queue()
+        self.log_path = log_path
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def send(self, text: str) -> None:
+        self.proc.stdin.write(text + "\n")
+        self.proc.stdin.flush()
+
+    def read(self, timeout_s: float) -> dict:
+        deadline = time.time() + timeout_s
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.time()))
+            except queue.Empty:
+                raise TimeoutError(f"worker silent for {timeout_s} s; log {self.log_path}:\n{self.tail()}") from None
+            if line is None:
+                raise RuntimeError(f"worker exited ({self.proc.poll()}); log {self.log_path}:\n{self.tail()}")
+            line = line.strip()
+            if line.startswith("{"):
+                return json.loads(line)
+
+    def tail(self, chars: int = 2000) -> str:
+        self.log.flush()
+        with open(self.log_path, errors="replace") as f:
+            return f.read()[-chars:]
+
+    def kill(self) -> None:
+        import psutil
+
+        try:
+            family = psutil.Process(self.proc.pid).children(recursive=True) + [psutil.Process(self.proc.pid)]
+        except psutil.NoSuchProcess:
+            family = []
+        for p in family:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+        self.log.close()
+
+
+def run_impl(tb, sc: Scenario, impl: str, args, workdir: str) -> list[Row]:
+    """Start ``sc.world`` workers of ``impl`` in the testbed, run every codec's repetitions, stop them."""
+    codecs = [c for c in sc.codecs if impl != "gloo" or c in GLOO_CODECS]
+    rows = {c: Row(sc.key, impl, c, sc.world) for c in codecs}
+    workers: list[Worker] = []
+
+    def ns_of(rank: int) -> int:
+        return 0 if sc.loopback else rank
+
+    def host_of(rank: int) -> str:
+        return "127.0.0.1" if sc.loopback else tb.addr(rank)
+
+    base = [sys.executable, os.path.abspath(__file__), "--worker", impl, "--world", str(sc.world),
+            "--numel", str(args.numel), "--codecs", *codecs]
+    try:
+        port = 29500 + (os.getpid() % 1000)
+        for rank in range(sc.world):
+            argv = base + ["--rank", str(rank), "--host", host_of(rank)]
+            if impl == "gloo":
+                argv += ["--master", host_of(0), "--port", str(port), "--ifname", "lo" if sc.loopback else "eth0"]
+            elif rank > 0:
+                argv += ["--initial-peers", first_maddr]
+            log = os.path.join(workdir, f"{sc.key}-{impl}-{rank}.log")
+            workers.append(Worker(tb.wrap(ns_of(rank), argv), log))
+            if impl != "gloo" and rank == 0:
+                first_maddr = workers[0].read(120)["ready"]
+        for w in workers[1:] if impl != "gloo" else workers:
+            w.read(180)
+        for codec in codecs:
+            row = rows[codec]
+            try:
+                for rep in range(args.reps + 1):
+                    for w in workers:
+                        w.send(f"go {codec} {rep}")
+                    results = [w.read(300) for w in workers]
+                    if rep == 0:
+                        continue  # warm-up
+                    row.times.append(max(r["end"] for r in results) - min(r["start"] for r in results))
+                    row.matchmaking.append(statistics.median(r["start"] - r["go"] for r in results))
+                    row.cpu.append({k: sum(r["cpu"].get(k, 0.0) for r in results) for k in results[0]["cpu"]})
+                    sizes = {r["group_size"] for r in results}
+                    if sizes != {sc.world}:
+                        raise RuntimeError(f"group sizes {sizes}, expected {sc.world}")
+                    if "digest" in results[0]:
+                        same = len({r["digest"] for r in results}) == 1
+                        row.identical = same if row.identical is None else (row.identical and same)
+                        err = max(r["max_err"] for r in results)
+                        row.max_err = err if row.max_err is None else max(row.max_err, err)
+                    if "sent" in results[0]:
+                        row.sent_mb = statistics.mean(r["sent"] for r in results) / 1e6
+                    print(f"  {sc.key} {impl} {codec} rep {rep}: {row.times[-1]:.3f} s "
+                          f"(matchmaking {row.matchmaking[-1]:.2f} s)", flush=True)
+            except Exception as e:  # noqa: BLE001 - report and go on with the other codecs/impls
+                row.error = f"{type(e).__name__}: {str(e)[:300]}"
+                print(f"  {sc.key} {impl} {codec} FAILED: {row.error}", flush=True)
+                raise
+    except Exception as e:  # noqa: BLE001
+        for row in rows.values():
+            if not row.times and row.error is None:
+                row.error = f"{type(e).__name__}: {str(e)[:300]}"
+    finally:
+        for w in workers:
+            try:
+                w.send("quit")
+            except (BrokenPipeError, OSError, ValueError):
+                pass
+        time.sleep(0.5)
+        for w in workers:
+            w.kill()
+    return list(rows.values())
+
+
+def bound_s(sc: Scenario, codec: str, numel: int) -> Optional[float]:
+    if sc.slowest_bps is None:
+        return None
+    wire = WIRE_BYTES_PER_VALUE[codec] * numel
+    return 2 * (sc.world - 1) / sc.world * wire * 8 / sc.slowest_bps
+
+
+def fmt(x: Optional[float], digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def render(rows: list[Row], scenarios: dict[str, Scenario], args, meta: dict) -> str:
+    med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
+    by = {(r.scenario, r.impl, r.codec, r.world): r for r in rows}
+    out = [f"## All-reduce on a virtual WAN: peerd vs hivemind vs gloo (scripts/bench_allreduce.py), {meta['date'][:10]}",
+           "",
+           f"Command: `{meta['command']}`  ",
+           f"Date: {meta['date']}  ",
+           f"Machine: {meta['machine']}  ",
+           f"Whole benchmark: {meta['wall_s']:.0f} s wall.",
+           "",
+           f"Setup: each peer averages {args.numel * 4 / 1e6:g} MB of fp32 (weight rank + 1), one process per peer "
+           "(plus its DHT child and p2pd for peerd/hivemind) inside its own network namespace of "
+           "`scripts/wan_testbed` (tbf per peer, both directions, no added delay); loopback = all peers in one "
+           "namespace on 127.0.0.1, unshaped. peerd = `Matchmaker` + `ButterflyAllReduce` on `HivemindTransport` "
+           "(uvloop); hivemind = `DecentralizedAverager` (defaults, part_size 512 KB, min_matchmaking_time 2 s); gloo = "
+           "`torch.distributed.all_reduce` (fp16 = a half tensor; gloo has no int8 all-reduce). Time = median of "
+           f"{args.reps} repetitions after one warm-up of `max(end) - min(start)` over peers, start = the peer has its "
+           "group (peerd, hivemind) or left a barrier (gloo); matchmaking (median over peers, from the common 'go' to "
+           "having the group) is excluded and shown apart. Bound = 2(N-1)/N x wire bytes / slowest rate; link "
+           "utilization = bound / time. CPU s = CPU seconds of all peers together inside their all-reduce windows "
+           "(median over repetitions): the peer's own process (main), its p2pd daemon, and its other processes "
+           "(helpers: hivemind's DHT and averager processes). All peers share the machine's 2 cores, so a 2-core "
+           "second holds at most 2 CPU seconds.",
+           ""]
+    for sc in scenarios.values():
+        out.append(f"### {sc.title}")
+        out.append("")
+        shaped = not sc.loopback
+        head = "| codec | impl | all-reduce s |" + (" bound s | link util |" if shaped else " vs gloo (same codec) |")
+        head += " matchmaking s | CPU s: main + p2pd + helpers | bit-identical, max err | reps (s) |"
+        out.append(head)
+        out.append("|" + "---|" * (head.count("|") - 1))
+        for codec in sc.codecs:
+            for impl in ("peerd", "hivemind", "gloo"):
+                r = by.get((sc.key, impl, codec, sc.world))
+                if r is None:
+                    continue
+                t = med(r.times)
+                cells = [codec, impl, fmt(t) if r.error is None or r.times else f"failed: {r.error}"]
+                if shaped:
+                    b = bound_s(sc, codec, args.numel)
+                    cells += [fmt(b), fmt(b / t) if (b and t) else "-"]
+                else:
+                    g = by.get((sc.key, "gloo", codec, sc.world))
+                    gt = med(g.times) if g else None
+                    cells += [f"{t / gt:.1f}x" if (t and gt) else "-"]
+                cells += [fmt(med(r.matchmaking)) if impl != "gloo" else "-"]
+                c = r.cpu_median()
+                cells += [f"{sum(c.values()):.2f} = " + " + ".join(f"{c.get(k, 0.0):.2f}" for k in ("main", "p2pd", "helpers"))
+                          if c else "-"]
+                cells += [f"{'yes' if r.identical else 'NO'}, {r.max_err:.1e}" if r.identical is not None
+                          else (f"-, {r.max_err:.1e}" if r.max_err is not None else "-")]
+                cells += [" ".join(f"{x:.2f}" for x in r.times)]
+                out.append("| " + " | ".join(cells) + " |")
+        out.append("")
+    out += verdicts(rows, scenarios, args)
+    return "\n".join(out) + "\n"
+
+
+def verdicts(rows: list[Row], scenarios: dict[str, Scenario], args) -> list[str]:
+    med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
+    by = {(r.scenario, r.impl, r.codec, r.world): r for r in rows}
+    lines = ["Targets (issue 6):", ""]
+    for sc in scenarios.values():
+        for codec in sc.codecs:
+            p = by.get((sc.key, "peerd", codec, sc.world))
+            if p is None or not p.times:
+                continue
+            t = med(p.times)
+            if sc.key.startswith("wan") and codec == "none":
+                b = bound_s(sc, codec, args.numel)
+                h = by.get((sc.key, "hivemind", codec, sc.world))
+                ht = med(h.times) if h and h.times else None
+                ok = b / t >= 0.9
+                lines.append(f"- {sc.title}, fp32: link utilization {b / t:.2f} (target >= 0.9): "
+                             f"**{'met' if ok else 'MISSED'}**" + (f"; hivemind {b / ht:.2f}" if ht else ""))
+            if sc.loopback and codec == "none":
+                g = by.get((sc.key, "gloo", codec, sc.world))
+                h = by.get((sc.key, "hivemind", codec, sc.world))
+                gt = med(g.times) if g and g.times else None
+                ht = med(h.times) if h and h.times else None
+                if gt:
+                    ok = t / gt <= 2
+                    lines.append(f"- {sc.title}, fp32: peerd {t / gt:.1f}x gloo (target <= 2x): "
+                                 f"**{'met' if ok else 'MISSED'}**" + (f"; hivemind {ht / gt:.1f}x" if ht else ""))
+    return lines + [""]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--worker", choices=("peerd", "hivemind", "gloo"), help=argparse.SUPPRESS)
+    p.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--world", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--host", help=argparse.SUPPRESS)
+    p.add_argument("--master", help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--ifname", help=argparse.SUPPRESS)
+    p.add_argument("--initial-peers", nargs="*", default=[], help=argparse.SUPPRESS)
+    p.add_argument("--codecs", nargs="+", default=list(CODECS), choices=CODECS, help="codecs to measure")
+    p.add_argument("--numel", type=int, default=25_000_000 // 4, help="fp32 values per peer (default 25 MB)")
+    p.add_argument("--reps", type=int, default=3, help="measured repetitions per configuration (plus one warm-up)")
+    p.add_argument("--peers", type=int, nargs="+", default=[4, 8], help="swarm sizes at 100 Mbit/s")
+    p.add_argument("--rate-mbit", type=float, default=100.0)
+    p.add_argument("--slow-mbit", type=float, default=20.0, help="rate of the two slow peers (heterogeneous)")
+    p.add_argument("--scenarios", nargs="+", default=["wan", "loopback", "hetero"],
+                   choices=("wan", "loopback", "hetero"))
+    p.add_argument("--impls", nargs="+", default=["peerd", "hivemind", "gloo"], choices=("peerd", "hivemind", "gloo"))
+    p.add_argument("--no-md", action="store_true", help="do not append to docs/benchmarks.md")
+    p.add_argument("--md", default=os.path.join(REPO, "docs", "benchmarks.md"))
+    args = p.parse_args()
+    if args.worker:
+        args.impl = args.worker
+        worker_main(args)
+        return 0
+    if os.geteuid() != 0:
+        print("bench_allreduce: needs root (network namespaces)", file=sys.stderr)
+        return 2
+
+    wt = load_wan_testbed()
+    codecs = tuple(c for c in CODECS if c in args.codecs)
+    scenarios: dict[str, Scenario] = {}
+    if "wan" in args.scenarios:
+        for n in args.peers:
+            scenarios[f"wan{n}"] = Scenario(f"wan{n}", f"{n} peers at {args.rate_mbit:g} Mbit/s", n,
+                                            [args.rate_mbit] * n, codecs)
+    if "loopback" in args.scenarios:
+        for n in args.peers:
+            scenarios[f"lo{n}"] = Scenario(f"lo{n}", f"{n} peers on loopback (no shaping)", n, [], codecs)
+    if "hetero" in args.scenarios:
+        rates = [args.rate_mbit, args.rate_mbit, args.slow_mbit, args.slow_mbit]
+        scenarios["het4"] = Scenario("het4", f"4 peers, heterogeneous: 2 at {args.rate_mbit:g} and 2 at "
+                                     f"{args.slow_mbit:g} Mbit/s", 4, rates, codecs)
+
+    def on_term(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGHUP, on_term)
+    t0 = time.time()
+    workdir = tempfile.mkdtemp(prefix="bench_allreduce_")
+    print(f"logs in {workdir}", flush=True)
+    rows: list[Row] = []
+    name = f"ba{os.getpid() % 10**7}"
+    for sc in scenarios.values():
+        if sc.loopback:
+            links = [wt.Link(None, None)]
+        else:
+            links = [wt.Link(r * 1e6 if r else None, r * 1e6 if r else None) for r in sc.rates_mbit]
+        print(f"== {sc.title}", flush=True)
+        with wt.Testbed(links, name=name) as tb:
+            for impl in args.impls:
+                rows += run_impl(tb, sc, impl, args, workdir)
+    meta = {
+        "command": "sudo .venv/bin/python scripts/bench_allreduce.py " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_line(),
+        "wall_s": time.time() - t0,
+    }
+    text = render(rows, scenarios, args, meta)
+    print(text)
+    with open(os.path.join(workdir, "results.json"), "w") as f:
+        json.dump([r.__dict__ for r in rows], f, indent=1)
+    if not args.no_md:
+        append_section(args.md, text)
+    return 0
+
+
+def machine_line() -> str:
+    import torch
+
+    cpu = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return (f"`nproc` = {os.cpu_count()}, {cpu}, {platform.system()} {platform.machine()} {platform.release()}, "
+            f"Python {platform.python_version()}, torch {torch.__version__}")
+
+
+def append_section(path: str, text: str) -> None:
+    """Append our section at the end; never rewrite what other benchmarks wrote."""
+    with open(path, "a") as f:
+        f.write("\n" + text)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
