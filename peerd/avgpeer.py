@@ -17,7 +17,6 @@ import asyncio
 import json
 import logging
 import time
-from pathlib import Path
 
 import torch
 

@@ -21,16 +21,15 @@ import asyncio
 import contextlib
 import logging
 import math
-import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
 from protocols.compression import Codec, get_codec
 from protocols.interfaces import StreamReader, StreamWriter, Transport
 from protocols.matchmaking import Group
-from protocols.wire import ProtocolViolation, read_frame, read_header, read_payload, require, write_frame
+from protocols.wire import ProtocolViolation, read_frame, read_header, read_payload, require, try_write_frame, write_frame
 
 logger = logging.getLogger(__name__)
 
@@ -322,7 +321,7 @@ class ButterflyAllReduce:
             if not self._sessions.get(locals().get("group_id", "")):
                 self._session_ready.pop(locals().get("group_id", ""), None)
             logger.warning("dropped a part from %s: %r", peer, e)
-            await _try_write(writer, {"status": "refused", "reason": f"unknown group or malformed header: {e!r}"})
+            await try_write_frame(writer, {"status": "refused", "reason": f"unknown group or malformed header: {e!r}"})
             return
         reason = self._check_header(session, peer, header, payload_length)
         if reason is None:
@@ -338,7 +337,7 @@ class ButterflyAllReduce:
             session.arrived.set()
             logger.warning("excluded %s from group %s: %s", peer, session.group.group_id, reason,
                            extra={"event": "exclude", "peer": peer, "reason": reason})
-            await _try_write(writer, {"status": "refused", "reason": reason})
+            await try_write_frame(writer, {"status": "refused", "reason": reason})
             return
         session.arrived.set()
         try:
@@ -372,7 +371,3 @@ class ButterflyAllReduce:
             return f"payload of {payload_length} bytes, expected {session.codec.encoded_size(session.part_numel)}"
         return None
 
-
-async def _try_write(writer: StreamWriter, header: dict) -> None:
-    with contextlib.suppress(ConnectionError, OSError, asyncio.TimeoutError):
-        await asyncio.wait_for(write_frame(writer, header), 5.0)

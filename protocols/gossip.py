@@ -19,7 +19,6 @@ smaller to larger PeerIDs rules out deadlock cycles. A slow or dead peer delays 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 from dataclasses import dataclass, field
@@ -30,7 +29,7 @@ import torch
 from protocols.allreduce import validate_weight
 from protocols.compression import get_codec
 from protocols.interfaces import StreamReader, StreamWriter, Transport
-from protocols.wire import ProtocolViolation, read_frame, read_header, read_payload, require, write_frame
+from protocols.wire import ProtocolViolation, read_frame, read_header, read_payload, require, try_write_frame, write_frame
 
 logger = logging.getLogger(__name__)
 
@@ -199,12 +198,12 @@ class GossipAverager:
         # While we are busy, an exchange from a smaller PeerID waits for us and one from a larger PeerID is answered
         # "busy": waits then only ever point from smaller to larger PeerIDs, so concurrent exchanges cannot deadlock.
         if self.lock.locked() and peer > self.transport.streams.peer_id:
-            await _try_write(writer, {"status": "busy"})
+            await try_write_frame(writer, {"status": "busy"})
             return
         try:
             await asyncio.wait_for(self.lock.acquire(), self.config.exchange_timeout_s)
         except asyncio.TimeoutError:
-            await _try_write(writer, {"status": "busy"})
+            await try_write_frame(writer, {"status": "busy"})
             return
         try:
             await self._serve_locked(peer, reader, writer)
@@ -226,7 +225,7 @@ class GossipAverager:
         except (ProtocolViolation, ValueError, asyncio.TimeoutError, ConnectionError) as e:
             logger.warning("refused a gossip exchange from %s: %s", peer, e,
                            extra={"event": "exclude", "peer": peer, "reason": str(e)})
-            await _try_write(writer, {"status": "refused", "reason": str(e)})
+            await try_write_frame(writer, {"status": "refused", "reason": str(e)})
             return
         mine = self.codec.encode(x)
         try:
@@ -242,7 +241,3 @@ class GossipAverager:
         self.set_state(new_x, new_w)
         self.served += 1
 
-
-async def _try_write(writer: StreamWriter, header: dict) -> None:
-    with contextlib.suppress(ConnectionError, OSError, asyncio.TimeoutError):
-        await asyncio.wait_for(write_frame(writer, header), 5.0)

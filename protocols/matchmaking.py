@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from protocols.interfaces import StreamReader, StreamWriter, Transport
-from protocols.wire import ProtocolViolation, read_frame, require, write_frame
+from protocols.wire import ProtocolViolation, read_frame, require, try_write_frame, write_frame
 
 logger = logging.getLogger(__name__)
 
@@ -300,16 +300,16 @@ class Matchmaker:
         session = self._sessions.get(key)
         if session is None or session.sealed:
             if session is not None or key in self._sealed_keys:
-                await _try_write(writer, {"type": "late", "reason": f"{self.peer_id} already sealed {key!r}"})
+                await try_write_frame(writer, {"type": "late", "reason": f"{self.peer_id} already sealed {key!r}"})
             else:
-                await _try_write(writer, {"type": "gone", "reason": f"{self.peer_id} is not matchmaking for {key!r}"})
+                await try_write_frame(writer, {"type": "gone", "reason": f"{self.peer_id} is not matchmaking for {key!r}"})
             return
         if session.following is not None:
-            await _try_write(writer, {"type": "redirect", "leader": session.following})
+            await try_write_frame(writer, {"type": "redirect", "leader": session.following})
             return
         reason = self.admit(session.info, peer, info) if self.admit is not None else None
         if reason is not None:
-            await _try_write(writer, {"type": "refused", "reason": reason})
+            await try_write_frame(writer, {"type": "refused", "reason": reason})
             return
         follower = _Follower(info, loop.time() + min(remaining, self.config.matchmaking_timeout_s), loop.create_future())
         previous = session.followers.pop(peer, None)
@@ -328,7 +328,7 @@ class Matchmaker:
             answer = {"type": "redirect", "leader": value}
         else:
             answer = {"type": "late", "reason": str(value)}
-        await _try_write(writer, answer)
+        await try_write_frame(writer, answer)
 
 
 async def _watch_closed(reader: StreamReader, follower: _Follower) -> None:
@@ -337,7 +337,3 @@ async def _watch_closed(reader: StreamReader, follower: _Follower) -> None:
         await reader.readexactly(1)
     follower.closed.set()
 
-
-async def _try_write(writer: StreamWriter, header: dict[str, Any]) -> None:
-    with contextlib.suppress(ConnectionError, OSError, asyncio.TimeoutError):
-        await asyncio.wait_for(write_frame(writer, header), 5.0)

@@ -47,6 +47,15 @@ async def write_frame(writer: StreamWriter, header: dict[str, Any], payload: byt
     return total
 
 
+async def try_write_frame(writer: StreamWriter, header: dict[str, Any], timeout_s: float = 5.0) -> bool:
+    """Best-effort answer (an error or refusal to a peer that may already be gone); True if it was written."""
+    try:
+        await asyncio.wait_for(write_frame(writer, header), timeout_s)
+        return True
+    except (ConnectionError, OSError, asyncio.TimeoutError):
+        return False
+
+
 async def read_frame(reader: StreamReader, max_payload_bytes: int) -> tuple[dict[str, Any], bytes, int]:
     """Read one frame; returns ``(header, payload, bytes_read)``.
 
