@@ -60,6 +60,11 @@ class AveragingConfig:
     """moshpit: target group size M (the grid has side M and ceil(log_M N) dimensions)."""
     gossip_partners: int = 2
     """gossip: partners a peer exchanges with after each of its outer steps (k)."""
+    aggregation: str = "mean"
+    """How each reducer combines its part: mean, or centered_clip (CenteredClip, Karimireddy et al. 2021: a minority
+    of peers sending scaled or flipped pseudo-gradients cannot drag the result away)."""
+    clip_tau: float = 1.0
+    """CenteredClip radius in the units of the averaged values (each reducer clips its own part)."""
     min_group_size: int = 1
     """A round with fewer peers fails (1 lets a lone peer keep applying outer steps)."""
     matchmaking_timeout_s: float = 30.0
@@ -72,7 +77,7 @@ class AveragingConfig:
     """A member waits this long for every reducer's answer."""
 
     def __post_init__(self) -> None:
-        for name in ("matchmaking_timeout_s", "request_timeout_s", "sender_timeout_s", "reducer_timeout_s"):
+        for name in ("matchmaking_timeout_s", "request_timeout_s", "sender_timeout_s", "reducer_timeout_s", "clip_tau"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ConfigError(f"averaging.{name} must be a number of seconds, got {value!r}")
@@ -101,7 +106,8 @@ class AveragingConfig:
         )
 
     def allreduce(self) -> AllReduceConfig:
-        return AllReduceConfig(self.compression, self.sender_timeout_s, self.reducer_timeout_s)
+        return AllReduceConfig(self.compression, self.sender_timeout_s, self.reducer_timeout_s,
+                               aggregation=self.aggregation, clip_tau=self.clip_tau)
 
     def gossip(self) -> GossipConfig:
         return GossipConfig(self.gossip_partners, self.compression, self.sender_timeout_s)

@@ -29,6 +29,7 @@ import torch
 from protocols.compression import Codec, get_codec
 from protocols.interfaces import StreamReader, StreamWriter, Transport
 from protocols.matchmaking import Group
+from protocols.robust import AGGREGATIONS, centered_clip
 from protocols.wire import ProtocolViolation, read_frame, read_header, read_payload, require, try_write_frame, write_frame
 
 logger = logging.getLogger(__name__)
@@ -57,15 +58,23 @@ def validate_weight(weight: float) -> float:
 
 
 class PartReducer:
-    """Accumulates the weighted mean of one part (numel,) from several senders, in fp32.
+    """Aggregates one part (numel,) from several senders, in fp32: the weighted mean, or CenteredClip.
 
-    The contributions are summed in arrival order; only the reducer computes this sum and everyone receives its
-    encoded result, so the order does not need to agree across peers.
+    The mean is summed in arrival order; only the reducer computes it and everyone receives its encoded result, so
+    the order does not need to agree across peers. ``centered_clip`` keeps every contribution (n x numel floats) and
+    clips them around a robust center (:mod:`protocols.robust`) so that a minority of hostile senders cannot drag
+    the result away.
     """
 
-    def __init__(self, numel: int):
+    def __init__(self, numel: int, aggregation: str = "mean", clip_tau: float = 1.0, clip_iterations: int = 20):
+        if aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
         self.numel = numel
+        self.aggregation = aggregation
+        self.clip_tau = clip_tau
+        self.clip_iterations = clip_iterations
         self._sum = torch.zeros(numel, dtype=torch.float32)
+        self._parts: list[tuple[torch.Tensor, float]] = []
         self.total_weight = 0.0
         self.contributors: list[str] = []
 
@@ -79,14 +88,20 @@ class PartReducer:
             raise ValueError("part has non-finite values")
         if sender in self.contributors:
             raise ValueError(f"{sender} already contributed")
-        self._sum.add_(part, alpha=weight)
+        if self.aggregation == "mean":
+            self._sum.add_(part, alpha=weight)
+        else:
+            self._parts.append((part, weight))
         self.total_weight += weight
         self.contributors.append(sender)
 
     def mean(self) -> torch.Tensor:
-        """The weighted mean (numel,); zeros if the total weight is zero."""
+        """The aggregate (numel,): weighted mean or CenteredClip; zeros if the total weight is zero."""
         if self.total_weight <= 0:
             return torch.zeros(self.numel, dtype=torch.float32)
+        if self.aggregation == "centered_clip":
+            parts, weights = zip(*self._parts)
+            return centered_clip(parts, weights, self.clip_tau, self.clip_iterations)
         return self._sum / self.total_weight
 
 
@@ -103,9 +118,17 @@ class AllReduceConfig:
     """A reducer waits this long, from its own start, for the members' parts before averaging without them."""
     reducer_timeout_s: float = 60.0
     """A member waits this long, from its start, for every reducer's answer before the all-reduce fails."""
+    aggregation: str = "mean"
+    """How a reducer combines its part: mean (weighted) or centered_clip (robust to a minority of bad senders)."""
+    clip_tau: float = 1.0
+    """CenteredClip radius, in the units of the averaged values (per part: each reducer clips its own part)."""
 
     def __post_init__(self) -> None:
         get_codec(self.compression)
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
+        if self.clip_tau <= 0:
+            raise ValueError(f"clip_tau must be positive, got {self.clip_tau}")
         if self.sender_timeout_s <= 0:
             raise ValueError(f"sender_timeout_s must be positive, got {self.sender_timeout_s}")
         if self.reducer_timeout_s <= self.sender_timeout_s:
@@ -195,7 +218,9 @@ class ButterflyAllReduce:
         tensor = tensor.detach().cpu().contiguous()
 
         session = _ReduceSession(
-            group, sizes[my_index], self.codec, PartReducer(sizes[my_index]), start + self.config.sender_timeout_s
+            group, sizes[my_index], self.codec,
+            PartReducer(sizes[my_index], self.config.aggregation, self.config.clip_tau),
+            start + self.config.sender_timeout_s,
         )
         self._sessions[group.group_id] = session
         self._session_ready.setdefault(group.group_id, asyncio.Event()).set()
