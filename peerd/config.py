@@ -65,6 +65,8 @@ class AveragingConfig:
     of peers sending scaled or flipped pseudo-gradients cannot drag the result away)."""
     clip_tau: float = 1.0
     """CenteredClip radius in the units of the averaged values (each reducer clips its own part)."""
+    ban_s: float = 120.0
+    """How long a peer that sent invalid data or stalled mid-transfer is excluded from our rounds."""
     min_group_size: int = 1
     """A round with fewer peers fails (1 lets a lone peer keep applying outer steps)."""
     matchmaking_timeout_s: float = 30.0
@@ -77,13 +79,15 @@ class AveragingConfig:
     """A member waits this long for every reducer's answer."""
 
     def __post_init__(self) -> None:
-        for name in ("matchmaking_timeout_s", "request_timeout_s", "sender_timeout_s", "reducer_timeout_s", "clip_tau"):
+        for name in ("matchmaking_timeout_s", "request_timeout_s", "sender_timeout_s", "reducer_timeout_s", "clip_tau", "ban_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ConfigError(f"averaging.{name} must be a number of seconds, got {value!r}")
             object.__setattr__(self, name, float(value))  # equal configs must print (and hash) alike
         if self.method not in AVERAGING_METHODS:
             raise ConfigError(f"averaging.method must be one of {AVERAGING_METHODS}, got {self.method!r}")
+        if self.ban_s <= 0:
+            raise ConfigError(f"averaging.ban_s must be positive, got {self.ban_s}")
         if self.group_size < 2 or self.gossip_partners < 1:
             raise ConfigError(
                 f"averaging.group_size must be >= 2 and gossip_partners >= 1, got {self.group_size}, "

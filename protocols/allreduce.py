@@ -26,6 +26,7 @@ from typing import Optional
 
 import torch
 
+from protocols.bans import BanList
 from protocols.compression import Codec, get_codec
 from protocols.interfaces import StreamReader, StreamWriter, Transport
 from protocols.matchmaking import Group
@@ -180,10 +181,11 @@ class ButterflyAllReduce:
     Call :meth:`start` once (registers the ``<prefix>.reduce`` handler), then :meth:`run` once per group.
     """
 
-    def __init__(self, transport: Transport, prefix: str, config: AllReduceConfig):
+    def __init__(self, transport: Transport, prefix: str, config: AllReduceConfig, bans: Optional[BanList] = None):
         self.transport = transport
         self.prefix = prefix
         self.config = config
+        self.bans = bans if bans is not None else BanList()
         self.codec = get_codec(config.compression)
         self._sessions: dict[str, _ReduceSession] = {}
         self._session_ready: dict[str, asyncio.Event] = {}
@@ -222,6 +224,9 @@ class ButterflyAllReduce:
             PartReducer(sizes[my_index], self.config.aggregation, self.config.clip_tau),
             start + self.config.sender_timeout_s,
         )
+        for member in group.members:  # do not wait for parts we would refuse anyway
+            if member != me and self.bans.is_banned(member):
+                session.excluded[member] = f"banned: {self.bans.reason(member)}"
         self._sessions[group.group_id] = session
         self._session_ready.setdefault(group.group_id, asyncio.Event()).set()
         own = tensor[offsets[my_index] : offsets[my_index] + sizes[my_index]]
@@ -287,6 +292,8 @@ class ButterflyAllReduce:
             remaining = session.deadline - loop.time()
             if remaining <= 0:
                 missing = set(session.group.members) - set(session.reducer.contributors) - set(session.excluded)
+                # senders that never connected are dead or failed locally: no ban (the next round may have them back);
+                # a sender that connected but stalled mid-part is banned in _handle_part
                 logger.info("averaging part without %d late sender(s): %s", len(missing), sorted(missing))
                 break
             session.arrived.clear()
@@ -316,6 +323,7 @@ class ButterflyAllReduce:
                 try:
                     averaged = self.codec.decode(payload, part.numel())
                 except ValueError as e:  # wrong size or non-finite values: a faulty or hostile reducer
+                    self.bans.ban(peer, f"sent an invalid mean: {e}")
                     raise ProtocolViolation(f"reducer {peer} sent an invalid mean: {e}") from None
                 return averaged, sent, received
             finally:
@@ -346,19 +354,31 @@ class ButterflyAllReduce:
             if not self._sessions.get(locals().get("group_id", "")):
                 self._session_ready.pop(locals().get("group_id", ""), None)
             logger.warning("dropped a part from %s: %r", peer, e)
+            if isinstance(e, ProtocolViolation):  # garbage before we even know its group: exclude it everywhere
+                self.bans.ban(peer, f"malformed part header: {e}")
+                for other in self._sessions.values():
+                    if peer in other.group.members and peer not in other.reducer.contributors:
+                        other.excluded.setdefault(peer, f"malformed part header: {e}")
+                        other.arrived.set()
             await try_write_frame(writer, {"status": "refused", "reason": f"unknown group or malformed header: {e!r}"})
             return
         reason = self._check_header(session, peer, header, payload_length)
+        if reason is None and self.bans.is_banned(peer):
+            reason = f"banned: {self.bans.reason(peer)}"
         if reason is None:
             try:
-                payload = await asyncio.wait_for(read_payload(reader, payload_length), cfg.sender_timeout_s)
+                budget = max(session.deadline - asyncio.get_running_loop().time(), 0.0) + 1.0
+                payload = await asyncio.wait_for(read_payload(reader, payload_length), budget)
                 session.bytes_received += received + payload_length
                 if session.result_bytes is None:
                     session.reducer.add(peer, session.codec.decode(payload, session.part_numel), header["weight"])
-            except (ValueError, ProtocolViolation, asyncio.TimeoutError, ConnectionError) as e:
+            except asyncio.TimeoutError:
+                reason = f"stalled: part not delivered within sender_timeout_s={cfg.sender_timeout_s}"
+            except (ValueError, ProtocolViolation, ConnectionError) as e:
                 reason = f"{type(e).__name__}: {e}"
         if reason is not None:
             session.excluded[peer] = reason
+            self.bans.ban(peer, reason)
             session.arrived.set()
             logger.warning("excluded %s from group %s: %s", peer, session.group.group_id, reason,
                            extra={"event": "exclude", "peer": peer, "reason": reason})

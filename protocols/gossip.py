@@ -27,6 +27,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from protocols.allreduce import validate_weight
+from protocols.bans import BanList
 from protocols.compression import get_codec
 from protocols.interfaces import StreamReader, StreamWriter, Transport
 from protocols.wire import ProtocolViolation, read_frame, read_header, read_payload, require, try_write_frame, write_frame
@@ -112,6 +113,7 @@ class GossipAverager:
         get_state: Callable[[], tuple[torch.Tensor, float]],
         set_state: Callable[[torch.Tensor, float], None],
         seed: Optional[int] = None,
+        bans: Optional[BanList] = None,
     ):
         self.transport = transport
         self.prefix = prefix
@@ -120,6 +122,7 @@ class GossipAverager:
         self.get_state = get_state
         self.set_state = set_state
         self.rng = random.Random(seed)
+        self.bans = bans if bans is not None else BanList()
         self.lock = asyncio.Lock()
         self.served = 0
         self.bytes_sent = 0
@@ -138,7 +141,7 @@ class GossipAverager:
     async def gossip_round(self, live_peers: Sequence[str]) -> GossipResult:
         """Exchange with up to ``partners_per_round`` random live peers (busy ones are replaced by others)."""
         me = self.transport.streams.peer_id
-        candidates = choose_partners(live_peers, me, len(live_peers), self.rng)
+        candidates = [p for p in choose_partners(live_peers, me, len(live_peers), self.rng) if not self.bans.is_banned(p)]
         result = GossipResult(0, 0, 0, 0, 0)
         for peer in candidates:
             if result.exchanges >= self.config.partners_per_round:
@@ -163,7 +166,10 @@ class GossipAverager:
             except asyncio.TimeoutError:
                 logger.info("gossip exchange with %s timed out", peer)
                 return "failed"
-            except (ConnectionError, OSError, ProtocolViolation, ValueError) as e:
+            except (ProtocolViolation, ValueError) as e:
+                self.bans.ban(peer, f"invalid gossip answer: {e}")
+                return "failed"
+            except (ConnectionError, OSError) as e:
                 logger.info("gossip exchange with %s failed: %s", peer, e)
                 return "failed"
             if answer is None:
@@ -197,6 +203,9 @@ class GossipAverager:
     async def _serve(self, peer: str, reader: StreamReader, writer: StreamWriter) -> None:
         # While we are busy, an exchange from a smaller PeerID waits for us and one from a larger PeerID is answered
         # "busy": waits then only ever point from smaller to larger PeerIDs, so concurrent exchanges cannot deadlock.
+        if self.bans.is_banned(peer):
+            await try_write_frame(writer, {"status": "refused", "reason": "banned"})
+            return
         if self.lock.locked() and peer > self.transport.streams.peer_id:
             await try_write_frame(writer, {"status": "busy"})
             return
@@ -223,8 +232,8 @@ class GossipAverager:
             payload = await asyncio.wait_for(read_payload(reader, payload_length), self.config.exchange_timeout_s)
             x_i = self.codec.decode(payload, numel)
         except (ProtocolViolation, ValueError, asyncio.TimeoutError, ConnectionError) as e:
-            logger.warning("refused a gossip exchange from %s: %s", peer, e,
-                           extra={"event": "exclude", "peer": peer, "reason": str(e)})
+            if not isinstance(e, asyncio.TimeoutError):
+                self.bans.ban(peer, f"invalid gossip exchange: {e}")
             await try_write_frame(writer, {"status": "refused", "reason": str(e)})
             return
         mine = self.codec.encode(x)

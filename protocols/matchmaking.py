@@ -24,6 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from protocols.bans import BanList
 from protocols.interfaces import StreamReader, StreamWriter, Transport
 from protocols.wire import ProtocolViolation, read_frame, require, try_write_frame, write_frame
 
@@ -112,12 +113,18 @@ class Matchmaker:
     """
 
     def __init__(
-        self, transport: Transport, prefix: str, config: MatchmakingConfig, admit: Optional[AdmitFn] = None
+        self,
+        transport: Transport,
+        prefix: str,
+        config: MatchmakingConfig,
+        admit: Optional[AdmitFn] = None,
+        bans: Optional[BanList] = None,
     ) -> None:
         self.transport = transport
         self.prefix = prefix
         self.config = config
         self.admit = admit
+        self.bans = bans if bans is not None else BanList()
         self._sessions: dict[str, _Session] = {}
         self._sealed_keys: OrderedDict[str, None] = OrderedDict()
 
@@ -167,10 +174,11 @@ class Matchmaker:
             unreachable: set[str] = set()
             redirect: Optional[str] = None
             while loop.time() < session.deadline:
-                if redirect is not None and redirect not in unreachable:
+                if redirect is not None and redirect not in unreachable and not self.bans.is_banned(redirect):
                     leader = redirect
                 else:
-                    leader = min((set(await discovery.get(dkey)) | {self.peer_id}) - unreachable)
+                    candidates = set(await discovery.get(dkey)) | {self.peer_id}
+                    leader = min(p for p in candidates - unreachable if p == self.peer_id or not self.bans.is_banned(p))
                 redirect = None
                 if leader == self.peer_id:
                     session.following = None
@@ -235,7 +243,10 @@ class Matchmaker:
             session.changed.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(session.changed.wait(), min(self.config.poll_interval_s, remaining))
-            smaller = [p for p in await self.transport.discovery.get(dkey) if p < self.peer_id and p not in unreachable]
+            smaller = [
+                p for p in await self.transport.discovery.get(dkey)
+                if p < self.peer_id and p not in unreachable and not self.bans.is_banned(p)
+            ]
             if smaller:
                 session.following = min(smaller)
                 self._hand_over(session, session.following)
@@ -307,7 +318,9 @@ class Matchmaker:
         if session.following is not None:
             await try_write_frame(writer, {"type": "redirect", "leader": session.following})
             return
-        reason = self.admit(session.info, peer, info) if self.admit is not None else None
+        reason = f"banned: {self.bans.reason(peer)}" if self.bans.is_banned(peer) else None
+        if reason is None and self.admit is not None:
+            reason = self.admit(session.info, peer, info)
         if reason is not None:
             await try_write_frame(writer, {"type": "refused", "reason": reason})
             return

@@ -36,6 +36,7 @@ from peerd.models import build_model
 from peerd.pause import PauseGate
 from peerd.telemetry import make_status, status_key
 from protocols.allreduce import AllReduceFailed, ButterflyAllReduce
+from protocols.bans import BanList
 from protocols.gossip import GossipAverager
 from protocols.diloco import (
     OuterState,
@@ -119,11 +120,12 @@ class DiLoCoWorker:
         self.gossip_weight = float(run.batch_size * self.hp.inner_steps)
         # only the all-reduce keeps theta_outer bit-identical, so only it refuses members that differ
         admit = self._admit if self.method == "allreduce" else None
-        self.matchmaker = Matchmaker(transport, self.prefix, run.averaging.matchmaking(), admit=admit)
-        self.allreduce = ButterflyAllReduce(transport, self.prefix, run.averaging.allreduce())
+        self.bans = BanList(run.averaging.ban_s, on_ban=self._on_ban)
+        self.matchmaker = Matchmaker(transport, self.prefix, run.averaging.matchmaking(), admit=admit, bans=self.bans)
+        self.allreduce = ButterflyAllReduce(transport, self.prefix, run.averaging.allreduce(), bans=self.bans)
         self.moshpit = MoshpitAverager(self.matchmaker, self.allreduce, run.averaging.group_size)
         self.gossip = GossipAverager(transport, self.prefix, run.averaging.gossip(), self._gossip_state,
-                                     self._set_gossip_state)
+                                     self._set_gossip_state, bans=self.bans)
         self.state_server = StateServer(transport, self.prefix, self._current_snapshot)
         self.components = (self.matchmaker, self.allreduce, self.gossip, self.state_server)
 
@@ -205,6 +207,10 @@ class DiLoCoWorker:
                 window_start, window_steps = time.perf_counter(), 0
 
     # --------------------------------------------------------------------------------------------------- outer rounds
+
+    def _on_ban(self, peer: str, reason: str) -> None:
+        logger.warning("banned %s for %.0f s: %s", peer, self.bans.ban_s, reason,
+                       extra={"event": "ban", "peer": peer, "reason": reason, "ban_s": self.bans.ban_s})
 
     def _admit(self, own_info: dict, peer: str, info: dict) -> Optional[str]:
         if info.get("digest") != own_info.get("digest"):
@@ -373,6 +379,7 @@ class DiLoCoWorker:
         logger.info("resumed at outer round %d", self.outer.outer_round,
                     extra={"event": "resumed", "outer_round": self.outer.outer_round})
         await self._publish_status()
+        await self._catch_up(await self._live_peers())  # before training: steps on a stale state would be dropped
 
     async def _bounded_on_stop(self, coro) -> Any:
         """Run ``coro``; if a stop is requested meanwhile, give it at most SHUTDOWN_GRACE_S more seconds."""

@@ -1,0 +1,148 @@
+"""Hostile and stalled senders in the butterfly all-reduce (RELIABILITY rows A5, B2, B3), in-process.
+
+Every variant is injected by a member that reduces its own part honestly but sends a crafted frame to each honest
+reducer; the injector counts what it sent, and each honest reducer must exclude and ban it while the honest parts
+stay the exact honest mean.
+"""
+
+import asyncio
+import struct
+import time
+
+import msgpack
+import pytest
+import torch
+
+from peerd.transport.inprocess import Hub
+from protocols.allreduce import AllReduceConfig, ButterflyAllReduce
+from protocols.bans import BanList
+from protocols.matchmaking import AdmissionRefused, MatchmakingConfig, Matchmaker
+
+pytestmark = pytest.mark.timeout(60)
+
+SENDER_TIMEOUT_S = 1.0
+
+
+class HostileAllReduce(ButterflyAllReduce):
+    """Reduces its own part honestly; sends ``mode``-crafted parts to everyone else and counts them."""
+
+    mode = "nan"
+    fired = 0
+
+    async def _exchange(self, peer, group, part, weight, start):
+        reader, writer = await self.transport.streams.open(peer, self.handler_name)
+        n = part.numel()
+        header = {"group_id": group.group_id, "numel": n, "weight": 1.0, "codec": "none"}
+        payload = part.numpy().tobytes()
+        mode = self.mode
+        if mode == "nan":
+            payload = torch.full((n,), float("nan")).numpy().tobytes()
+        elif mode == "inf":
+            payload = torch.full((n,), float("inf")).numpy().tobytes()
+        elif mode == "wrong_numel":
+            header["numel"] = n + 1
+            payload = torch.zeros(n + 1).numpy().tobytes()
+        elif mode == "weight_huge":
+            header["weight"] = 1e13
+        elif mode == "weight_negative":
+            header["weight"] = -1.0
+        elif mode == "wrong_dtype_codec":
+            header["codec"] = "fp64"
+        header_bytes = msgpack.packb(header)
+        if mode == "oversized":
+            writer.write(struct.pack(">II", len(header_bytes), 2**31 - 1) + header_bytes)  # and never the body
+        elif mode == "garbage_header":
+            writer.write(struct.pack(">II", 16, 0) + b"\xc1" * 16)
+        elif mode in ("truncated", "stall"):
+            writer.write(struct.pack(">II", len(header_bytes), len(payload)) + header_bytes + payload[: len(payload) // 2])
+            if mode == "truncated":
+                writer.close()
+            else:
+                await asyncio.sleep(SENDER_TIMEOUT_S * 4)  # hold the stream open, send nothing more
+        else:
+            writer.write(struct.pack(">II", len(header_bytes), len(payload)) + header_bytes + payload)
+        HostileAllReduce.fired += 1
+        writer.close()
+        return torch.zeros(n), 0, 0
+
+
+async def _swarm(hub, mode):
+    cfg = AllReduceConfig("none", SENDER_TIMEOUT_S, 2 * SENDER_TIMEOUT_S + 2)
+    peers = []
+    for i in range(4):
+        t = hub.transport(f"peer{i}")
+        bans = BanList(60.0)
+        mm = Matchmaker(t, "h", MatchmakingConfig(3.0, 0.5, 0.05), bans=bans)
+        cls = HostileAllReduce if i == 3 else ButterflyAllReduce
+        ar = cls(t, "h", cfg, bans=bans)
+        await mm.start()
+        await ar.start()
+        peers.append((mm, ar, bans))
+    HostileAllReduce.mode = mode
+    HostileAllReduce.fired = 0
+    return peers
+
+
+MODES = ["nan", "inf", "wrong_numel", "weight_huge", "weight_negative", "wrong_dtype_codec", "oversized",
+         "garbage_header", "truncated"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_invalid_parts_are_excluded_and_the_sender_banned(mode):
+    async def main():
+        hub = Hub()
+        peers = await _swarm(hub, mode)
+        groups = await asyncio.gather(*[mm.form_group("r", {}, expected_size=4) for mm, _, _ in peers])
+        group = groups[0]
+        xs = {m: torch.full((40,), float(i + 1)) for i, m in enumerate(group.members)}
+        by_id = {mm.peer_id: (ar, bans) for mm, ar, bans in peers}
+        results = await asyncio.gather(*[by_id[m][0].run(group, xs[m], 1.0) for m in group.members])
+        hostile = "peer3"
+        honest = [m for m in group.members if m != hostile]
+        assert HostileAllReduce.fired == 3
+        honest_mean = sum(xs[m] for m in honest) / 3
+        reference = results[group.members.index(honest[0])].averaged
+        for m, res in zip(group.members, results):
+            if m == hostile:
+                continue
+            assert torch.equal(res.averaged, reference)  # honest members agree bit for bit
+            assert hostile in res.excluded
+            assert by_id[m][1].is_banned(hostile)
+        # every part reduced by an honest member is exactly the honest mean
+        for idx, m in enumerate(group.members):
+            if m != hostile:
+                assert torch.equal(reference[idx * 10:(idx + 1) * 10], honest_mean[idx * 10:(idx + 1) * 10])
+
+    asyncio.run(main())
+
+
+def test_stalled_sender_does_not_hold_the_round_and_is_banned():
+    async def main():
+        hub = Hub()
+        peers = await _swarm(hub, "stall")
+        groups = await asyncio.gather(*[mm.form_group("r", {}, expected_size=4) for mm, _, _ in peers])
+        group = groups[0]
+        by_id = {mm.peer_id: (ar, bans) for mm, ar, bans in peers}
+        honest = [m for m in group.members if m != "peer3"]
+        started = time.monotonic()
+        hostile_run = asyncio.ensure_future(by_id["peer3"][0].run(group, torch.zeros(40), 1.0))
+        results = await asyncio.gather(*[by_id[m][0].run(group, torch.ones(40), 1.0) for m in honest])
+        elapsed = time.monotonic() - started
+        assert elapsed <= SENDER_TIMEOUT_S + 0.5, elapsed  # RELIABILITY A5
+        # the parts honest members reduce are exactly the honest mean (the stalled member reduces its own part)
+        for r in results:
+            for idx, m in enumerate(group.members):
+                if m != "peer3":
+                    assert torch.equal(r.averaged[idx * 10:(idx + 1) * 10], torch.ones(10))
+        await asyncio.sleep(1.5)  # the stalled streams time out and get their sender banned
+        assert all(by_id[m][1].is_banned("peer3") for m in honest)
+        hostile_run.cancel()
+        # a banned peer is refused by the leader in the next matchmaking
+        leader = min(group.members)
+        if leader != "peer3":
+            outcome = await asyncio.gather(
+                *[mm.form_group("r2", {}, expected_size=4) for mm, _, _ in peers], return_exceptions=True
+            )
+            assert isinstance(outcome[3], AdmissionRefused)
+
+    asyncio.run(main())
