@@ -13,7 +13,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from safetensors import SafetensorError
@@ -41,8 +41,13 @@ def checkpoint_path(checkpoint_dir: str | os.PathLike, run_id: str) -> Path:
     return Path(checkpoint_dir) / run_id / FILENAME
 
 
-def save_checkpoint(path: str | os.PathLike, checkpoint: Checkpoint) -> int:
-    """Atomically write ``checkpoint`` to ``path``; returns the file size in bytes."""
+def save_checkpoint(
+    path: str | os.PathLike, checkpoint: Checkpoint, before_rename: Optional[Callable[[], None]] = None
+) -> int:
+    """Atomically write ``checkpoint`` to ``path``; returns the file size in bytes.
+
+    ``before_rename`` runs after the temporary file is durable and before it replaces the old checkpoint (a seam
+    for crash tests)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {name: t.detach().cpu().contiguous() for name, t in checkpoint.tensors.items()}
@@ -53,6 +58,8 @@ def save_checkpoint(path: str | os.PathLike, checkpoint: Checkpoint) -> int:
             f.write(blob)
             f.flush()
             os.fsync(f.fileno())
+        if before_rename is not None:
+            before_rename()
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -68,6 +75,8 @@ def save_checkpoint(path: str | os.PathLike, checkpoint: Checkpoint) -> int:
 def load_checkpoint(path: str | os.PathLike) -> Optional[Checkpoint]:
     """Read a checkpoint; None if there is none. Raises CheckpointError if the file is unreadable or corrupt."""
     path = Path(path)
+    for stale in path.parent.glob(f".{path.name}.*.tmp"):  # left by a crash mid-write; never published
+        stale.unlink(missing_ok=True)
     if not path.exists():
         return None
     try:

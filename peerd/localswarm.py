@@ -88,8 +88,11 @@ class Swarm:
             time.sleep(0.1)
         raise TimeoutError("bootstrap node did not print its multiaddrs")
 
-    def start_peer(self, name: str, run_id: str, run_config: Optional[Path] = TINY, *extra: str) -> Peer:
-        """Start ``peerd join`` with its own identity and checkpoint folder; extra flags are appended."""
+    def start_peer(
+        self, name: str, run_id: str, run_config: Optional[Path] = TINY, *extra: str, env: Optional[dict] = None
+    ) -> Peer:
+        """Start ``peerd join`` with its own identity and checkpoint folder; extra flags are appended, ``env``
+        entries are added to the environment (e.g. ``PEERD_FAULTS``)."""
         args = ["join", "--run-id", run_id, "--config", str(LOCAL), "--log-format", "json",
                 "--identity", str(self.workdir / f"{name}.key"), "--checkpoint-dir", str(self.workdir / f"ckpt-{name}")]
         if self.bootstrap_maddr:
@@ -99,7 +102,8 @@ class Swarm:
         log = self.workdir / f"{name}.log"
         with open(log, "w") as stderr:
             proc = subprocess.Popen(peerd_cmd(*args, *extra), stdout=subprocess.DEVNULL, stderr=stderr,
-                                    start_new_session=True, env={**os.environ, "PEERD_LOGLEVEL": "INFO"})
+                                    start_new_session=True,
+                                    env={**os.environ, "PEERD_LOGLEVEL": "INFO", **(env or {})})
         peer = Peer(name, proc, log)
         self.peers.append(peer)
         return peer

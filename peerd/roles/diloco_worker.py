@@ -31,10 +31,11 @@ import torch
 
 from peerd.checkpoint import Checkpoint, CheckpointError, checkpoint_path, load_checkpoint, save_checkpoint
 from peerd.config import NodeConfig, RunConfig
+from peerd.faults import Faults, FaultyTransport
 from peerd.data import DataError, WindowSampler, evaluate, load_corpus
 from peerd.models import build_model
 from peerd.pause import PauseGate
-from peerd.telemetry import make_status, status_key
+from peerd.telemetry import StatusFilter, make_status, status_key
 from protocols.allreduce import AllReduceFailed, ButterflyAllReduce
 from protocols.bans import BanList
 from protocols.gossip import GossipAverager
@@ -55,6 +56,8 @@ from protocols.wire import ProtocolViolation
 logger = logging.getLogger(__name__)
 
 ROLE = "diloco"
+#: An all-reduce that fails (a member died mid-round) is retried this many times in all, among the survivors.
+MAX_ROUND_ATTEMPTS = 2
 #: Longest a running all-reduce may delay a requested shutdown, in seconds.
 SHUTDOWN_GRACE_S = 15.0
 
@@ -90,6 +93,9 @@ class DiLoCoWorker:
         self.run = run
         self.node = node
         self.hp = run.diloco
+        self.faults = Faults.from_env()
+        if self.faults is not None:  # test-only: make this peer misbehave on schedule (see peerd/faults.py)
+            transport = FaultyTransport.wrap(transport, self.faults)
         self.transport = transport
         self.stop = stop
         self.gate = gate or PauseGate()  # paused: no inner steps, no matchmaking (see _wait_while_paused)
@@ -118,8 +124,10 @@ class DiLoCoWorker:
         self.round_start_theta = self.outer.theta
         self.method = run.averaging.method
         self.gossip_weight = float(run.batch_size * self.hp.inner_steps)
-        # only the all-reduce keeps theta_outer bit-identical, so only it refuses members that differ
-        admit = self._admit if self.method == "allreduce" else None
+        # only the all-reduce keeps theta_outer bit-identical, so only it refuses members that differ;
+        # a run with an allowlist refuses unlisted members whatever the method
+        admit = self._admit if self.method == "allreduce" or run.allowlist else None
+        self._status_filter = StatusFilter(logger)
         self.bans = BanList(run.averaging.ban_s, on_ban=self._on_ban)
         self.matchmaker = Matchmaker(transport, self.prefix, run.averaging.matchmaking(), admit=admit, bans=self.bans)
         self.allreduce = ButterflyAllReduce(transport, self.prefix, run.averaging.allreduce(), bans=self.bans)
@@ -213,7 +221,9 @@ class DiLoCoWorker:
                        extra={"event": "ban", "peer": peer, "reason": reason, "ban_s": self.bans.ban_s})
 
     def _admit(self, own_info: dict, peer: str, info: dict) -> Optional[str]:
-        if info.get("digest") != own_info.get("digest"):
+        if self.run.allowlist and peer not in self.run.allowlist:
+            return "not on the run's allowlist"
+        if self.method == "allreduce" and info.get("digest") != own_info.get("digest"):
             return f"theta_outer digest {str(info.get('digest'))[:12]} differs from the leader's"
         return None
 
@@ -226,6 +236,8 @@ class DiLoCoWorker:
         if margin is not None and await self._catch_up(live, margin):
             return
         started = time.perf_counter()
+        if self.faults is not None:
+            self.faults.round = self.outer.outer_round + 1
         if self.method == "allreduce":
             outcome = await self._allreduce_round(live)
         else:
@@ -261,34 +273,56 @@ class DiLoCoWorker:
         )
 
     async def _allreduce_round(self, live: dict[str, dict]) -> Optional[tuple[dict, float, int, str]]:
-        """Average pseudo-gradients with everyone present, then apply the shared outer step (bit-identical)."""
+        """Average pseudo-gradients with everyone present, then apply the shared outer step (bit-identical).
+
+        If the all-reduce fails (a member died mid-round: its part is missing for everyone), the survivors retry the
+        round once right away among themselves, with the same pseudo-gradients, under a fresh group key.
+        """
         r = self.outer.outer_round
         expected = 1 + sum(1 for p, s in live.items() if p != self.peer_id and s.get("outer_round") == r)
         pseudo_gradient = self.outer.pseudo_gradient(flatten_parameters(self.model))  # (P,)
         weight = float(self.samples_since_sync)
-        try:
-            group = await self._unless_stopped(
-                self.matchmaker.form_group(f"round{r}", {"digest": self.outer.digest()}, expected_size=expected)
-            )
-            if group is None:
+        if self.faults is not None:
+            pseudo_gradient = self.faults.transform_pseudo_gradient(pseudo_gradient)
+        result = None
+        for attempt in range(1, MAX_ROUND_ATTEMPTS + 1):
+            key = f"round{r}" if attempt == 1 else f"round{r}.attempt{attempt}"
+            try:
+                if self.faults is not None:
+                    self.faults.at_phase("matchmaking")
+                group = await self._unless_stopped(
+                    self.matchmaker.form_group(key, {"digest": self.outer.digest()}, expected_size=expected)
+                )
+                if group is None:
+                    return None
+                if self.faults is not None and self.faults.fail_now():
+                    raise AllReduceFailed("injected failure")
+                result = await self._bounded_on_stop(self.allreduce.run(group, pseudo_gradient, weight))
+                break
+            except AdmissionRefused as e:
+                logger.warning("round %d: %s; adopting the leader's state after its round", r + 1, e.reason)
+                await self._wait_for_round(e.leader, r + 1)
+                await self._download_from([e.leader])
                 return None
-            result = await self._bounded_on_stop(self.allreduce.run(group, pseudo_gradient, weight))
-        except AdmissionRefused as e:
-            logger.warning("round %d: %s; adopting the leader's state after its round", r + 1, e.reason)
-            await self._wait_for_round(e.leader, r + 1)
-            await self._download_from([e.leader])
-            return None
-        except (MatchmakingFailed, AllReduceFailed, asyncio.TimeoutError) as e:
-            self._round_failed(r, e, f"theta_outer unchanged, keeping {self.steps_since_sync} local steps")
-            self.round_quota = self.steps_since_sync + self.hp.inner_steps
-            return None
+            except AllReduceFailed as e:
+                if attempt < MAX_ROUND_ATTEMPTS and not self.stop.is_set():
+                    logger.warning("round %d all-reduce failed (%s); retrying among the survivors", r + 1, e)
+                    expected = max(1, len(group.members) - 1)
+                    continue
+                self._round_failed(r, e, f"theta_outer unchanged, keeping {self.steps_since_sync} local steps")
+                self.round_quota = self.steps_since_sync + self.hp.inner_steps
+                return None
+            except (MatchmakingFailed, asyncio.TimeoutError) as e:
+                self._round_failed(r, e, f"theta_outer unchanged, keeping {self.steps_since_sync} local steps")
+                self.round_quota = self.steps_since_sync + self.hp.inner_steps
+                return None
         if result is None:
             return None
         steps = self.steps_since_sync
         self.outer = self.outer.apply(result.averaged, self.hp)
         info = {"group_size": result.group_size, "bytes_sent": result.bytes_sent,
                 "bytes_received": result.bytes_received, "allreduce_s": round(result.seconds, 3),
-                "excluded": result.excluded}
+                "excluded": result.excluded, "attempts": attempt}
         return info, weight, steps, self.outer.digest()
 
     async def _mixing_round(self, live: dict[str, dict]) -> Optional[tuple[dict, float, int, str]]:
@@ -402,11 +436,12 @@ class DiLoCoWorker:
     # ------------------------------------------------------------------------------------------------ catching up
 
     async def _live_peers(self) -> dict[str, dict]:
-        """Status records of live workers of this run (PeerID -> record)."""
-        records = await self.transport.discovery.get(status_key(self.run_id))
+        """Status records of live workers of this run (PeerID -> record). The daemon's discovery returns only records
+        signed by their owner (peerd.transport.records); records with the wrong schema are dropped here (logged)."""
+        records = self._status_filter(await self.transport.discovery.get(status_key(self.run_id)))
         return {
-            peer: r.value for peer, r in records.items()
-            if isinstance(r.value, dict) and r.value.get("role") == ROLE and isinstance(r.value.get("outer_round"), int)
+            peer: value for peer, value in records.items()
+            if value.get("role") == ROLE and isinstance(value.get("outer_round"), int)
         }
 
     async def _catch_up(self, live: dict[str, dict], margin: int = 1) -> bool:
@@ -536,7 +571,8 @@ class DiLoCoWorker:
             "round_quota": self.round_quota, "sampler": self.sampler.state_dict(), "tokens": self.stats.tokens,
         }
         try:
-            save_checkpoint(self.checkpoint_file, Checkpoint(tensors, metadata))
+            hook = (lambda: self.faults.at_phase("checkpoint")) if self.faults is not None else None
+            save_checkpoint(self.checkpoint_file, Checkpoint(tensors, metadata), before_rename=hook)
         except OSError as e:
             logger.error("could not write checkpoint %s: %s", self.checkpoint_file, e)
 

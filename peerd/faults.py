@@ -1,0 +1,213 @@
+"""Declarative fault injection for tests: a schedule of faults that counts what it fired.
+
+    faults = Faults().kill(at_round=3, phase="allreduce").stall(seconds=30, at_round=2).corrupt(at_round=2)
+
+A peer process gets its schedule from the ``PEERD_FAULTS`` environment variable (``Faults.to_json()``), so a test
+can make one real peer misbehave. Every fault that fires is logged as a structured ``fault`` event (and counted in
+:attr:`Faults.fired`): a test asserts those counts, so an injection that never fired fails the test instead of
+passing vacuously.
+
+Faults (``at_round`` is the outer round being attempted, counting from 1):
+- ``kill``: SIGKILL this process when it reaches ``phase`` (``matchmaking`` | ``allreduce`` | ``checkpoint``) of
+  that round. In ``allreduce`` it dies after writing the first ``after_bytes`` bytes of a part (mid-transfer); in
+  ``checkpoint`` after writing the temporary file and before the rename that would publish it.
+- ``stall``: in that round's all-reduce, send the first half of every part, then go silent for ``seconds``.
+- ``corrupt``: in that round, send pseudo-gradients multiplied by ``scale`` (e.g. -1000: a sign flip and blow-up)
+  or, with ``how="nan"``, full of NaN.
+- ``fail_round``: make that round's all-reduce fail locally (the peer must roll back).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+from collections import Counter
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ENV = "PEERD_FAULTS"
+PHASES = ("matchmaking", "allreduce", "checkpoint")
+
+
+@dataclass(frozen=True)
+class Fault:
+    action: str
+    at_round: int
+    phase: str = "allreduce"
+    seconds: float = 0.0
+    how: str = "scale"
+    scale: float = -1000.0
+    after_bytes: int = 4096
+
+
+class Faults:
+    """An ordered schedule of :class:`Fault` with counters of what fired."""
+
+    def __init__(self, faults: tuple[Fault, ...] = ()):
+        self.faults = list(faults)
+        self.fired: Counter[str] = Counter()
+        self.round = 0
+
+    # -------------------------------------------------------------------------------------------- building the schedule
+
+    def _add(self, fault: Fault) -> "Faults":
+        if fault.phase not in PHASES:
+            raise ValueError(f"phase must be one of {PHASES}, got {fault.phase!r}")
+        if fault.at_round < 1:
+            raise ValueError(f"at_round counts from 1, got {fault.at_round}")
+        self.faults.append(fault)
+        return self
+
+    def kill(self, at_round: int, phase: str = "allreduce", after_bytes: int = 4096) -> "Faults":
+        return self._add(Fault("kill", at_round, phase, after_bytes=after_bytes))
+
+    def stall(self, seconds: float, at_round: int) -> "Faults":
+        return self._add(Fault("stall", at_round, seconds=seconds))
+
+    def corrupt(self, at_round: int, how: str = "scale", scale: float = -1000.0) -> "Faults":
+        if how not in ("scale", "nan"):
+            raise ValueError(f"how must be 'scale' or 'nan', got {how!r}")
+        return self._add(Fault("corrupt", at_round, how=how, scale=scale))
+
+    def fail_round(self, at_round: int) -> "Faults":
+        return self._add(Fault("fail_round", at_round))
+
+    def to_json(self) -> str:
+        return json.dumps([asdict(f) for f in self.faults])
+
+    @classmethod
+    def from_json(cls, text: str) -> "Faults":
+        try:
+            return cls(tuple(Fault(**item) for item in json.loads(text)))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{ENV} is not a valid fault schedule: {e}") from None
+
+    @classmethod
+    def from_env(cls) -> Optional["Faults"]:
+        text = os.environ.get(ENV)
+        return cls.from_json(text) if text else None
+
+    # ------------------------------------------------------------------------------------------------------- firing
+
+    def _due(self, action: str, phase: Optional[str] = None) -> Optional[Fault]:
+        for fault in self.faults:
+            if fault.action == action and fault.at_round == self.round and (phase is None or fault.phase == phase):
+                return fault
+        return None
+
+    def _fire(self, fault: Fault, **details) -> None:
+        self.fired[fault.action] += 1
+        logger.warning("injecting fault %s in round %d", fault.action, self.round,
+                       extra={"event": "fault", "action": fault.action, "outer_round": self.round,
+                              "phase": fault.phase, **details})
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+
+    def _die(self, fault: Fault, **details) -> None:
+        self._fire(fault, **details)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def at_phase(self, phase: str) -> None:
+        """Called by the worker when it enters ``phase`` of the current round."""
+        fault = self._due("kill", phase)
+        if fault is not None and phase != "allreduce":
+            self._die(fault)
+
+    def fail_now(self) -> bool:
+        fault = self._due("fail_round")
+        if fault is not None:
+            self._fire(fault)
+            return True
+        return False
+
+    def transform_pseudo_gradient(self, tensor: torch.Tensor) -> torch.Tensor:
+        fault = self._due("corrupt")
+        if fault is None:
+            return tensor
+        self._fire(fault, how=fault.how)
+        if fault.how == "nan":
+            return torch.full_like(tensor, float("nan"))
+        return tensor * fault.scale
+
+    def wrap_writer(self, writer, handler_name: str):
+        """Wrap a stream writer so this round's kill/stall faults act on all-reduce parts we send."""
+        if not handler_name.endswith(".reduce"):
+            return writer
+        kill, stall = self._due("kill", "allreduce"), self._due("stall")
+        if kill is None and stall is None:
+            return writer
+        return _FaultyWriter(writer, self, kill, stall)
+
+
+class _FaultyWriter:
+    """Passes bytes through until the fault's byte budget is spent, then dies or goes silent."""
+
+    def __init__(self, inner, faults: Faults, kill: Optional[Fault], stall: Optional[Fault]):
+        self.inner, self.faults, self.kill, self.stall = inner, faults, kill, stall
+        self.written = 0
+        self.budget = kill.after_bytes if kill is not None else None
+        self.stalled = False
+
+    def write(self, data) -> None:
+        data = bytes(data)
+        if self.kill is not None and self.written + len(data) >= self.budget:
+            self.inner.write(data[: max(0, self.budget - self.written)])
+            self.faults._die(self.kill, bytes_sent=self.budget)
+        if self.stall is not None and len(data) > 64 and not self.stalled:
+            self.inner.write(data[: len(data) // 2])
+            self.stalled = True
+            self.written += len(data) // 2
+            return
+        if not self.stalled:
+            self.inner.write(data)
+            self.written += len(data)
+
+    async def drain(self) -> None:
+        if self.stalled:
+            self.faults._fire(self.stall, seconds=self.stall.seconds)
+            await asyncio.sleep(self.stall.seconds)
+        await self.inner.drain()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class FaultyStreams:
+    """Wraps :class:`protocols.interfaces.PeerStreams` so writes of opened streams pass through the schedule."""
+
+    def __init__(self, inner, faults: Faults):
+        self.inner = inner
+        self.faults = faults
+
+    @property
+    def peer_id(self) -> str:
+        return self.inner.peer_id
+
+    async def add_handler(self, name, handler) -> None:
+        await self.inner.add_handler(name, handler)
+
+    async def remove_handler(self, name) -> None:
+        await self.inner.remove_handler(name)
+
+    async def open(self, peer_id: str, name: str):
+        reader, writer = await self.inner.open(peer_id, name)
+        return reader, self.faults.wrap_writer(writer, name)
+
+
+@dataclass
+class FaultyTransport:
+    """A transport whose streams inject the faults of ``faults``; discovery is passed through."""
+
+    discovery: object
+    streams: FaultyStreams
+
+    @classmethod
+    def wrap(cls, transport, faults: Faults) -> "FaultyTransport":
+        return cls(transport.discovery, FaultyStreams(transport.streams, faults))
