@@ -26,8 +26,8 @@ def test_a2_peer_killed_during_matchmaking_survivors_finish_the_round(swarm, tmp
     for peer in peers:
         round2 = [e for e in peer.of("outer_round") if e["outer_round"] == 2]
         assert round2 and round2[0]["group_size"] == 3, peer.of("outer_round")
-        # A2 figure: the round ends within the matchmaking window (10 s) plus the all-reduce and 1 s
-        assert round2[0]["round_s"] <= 10 + round2[0]["allreduce_s"] + 1, round2
+        # A2 figure: the round ends within the matchmaking window (10 s) plus the all-reduce and 2 s of slack
+        assert round2[0]["round_s"] <= 10 + round2[0]["allreduce_s"] + 2, round2
     assert len({p.digests()[3] for p in peers}) == 1
 
 
