@@ -20,7 +20,7 @@ from protocols.matchmaking import AdmissionRefused, MatchmakingConfig, Matchmake
 
 pytestmark = pytest.mark.timeout(60)
 
-SENDER_TIMEOUT_S = 1.0
+SENDER_TIMEOUT_S = 3.0
 
 
 class HostileAllReduce(ButterflyAllReduce):
@@ -58,7 +58,7 @@ class HostileAllReduce(ButterflyAllReduce):
             if mode == "truncated":
                 writer.close()
             else:
-                await asyncio.sleep(SENDER_TIMEOUT_S * 4)  # hold the stream open, send nothing more
+                await asyncio.sleep(SENDER_TIMEOUT_S + 3)  # hold the stream open, send nothing more
         else:
             writer.write(struct.pack(">II", len(header_bytes), len(payload)) + header_bytes + payload)
         HostileAllReduce.fired += 1
