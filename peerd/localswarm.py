@@ -139,6 +139,10 @@ class Swarm:
         procs = [p.proc for p in self.peers] + ([self._bootstrap] if self._bootstrap else [])
         for proc in procs:
             _kill_tree(proc.pid, signal.SIGKILL)
+            try:  # every peer leads its own session: this also reaches orphans whose parent was killed first
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         for proc in procs:
             try:
                 proc.wait(10)

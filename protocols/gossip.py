@@ -207,17 +207,27 @@ class GossipAverager:
             await try_write_frame(writer, {"status": "refused", "reason": "banned"})
             return
         if self.lock.locked() and peer > self.transport.streams.peer_id:
-            await try_write_frame(writer, {"status": "busy"})
+            await self._answer_busy(reader, writer)
             return
         try:
             await asyncio.wait_for(self.lock.acquire(), self.config.exchange_timeout_s)
         except asyncio.TimeoutError:
-            await try_write_frame(writer, {"status": "busy"})
+            await self._answer_busy(reader, writer)
             return
         try:
             await self._serve_locked(peer, reader, writer)
         finally:
             self.lock.release()
+
+    async def _answer_busy(self, reader: StreamReader, writer: StreamWriter) -> None:
+        """Read (and drop) the request before answering busy: closing on an unread request resets the stream, and the
+        initiator would count a failure instead of trying another partner."""
+        x, _ = self.get_state()
+        try:
+            await asyncio.wait_for(read_frame(reader, self.codec.encoded_size(x.numel())), self.config.exchange_timeout_s)
+        except (ProtocolViolation, asyncio.TimeoutError, ConnectionError):
+            return
+        await try_write_frame(writer, {"status": "busy"})
 
     async def _serve_locked(self, peer: str, reader: StreamReader, writer: StreamWriter) -> None:
         x, w = self.get_state()
