@@ -10,8 +10,8 @@ peers are ordered by ``sha256(epoch, PeerID)`` and peer number i gets the base-M
 groups are reshuffled every epoch (groupmates of one epoch are spread across groups in the next). Peers whose views
 of the live list differ may land in groups of unexpected size; matchmaking then seals what arrives in time.
 
-Defaults follow the paper's experiments: target group size M = 4 (paper: groups of 4-32), grid dimension
-d = floor(log_M N) with side ceil(N^(1/d)), so an N that is not a power of M gives groups a little larger than M.
+Defaults follow the paper's experiments: target group size M = 4 (paper: groups of 4-32); the grid dimension is
+floor or ceil of log_M N with side ceil(N^(1/d)), preferring grids without lone peers (see :meth:`Grid.for_peers`).
 """
 
 from __future__ import annotations
@@ -40,13 +40,32 @@ class Grid:
 
     @classmethod
     def for_peers(cls, n_peers: int, target_group_size: int) -> "Grid":
-        """The grid for ``n_peers``: d = floor(log_M N) dimensions (at least 1) and side ceil(N^(1/d)), so groups
-        hold M to about 2M peers and nobody is left alone on a sparse grid (3 peers with M = 2 form one group)."""
+        """The grid for ``n_peers``: d = floor or ceil of log_M N dimensions (at least 1), side ceil(N^(1/d)).
+
+        Of the two, the grid that leaves no peer alone in a group is preferred, then the one whose side is closest
+        to M (15 peers with M = 4: a 4 x 4 grid; 3 peers with M = 2: one group of 3).
+        """
         if n_peers < 1 or target_group_size < 2:
             raise ValueError(f"need n_peers >= 1 and target_group_size >= 2, got {n_peers}, {target_group_size}")
-        dims = max(1, math.floor(math.log(n_peers, target_group_size) + 1e-9)) if n_peers > 1 else 1
-        side = max(1, math.ceil(n_peers ** (1 / dims) - 1e-9))
-        return cls(side, dims, n_peers)
+        if n_peers == 1:
+            return cls(1, 1, 1)
+        exact = math.log(n_peers, target_group_size)
+        candidates = []
+        for dims in sorted({max(1, math.floor(exact + 1e-9)), max(1, math.ceil(exact - 1e-9))}):
+            grid = cls(max(1, math.ceil(n_peers ** (1 / dims) - 1e-9)), dims, n_peers)
+            candidates.append((grid._has_lone_peer(), abs(grid.side - target_group_size), -dims, grid))
+        return min(candidates, key=lambda c: c[:3])[3]
+
+    def _has_lone_peer(self) -> bool:
+        """Whether filling cells 0..N-1 leaves some group of one along some dimension."""
+        for dim in range(self.dims):
+            sizes: dict[tuple, int] = {}
+            for index in range(self.n_peers):
+                key = self.group_of(self.coordinates(index), dim)
+                sizes[key] = sizes.get(key, 0) + 1
+            if min(sizes.values()) == 1 and self.n_peers > 1:
+                return True
+        return False
 
     def coordinates(self, index: int) -> tuple[int, ...]:
         """Base-``side`` digits of ``index`` (little-endian), one per dimension."""

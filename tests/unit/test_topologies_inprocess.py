@@ -23,7 +23,8 @@ def test_grid_shapes():
     assert (Grid.for_peers(3, 4).side, Grid.for_peers(3, 4).dims) == (3, 1)
     assert Grid.for_peers(1, 4).dims == 1
     assert (Grid.for_peers(3, 2).side, Grid.for_peers(3, 2).dims) == (3, 1)  # one group, nobody alone
-    assert (Grid.for_peers(5, 2).side, Grid.for_peers(5, 2).dims) == (3, 2)
+    assert (Grid.for_peers(5, 2).side, Grid.for_peers(5, 2).dims) == (2, 3)
+    assert (Grid.for_peers(15, 4).side, Grid.for_peers(15, 4).dims) == (4, 2)  # not one group of 15
     assert Grid(2, 2, 4).coordinates(3) == (1, 1)
     with pytest.raises(ValueError):
         Grid.for_peers(4, 1)
