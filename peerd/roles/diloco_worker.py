@@ -124,6 +124,7 @@ class DiLoCoWorker:
         self.round_start_theta = self.outer.theta
         self.method = run.averaging.method
         self.gossip_weight = float(run.batch_size * self.hp.inner_steps)
+        self._gossip_bytes = (0, 0)  # the gossip averager's byte counters at our last round
         # only the all-reduce keeps theta_outer bit-identical, so only it refuses members that differ;
         # a run with an allowlist refuses unlisted members whatever the method
         admit = self._admit if self.method == "allreduce" or run.allowlist else None
@@ -360,8 +361,11 @@ class DiLoCoWorker:
                 self.outer, self.gossip_weight = stepped, weight
                 result = await self._unless_stopped(self.gossip.gossip_round(peers))
                 if result is not None:
-                    info.update(group_size=1 + result.exchanges, bytes_sent=result.bytes_sent,
-                                bytes_received=result.bytes_received)
+                    # bytes of exchanges we answered since our last round count too, not only those we started
+                    sent, received = self.gossip.bytes_sent, self.gossip.bytes_received
+                    info.update(group_size=1 + result.exchanges, bytes_sent=sent - self._gossip_bytes[0],
+                                bytes_received=received - self._gossip_bytes[1])
+                    self._gossip_bytes = (sent, received)
         except (MatchmakingFailed, AllReduceFailed) as e:
             self._round_failed(r, e, "keeping our own outer step")
         info["allreduce_s"] = round(time.perf_counter() - started, 3)
