@@ -24,6 +24,7 @@ from peerd.config import (
     load_node_config_with_sources,
     load_run_config,
 )
+from peerd.control import ControlUnavailable
 
 logger = logging.getLogger("peerd")
 
@@ -393,17 +394,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except ControlUnavailable as e:  # pause/resume/health without a daemon: one line, and no heavy imports
+        print(f"{'unhealthy' if args.command == 'health' else 'peerd ' + args.command}: {e}", file=sys.stderr)
+        return 1
     except Exception as e:
         from peerd.checkpoint import CheckpointError
-        from peerd.control import ControlUnavailable
         from peerd.daemon import RunConfigConflict
         from peerd.data import DataError
         from peerd.identity import IdentityError
         from peerd.volunteer import ServiceError
 
-        if isinstance(e, ControlUnavailable):
-            print(f"{'unhealthy' if args.command == 'health' else 'peerd ' + args.command}: {e}", file=sys.stderr)
-            return 1
         if isinstance(e, (RunConfigConflict, CheckpointError, DataError, IdentityError, ConnectionError,
                           ServiceError)):
             logger.error("%s", e)

@@ -67,6 +67,7 @@ class EventTap(logging.Handler):
         super().__init__(logging.DEBUG)
         self.subscribers = list(subscribers)
         self._restore: list[tuple[Any, int]] = []
+        self._failed: set[int] = set()
 
     def emit(self, record: logging.LogRecord) -> None:
         if not isinstance(getattr(record, "event", None), str):
@@ -75,8 +76,10 @@ class EventTap(logging.Handler):
         for subscriber in self.subscribers:
             try:
                 subscriber(event)
-            except Exception:  # never let a subscriber break logging
-                self.handleError(record)
+            except Exception:  # never let a subscriber break logging; say so once, not on every event
+                if id(subscriber) not in self._failed:
+                    self._failed.add(id(subscriber))
+                    logging.getLogger(__name__).warning("event subscriber %r failed", subscriber, exc_info=True)
 
     def attach(self, logger_name: str = "peerd") -> None:
         """Receive INFO events even when the user asked for fewer log lines: the ``peerd`` logger lets INFO through

@@ -1,6 +1,7 @@
 """The Dockerfile (linted with hadolint, its contract checked without Docker), the compose example, the systemd
 node config example."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -52,7 +53,7 @@ def test_dockerfile_contract():
     assert parser.parse_args(cmd).command == "join"
     health = exec_form(DOCKERFILE, "HEALTHCHECK")
     assert health[0] == "peerd" and parser.parse_args(health[1:]).command == "health"
-    volumes = [v for k, r in steps if k == "VOLUME" for v in __import__("json").loads(r)]
+    volumes = [v for k, r in steps if k == "VOLUME" for v in json.loads(r)]
     assert volumes == ["/data"]
 
     env = image_env()
