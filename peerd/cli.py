@@ -28,7 +28,8 @@ from peerd.control import ControlUnavailable
 
 logger = logging.getLogger("peerd")
 
-RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+#: A name, optionally bound to the run's creator: ``name@<creator PeerID or a prefix of it>`` (peerd.membership).
+RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}(@12D3KooW[1-9A-HJ-NP-Za-km-z]{16,50})?$")
 EXAMPLE_PEER = "/ip4/203.0.113.7/tcp/31337/p2p/12D3KooW..."
 
 
@@ -44,7 +45,8 @@ class _Parser(argparse.ArgumentParser):
 def _run_id(value: str) -> str:
     if not RUN_ID.match(value):
         raise argparse.ArgumentTypeError(
-            f"invalid run id {value!r}: use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
+            f"invalid run id {value!r}: use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit,"
+            " optionally followed by @ and the creator's PeerID (or its first 24 or more characters)"
         )
     return value
 

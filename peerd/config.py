@@ -137,8 +137,18 @@ class RunConfig:
     """Batches of held-out text evaluated after each outer round (0 disables evaluation)."""
     diloco: DiLoCoHyperparams = field(default_factory=DiLoCoHyperparams)
     averaging: AveragingConfig = field(default_factory=AveragingConfig)
+    allowlist: tuple[str, ...] = ()
+    """PeerIDs (``12D3KooW...``) allowed in this run; empty = anyone. Peers not on it cannot join rounds, serve or
+    fetch state, or publish this run's config; the peer that creates the run must be on it
+    (:mod:`peerd.membership`)."""
 
     def __post_init__(self) -> None:
+        from peerd.signing import is_peer_id
+
+        bad = [p for p in self.allowlist if not is_peer_id(p)]
+        if bad:
+            raise ConfigError(f"allowlist: not Ed25519 PeerIDs (12D3KooW...): {', '.join(map(repr, bad))}")
+        object.__setattr__(self, "allowlist", tuple(sorted(set(self.allowlist))))  # equal sets hash alike
         if self.model not in MODEL_NAMES:
             raise ConfigError(f"model must be one of {MODEL_NAMES}, got {self.model!r}")
         if self.dataset not in ("shakespeare", "local"):
@@ -154,6 +164,10 @@ class RunConfig:
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("diloco", "averaging")}
         out["diloco"] = self.diloco.to_dict()
         out["averaging"] = dataclasses.asdict(self.averaging)
+        if not self.allowlist:  # runs without one keep the fingerprints they had before allowlists existed
+            del out["allowlist"]
+        else:
+            out["allowlist"] = list(self.allowlist)
         return out
 
     @classmethod

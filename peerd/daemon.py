@@ -1,5 +1,9 @@
 """Lifecycle of a peer: identity -> transport -> run config (fetch or publish) -> role -> clean exit.
 
+Every DHT record a peer stores is signed by its identity key and every record it reads is verified
+(:mod:`peerd.transport.records`); the run config is signed by the run's creator and bound to the run id
+(:mod:`peerd.membership`); a run's allowlist is enforced on the role's transport (:mod:`peerd.transport.admission`).
+
 Nothing here parses flags (that is ``peerd.cli``); everything here can be driven from tests.
 """
 
@@ -9,12 +13,28 @@ import asyncio
 import contextlib
 import logging
 import signal
+from pathlib import Path
 from typing import Optional
 
-from peerd.config import ConfigError, NodeConfig, RunConfig
+from peerd.config import NodeConfig, RunConfig
 from peerd.identity import load_or_create_identity
-from peerd.telemetry import config_key, status_key
+from peerd.membership import (
+    RUN_CREATOR_MIN_PREFIX,
+    RunConfigConflict,
+    RunConfigRecord,
+    choose,
+    config_payload,
+    load_pin,
+    parse_config_record,
+    pin_path,
+    save_pin,
+    split_run_id,
+)
+from peerd.signing import InvalidRecord, Signer
+from peerd.telemetry import StatusFilter, config_key, status_key
+from peerd.transport.admission import admit_only
 from peerd.transport.hivemind_backend import HivemindTransport
+from peerd.transport.records import OwnerRecordValidator, SignedDiscovery, key_id
 from peerd.volunteer import VolunteerServices
 
 logger = logging.getLogger(__name__)
@@ -22,10 +42,6 @@ logger = logging.getLogger(__name__)
 #: Lifetime of the published run config in the DHT; every live peer re-publishes it well before it expires.
 CONFIG_TTL_S = 600.0
 CONFIG_REFRESH_S = 60.0
-
-
-class RunConfigConflict(RuntimeError):
-    """The local --run-config disagrees with the configuration published for the run, or none exists."""
 
 
 def install_stop_handlers(stop: asyncio.Event) -> None:
@@ -45,59 +61,110 @@ def install_stop_handlers(stop: asyncio.Event) -> None:
 
 
 async def start_transport(node: NodeConfig, client_mode: bool = False) -> HivemindTransport:
+    """The DHT node and streams of this peer. Its DHT node refuses forged owner records (OwnerRecordValidator), and
+    its discovery signs what this peer stores and returns only validly signed records (SignedDiscovery)."""
     identity = str(node.identity_path)
     peer_id = load_or_create_identity(identity)
+    signer = Signer.from_identity_file(identity)
     logger.info("PeerID %s (identity %s)", peer_id, identity)
-    return await HivemindTransport.create(
+    transport = await HivemindTransport.create(
         initial_peers=node.initial_peers,
         host_maddrs=node.host_maddrs,
         announce_maddrs=node.announce_maddrs,
         identity_path=identity,
         nat_port_map=node.nat_port_map,
         client_mode=client_mode,
+        record_validators=[OwnerRecordValidator()],
     )
+    transport.discovery = SignedDiscovery(transport.discovery, signer)
+    return transport
 
 
-async def resolve_run_config(transport, run_id: str, local: Optional[RunConfig]) -> RunConfig:
-    """The run's config: the published one (checked against ``local`` if given), or ``local`` published now.
+async def resolve_run_config(transport, run_id: str, local: Optional[RunConfig],
+                             pin: Optional[Path] = None) -> RunConfigRecord:
+    """The run's creator-signed config (rules in :mod:`peerd.membership`), checked against ``local`` if given;
+    or ``local``, signed by us and published now, if the run has none. ``pin``: where this peer pins (and later
+    checks) the config it accepted. ``transport.discovery`` must be a :class:`SignedDiscovery` with our key.
 
-    Raises RunConfigConflict if they disagree (naming the differing keys) or if neither exists.
+    Raises RunConfigConflict if the published config disagrees with ``local`` (naming the differing keys), is
+    ambiguous or differs from the pinned one, if neither exists, if the run id names another creator and nothing
+    is published, or if we would publish a config whose allowlist does not list us.
     """
-    records = await transport.discovery.get(config_key(run_id))
-    published = records.get("config")
-    if published is None:
+    discovery: SignedDiscovery = transport.discovery
+    key = config_key(run_id)
+    split_run_id(run_id)  # a malformed creator suffix fails here, before anything is published
+    pinned = load_pin(pin, run_id, key_id(key)) if pin is not None else None
+    records = []
+    for owner, found in (await discovery.get_signed(key)).items():
+        try:
+            records.append(parse_config_record(run_id, owner, found.value, found.envelope))
+        except InvalidRecord as e:
+            logger.warning("ignoring an invalid config for run %s signed by %s: %s", run_id, owner, e,
+                           extra={"event": "config_refused", "creator": owner, "reason": str(e)})
+    accepted = choose(run_id, records, pinned)
+    if not accepted and pinned is not None:
+        logger.info("the DHT lost the configuration of run %s: re-publishing the pinned one (creator %s)", run_id,
+                    pinned.creator)
+        await keep_config_record(transport, run_id, pinned)
+        accepted = [pinned]
+    if not accepted:
         if local is None:
             raise RunConfigConflict(
                 f"run {run_id!r} has no configuration published in the DHT (is any peer of it online?);"
                 " the first peer of a run must pass --run-config FILE"
             )
-        await publish_run_config(transport, run_id, local)
-        logger.info("published the configuration of new run %s (fingerprint %s)", run_id, local.fingerprint())
-        return local
-    try:
-        remote = RunConfig.from_dict(published.value["config"], source=f"configuration published for run {run_id!r}")
-    except (ConfigError, KeyError, TypeError) as e:
-        raise RunConfigConflict(f"the configuration published for run {run_id!r} is invalid: {e}") from None
+        accepted = [await publish_run_config(transport, run_id, local)]
+        logger.info("published the configuration of new run %s (fingerprint %s), signed by this peer; joiners that "
+                    "give the run id %s@%s accept only configs signed by this peer", run_id, local.fingerprint(),
+                    run_id.partition("@")[0], discovery.signer.peer_id[:RUN_CREATOR_MIN_PREFIX],
+                    extra={"event": "config_published", "fingerprint": local.fingerprint()})
+    record = accepted[0]
+    remote = record.run
     if local is not None and local.fingerprint() != remote.fingerprint():
         diff = _diff(local.to_dict(), remote.to_dict())
         raise RunConfigConflict(
             f"--run-config disagrees with the configuration published for run {run_id!r}: "
             + "; ".join(f"{k}: local {a!r} vs published {b!r}" for k, a, b in diff)
         )
-    return remote
+    if pin is not None and pinned is None:
+        save_pin(pin, record)
+    return record
 
 
-async def publish_run_config(transport, run_id: str, run: RunConfig) -> None:
-    discovery = transport.discovery
-    value = {"config": run.to_dict(), "fingerprint": run.fingerprint()}
-    await discovery.store(config_key(run_id), "config", value, discovery.time() + CONFIG_TTL_S)
+async def publish_run_config(transport, run_id: str, run: RunConfig) -> RunConfigRecord:
+    """Sign ``run`` as this run's creator and store it. Raises RunConfigConflict if the run id names another
+    creator or the config's allowlist does not list us (such a config would be refused by every peer)."""
+    discovery: SignedDiscovery = transport.discovery
+    me = discovery.signer.peer_id
+    _, creator_prefix = split_run_id(run_id)
+    if creator_prefix is not None and not me.startswith(creator_prefix):
+        raise RunConfigConflict(
+            f"run {run_id!r} belongs to the peer {creator_prefix}...; only it can publish the run's configuration, "
+            "and none is published now (is any peer of the run online?)"
+        )
+    if run.allowlist and me not in run.allowlist:
+        raise RunConfigConflict(f"cannot publish the configuration of run {run_id!r}: this peer ({me}) is not on "
+                                "its allowlist")
+    key = config_key(run_id)
+    envelope = discovery.seal_portable(key, config_payload(run_id, me, run))
+    record = RunConfigRecord(me, run, envelope)
+    await keep_config_record(transport, run_id, record)
+    return record
 
 
-async def keep_run_config_alive(transport, run_id: str, run: RunConfig) -> None:
+async def keep_config_record(transport, run_id: str, record: RunConfigRecord) -> bool:
+    """(Re-)store the creator's signed config record for another CONFIG_TTL_S."""
+    discovery: SignedDiscovery = transport.discovery
+    return await discovery.store_portable(config_key(run_id), record.creator, record.envelope,
+                                          discovery.time() + CONFIG_TTL_S)
+
+
+async def keep_run_config_alive(transport, run_id: str, record: RunConfigRecord) -> None:
+    """Every live peer re-stores the creator's record, unchanged: the run's config outlives its creator."""
     while True:
         await asyncio.sleep(CONFIG_REFRESH_S)
         with contextlib.suppress(Exception):
-            await publish_run_config(transport, run_id, run)
+            await keep_config_record(transport, run_id, record)
 
 
 def _diff(a: dict, b: dict, prefix: str = "") -> list[tuple[str, object, object]]:
@@ -125,10 +192,15 @@ async def join(run_id: str, node: NodeConfig, local_run: Optional[RunConfig]) ->
         keeper = None
         try:
             logger.info("listening on %s", " ".join(transport.visible_maddrs()))
-            run = await resolve_run_config(transport, run_id, local_run)
-            keeper = asyncio.ensure_future(keep_run_config_alive(transport, run_id, run))
-            worker = DiLoCoWorker(run_id, run, node, services.pace(transport), stop, gate=services.gate)
-            services.watch_peers(transport.discovery, run_id)
+            record = await resolve_run_config(transport, run_id, local_run, pin_path(node.checkpoint_path, run_id))
+            run = record.run
+            if run.allowlist and transport.peer_id not in run.allowlist:
+                raise RunConfigConflict(f"this peer ({transport.peer_id}) is not on the allowlist of run {run_id!r};"
+                                        " ask the run's creator to add it")
+            keeper = asyncio.ensure_future(keep_run_config_alive(transport, run_id, record))
+            role_transport = admit_only(services.pace(transport), run.allowlist)
+            worker = DiLoCoWorker(run_id, run, node, role_transport, stop, gate=services.gate)
+            services.watch_peers(role_transport.discovery, run_id)
             services.ready(f"joined run {run_id}")
             await worker.run_forever()
         finally:
@@ -154,13 +226,32 @@ async def bootstrap(node: NodeConfig, on_ready=print) -> None:
 
 
 async def read_status(node: NodeConfig, run_id: str) -> tuple[dict[str, dict], Optional[dict]]:
-    """Live status records and the published config of ``run_id``, read through a short-lived DHT client."""
+    """Live status records and the published config of ``run_id``, read through a short-lived DHT client.
+
+    Only records signed by their owner and with the status schema are returned (the others are logged). The config
+    is the run's as :func:`peerd.membership.choose` decides (None if there is none or it is ambiguous):
+    ``{config, fingerprint, creator, creators}``.
+    """
     transport = await HivemindTransport.create(
         initial_peers=node.initial_peers, host_maddrs=("/ip4/127.0.0.1/tcp/0",), client_mode=True,
+        record_validators=[OwnerRecordValidator()],
     )
     try:
-        records = await transport.discovery.get(status_key(run_id))
-        config = (await transport.discovery.get(config_key(run_id))).get("config")
-        return {p: r.value for p, r in records.items() if isinstance(r.value, dict)}, (config.value if config else None)
+        discovery = SignedDiscovery(transport.discovery, signer=None)
+        statuses = StatusFilter(logger)(await discovery.get(status_key(run_id)))
+        records = []
+        for owner, found in (await discovery.get_signed(config_key(run_id))).items():
+            with contextlib.suppress(InvalidRecord):
+                records.append(parse_config_record(run_id, owner, found.value, found.envelope))
+        try:
+            accepted = choose(run_id, records, pinned=None)
+        except RunConfigConflict as e:
+            logger.warning("%s", e)
+            accepted = []
+        config = None
+        if accepted:
+            config = {"config": accepted[0].run.to_dict(), "fingerprint": accepted[0].fingerprint,
+                      "creator": accepted[0].creator, "creators": [r.creator for r in accepted]}
+        return statuses, config
     finally:
         await transport.shutdown()

@@ -35,7 +35,7 @@ from peerd.faults import Faults, FaultyTransport
 from peerd.data import DataError, WindowSampler, evaluate, load_corpus
 from peerd.models import build_model
 from peerd.pause import PauseGate
-from peerd.telemetry import make_status, status_key
+from peerd.telemetry import StatusFilter, make_status, status_key
 from protocols.allreduce import AllReduceFailed, ButterflyAllReduce
 from protocols.bans import BanList
 from protocols.gossip import GossipAverager
@@ -125,8 +125,10 @@ class DiLoCoWorker:
         self.method = run.averaging.method
         self.gossip_weight = float(run.batch_size * self.hp.inner_steps)
         self._gossip_bytes = (0, 0)  # the gossip averager's byte counters at our last round
-        # only the all-reduce keeps theta_outer bit-identical, so only it refuses members that differ
-        admit = self._admit if self.method == "allreduce" else None
+        # only the all-reduce keeps theta_outer bit-identical, so only it refuses members that differ;
+        # a run with an allowlist refuses unlisted members whatever the method
+        admit = self._admit if self.method == "allreduce" or run.allowlist else None
+        self._status_filter = StatusFilter(logger)
         self.bans = BanList(run.averaging.ban_s, on_ban=self._on_ban)
         self.matchmaker = Matchmaker(transport, self.prefix, run.averaging.matchmaking(), admit=admit, bans=self.bans)
         self.allreduce = ButterflyAllReduce(transport, self.prefix, run.averaging.allreduce(), bans=self.bans)
@@ -220,6 +222,8 @@ class DiLoCoWorker:
                        extra={"event": "ban", "peer": peer, "reason": reason, "ban_s": self.bans.ban_s})
 
     def _admit(self, own_info: dict, peer: str, info: dict) -> Optional[str]:
+        if self.run.allowlist and peer not in self.run.allowlist:
+            return "not on the run's allowlist"
         if self.method == "allreduce" and info.get("digest") != own_info.get("digest"):
             return f"theta_outer digest {str(info.get('digest'))[:12]} differs from the leader's"
         return None
@@ -436,11 +440,12 @@ class DiLoCoWorker:
     # ------------------------------------------------------------------------------------------------ catching up
 
     async def _live_peers(self) -> dict[str, dict]:
-        """Status records of live workers of this run (PeerID -> record)."""
-        records = await self.transport.discovery.get(status_key(self.run_id))
+        """Status records of live workers of this run (PeerID -> record). The daemon's discovery returns only records
+        signed by their owner (peerd.transport.records); records with the wrong schema are dropped here (logged)."""
+        records = self._status_filter(await self.transport.discovery.get(status_key(self.run_id)))
         return {
-            peer: r.value for peer, r in records.items()
-            if isinstance(r.value, dict) and r.value.get("role") == ROLE and isinstance(r.value.get("outer_round"), int)
+            peer: value for peer, value in records.items()
+            if value.get("role") == ROLE and isinstance(value.get("outer_round"), int)
         }
 
     async def _catch_up(self, live: dict[str, dict], margin: int = 1) -> bool:

@@ -110,8 +110,13 @@ class HivemindTransport:
         nat_port_map: bool = False,
         client_mode: bool = False,
         startup_timeout_s: float = 30.0,
+        record_validators: Sequence[Any] = (),
     ) -> "HivemindTransport":
         """Start a DHT node (child process + p2pd) and attach streams to it.
+
+        ``record_validators`` (hivemind ``RecordValidatorBase`` instances, e.g.
+        :class:`peerd.transport.records.OwnerRecordValidator`) check every record this node is asked to store and
+        every record it reads from others.
 
         Raises ConnectionError if none of ``initial_peers`` can be reached.
         """
@@ -126,6 +131,7 @@ class HivemindTransport:
             check_if_identity_free=False,
             client_mode=client_mode,
             startup_timeout=startup_timeout_s,
+            record_validators=list(record_validators),
         )
         if announce_maddrs:
             kwargs["announce_maddrs"] = list(announce_maddrs)

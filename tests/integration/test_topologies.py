@@ -50,7 +50,7 @@ def test_moshpit_4_peers_exact_average_after_2_rounds(swarm, tmp_path):
 
 @pytest.mark.parametrize("topology", ["moshpit", "gossip"])
 def test_survivors_keep_averaging_after_a_peer_is_killed(swarm, tmp_path, topology):
-    n, numel, rounds = 5, 5_000, 8
+    n, numel, rounds = 5, 5_000, 12
     peers = _start(swarm, n, topology, rounds, tmp_path, numel=numel, group_size=2, timeout_s=4,
                    matchmaking_timeout_s=4, round_interval_s=0.3)
     victim = peers[2]
