@@ -7,6 +7,10 @@ fixed coordinates, the same on every peer) from which consensus distance can be 
 vector is saved next to it (``<out>.final.pt``). Gossip peers keep serving exchanges after their own rounds until
 every peer is done (or ``--linger-s`` passes), so late partners are not left alone.
 
+With ``--attempts 2`` a failed all-reduce is retried once right away among the survivors under a fresh group key,
+as the DiLoCo worker does; a failed attempt changes nothing. ``PEERD_FAULTS`` (:mod:`peerd.faults`) makes this peer
+misbehave on schedule (round r of the schedule = this peer's r-th round); ``fault`` events go to stderr as JSON lines.
+
 Usage: ``python -m peerd.avgpeer --index 0 --expect 4 --topology moshpit --out /tmp/p0.jsonl [--initial-peers M]``
 """
 
@@ -16,10 +20,13 @@ import argparse
 import asyncio
 import json
 import logging
+import sys
 import time
 
 import torch
 
+from peerd.faults import Faults, FaultyTransport
+from peerd.telemetry import JsonFormatter
 from peerd.transport.hivemind_backend import HivemindTransport
 from protocols.allreduce import AllReduceConfig, AllReduceFailed, ButterflyAllReduce
 from protocols.gossip import GossipAverager, GossipConfig
@@ -39,12 +46,14 @@ def sketch_indices(numel: int) -> torch.Tensor:
 
 
 async def run(args: argparse.Namespace) -> None:
-    transport = await HivemindTransport.create(
+    network = await HivemindTransport.create(
         initial_peers=args.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False
     )
+    faults = Faults.from_env()
+    transport = FaultyTransport.wrap(network, faults) if faults is not None else network
     out = open(args.out, "a", buffering=1)
     try:
-        me = transport.peer_id
+        me = network.peer_id
         key = f"avg.{args.run_id}.members"
         discovery = transport.discovery
 
@@ -98,6 +107,9 @@ async def run(args: argparse.Namespace) -> None:
             live = sorted(others) if me in others else sorted([*others, me])
             started = time.perf_counter()
             record = {"event": "round", "round": r + 1, "peer": me, "index": args.index}
+            if faults is not None:
+                faults.round = r + 1
+                faults.at_phase("matchmaking")
             try:
                 if args.topology == "gossip":
                     res = await gossip.gossip_round(live)
@@ -107,8 +119,7 @@ async def run(args: argparse.Namespace) -> None:
                     if args.topology == "moshpit":
                         res = await moshpit.average(r, state["x"], state["w"], live)
                     else:
-                        group = await mm.form_group(f"allreduce.r{r}", {}, expected_size=len(live))
-                        res = await ar.run(group, state["x"], state["w"])
+                        res = await _allreduce(mm, ar, r, state, len(live), args.attempts, record)
                     state["x"] = res.averaged
                     state["w"] = state["w"] * res.group_size  # this peer now speaks for its group
                     record.update(group_size=res.group_size, bytes_sent=res.bytes_sent,
@@ -136,7 +147,25 @@ async def run(args: argparse.Namespace) -> None:
         print(json.dumps({"event": "done", "peer": me, "served": gossip.served}), file=out)
     finally:
         out.close()
-        await transport.shutdown()
+        await network.shutdown()
+
+
+async def _allreduce(mm: Matchmaker, ar: ButterflyAllReduce, r: int, state: dict, expected: int, attempts: int,
+                     record: dict):
+    """Round ``r`` of the all-reduce topology; a failed attempt is retried among the survivors (``attempts`` in
+    all). Failed attempts are listed in ``record["failed_attempts"]``; raises the last failure."""
+    record["failed_attempts"] = []
+    for attempt in range(1, attempts + 1):
+        key = f"allreduce.r{r}" if attempt == 1 else f"allreduce.r{r}.attempt{attempt}"
+        group = await mm.form_group(key, {}, expected_size=expected)
+        record.update(attempts=attempt, members=list(group.members))
+        try:
+            return await ar.run(group, state["x"], state["w"])
+        except AllReduceFailed as e:
+            record["failed_attempts"].append(str(e))
+            if attempt == attempts:
+                raise
+            expected = max(1, len(group.members) - 1)
 
 
 def main() -> None:
@@ -159,9 +188,13 @@ def main() -> None:
     p.add_argument("--start-timeout-s", type=float, default=60.0)
     p.add_argument("--round-interval-s", type=float, default=0.0, help="pause between rounds")
     p.add_argument("--linger-s", type=float, default=30.0)
+    p.add_argument("--attempts", type=int, default=1,
+                   help="all-reduce attempts per round; a failed one is retried among the survivors (worker: 2)")
     args = p.parse_args()
     torch.set_num_threads(1)
-    logging.basicConfig(level=logging.WARNING)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    logging.basicConfig(level=logging.WARNING, handlers=[handler])
     asyncio.run(run(args))
 
 

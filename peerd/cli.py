@@ -19,7 +19,6 @@ from peerd import __version__
 from peerd.config import (
     ConfigError,
     NodeConfig,
-    RunConfig,
     load_node_config,
     load_node_config_with_sources,
     load_run_config,

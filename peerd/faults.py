@@ -8,9 +8,12 @@ can make one real peer misbehave. Every fault that fires is logged as a structur
 passing vacuously.
 
 Faults (``at_round`` is the outer round being attempted, counting from 1):
-- ``kill``: SIGKILL this process when it reaches ``phase`` (``matchmaking`` | ``allreduce`` | ``checkpoint``) of
-  that round. In ``allreduce`` it dies after writing the first ``after_bytes`` bytes of a part (mid-transfer); in
-  ``checkpoint`` after writing the temporary file and before the rename that would publish it.
+- ``kill``: SIGKILL this process when it reaches ``phase`` (``matchmaking`` | ``allreduce`` | ``reduce`` |
+  ``checkpoint``) of that round. In ``allreduce`` it dies after writing the first ``after_bytes`` bytes of a part
+  (a sender dying mid-transfer); in ``reduce`` it dies as a *reducer*: its own part is sealed (the other members'
+  slices of its span have arrived and their mean is computed) and it dies just before the first byte of that mean
+  goes back to any member, so every sender is left waiting on a dead reducer; in ``checkpoint`` after writing the
+  temporary file and before the rename that would publish it.
 - ``stall``: in that round's all-reduce, send the first half of every part, then go silent for ``seconds``.
 - ``corrupt``: in that round, send pseudo-gradients multiplied by ``scale`` (e.g. -1000: a sign flip and blow-up)
   or, with ``how="nan"``, full of NaN.
@@ -24,16 +27,21 @@ import json
 import logging
 import os
 import signal
+import struct
 from collections import Counter
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import Callable, Optional
 
+import msgpack
 import torch
 
 logger = logging.getLogger(__name__)
 
 ENV = "PEERD_FAULTS"
-PHASES = ("matchmaking", "allreduce", "checkpoint")
+#: A stall cuts the first write larger than this (bytes): a part's payload, never its frame header.
+STALL_MIN_WRITE_BYTES = 1024
+PHASES = ("matchmaking", "allreduce", "reduce", "checkpoint")
+_PREFIX = struct.Struct(">II")  # protocols.wire's frame prefix: header length, payload length
 
 
 @dataclass(frozen=True)
@@ -47,13 +55,25 @@ class Fault:
     after_bytes: int = 4096
 
 
-class Faults:
-    """An ordered schedule of :class:`Fault` with counters of what fired."""
+def _sigkill() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
 
-    def __init__(self, faults: tuple[Fault, ...] = ()):
+
+class Faults:
+    """An ordered schedule of :class:`Fault` with counters of what fired.
+
+    ``on_kill`` replaces the SIGKILL of a ``kill`` fault (in-process tests: e.g. disconnect the peer from an
+    in-process hub); when it returns, the code that reached the fault gets ``ConnectionResetError``. A kill fires
+    at most once.
+    """
+
+    def __init__(self, faults: tuple[Fault, ...] = (), on_kill: Optional[Callable[[], None]] = None):
         self.faults = list(faults)
         self.fired: Counter[str] = Counter()
         self.round = 0
+        self.on_kill = on_kill or _sigkill
+        self._spent: set[int] = set()  # indices of kill faults that fired
+        self._reduce_senders: Counter[int] = Counter()  # round -> parts that reached our reducer (phase "reduce")
 
     # -------------------------------------------------------------------------------------------- building the schedule
 
@@ -97,7 +117,9 @@ class Faults:
     # ------------------------------------------------------------------------------------------------------- firing
 
     def _due(self, action: str, phase: Optional[str] = None) -> Optional[Fault]:
-        for fault in self.faults:
+        for i, fault in enumerate(self.faults):
+            if i in self._spent:
+                continue
             if fault.action == action and fault.at_round == self.round and (phase is None or fault.phase == phase):
                 return fault
         return None
@@ -111,13 +133,15 @@ class Faults:
             handler.flush()
 
     def _die(self, fault: Fault, **details) -> None:
+        self._spent.update(i for i, f in enumerate(self.faults) if f is fault)
         self._fire(fault, **details)
-        os.kill(os.getpid(), signal.SIGKILL)
+        self.on_kill()
+        raise ConnectionResetError(f"killed by fault injection ({fault.phase}, round {self.round})")
 
     def at_phase(self, phase: str) -> None:
         """Called by the worker when it enters ``phase`` of the current round."""
         fault = self._due("kill", phase)
-        if fault is not None and phase != "allreduce":
+        if fault is not None and phase not in ("allreduce", "reduce"):
             self._die(fault)
 
     def fail_now(self) -> bool:
@@ -145,6 +169,20 @@ class Faults:
             return writer
         return _FaultyWriter(writer, self, kill, stall)
 
+    def wrap_handler(self, handler, handler_name: str):
+        """Wrap a stream handler so this round's ``reduce`` kill acts on the answers our reducer sends back."""
+        if not handler_name.endswith(".reduce"):
+            return handler
+
+        async def serve(peer, reader, writer):
+            fault = self._due("kill", "reduce")
+            if fault is None:
+                return await handler(peer, reader, writer)
+            self._reduce_senders[self.round] += 1
+            return await handler(peer, reader, _KillBeforeAnswerWriter(writer, self, fault))
+
+        return serve
+
 
 class _FaultyWriter:
     """Passes bytes through until the fault's byte budget is spent, then dies or goes silent."""
@@ -160,7 +198,8 @@ class _FaultyWriter:
         if self.kill is not None and self.written + len(data) >= self.budget:
             self.inner.write(data[: max(0, self.budget - self.written)])
             self.faults._die(self.kill, bytes_sent=self.budget)
-        if self.stall is not None and len(data) > 64 and not self.stalled:
+        # the frame's prefix and msgpack header go out whole (< 1 KiB); the payload is cut in half
+        if self.stall is not None and len(data) > STALL_MIN_WRITE_BYTES and not self.stalled:
             self.inner.write(data[: len(data) // 2])
             self.stalled = True
             self.written += len(data) // 2
@@ -179,6 +218,49 @@ class _FaultyWriter:
         self.inner.close()
 
 
+class _KillBeforeAnswerWriter:
+    """A reducer's side of one member's stream: holds each frame until its header is complete; a frame with
+    ``status == "ok"`` is the reducer's averaged part, and the process dies before any byte of it is written.
+    Refusals and other frames pass through unchanged."""
+
+    def __init__(self, inner, faults: Faults, fault: Fault):
+        self.inner, self.faults, self.fault = inner, faults, fault
+        self.held = b""  # the start of a frame whose header is not complete yet
+        self.passing = 0  # bytes of the current (inspected) frame still to pass through
+
+    def write(self, data) -> None:
+        data = bytes(data)
+        while data:
+            if self.passing:
+                chunk, data = data[: self.passing], data[self.passing:]
+                self.inner.write(chunk)
+                self.passing -= len(chunk)
+                continue
+            self.held += data
+            data = b""
+            if len(self.held) < _PREFIX.size:
+                return
+            header_length, payload_length = _PREFIX.unpack_from(self.held)
+            if len(self.held) < _PREFIX.size + header_length:
+                return
+            try:
+                header = msgpack.unpackb(self.held[_PREFIX.size:_PREFIX.size + header_length], raw=False)
+            except Exception:  # not our frame format: nothing to decide on
+                header = None
+            if (isinstance(header, dict) and header.get("status") == "ok"
+                    and self.faults._due("kill", "reduce") is not None):
+                self.faults._die(self.fault, senders=self.faults._reduce_senders[self.faults.round],
+                                 answer_bytes=payload_length)
+            self.passing = _PREFIX.size + header_length + payload_length
+            data, self.held = self.held, b""
+
+    async def drain(self) -> None:
+        await self.inner.drain()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
 class FaultyStreams:
     """Wraps :class:`protocols.interfaces.PeerStreams` so writes of opened streams pass through the schedule."""
 
@@ -191,7 +273,7 @@ class FaultyStreams:
         return self.inner.peer_id
 
     async def add_handler(self, name, handler) -> None:
-        await self.inner.add_handler(name, handler)
+        await self.inner.add_handler(name, self.faults.wrap_handler(handler, name))
 
     async def remove_handler(self, name) -> None:
         await self.inner.remove_handler(name)

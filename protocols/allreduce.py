@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from protocols.bans import BanList
-from protocols.compression import Codec, get_codec
+from protocols.compression import Codec, all_finite, get_codec
 from protocols.interfaces import StreamReader, StreamWriter, Transport
 from protocols.matchmaking import Group
 from protocols.robust import AGGREGATIONS, centered_clip
@@ -85,7 +85,7 @@ class PartReducer:
         weight = validate_weight(weight)
         if part.dtype != torch.float32 or part.shape != (self.numel,):
             raise ValueError(f"part must be float32 ({self.numel},), got {part.dtype} {tuple(part.shape)}")
-        if not bool(torch.isfinite(part).all()):
+        if not all_finite(part):
             raise ValueError("part has non-finite values")
         if sender in self.contributors:
             raise ValueError(f"{sender} already contributed")
@@ -253,6 +253,9 @@ class ButterflyAllReduce:
                     sent, received = sent + b_sent, received + b_received
                 averaged[offsets[i] : offsets[i] + sizes[i]] = part
             await self._wait_answers_written(session)
+            logger.info("all-reduce of group %s (%s) done: %d members", group.group_id, group.key, len(group.members),
+                        extra={"event": "allreduce", "group_id": group.group_id, "key": group.key,
+                               "group_size": len(group.members)})
             return AllReduceResult(
                 averaged,
                 len(group.members),
@@ -344,7 +347,11 @@ class ButterflyAllReduce:
         """Serve one member's part of our reduction: validate, accumulate, answer with the encoded mean."""
         cfg = self.config
         try:
-            header, payload_length, received = await asyncio.wait_for(read_header(reader), cfg.sender_timeout_s)
+            try:
+                header, payload_length, received = await asyncio.wait_for(read_header(reader), cfg.sender_timeout_s)
+            except asyncio.TimeoutError:  # connected, then stalled inside its header: as bad as a malformed one
+                raise ProtocolViolation(
+                    f"part header not delivered within sender_timeout_s={cfg.sender_timeout_s}") from None
             group_id = require(header, "group_id", str)
             # the sender may have learned of the group before we did: wait for our own run() to start
             ready = self._session_ready.setdefault(group_id, asyncio.Event())
@@ -393,6 +400,8 @@ class ButterflyAllReduce:
             session.answered.set()
         except (asyncio.TimeoutError, ConnectionError, OSError) as e:
             logger.info("could not answer %s for group %s: %r", peer, session.group.group_id, e)
+            return
+        await _until_closed_by_member(reader, cfg.sender_timeout_s)
 
     @staticmethod
     def _check_header(session: _ReduceSession, peer: str, header: dict, payload_length: int) -> Optional[str]:
@@ -416,3 +425,17 @@ class ButterflyAllReduce:
             return f"payload of {payload_length} bytes, expected {session.codec.encoded_size(session.part_numel)}"
         return None
 
+
+async def _until_closed_by_member(reader: StreamReader, timeout_s: float) -> None:
+    """Wait (at most ``timeout_s``) until the member closes its end, i.e. has read our whole answer; then the
+    transport may close ours.
+
+    Closing first loses data on p2pd (hivemind's go-libp2p-daemon): when our side of the unix socket closes, p2pd's
+    stream pipe closes the libp2p stream, and go-yamux's ``Close`` is ``CloseRead`` then ``CloseWrite``; the
+    ``CloseRead`` wakes the pipe's other goroutine with ``ErrStreamReset``, which calls ``Reset``. When that reset
+    wins the race against the FIN, the member's yamux drops the answer bytes it had buffered but not yet read, and
+    the member sees "stream ended mid-payload" while everyone else finishes the round (seen under CPU load with
+    parts of ~440 KB).
+    """
+    with contextlib.suppress(Exception):  # EOF (IncompleteReadError), a reset, a timeout: all mean we are done
+        await asyncio.wait_for(reader.readexactly(1), timeout_s)

@@ -38,6 +38,7 @@ from peerd.pause import PauseGate
 from peerd.telemetry import StatusFilter, make_status, status_key
 from protocols.allreduce import AllReduceFailed, ButterflyAllReduce
 from protocols.bans import BanList
+from protocols.compression import all_finite
 from protocols.gossip import GossipAverager
 from protocols.diloco import (
     OuterState,
@@ -241,6 +242,8 @@ class DiLoCoWorker:
             self.faults.round = self.outer.outer_round + 1
         if self.method == "allreduce":
             outcome = await self._allreduce_round(live)
+        elif self._diverged(flatten_parameters(self.model)):
+            outcome = None
         else:
             outcome = await self._mixing_round(live)
         if outcome is None:
@@ -273,6 +276,23 @@ class DiLoCoWorker:
             extra={"event": "round_failed", "outer_round": r, "reason": str(error), "method": self.method},
         )
 
+    def _diverged(self, values: torch.Tensor) -> bool:
+        """If ``values`` (local parameters or pseudo-gradient, (P,)) are not all finite, local training diverged: sit
+        the round out (nobody can use our contribution, and the all-reduce would refuse it), drop the local steps
+        and the inner optimizer's state, restart from theta_outer. Returns True in that case."""
+        if all_finite(values):
+            return False
+        r = self.outer.outer_round
+        self._round_failed(r, ValueError("local pseudo-gradient is not finite (local training diverged)"),
+                           f"dropping {self.steps_since_sync} local steps and the inner optimizer state, restarting "
+                           "from theta_outer")
+        load_flat_parameters_(self.model, self.outer.theta)
+        self.round_start_theta = self.outer.theta
+        self.optimizer = make_inner_optimizer(self.model.parameters(), self.hp)
+        self.steps_since_sync, self.samples_since_sync = 0, 0
+        self.round_quota = self.hp.inner_steps
+        return True
+
     async def _allreduce_round(self, live: dict[str, dict]) -> Optional[tuple[dict, float, int, str]]:
         """Average pseudo-gradients with everyone present, then apply the shared outer step (bit-identical).
 
@@ -285,6 +305,8 @@ class DiLoCoWorker:
         weight = float(self.samples_since_sync)
         if self.faults is not None:
             pseudo_gradient = self.faults.transform_pseudo_gradient(pseudo_gradient)
+        if self._diverged(pseudo_gradient):
+            return None
         result = None
         for attempt in range(1, MAX_ROUND_ATTEMPTS + 1):
             key = f"round{r}" if attempt == 1 else f"round{r}.attempt{attempt}"

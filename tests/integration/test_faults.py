@@ -23,6 +23,11 @@ def test_a2_peer_killed_during_matchmaking_survivors_finish_the_round(swarm, tmp
     victim.proc.wait(10)
     assert len(_fault_events(victim, "kill")) == 1  # the injection fired exactly once
     assert victim.proc.returncode == -9
+    a2 = [[e for e in p.of("outer_round") if e["outer_round"] == 2][:1] for p in peers]
+    print("FIGURE A2: victim SIGKILLed in round-2 matchmaking (fired "
+          f"{len(_fault_events(victim, 'kill'))}x); survivors' round 2: "
+          + "; ".join(f"group {r[0]['group_size']}, round {r[0]['round_s']:.2f} s, "
+                      f"all-reduce {r[0]['allreduce_s']:.2f} s" for r in a2 if r) + " vs matchmaking_timeout_s 10 s")
     for peer in peers:
         round2 = [e for e in peer.of("outer_round") if e["outer_round"] == 2]
         assert round2 and round2[0]["group_size"] == 3, peer.of("outer_round")
@@ -41,6 +46,12 @@ def test_a3_peer_killed_mid_transfer_survivors_retry_and_agree(swarm, tmp_path):
         assert swarm.wait_exit(peer, 200) == 0, swarm.tails()
     victim.proc.wait(10)
     fired = _fault_events(victim, "kill")
+    a3 = [[e for e in p.of("outer_round") if e["outer_round"] == 2][:1] for p in peers]
+    print(f"FIGURE A3: victim SIGKILLed after {fired[0]['bytes_sent'] if fired else None} bytes of a part in round 2 "
+          f"(fired {len(fired)}x); survivors' round 2: "
+          + "; ".join(f"group {r[0]['group_size']}, attempts {r[0]['attempts']}, round {r[0]['round_s']:.2f} s"
+                      for r in a3 if r)
+          + f"; digests of rounds 2, 3: {[sorted({str(p.digests().get(r))[:12] for p in peers}) for r in (2, 3)]}")
     assert len(fired) == 1 and fired[0]["bytes_sent"] == 3000
     for peer in peers:
         round2 = [e for e in peer.of("outer_round") if e["outer_round"] == 2]
@@ -60,6 +71,12 @@ def test_a11_sigkill_during_checkpoint_write_then_resume(swarm, tmp_path):
     again = swarm.start_peer("solo", "a11", config)
     assert swarm.wait_exit(again, 120) == 0, swarm.tails()
     resumed = again.of("resume")
+    if resumed:
+        same = "equal to" if resumed[0]["digest"] == digest_1 else "differs from"
+        print(f"FIGURE A11: SIGKILL between the temporary file and the rename of round 2's checkpoint (fired "
+              f"{len(_fault_events(peer, 'kill'))}x, {len(leftovers)} temporary file left); resumed at round "
+              f"{resumed[0]['outer_round']} (digest {same} round 1's): rounds lost {2 - resumed[0]['outer_round']}; "
+              f"reached round 3: {bool(again.digests().get(3))}")
     # the checkpoint of round 1 survived intact: one round lost at most (A11)
     assert resumed and resumed[0]["outer_round"] == 1 and resumed[0]["digest"] == digest_1
     assert again.digests().get(3)

@@ -123,3 +123,20 @@ def test_get_codec_unknown_lists_valid_names():
     assert [get_codec(n).name for n in CODECS] == list(CODECS)
     with pytest.raises(ValueError, match="none, fp16, int8"):
         get_codec("bf16")
+
+
+def test_all_finite_fast_path_and_exact_fallback():
+    from protocols.compression import all_finite
+
+    x = torch.randn(10_000)
+    assert all_finite(x) and all_finite(torch.empty(0))
+    big = torch.full((1000,), 3e38)  # finite values whose float32 sum overflows: the exact check decides
+    assert all_finite(big)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        y = x.clone()
+        y[1234] = bad
+        assert not all_finite(y)
+        assert not all_finite(y.numpy())
+    y = big.clone()
+    y[0] = float("inf")
+    assert not all_finite(y)

@@ -73,6 +73,10 @@ def test_injected_allreduce_failure_rolls_back_everyone_then_the_next_round_succ
         for w in (a, b):
             await w._train_until_quota()
         await asyncio.gather(a._outer_round(), b._outer_round())
+        print(f"FIGURE A9: all-reduce failed once (injected {len(fired)}x) in round 1 of 2 peers; theta_outer digest "
+              f"before {start[:16]}, after a {a.outer.digest()[:16]} b {b.outer.digest()[:16]} (rounds failed "
+              f"{a.stats.rounds_failed}, {b.stats.rounds_failed}; local steps kept {a.steps_since_sync}, "
+              f"{b.steps_since_sync})")
         assert len(fired) == 1
         assert a.stats.rounds_failed == b.stats.rounds_failed == 1
         assert a.outer.digest() == b.outer.digest() == start
@@ -105,5 +109,28 @@ def test_refused_peer_downloads_the_leaders_state(tmp_path):
         assert a.outer.outer_round == b.outer.outer_round >= 1
         assert a.outer.digest() == b.outer.digest()
         assert not torch.equal(a.outer.theta, OuterState.initial(a.outer.theta).theta + 1.0)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("method", ["allreduce", "gossip"])
+def test_diverged_local_training_sits_the_round_out_and_restarts_from_theta_outer(tmp_path, method):
+    async def main():
+        run = _run(min_group_size=1)
+        run = RunConfig(**{**run.__dict__, "averaging": AveragingConfig(**{**run.averaging.__dict__, "method": method})})
+        worker = _worker(Hub(), "diverged", run, tmp_path)
+        await _start(worker)
+        before = worker.outer.digest()
+        await worker._train_until_quota()
+        with torch.no_grad():
+            next(worker.model.parameters()).view(-1)[0] = float("nan")  # local training blew up
+        await worker._outer_round()  # must not raise
+        assert worker.stats.rounds_failed == 1 and worker.stats.rounds_ok == 0
+        assert worker.outer.digest() == before  # theta_outer untouched
+        assert torch.equal(flatten_parameters(worker.model), worker.outer.theta)  # restarted from theta_outer
+        assert worker.steps_since_sync == 0
+        await worker._train_until_quota()
+        await worker._outer_round()
+        assert worker.stats.rounds_ok == 1 and bool(torch.isfinite(worker.outer.theta).all())
 
     asyncio.run(main())

@@ -8,6 +8,7 @@ stay the exact honest mean.
 import asyncio
 import struct
 import time
+from collections import Counter
 
 import msgpack
 import pytest
@@ -53,6 +54,9 @@ class HostileAllReduce(ButterflyAllReduce):
             writer.write(struct.pack(">II", len(header_bytes), 2**31 - 1) + header_bytes)  # and never the body
         elif mode == "garbage_header":
             writer.write(struct.pack(">II", 16, 0) + b"\xc1" * 16)
+        elif mode == "stall_header":  # half of the 8-byte prefix, then silent
+            writer.write(struct.pack(">II", len(header_bytes), len(payload))[:4])
+            await asyncio.sleep(SENDER_TIMEOUT_S + 3)
         elif mode in ("truncated", "stall"):
             writer.write(struct.pack(">II", len(header_bytes), len(payload)) + header_bytes + payload[: len(payload) // 2])
             if mode == "truncated":
@@ -66,6 +70,37 @@ class HostileAllReduce(ButterflyAllReduce):
         return torch.zeros(n), 0, 0
 
 
+class _CountingReader:
+    """Counts the bytes a handler consumed from the stream (a partial read that hit EOF included)."""
+
+    def __init__(self, inner):
+        self.inner, self.n = inner, 0
+
+    async def readexactly(self, n):
+        try:
+            data = await self.inner.readexactly(n)
+        except asyncio.IncompleteReadError as e:
+            self.n += len(e.partial)
+            raise
+        self.n += len(data)
+        return data
+
+
+class CountingAllReduce(ButterflyAllReduce):
+    """Honest; records how many bytes of the hostile member's stream its reducer read (RELIABILITY B3 figure)."""
+
+    bytes_read: Counter = Counter()
+
+    async def _handle_part(self, peer, reader, writer):
+        if peer != "peer3":
+            return await super()._handle_part(peer, reader, writer)
+        counted = _CountingReader(reader)
+        try:
+            return await super()._handle_part(peer, counted, writer)
+        finally:
+            CountingAllReduce.bytes_read[self.transport.streams.peer_id] += counted.n
+
+
 async def _swarm(hub, mode):
     cfg = AllReduceConfig("none", SENDER_TIMEOUT_S, 2 * SENDER_TIMEOUT_S + 2)
     peers = []
@@ -73,13 +108,14 @@ async def _swarm(hub, mode):
         t = hub.transport(f"peer{i}")
         bans = BanList(60.0)
         mm = Matchmaker(t, "h", MatchmakingConfig(3.0, 0.5, 0.05), bans=bans)
-        cls = HostileAllReduce if i == 3 else ButterflyAllReduce
+        cls = HostileAllReduce if i == 3 else CountingAllReduce
         ar = cls(t, "h", cfg, bans=bans)
         await mm.start()
         await ar.start()
         peers.append((mm, ar, bans))
     HostileAllReduce.mode = mode
     HostileAllReduce.fired = 0
+    CountingAllReduce.bytes_read = Counter()
     return peers
 
 
@@ -102,6 +138,13 @@ def test_invalid_parts_are_excluded_and_the_sender_banned(mode):
         assert HostileAllReduce.fired == 3
         honest_mean = sum(xs[m] for m in honest) / 3
         reference = results[group.members.index(honest[0])].averaged
+        error = max(float((reference[i * 10:(i + 1) * 10] - honest_mean[i * 10:(i + 1) * 10]).abs().max())
+                    for i, m in enumerate(group.members) if m != hostile)
+        banned = sum(by_id[m][1].is_banned(hostile) for m in honest)
+        read = sorted(CountingAllReduce.bytes_read.values())
+        print(f"FIGURE {'B3' if mode in ('oversized', 'garbage_header', 'truncated') else 'B2'} {mode}: fired "
+              f"{HostileAllReduce.fired}x; banned by {banned}/3; max abs error of honest parts vs honest mean "
+              f"{error:.3g}; bytes each honest reducer read from the hostile stream {read}")
         for m, res in zip(group.members, results):
             if m == hostile:
                 continue
@@ -116,10 +159,11 @@ def test_invalid_parts_are_excluded_and_the_sender_banned(mode):
     asyncio.run(main())
 
 
-def test_stalled_sender_does_not_hold_the_round_and_is_banned():
+@pytest.mark.parametrize("mode", ["stall", "stall_header"])
+def test_stalled_sender_does_not_hold_the_round_and_is_banned(mode):
     async def main():
         hub = Hub()
-        peers = await _swarm(hub, "stall")
+        peers = await _swarm(hub, mode)
         groups = await asyncio.gather(*[mm.form_group("r", {}, expected_size=4) for mm, _, _ in peers])
         group = groups[0]
         by_id = {mm.peer_id: (ar, bans) for mm, ar, bans in peers}
@@ -128,6 +172,9 @@ def test_stalled_sender_does_not_hold_the_round_and_is_banned():
         hostile_run = asyncio.ensure_future(by_id["peer3"][0].run(group, torch.zeros(40), 1.0))
         results = await asyncio.gather(*[by_id[m][0].run(group, torch.ones(40), 1.0) for m in honest])
         elapsed = time.monotonic() - started
+        stalled = "header + half of its part" if mode == "stall" else "half of its frame prefix"
+        print(f"FIGURE A5 in-process ({mode}): honest all-reduce {elapsed:.2f} s vs sender_timeout_s "
+              f"{SENDER_TIMEOUT_S} s (stalled sender: {stalled}, then silent {SENDER_TIMEOUT_S + 3:.0f} s)")
         assert elapsed <= SENDER_TIMEOUT_S + 0.5, elapsed  # RELIABILITY A5
         # the parts honest members reduce are exactly the honest mean (the stalled member reduces its own part)
         for r in results:

@@ -1,0 +1,59 @@
+"""A reducer closes its stream only after the member closed its own (p2pd drops buffered bytes on the other order)."""
+
+import asyncio
+
+import pytest
+import torch
+
+from peerd.transport.inprocess import Hub
+from protocols.allreduce import AllReduceConfig, ButterflyAllReduce, _until_closed_by_member
+from protocols.matchmaking import MatchmakingConfig, Matchmaker
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_waits_for_the_member_to_close_and_no_longer_than_the_timeout():
+    async def main():
+        reader = asyncio.StreamReader()
+        waiting = asyncio.ensure_future(_until_closed_by_member(reader, 5.0))
+        await asyncio.sleep(0.1)
+        assert not waiting.done()  # the member has not closed: our side stays open
+        reader.feed_eof()
+        await asyncio.wait_for(waiting, 1.0)
+        started = asyncio.get_running_loop().time()
+        await _until_closed_by_member(asyncio.StreamReader(), 0.2)  # a member that never closes
+        return asyncio.get_running_loop().time() - started
+
+    assert 0.15 <= asyncio.run(main()) < 1.0
+
+
+def test_reducer_handlers_end_once_members_close_after_reading_the_answer():
+    cfg = AllReduceConfig(compression="none", sender_timeout_s=5.0, reducer_timeout_s=10.0)
+
+    async def main():
+        hub = Hub()
+        peers = []
+        for name in ("a", "b", "c"):
+            t = hub.transport(name)
+            mm = Matchmaker(t, "run", MatchmakingConfig(3.0, 1.0, 0.05))
+            ar = ButterflyAllReduce(t, "run", cfg)
+            await mm.start()
+            await ar.start()
+            peers.append((t, mm, ar))
+
+        async def member(i):
+            _, mm, ar = peers[i]
+            group = await mm.form_group("r0", {}, expected_size=3)
+            return await ar.run(group, torch.full((999,), float(i)), 1.0)
+
+        started = asyncio.get_running_loop().time()
+        results = await asyncio.gather(*(member(i) for i in range(3)))
+        await asyncio.sleep(0.1)
+        pending = sum(1 for t, _, _ in peers for task in t.streams._tasks if not task.done())
+        return results, pending, asyncio.get_running_loop().time() - started
+
+    results, pending, seconds = asyncio.run(main())
+    for r in results:
+        assert torch.equal(r.averaged, torch.full((999,), 1.0))
+    assert pending == 0  # every member closed after reading: no handler waited out sender_timeout_s
+    assert seconds < cfg.sender_timeout_s
