@@ -213,6 +213,13 @@ class NodeConfig:
     """CPU threads for torch (0 = torch's default)."""
     data: Optional[str] = None
     """Local UTF-8 text file or glob to train on instead of the run's default corpus."""
+    data_plane: str = "p2p"
+    """How bulk peer streams (all-reduce parts, state downloads) travel: ``p2p`` = libp2p streams through p2pd
+    (encrypted, the default), or ``direct`` = plain TCP between the peers' processes, endpoints authenticated with
+    their identity keys, not encrypted, several times cheaper in CPU (falls back to p2p per peer when unreachable;
+    :mod:`peerd.transport.direct`)."""
+    data_port: int = 0
+    """TCP port of the direct data plane (0 = any free port); forward it too behind a router."""
     nat_port_map: bool = False
     """Ask the home router for a port mapping (UPnP/NAT-PMP). Off by default: it probes the local gateway."""
     log_every_steps: int = 10
@@ -245,6 +252,10 @@ class NodeConfig:
     def __post_init__(self) -> None:
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.data_plane not in ("p2p", "direct"):
+            raise ConfigError(f"data_plane must be p2p or direct, got {self.data_plane!r}")
+        if not 0 <= self.data_port <= 65535:
+            raise ConfigError(f"data_port must be a TCP port 0-65535 (0 = any free port), got {self.data_port}")
         if self.threads < 0:
             raise ConfigError(f"threads must be >= 0, got {self.threads}")
         if self.log_every_steps < 1:

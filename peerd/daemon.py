@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 from pathlib import Path
@@ -189,7 +190,7 @@ async def join(run_id: str, node: NodeConfig, local_run: Optional[RunConfig]) ->
         apply_cpu_threads(node.threads)
         apply_gpu_memory_fraction(node.gpu_memory_fraction, pick_device(node.device))
         transport = await start_transport(node)
-        keeper = None
+        keeper = data_plane = None
         try:
             logger.info("listening on %s", " ".join(transport.visible_maddrs()))
             record = await resolve_run_config(transport, run_id, local_run, pin_path(node.checkpoint_path, run_id))
@@ -198,7 +199,8 @@ async def join(run_id: str, node: NodeConfig, local_run: Optional[RunConfig]) ->
                 raise RunConfigConflict(f"this peer ({transport.peer_id}) is not on the allowlist of run {run_id!r};"
                                         " ask the run's creator to add it")
             keeper = asyncio.ensure_future(keep_run_config_alive(transport, run_id, record))
-            role_transport = admit_only(services.pace(transport), run.allowlist)
+            data_plane = await start_data_plane(node, transport)
+            role_transport = admit_only(services.pace(data_plane or transport), run.allowlist)
             worker = DiLoCoWorker(run_id, run, node, role_transport, stop, gate=services.gate)
             services.watch_peers(role_transport.discovery, run_id)
             services.ready(f"joined run {run_id}")
@@ -206,7 +208,40 @@ async def join(run_id: str, node: NodeConfig, local_run: Optional[RunConfig]) ->
         finally:
             if keeper is not None:
                 keeper.cancel()
+            if data_plane is not None:
+                await data_plane.streams.stop()
             await transport.shutdown()
+
+
+def _ip4(maddr: str) -> Optional[str]:
+    parts = maddr.split("/")
+    return parts[2] if len(parts) > 2 and parts[1] == "ip4" else None
+
+
+async def start_data_plane(node: NodeConfig, transport: HivemindTransport) -> Optional[HivemindTransport]:
+    """With ``data_plane = "direct"``: ``transport`` with its streams moved onto the direct TCP data plane
+    (:class:`peerd.transport.direct.DirectStreams`, listening on the host of ``host_maddrs`` at ``data_port`` and
+    announcing the host of ``announce_maddrs``, else the first non-loopback address we are visible at); None with
+    ``p2p``, or if no address to announce is known (then streams stay on p2pd, with a warning)."""
+    if node.data_plane != "direct":
+        return None
+    from peerd.transport.direct import DirectStreams
+
+    host = next(filter(None, map(_ip4, node.host_maddrs)), "0.0.0.0")
+    announce = next(filter(None, map(_ip4, node.announce_maddrs)), None)
+    if announce is None and host != "0.0.0.0":
+        announce = host
+    if announce is None:
+        visible = [ip for ip in map(_ip4, transport.visible_maddrs()) if ip and ip != "0.0.0.0"]
+        announce = next((ip for ip in visible if not ip.startswith("127.")), visible[0] if visible else None)
+    if announce is None:
+        logger.warning("data_plane = direct, but no IPv4 address to announce is known (set announce_maddrs): "
+                       "peer streams stay on p2p")
+        return None
+    discovery: SignedDiscovery = transport.discovery
+    streams = DirectStreams(transport.streams, discovery, discovery.signer, host, node.data_port, announce)
+    await streams.start()
+    return dataclasses.replace(transport, streams=streams)
 
 
 async def bootstrap(node: NodeConfig, on_ready=print) -> None:

@@ -1,6 +1,7 @@
 """Real peers (hivemind DHT + p2pd, one process each) training the tiny model with DiLoCo on Shakespeare."""
 
 import signal
+import time
 
 import pytest
 
@@ -37,17 +38,37 @@ def test_three_peers_hold_bit_identical_theta_outer_and_learn(swarm):
         assert rounds[-1]["eval_nats_per_byte"] < start, (start, rounds[-1])
 
 
+def test_direct_data_plane_carries_the_rounds_bit_identically(swarm):
+    swarm.start_bootstrap()
+    peers = [swarm.start_peer(f"d{i}", "direct", env={"PEERD_DATA_PLANE": "direct"}) for i in range(3)]
+    for peer in peers:
+        assert swarm.wait_exit(peer, 180) == 0, swarm.tails()
+    for round_ in (1, 2):
+        digests = {p.digests().get(round_) for p in peers}
+        assert len(digests) == 1 and None not in digests, f"round {round_}: {digests}"
+    for peer in peers:
+        assert len(peer.of("dataplane_listening")) == 1
+        assert peer.of("direct_fallback") == [] and peer.of("direct_refused") == []  # every stream went direct
+        assert all(e["group_size"] == 3 and e["bytes_sent"] > 0 for e in peer.of("outer_round"))
+
+
 def test_late_joiner_downloads_state_and_averages_with_the_swarm(swarm, tmp_path):
     # rounds of ~4 s, so that the joiner (a few seconds to start) arrives while the run is under way
     config = _config(tmp_path, "run.toml", max_outer_rounds=3, inner_steps=40)
     swarm.start_bootstrap()
     first = [swarm.start_peer(f"p{i}", "late", config) for i in range(3)]
     swarm.wait_for(lambda: all(p.digests().get(1) for p in first), 120, "round 1 on the first three peers")
+    started = time.time()
     joiner = swarm.start_peer("joiner", "late", None)  # no --run-config: reads the published one
     for peer in first + [joiner]:
         assert swarm.wait_exit(peer, 180) == 0, swarm.tails()
     downloads = joiner.of("state_download")
     assert downloads, swarm.tails()
+    print(f"FIGURE A10: joiner started after round 1; downloaded the round {downloads[0]['outer_round']} state in "
+          f"{downloads[0]['seconds']:.2f} s, {downloads[0]['time'] - started:.1f} s after its process started; "
+          f"digests of rounds 2, 3 on all 4 peers: "
+          f"{[sorted({str(p.digests().get(r))[:12] for p in first + [joiner]}) for r in (2, 3)]}; "
+          f"joiner's last group {joiner.of('outer_round')[-1]['group_size'] if joiner.of('outer_round') else None}")
     for round_ in (2, 3):
         digests = {p.digests().get(round_) for p in first + [joiner]}
         assert len(digests) == 1 and None not in digests, f"round {round_}: {digests}"

@@ -382,3 +382,12 @@ def test_node_paths_expand_the_home_folder(monkeypatch, tmp_path):
     assert node.identity_path == tmp_path / "id.key"
     assert node.checkpoint_path == tmp_path / "ckpt"
     assert NodeConfig(device="cuda:3").device == "cuda:3"
+
+
+def test_data_plane_choices_and_port_range():
+    assert NodeConfig().data_plane == "p2p"  # encrypted libp2p streams unless the volunteer opts in
+    assert load_node_config(environ={"PEERD_DATA_PLANE": "direct", "PEERD_DATA_PORT": "31338"}).data_port == 31338
+    with pytest.raises(ConfigError, match="data_plane must be p2p or direct"):
+        NodeConfig(data_plane="udp")
+    with pytest.raises(ConfigError, match="data_port"):
+        NodeConfig(data_port=70000)
