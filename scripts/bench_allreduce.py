@@ -35,6 +35,7 @@ import json
 import os
 import platform
 import queue
+import re
 import shlex
 import signal
 import statistics
@@ -44,13 +45,16 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
+SECTION = "## All-reduce on a virtual WAN: peerd vs hivemind vs gloo (scripts/bench_allreduce.py)"
 CODECS = ("none", "fp16", "int8")
+#: peerd-direct = peerd with its streams on the direct TCP data plane (peerd/transport/direct.py).
+IMPLS = ("peerd", "peerd-direct", "hivemind", "gloo")
 GLOO_CODECS = ("none", "fp16")  # gloo sums in the tensor's dtype: no int8 all-reduce
 WIRE_BYTES_PER_VALUE = {"none": 4.0, "fp16": 2.0, "int8": 1.0 + 4.0 / 256}
 
@@ -110,6 +114,12 @@ def cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, fl
     return {k: round(after[k] - before.get(k, 0.0), 4) for k in after}
 
 
+def _root_cause(e: BaseException) -> str:
+    while e.__cause__ is not None:
+        e = e.__cause__
+    return f"{type(e).__name__}: {e}"[:300]
+
+
 def emit(obj: dict) -> None:
     sys.stdout.write(json.dumps(obj) + "\n")
     sys.stdout.flush()
@@ -132,15 +142,33 @@ def _my_maddr(maddrs: list[str], host: str) -> str:
 
 
 async def worker_peerd(a: argparse.Namespace) -> None:
+    """peerd's averaging; with ``--worker peerd-direct`` its streams go over the direct TCP data plane
+    (:class:`peerd.transport.direct.DirectStreams`, bound to the same host as p2pd), p2pd only as fallback."""
+    import types
+
     import torch
 
     from peerd.transport.hivemind_backend import HivemindTransport
-    from protocols.allreduce import AllReduceConfig, ButterflyAllReduce
-    from protocols.matchmaking import Matchmaker, MatchmakingConfig
+    from protocols.allreduce import AllReduceConfig, AllReduceFailed, ButterflyAllReduce
+    from protocols.matchmaking import Matchmaker, MatchmakingConfig, MatchmakingFailed
 
     torch.set_num_threads(1)
-    transport = await HivemindTransport.create(initial_peers=a.initial_peers, host_maddrs=[f"/ip4/{a.host}/tcp/0"],
-                                               nat_port_map=False)
+    identity_path = direct = None
+    if a.impl == "peerd-direct":
+        from peerd.identity import load_or_create_identity
+
+        identity_path = os.path.join(tempfile.mkdtemp(prefix="bench_identity_"), "peer.key")
+        load_or_create_identity(identity_path)
+    network = await HivemindTransport.create(initial_peers=a.initial_peers, host_maddrs=[f"/ip4/{a.host}/tcp/0"],
+                                             identity_path=identity_path, nat_port_map=False)
+    transport = network
+    if identity_path is not None:
+        from peerd.signing import Signer
+        from peerd.transport.direct import DirectStreams
+
+        direct = DirectStreams(network.streams, network.discovery, Signer.from_identity_file(identity_path), a.host)
+        await direct.start()
+        transport = types.SimpleNamespace(discovery=network.discovery, streams=direct)
     try:
         runners = {}
         for codec in a.codecs:
@@ -153,7 +181,7 @@ async def worker_peerd(a: argparse.Namespace) -> None:
             await ar.start()
             runners[codec] = (mm, ar)
         cpu_tree()
-        emit({"ready": _my_maddr(transport.visible_maddrs(), a.host)})
+        emit({"ready": _my_maddr(network.visible_maddrs(), a.host)})
         async for cmd in _stdin_lines():
             if cmd[0] == "quit":
                 break
@@ -161,19 +189,27 @@ async def worker_peerd(a: argparse.Namespace) -> None:
             mm, ar = runners[codec]
             x = make_tensor(a.rank, rep, a.numel)
             t_go = time.time()
-            group = await mm.form_group(f"{codec}-rep{rep}", {}, expected_size=a.world)
-            cpu0 = cpu_tree()
-            t_start = time.time()
-            result = await ar.run(group, x, float(a.rank + 1))
-            t_end = time.time()
-            cpu1 = cpu_tree()
+            try:
+                group = await mm.form_group(f"{codec}-rep{rep}", {}, expected_size=a.world)
+                cpu0 = cpu_tree()
+                t_start = time.time()
+                result = await ar.run(group, x, float(a.rank + 1))
+                t_end = time.time()
+                cpu1 = cpu_tree()
+            except (AllReduceFailed, MatchmakingFailed) as e:  # a failed round: report it, go on with the next
+                emit({"failed": f"{type(e).__name__}: {_root_cause(e)}"})
+                continue
             out = result.averaged
             err = float((out.double() - reference_mean(a.world, rep, a.numel)).abs().max())
             emit({"go": t_go, "start": t_start, "end": t_end, "group_size": result.group_size,
                   "sent": result.bytes_sent, "received": result.bytes_received, "max_err": err,
                   "digest": hashlib.sha256(out.numpy().tobytes()).hexdigest()[:16], "cpu": cpu_delta(cpu0, cpu1)})
+            if direct is not None:  # which path the streams took, in the worker's log
+                print(f"direct data plane, rep {rep}: {dict(direct.stats)}", file=sys.stderr, flush=True)
     finally:
-        await transport.shutdown()
+        if direct is not None:
+            await direct.stop()
+        await network.shutdown()
 
 
 def worker_hivemind(a: argparse.Namespace) -> None:
@@ -192,7 +228,7 @@ def worker_hivemind(a: argparse.Namespace) -> None:
             averagers[codec] = hivemind.DecentralizedAverager(
                 [torch.zeros(a.numel)], dht, prefix=f"bench_{codec}", start=True, target_group_size=a.world,
                 min_group_size=a.world, compression=codecs[codec], min_matchmaking_time=2.0, request_timeout=1.0,
-                allreduce_timeout=240, sender_timeout=120, reducer_timeout=240, next_chunk_timeout=60)
+                allreduce_timeout=150, sender_timeout=60, reducer_timeout=120, next_chunk_timeout=30)
         cpu_tree()
         emit({"ready": _my_maddr([str(m) for m in dht.get_visible_maddrs()], a.host)})
         for line in sys.stdin:
@@ -211,9 +247,16 @@ def worker_hivemind(a: argparse.Namespace) -> None:
             cpu0 = cpu_tree()
             t_start = time.time()
             control.allow_allreduce()
-            gathered = control.result()
+            try:
+                gathered = control.result()
+            except Exception as e:  # noqa: BLE001 - a failed round: report it, go on with the next
+                emit({"failed": f"{type(e).__name__}: {str(e)[:300]}"})
+                continue
             t_end = time.time()
             cpu1 = cpu_tree()
+            if not gathered:
+                emit({"failed": "step returned no group"})
+                continue
             with averager.get_tensors() as tensors:
                 out = tensors[0].clone()
             err = float((out.double() - reference_mean(a.world, rep, a.numel)).abs().max())
@@ -259,7 +302,7 @@ def worker_gloo(a: argparse.Namespace) -> None:
 
 def worker_main(a: argparse.Namespace) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    if a.impl == "peerd":
+    if a.impl in ("peerd", "peerd-direct"):
         import uvloop
 
         uvloop.run(worker_peerd(a))
@@ -301,8 +344,10 @@ class Row:
     matchmaking: list[float] = field(default_factory=list)
     max_err: Optional[float] = None
     identical: Optional[bool] = None
-    sent_mb: Optional[float] = None
     error: Optional[str] = None
+    """Why the configuration stopped early (a worker crashed or hung), if it did."""
+    failures: list[str] = field(default_factory=list)
+    """Repetitions (warm-up included) that failed on some peer, with the first peer's reason."""
     cpu: list[dict[str, float]] = field(default_factory=list)
     """Per repetition: CPU seconds of all peers during their all-reduce windows, by process kind."""
 
@@ -369,75 +414,106 @@ class Worker:
 
 
 def run_impl(tb, sc: Scenario, impl: str, args, workdir: str) -> list[Row]:
-    """Start ``sc.world`` workers of ``impl`` in the testbed, run every codec's repetitions, stop them."""
+    """Run every codec's repetitions with ``sc.world`` workers of ``impl`` in the testbed.
+
+    A repetition that fails on some peer (e.g. AllReduceFailed) is counted in ``Row.failures`` and left out of the
+    times; a worker that crashes or hangs fails the rest of that codec, and fresh workers start for the next codec.
+    """
     codecs = [c for c in sc.codecs if impl != "gloo" or c in GLOO_CODECS]
     rows = {c: Row(sc.key, impl, c, sc.world) for c in codecs}
     workers: list[Worker] = []
+    generation = 0
 
-    def ns_of(rank: int) -> int:
-        return 0 if sc.loopback else rank
+    def start_workers() -> list[Worker]:
+        nonlocal generation
+        generation += 1
+        started: list[Worker] = []
+        base = [sys.executable, os.path.abspath(__file__), "--worker", impl, "--world", str(sc.world),
+                "--numel", str(args.numel), "--codecs", *codecs]
+        port = 29500 + (os.getpid() + generation) % 1000
+        first_maddr = None
+        try:
+            for rank in range(sc.world):
+                host = "127.0.0.1" if sc.loopback else tb.addr(rank)
+                argv = base + ["--rank", str(rank), "--host", host]
+                if impl == "gloo":
+                    master = "127.0.0.1" if sc.loopback else tb.addr(0)
+                    argv += ["--master", master, "--port", str(port), "--ifname", "lo" if sc.loopback else "eth0"]
+                elif rank > 0:
+                    argv += ["--initial-peers", first_maddr]
+                log = os.path.join(workdir, f"{sc.key}-{impl}-g{generation}-{rank}.log")
+                started.append(Worker(tb.wrap(0 if sc.loopback else rank, argv), log))
+                if impl != "gloo" and rank == 0:
+                    first_maddr = started[0].read(120)["ready"]
+            for w in started[1:] if impl != "gloo" else started:
+                w.read(180)
+        except BaseException:
+            stop_workers(started)
+            raise
+        return started
 
-    def host_of(rank: int) -> str:
-        return "127.0.0.1" if sc.loopback else tb.addr(rank)
-
-    base = [sys.executable, os.path.abspath(__file__), "--worker", impl, "--world", str(sc.world),
-            "--numel", str(args.numel), "--codecs", *codecs]
-    try:
-        port = 29500 + (os.getpid() % 1000)
-        for rank in range(sc.world):
-            argv = base + ["--rank", str(rank), "--host", host_of(rank)]
-            if impl == "gloo":
-                argv += ["--master", host_of(0), "--port", str(port), "--ifname", "lo" if sc.loopback else "eth0"]
-            elif rank > 0:
-                argv += ["--initial-peers", first_maddr]
-            log = os.path.join(workdir, f"{sc.key}-{impl}-{rank}.log")
-            workers.append(Worker(tb.wrap(ns_of(rank), argv), log))
-            if impl != "gloo" and rank == 0:
-                first_maddr = workers[0].read(120)["ready"]
-        for w in workers[1:] if impl != "gloo" else workers:
-            w.read(180)
-        for codec in codecs:
-            row = rows[codec]
-            try:
-                for rep in range(args.reps + 1):
-                    for w in workers:
-                        w.send(f"go {codec} {rep}")
-                    results = [w.read(300) for w in workers]
-                    if rep == 0:
-                        continue  # warm-up
-                    row.times.append(max(r["end"] for r in results) - min(r["start"] for r in results))
-                    row.matchmaking.append(statistics.median(r["start"] - r["go"] for r in results))
-                    row.cpu.append({k: sum(r["cpu"].get(k, 0.0) for r in results) for k in results[0]["cpu"]})
-                    sizes = {r["group_size"] for r in results}
-                    if sizes != {sc.world}:
-                        raise RuntimeError(f"group sizes {sizes}, expected {sc.world}")
-                    if "digest" in results[0]:
-                        same = len({r["digest"] for r in results}) == 1
-                        row.identical = same if row.identical is None else (row.identical and same)
-                        err = max(r["max_err"] for r in results)
-                        row.max_err = err if row.max_err is None else max(row.max_err, err)
-                    if "sent" in results[0]:
-                        row.sent_mb = statistics.mean(r["sent"] for r in results) / 1e6
-                    print(f"  {sc.key} {impl} {codec} rep {rep}: {row.times[-1]:.3f} s "
-                          f"(matchmaking {row.matchmaking[-1]:.2f} s)", flush=True)
-            except Exception as e:  # noqa: BLE001 - report and go on with the other codecs/impls
-                row.error = f"{type(e).__name__}: {str(e)[:300]}"
-                print(f"  {sc.key} {impl} {codec} FAILED: {row.error}", flush=True)
-                raise
-    except Exception as e:  # noqa: BLE001
-        for row in rows.values():
-            if not row.times and row.error is None:
-                row.error = f"{type(e).__name__}: {str(e)[:300]}"
-    finally:
-        for w in workers:
-            try:
-                w.send("quit")
-            except (BrokenPipeError, OSError, ValueError):
-                pass
-        time.sleep(0.5)
-        for w in workers:
-            w.kill()
+    for codec in codecs:
+        row = rows[codec]
+        try:
+            if not workers:
+                workers = start_workers()
+            for rep in range(args.reps + 1):
+                for w in workers:
+                    w.send(f"go {codec} {rep}")
+                results = [w.read(args.rep_timeout_s) for w in workers]
+                failed = [r["failed"] for r in results if "failed" in r]
+                if failed:
+                    row.failures.append(("warm-up: " if rep == 0 else "") + failed[0])
+                    print(f"  {sc.key} {impl} {codec} rep {rep}: FAILED on {len(failed)} peer(s): {failed[0]}",
+                          flush=True)
+                    continue
+                if rep == 0:
+                    continue  # warm-up
+                record(row, results, sc.world)
+                print(f"  {sc.key} {impl} {codec} rep {rep}: {row.times[-1]:.3f} s "
+                      f"(matchmaking {row.matchmaking[-1]:.2f} s)", flush=True)
+        except Exception as e:  # noqa: BLE001 - a crashed or silent worker: report, restart for the next codec
+            row.error = summarize(e)
+            print(f"  {sc.key} {impl} {codec} ABORTED: {row.error}", flush=True)
+            stop_workers(workers)
+            workers = []
+    stop_workers(workers)
     return list(rows.values())
+
+
+def record(row: Row, results: list[dict], world: int) -> None:
+    sizes = {r["group_size"] for r in results}
+    if sizes != {world}:
+        raise RuntimeError(f"group sizes {sizes}, expected {world}")
+    row.times.append(max(r["end"] for r in results) - min(r["start"] for r in results))
+    row.matchmaking.append(statistics.median(r["start"] - r["go"] for r in results))
+    row.cpu.append({k: sum(r["cpu"].get(k, 0.0) for r in results) for k in results[0]["cpu"]})
+    if "digest" in results[0]:
+        same = len({r["digest"] for r in results}) == 1
+        row.identical = same if row.identical is None else (row.identical and same)
+        err = max(r["max_err"] for r in results)
+        row.max_err = err if row.max_err is None else max(row.max_err, err)
+
+
+def summarize(e: BaseException) -> str:
+    """One line: the last 'SomeError: message' line of a worker's log tail, else the exception itself."""
+    text = str(e)
+    lines = [l.strip() for l in text.splitlines()
+             if re.match(r"^[\w.]+(Error|Exception|Violation|Failed|Timeout\w*)\b.*:", l.strip())]
+    first = text.splitlines()[0] if text else type(e).__name__
+    return (first.split(";")[0] + (f": {lines[-1]}" if lines else ""))[:300]
+
+
+def stop_workers(workers: list[Worker]) -> None:
+    for w in workers:
+        try:
+            w.send("quit")
+        except (BrokenPipeError, OSError, ValueError):
+            pass
+    if workers:
+        time.sleep(0.5)
+    for w in workers:
+        w.kill()
 
 
 def bound_s(sc: Scenario, codec: str, numel: int) -> Optional[float]:
@@ -454,7 +530,7 @@ def fmt(x: Optional[float], digits: int = 2) -> str:
 def render(rows: list[Row], scenarios: dict[str, Scenario], args, meta: dict) -> str:
     med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
     by = {(r.scenario, r.impl, r.codec, r.world): r for r in rows}
-    out = [f"## All-reduce on a virtual WAN: peerd vs hivemind vs gloo (scripts/bench_allreduce.py), {meta['date'][:10]}",
+    out = [f"{SECTION}, {meta['date'][:10]}",
            "",
            f"Command: `{meta['command']}`  ",
            f"Date: {meta['date']}  ",
@@ -465,7 +541,10 @@ def render(rows: list[Row], scenarios: dict[str, Scenario], args, meta: dict) ->
            "(plus its DHT child and p2pd for peerd/hivemind) inside its own network namespace of "
            "`scripts/wan_testbed` (tbf per peer, both directions, no added delay); loopback = all peers in one "
            "namespace on 127.0.0.1, unshaped. peerd = `Matchmaker` + `ButterflyAllReduce` on `HivemindTransport` "
-           "(uvloop); hivemind = `DecentralizedAverager` (defaults, part_size 512 KB, min_matchmaking_time 2 s); gloo = "
+           "(uvloop); peerd-direct = the same with its streams on the direct TCP data plane (`DirectStreams`, "
+           "p2pd only as fallback); hivemind = `DecentralizedAverager` (defaults, part_size 512 KB, "
+           "min_matchmaking_time 2 s); "
+           "gloo = "
            "`torch.distributed.all_reduce` (fp16 = a half tensor; gloo has no int8 all-reduce). Time = median of "
            f"{args.reps} repetitions after one warm-up of `max(end) - min(start)` over peers, start = the peer has its "
            "group (peerd, hivemind) or left a barrier (gloo); matchmaking (median over peers, from the common 'go' to "
@@ -480,16 +559,18 @@ def render(rows: list[Row], scenarios: dict[str, Scenario], args, meta: dict) ->
         out.append("")
         shaped = not sc.loopback
         head = "| codec | impl | all-reduce s |" + (" bound s | link util |" if shaped else " vs gloo (same codec) |")
-        head += " matchmaking s | CPU s: main + p2pd + helpers | bit-identical, max err | reps (s) |"
+        head += (" matchmaking s | CPU s: main + p2pd + helpers | all peers bit-identical, max err | reps (s) |"
+                 " failed reps |")
         out.append(head)
         out.append("|" + "---|" * (head.count("|") - 1))
+        notes: list[str] = []
         for codec in sc.codecs:
-            for impl in ("peerd", "hivemind", "gloo"):
+            for impl in IMPLS:
                 r = by.get((sc.key, impl, codec, sc.world))
                 if r is None:
                     continue
                 t = med(r.times)
-                cells = [codec, impl, fmt(t) if r.error is None or r.times else f"failed: {r.error}"]
+                cells = [codec, impl, fmt(t) if r.times else "**failed**"]
                 if shaped:
                     b = bound_s(sc, codec, args.numel)
                     cells += [fmt(b), fmt(b / t) if (b and t) else "-"]
@@ -499,13 +580,27 @@ def render(rows: list[Row], scenarios: dict[str, Scenario], args, meta: dict) ->
                     cells += [f"{t / gt:.1f}x" if (t and gt) else "-"]
                 cells += [fmt(med(r.matchmaking)) if impl != "gloo" else "-"]
                 c = r.cpu_median()
-                cells += [f"{sum(c.values()):.2f} = " + " + ".join(f"{c.get(k, 0.0):.2f}" for k in ("main", "p2pd", "helpers"))
-                          if c else "-"]
+                parts = " + ".join(f"{c.get(k, 0.0):.2f}" for k in ("main", "p2pd", "helpers"))
+                cells += [f"{sum(c.values()):.2f} = {parts}" if c else "-"]
                 cells += [f"{'yes' if r.identical else 'NO'}, {r.max_err:.1e}" if r.identical is not None
                           else (f"-, {r.max_err:.1e}" if r.max_err is not None else "-")]
-                cells += [" ".join(f"{x:.2f}" for x in r.times)]
+                cells += [" ".join(f"{x:.2f}" for x in r.times) or "-"]
+                problems = r.failures + ([f"stopped: {r.error}"] if r.error else [])
+                if problems:
+                    notes.append(f"[{len(notes) + 1}] {codec} {impl}: " + "; ".join(dict.fromkeys(problems)))
+                cells += [f"{len(r.failures)}{' + aborted' if r.error else ''} [{len(notes)}]" if problems else "0"]
                 out.append("| " + " | ".join(cells) + " |")
         out.append("")
+        if notes:
+            out += [n.replace("|", "/") + "  " for n in notes] + [""]
+        if sc.key.startswith("het"):
+            fast = max(r for r in sc.rates_mbit if r)
+            out.append(f"Bound here = equal parts (what peerd, hivemind without `bandwidth` and gloo's ring do): the "
+                       f"{sc.slowest_bps / 1e6:g} Mbit/s peers carry 2(N-1)/N of the vector each way. With parts "
+                       f"proportional to bandwidth (slow peers reduce nothing, send their vector once and receive the "
+                       f"result once) the bound is S / B_slow = {fmt(args.numel * 4 * 8 / sc.slowest_bps)} s "
+                       f"for fp32 (fast peers then move 2 S each at {fast:g} Mbit/s, which fits).")
+            out.append("")
     out += verdicts(rows, scenarios, args)
     return "\n".join(out) + "\n"
 
@@ -516,32 +611,33 @@ def verdicts(rows: list[Row], scenarios: dict[str, Scenario], args) -> list[str]
     lines = ["Targets (issue 6):", ""]
     for sc in scenarios.values():
         for codec in sc.codecs:
-            p = by.get((sc.key, "peerd", codec, sc.world))
-            if p is None or not p.times:
-                continue
-            t = med(p.times)
-            if sc.key.startswith("wan") and codec == "none":
-                b = bound_s(sc, codec, args.numel)
-                h = by.get((sc.key, "hivemind", codec, sc.world))
-                ht = med(h.times) if h and h.times else None
-                ok = b / t >= 0.9
-                lines.append(f"- {sc.title}, fp32: link utilization {b / t:.2f} (target >= 0.9): "
-                             f"**{'met' if ok else 'MISSED'}**" + (f"; hivemind {b / ht:.2f}" if ht else ""))
-            if sc.loopback and codec == "none":
-                g = by.get((sc.key, "gloo", codec, sc.world))
-                h = by.get((sc.key, "hivemind", codec, sc.world))
-                gt = med(g.times) if g and g.times else None
-                ht = med(h.times) if h and h.times else None
-                if gt:
-                    ok = t / gt <= 2
-                    lines.append(f"- {sc.title}, fp32: peerd {t / gt:.1f}x gloo (target <= 2x): "
-                                 f"**{'met' if ok else 'MISSED'}**" + (f"; hivemind {ht / gt:.1f}x" if ht else ""))
+            for impl in ("peerd", "peerd-direct"):
+                p = by.get((sc.key, impl, codec, sc.world))
+                if p is None or not p.times:
+                    continue
+                t = med(p.times)
+                if sc.key.startswith("wan") and codec == "none":
+                    b = bound_s(sc, codec, args.numel)
+                    h = by.get((sc.key, "hivemind", codec, sc.world))
+                    ht = med(h.times) if h and h.times else None
+                    ok = b / t >= 0.9
+                    lines.append(f"- {sc.title}, fp32, {impl}: link utilization {b / t:.2f} (target >= 0.9): "
+                                 f"**{'met' if ok else 'MISSED'}**" + (f"; hivemind {b / ht:.2f}" if ht else ""))
+                if sc.loopback and codec == "none":
+                    g = by.get((sc.key, "gloo", codec, sc.world))
+                    h = by.get((sc.key, "hivemind", codec, sc.world))
+                    gt = med(g.times) if g and g.times else None
+                    ht = med(h.times) if h and h.times else None
+                    if gt:
+                        ok = t / gt <= 2
+                        lines.append(f"- {sc.title}, fp32: {impl} {t / gt:.1f}x gloo (target <= 2x): "
+                                     f"**{'met' if ok else 'MISSED'}**" + (f"; hivemind {ht / gt:.1f}x" if ht else ""))
     return lines + [""]
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--worker", choices=("peerd", "hivemind", "gloo"), help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=IMPLS, help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     p.add_argument("--world", type=int, help=argparse.SUPPRESS)
     p.add_argument("--host", help=argparse.SUPPRESS)
@@ -552,12 +648,13 @@ def main() -> int:
     p.add_argument("--codecs", nargs="+", default=list(CODECS), choices=CODECS, help="codecs to measure")
     p.add_argument("--numel", type=int, default=25_000_000 // 4, help="fp32 values per peer (default 25 MB)")
     p.add_argument("--reps", type=int, default=3, help="measured repetitions per configuration (plus one warm-up)")
+    p.add_argument("--rep-timeout-s", type=float, default=240.0, help="longest one repetition may take")
     p.add_argument("--peers", type=int, nargs="+", default=[4, 8], help="swarm sizes at 100 Mbit/s")
     p.add_argument("--rate-mbit", type=float, default=100.0)
     p.add_argument("--slow-mbit", type=float, default=20.0, help="rate of the two slow peers (heterogeneous)")
     p.add_argument("--scenarios", nargs="+", default=["wan", "loopback", "hetero"],
                    choices=("wan", "loopback", "hetero"))
-    p.add_argument("--impls", nargs="+", default=["peerd", "hivemind", "gloo"], choices=("peerd", "hivemind", "gloo"))
+    p.add_argument("--impls", nargs="+", default=["peerd", "hivemind", "gloo"], choices=IMPLS)
     p.add_argument("--no-md", action="store_true", help="do not append to docs/benchmarks.md")
     p.add_argument("--md", default=os.path.join(REPO, "docs", "benchmarks.md"))
     args = p.parse_args()
@@ -589,6 +686,7 @@ def main() -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGHUP, on_term)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started with SIGINT ignored (`cmd &`)
     t0 = time.time()
     workdir = tempfile.mkdtemp(prefix="bench_allreduce_")
     print(f"logs in {workdir}", flush=True)
@@ -604,7 +702,8 @@ def main() -> int:
             for impl in args.impls:
                 rows += run_impl(tb, sc, impl, args, workdir)
     meta = {
-        "command": "sudo .venv/bin/python scripts/bench_allreduce.py " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        "command": ("sudo .venv/bin/python scripts/bench_allreduce.py "
+                    + shlex.join(result_args(sys.argv[1:]))).strip(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_line(),
         "wall_s": time.time() - t0,
@@ -618,6 +717,19 @@ def main() -> int:
     return 0
 
 
+def result_args(argv: list[str]) -> list[str]:
+    """The command-line arguments that shape the results (where the report is written does not)."""
+    out, skip = [], False
+    for x in argv:
+        if skip:
+            skip = False
+        elif x == "--md":
+            skip = True
+        elif x != "--no-md" and not x.startswith("--md="):
+            out.append(x)
+    return out
+
+
 def machine_line() -> str:
     import torch
 
@@ -627,8 +739,10 @@ def machine_line() -> str:
             cpu = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
     except (OSError, StopIteration):
         pass
+    load = os.getloadavg()
     return (f"`nproc` = {os.cpu_count()}, {cpu}, {platform.system()} {platform.machine()} {platform.release()}, "
-            f"Python {platform.python_version()}, torch {torch.__version__}")
+            f"Python {platform.python_version()}, torch {torch.__version__}; load average at start {load[0]:.1f} "
+            "(the machine is shared with other work)")
 
 
 def append_section(path: str, text: str) -> None:
@@ -638,4 +752,7 @@ def append_section(path: str, text: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        sys.exit(130)
