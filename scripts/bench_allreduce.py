@@ -29,11 +29,8 @@ import asyncio
 import contextlib
 import datetime
 import hashlib
-import importlib.machinery
-import importlib.util
 import json
 import os
-import platform
 import queue
 import re
 import shlex
@@ -51,22 +48,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
+from benchlib import load_wan_testbed, machine_line, result_args  # noqa: E402
+
 SECTION = "## All-reduce on a virtual WAN: peerd vs hivemind vs gloo (scripts/bench_allreduce.py)"
 CODECS = ("none", "fp16", "int8")
 #: peerd-direct = peerd with its streams on the direct TCP data plane (peerd/transport/direct.py).
 IMPLS = ("peerd", "peerd-direct", "hivemind", "gloo")
 GLOO_CODECS = ("none", "fp16")  # gloo sums in the tensor's dtype: no int8 all-reduce
 WIRE_BYTES_PER_VALUE = {"none": 4.0, "fp16": 2.0, "int8": 1.0 + 4.0 / 256}
-
-
-def load_wan_testbed():
-    path = os.path.join(REPO, "scripts", "wan_testbed")
-    loader = importlib.machinery.SourceFileLoader("wan_testbed", path)
-    spec = importlib.util.spec_from_loader("wan_testbed", loader)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["wan_testbed"] = module
-    loader.exec_module(module)
-    return module
 
 
 # ======================================================================================================= worker side
@@ -715,34 +704,6 @@ def main() -> int:
     if not args.no_md:
         append_section(args.md, text)
     return 0
-
-
-def result_args(argv: list[str]) -> list[str]:
-    """The command-line arguments that shape the results (where the report is written does not)."""
-    out, skip = [], False
-    for x in argv:
-        if skip:
-            skip = False
-        elif x == "--md":
-            skip = True
-        elif x != "--no-md" and not x.startswith("--md="):
-            out.append(x)
-    return out
-
-
-def machine_line() -> str:
-    import torch
-
-    cpu = "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    load = os.getloadavg()
-    return (f"`nproc` = {os.cpu_count()}, {cpu}, {platform.system()} {platform.machine()} {platform.release()}, "
-            f"Python {platform.python_version()}, torch {torch.__version__}; load average at start {load[0]:.1f} "
-            "(the machine is shared with other work)")
 
 
 def append_section(path: str, text: str) -> None:

@@ -60,6 +60,8 @@ from protocols.diloco import DiLoCoHyperparams  # noqa: E402
 from protocols.gossip import consensus_distance  # noqa: E402
 from protocols.moshpit import Grid  # noqa: E402
 
+from benchlib import replace_section  # noqa: E402
+
 SECTION_HEADING = "## Averaging topologies (scripts/bench_averaging.py)"
 LOOPBACK_MADDR = "/ip4/127.0.0.1/tcp/0"
 TOPOLOGIES = ("allreduce", "moshpit", "gossip")
@@ -742,22 +744,6 @@ def make_plots(avg: list[AvgResult], dl: list[DilocoResult], png: Optional[str],
         plt.close(fig)
 
 
-def replace_section(md_path: str, section: str) -> None:
-    """Replace the ``SECTION_HEADING`` section (up to the next ``## `` heading) or append it."""
-    text = open(md_path).read() if os.path.exists(md_path) else "# Benchmarks\n"
-    lines = text.splitlines()
-    try:
-        start = lines.index(SECTION_HEADING)
-    except ValueError:
-        new = text.rstrip("\n") + "\n\n" + section.rstrip("\n") + "\n"
-    else:
-        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-        tail = lines[end:]
-        new = "\n".join(lines[:start] + section.rstrip("\n").splitlines() + ([""] + tail if tail else [])) + "\n"
-    with open(md_path, "w") as f:
-        f.write(new)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -909,7 +895,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print()
     print(section)
     if args.md:
-        replace_section(args.md, section)
+        replace_section(args.md, SECTION_HEADING, section)
         print(f"\nwrote {args.md}" + "".join(f" and {x}" for x in (args.png, args.png_diloco) if x))
     all_ok = all(r.ok for r in avg) and all(r.ok for r in dl)
     if not args.keep_logs and all_ok:

@@ -52,6 +52,8 @@ from peerd.data import evaluate, load_corpus, WindowSampler  # noqa: E402
 from peerd.models import build_model, count_parameters  # noqa: E402
 from protocols.diloco import DiLoCoHyperparams, inner_lr_at, make_inner_optimizer, set_lr  # noqa: E402
 
+from benchlib import replace_section  # noqa: E402
+
 SECTION_HEADING = "## DiLoCo vs AdamW vs data-parallel (scripts/bench_diloco.py)"
 LOOPBACK_MADDR = "/ip4/127.0.0.1/tcp/0"
 FEW_PERCENT = 0.05
@@ -570,22 +572,6 @@ def make_plot(results: list[RunResult], path: str, s: Settings) -> None:
     plt.close(fig)
 
 
-def replace_section(md_path: str, section: str) -> None:
-    """Replace the ``SECTION_HEADING`` section (up to the next ``## `` heading) or append it."""
-    text = open(md_path).read() if os.path.exists(md_path) else "# Benchmarks\n"
-    lines = text.splitlines()
-    try:
-        start = lines.index(SECTION_HEADING)
-    except ValueError:
-        new = text.rstrip("\n") + "\n\n" + section.rstrip("\n") + "\n"
-    else:
-        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-        tail = lines[end:]
-        new = "\n".join(lines[:start] + section.rstrip("\n").splitlines() + ([""] + tail if tail else [])) + "\n"
-    with open(md_path, "w") as f:
-        f.write(new)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -688,7 +674,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(section)
     if args.md:
-        replace_section(args.md, section)
+        replace_section(args.md, SECTION_HEADING, section)
         print(f"\nwrote {args.md}" + (f" and {args.png}" if args.png else ""))
     if not args.keep_logs and all(r.ok for r in results):
         shutil.rmtree(workdir, ignore_errors=True)

@@ -21,14 +21,19 @@ def _config(tmp_path, name, **changes):
     return path
 
 
+def _assert_bit_identical(peers, rounds):
+    """Every peer logged the same theta_outer digest after each of ``rounds``."""
+    for round_ in rounds:
+        digests = {p.digests().get(round_) for p in peers}
+        assert len(digests) == 1 and None not in digests, f"round {round_}: {digests}"
+
+
 def test_three_peers_hold_bit_identical_theta_outer_and_learn(swarm):
     swarm.start_bootstrap()
     peers = [swarm.start_peer(f"p{i}", "trio") for i in range(3)]
     for peer in peers:
         assert swarm.wait_exit(peer, 180) == 0, swarm.tails()
-    for round_ in (1, 2):
-        digests = {p.digests().get(round_) for p in peers}
-        assert len(digests) == 1 and None not in digests, f"round {round_}: {digests}"
+    _assert_bit_identical(peers, rounds=(1, 2))
     for peer in peers:
         rounds = peer.of("outer_round")
         assert [e["outer_round"] for e in rounds] == [1, 2]
@@ -43,9 +48,7 @@ def test_direct_data_plane_carries_the_rounds_bit_identically(swarm):
     peers = [swarm.start_peer(f"d{i}", "direct", env={"PEERD_DATA_PLANE": "direct"}) for i in range(3)]
     for peer in peers:
         assert swarm.wait_exit(peer, 180) == 0, swarm.tails()
-    for round_ in (1, 2):
-        digests = {p.digests().get(round_) for p in peers}
-        assert len(digests) == 1 and None not in digests, f"round {round_}: {digests}"
+    _assert_bit_identical(peers, rounds=(1, 2))
     for peer in peers:
         assert len(peer.of("dataplane_listening")) == 1
         assert peer.of("direct_fallback") == [] and peer.of("direct_refused") == []  # every stream went direct

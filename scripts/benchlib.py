@@ -1,0 +1,70 @@
+"""What the benchmark scripts share: loading the WAN testbed, describing the machine and the command, and writing
+their section of docs/benchmarks.md. Imported by scripts/bench_*.py (the scripts' folder is on sys.path when they
+run)."""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import os
+import platform
+import sys
+from types import ModuleType
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_wan_testbed() -> ModuleType:
+    """scripts/wan_testbed (a script without a .py suffix) as the module ``wan_testbed``."""
+    path = os.path.join(REPO, "scripts", "wan_testbed")
+    loader = importlib.machinery.SourceFileLoader("wan_testbed", path)
+    spec = importlib.util.spec_from_loader("wan_testbed", loader)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["wan_testbed"] = module
+    loader.exec_module(module)
+    return module
+
+
+def result_args(argv: list[str]) -> list[str]:
+    """The command-line arguments that shape the results (where the report is written does not)."""
+    out, skip = [], False
+    for x in argv:
+        if skip:
+            skip = False
+        elif x == "--md":
+            skip = True
+        elif x != "--no-md" and not x.startswith("--md="):
+            out.append(x)
+    return out
+
+
+def machine_line() -> str:
+    """One line for the report: cores, CPU model, OS, Python, torch, and the load average at start."""
+    import torch
+
+    cpu = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    load = os.getloadavg()
+    return (f"`nproc` = {os.cpu_count()}, {cpu}, {platform.system()} {platform.machine()} {platform.release()}, "
+            f"Python {platform.python_version()}, torch {torch.__version__}; load average at start {load[0]:.1f} "
+            "(the machine is shared with other work)")
+
+
+def replace_section(md_path: str, heading: str, section: str) -> None:
+    """Replace the section that starts with the line ``heading`` (up to the next ``## `` heading) or append it."""
+    text = open(md_path).read() if os.path.exists(md_path) else "# Benchmarks\n"
+    lines = text.splitlines()
+    try:
+        start = lines.index(heading)
+    except ValueError:
+        new = text.rstrip("\n") + "\n\n" + section.rstrip("\n") + "\n"
+    else:
+        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+        tail = lines[end:]
+        new = "\n".join(lines[:start] + section.rstrip("\n").splitlines() + ([""] + tail if tail else [])) + "\n"
+    with open(md_path, "w") as f:
+        f.write(new)
