@@ -5,10 +5,17 @@ peers that share all of its coordinates except coordinate ``r mod d``: a group o
 and no failures, d consecutive rounds give every peer the exact global (weighted) average; with failures or a
 partially filled grid the peers still converge to the average exponentially fast.
 
-Grid placement is decided locally and identically by every peer from the list of live peers: each epoch of d rounds,
-peers are ordered by ``sha256(epoch, PeerID)`` and peer number i gets the base-M digits of i as coordinates, so
-groups are reshuffled every epoch (groupmates of one epoch are spread across groups in the next). Peers whose views
-of the live list differ may land in groups of unexpected size; matchmaking then seals what arrives in time.
+Grid placement is decided identically by every peer from one list of peers: each epoch of d rounds, peers are
+ordered by ``sha256(epoch, PeerID)`` and peer number i gets the base-M digits of i as coordinates, so groups are
+reshuffled every epoch (groupmates of one epoch are spread across groups in the next).
+
+That list must be the same on every peer, or peers compute different grids and wait for groupmates that are
+averaging elsewhere. Live-peer views read from the DHT are not (a dead peer's record outlives it by up to its TTL;
+under load a live peer's record can lapse). So each round starts with a rendezvous: every peer matchmakes under the
+round's key, carrying only its PeerID; the sealed member list, identical on every member, is the list the grid is
+built from. Tensors then move only inside the grid groups, so a peer that dies mid-transfer fails its own group's
+all-reduce and no other. A peer that dies before the seal costs the rendezvous its matchmaking timeout once; the
+survivors' groups are then computed without it.
 
 Defaults follow the paper's experiments: target group size M = 4 (paper: groups of 4-32); the grid dimension is
 floor or ceil of log_M N with side ceil(N^(1/d)), preferring grids without lone peers (see :meth:`Grid.for_peers`).
@@ -24,7 +31,7 @@ from typing import Sequence
 import torch
 
 from protocols.allreduce import AllReduceResult, ButterflyAllReduce
-from protocols.matchmaking import Matchmaker
+from protocols.matchmaking import Group, Matchmaker
 
 
 # ---------------------------------------------------------------------------------------------------------- pure core
@@ -138,7 +145,8 @@ def round_to_join(peer: str, rounds: dict[str, int], outer_round: int, target_gr
 
 
 class MoshpitAverager:
-    """One moshpit round = matchmaking on the grid group key, then a butterfly all-reduce inside the group."""
+    """One moshpit round = a rendezvous of the round's peers (matchmaking under ``moshpit.r<round>``), the grid built
+    from its sealed member list, then a butterfly all-reduce inside this peer's grid group."""
 
     def __init__(self, matchmaker: Matchmaker, allreduce: ButterflyAllReduce, target_group_size: int = 4):
         if target_group_size < 2:
@@ -150,8 +158,21 @@ class MoshpitAverager:
     async def average(
         self, outer_round: int, tensor: torch.Tensor, weight: float, live_peers: Sequence[str]
     ) -> AllReduceResult:
-        """Average ``tensor`` (P,) fp32 with this round's grid group. Raises MatchmakingFailed / AllReduceFailed."""
+        """Average ``tensor`` (P,) fp32 with this round's grid group.
+
+        ``live_peers`` (this peer's view of who is training) only tells the rendezvous how many peers to wait for
+        before sealing early; the grid itself comes from the sealed rendezvous. Raises MatchmakingFailed (no
+        rendezvous within the matchmaking timeout) or AllReduceFailed (the group's all-reduce failed).
+        """
         me = self.matchmaker.peer_id
-        where = assign(me, live_peers, outer_round, self.target_group_size)
-        group = await self.matchmaker.form_group(where.key, {}, expected_size=where.expected_size)
-        return await self.allreduce.run(group, tensor, weight)
+        expected = len(set(live_peers) | {me})
+        rendezvous = await self.matchmaker.form_group(f"moshpit.r{outer_round}", {}, expected_size=expected)
+        return await self.allreduce.run(grid_group(me, rendezvous, outer_round, self.target_group_size), tensor, weight)
+
+
+def grid_group(peer: str, rendezvous: Group, outer_round: int, target_group_size: int) -> Group:
+    """``peer``'s grid group of ``outer_round``, cut out of the sealed rendezvous (the same on every member)."""
+    members = list(rendezvous.members)
+    key = assign(peer, members, outer_round, target_group_size).key
+    mates = tuple(p for p in members if assign(p, members, outer_round, target_group_size).key == key)
+    return Group(f"{rendezvous.group_id}.{key}", key, mates[0], mates, {p: rendezvous.infos.get(p, {}) for p in mates})

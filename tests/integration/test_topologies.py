@@ -69,6 +69,10 @@ def test_survivors_keep_averaging_after_a_peer_is_killed(swarm, tmp_path, topolo
     # rounds while its partners are busy waiting out the dead peer; it is still averaged as their partner)
     ok = [sum(r.get("ok", False) for r in _records(tmp_path, i)) for i in survivors]
     assert sum(ok) >= len(survivors) * rounds // 2, ok
+    if topology == "moshpit":  # every round's grid comes from one sealed rendezvous: the dead peer costs one timeout,
+        # then the survivors' groups are consistent again (a few more rounds may wait for a slow survivor under load)
+        waited = [sum(r["event"] == "round" and r["seconds"] > 3.5 for r in _records(tmp_path, i)) for i in survivors]
+        assert max(waited) <= 3, waited
 
 
 def test_gossip_8_peers_converge_to_the_weighted_average(swarm, tmp_path):

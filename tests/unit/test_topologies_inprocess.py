@@ -99,6 +99,28 @@ def test_moshpit_4_peers_2x2_grid_exact_average_after_2_rounds():
     asyncio.run(main())
 
 
+def test_moshpit_groups_come_from_the_rendezvous_not_from_each_peers_view():
+    """Views that disagree (a dead peer still listed by some, a live one missing from another) cannot split the grid:
+    every survivor lands in the same 2 x 2 grid, built from the sealed rendezvous."""
+
+    async def main():
+        hub = Hub()
+        peers = await _moshpit_peers(hub, 4, 2)
+        names = [f"peer{i:02d}" for i in range(4)]
+        views = [names + ["peer99-dead"], names + ["peer99-dead"], names, names[1:]]
+        xs = [torch.randn(1000, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+        reference = weighted_average(xs, [1.0] * 4)
+        state = list(xs)
+        for r in range(2):
+            results = await asyncio.gather(*[p.average(r, x, 1.0, v) for p, x, v in zip(peers, state, views)])
+            assert [res.group_size for res in results] == [2, 2, 2, 2]
+            state = [res.averaged for res in results]
+        for x in state:
+            torch.testing.assert_close(x, reference, rtol=1e-5, atol=1e-6)
+
+    asyncio.run(main())
+
+
 def _group_weights(names, r, weights):
     """Weight a member carries after round r: the mean weight of its group (keeps sum w x consistent)."""
     out = []
