@@ -5,6 +5,7 @@ import time
 
 import pytest
 
+from peerd.identity import load_or_create_identity
 from peerd.localswarm import TINY
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -29,11 +30,20 @@ def _assert_bit_identical(peers, rounds):
 
 
 def test_three_peers_hold_bit_identical_theta_outer_and_learn(swarm):
+    """A mixed swarm: d0 and d1 use the direct data plane (their streams to each other go over direct TCP), p2 only
+    p2pd (the direct peers fall back to p2pd for it). Every round is bit-identical on all three."""
     swarm.start_bootstrap()
-    peers = [swarm.start_peer(f"p{i}", "trio") for i in range(3)]
+    peers = [swarm.start_peer(f"d{i}", "trio", env={"PEERD_DATA_PLANE": "direct"}) for i in range(2)]
+    peers.append(swarm.start_peer("p2", "trio"))
     for peer in peers:
         assert swarm.wait_exit(peer, 180) == 0, swarm.tails()
     _assert_bit_identical(peers, rounds=(1, 2))
+    p2_id = load_or_create_identity(swarm.workdir / "p2.key")
+    for direct in peers[:2]:
+        assert len(direct.of("dataplane_listening")) == 1 and direct.of("direct_refused") == []
+        # only the p2pd-only peer is reached through p2pd: d0 <-> d1 went direct
+        assert [e["peer"] for e in direct.of("direct_fallback")] == [p2_id], direct.of("direct_fallback")
+    assert peers[2].of("dataplane_listening") == []
     for peer in peers:
         rounds = peer.of("outer_round")
         assert [e["outer_round"] for e in rounds] == [1, 2]
@@ -41,18 +51,6 @@ def test_three_peers_hold_bit_identical_theta_outer_and_learn(swarm):
         assert all(e["bytes_sent"] > 0 for e in rounds)
         start = peer.of("eval")[0]["eval_nats_per_byte"]
         assert rounds[-1]["eval_nats_per_byte"] < start, (start, rounds[-1])
-
-
-def test_direct_data_plane_carries_the_rounds_bit_identically(swarm):
-    swarm.start_bootstrap()
-    peers = [swarm.start_peer(f"d{i}", "direct", env={"PEERD_DATA_PLANE": "direct"}) for i in range(3)]
-    for peer in peers:
-        assert swarm.wait_exit(peer, 180) == 0, swarm.tails()
-    _assert_bit_identical(peers, rounds=(1, 2))
-    for peer in peers:
-        assert len(peer.of("dataplane_listening")) == 1
-        assert peer.of("direct_fallback") == [] and peer.of("direct_refused") == []  # every stream went direct
-        assert all(e["group_size"] == 3 and e["bytes_sent"] > 0 for e in peer.of("outer_round"))
 
 
 def test_late_joiner_downloads_state_and_averages_with_the_swarm(swarm, tmp_path):
