@@ -21,7 +21,6 @@ from peerd.config import (
     NodeConfig,
     load_node_config,
     load_node_config_with_sources,
-    load_run_config,
 )
 from peerd.control import ControlUnavailable
 
@@ -220,6 +219,8 @@ def _cmd_join(args: argparse.Namespace) -> int:
 
     run_id = _require_run_id(args)
     node = _node_config(args)
+    from peerd.run_config import load_run_config
+
     run = load_run_config(args.run_config) if args.run_config else None
     _run_async(join(run_id, node, run))
     return 0
@@ -271,6 +272,8 @@ def _cmd_config(args: argparse.Namespace) -> int:
     node, sources = load_node_config_with_sources(args.config, overrides=_node_overrides(args), flag_names=FLAG_NAMES)
     out: dict[str, Any] = {"node": dataclasses.asdict(node), "sources": sources}
     if args.run_config:
+        from peerd.run_config import load_run_config
+
         out["run"] = load_run_config(args.run_config).to_dict()
         out["run_source"] = f"file {args.run_config}"
     print(json.dumps(out, indent=2))
@@ -337,6 +340,8 @@ def _cmd_install_service(args: argparse.Namespace) -> int:
         exec_args += ["--config", os.path.abspath(args.config)]
         files.append(os.path.abspath(args.config))
     if args.run_config:
+        from peerd.run_config import load_run_config
+
         load_run_config(args.run_config)
         exec_args += ["--run-config", os.path.abspath(args.run_config)]
         files.append(os.path.abspath(args.run_config))

@@ -17,7 +17,8 @@ import signal
 from pathlib import Path
 from typing import Optional
 
-from peerd.config import NodeConfig, RunConfig
+from peerd.config import NodeConfig
+from peerd.run_config import RunConfig
 from peerd.identity import load_or_create_identity
 from peerd.membership import (
     RUN_CREATOR_MIN_PREFIX,

@@ -41,7 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from peerd.config import ConfigError, RunConfig
+from peerd.config import ConfigError
+from peerd.run_config import RunConfig
 from peerd.signing import InvalidRecord, public_key_of, verify
 
 logger = logging.getLogger(__name__)

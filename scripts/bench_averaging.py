@@ -54,7 +54,7 @@ import torch  # noqa: E402
 
 from bench_diloco import Children, _fmt_bytes, _machine, _pump, _toml_value  # noqa: E402
 from peerd.avgpeer import initial_vector, sketch_indices  # noqa: E402
-from peerd.config import load_run_config  # noqa: E402
+from peerd.run_config import load_run_config  # noqa: E402
 from peerd.localswarm import Swarm, _kill_tree  # noqa: E402
 from protocols.diloco import DiLoCoHyperparams  # noqa: E402
 from protocols.gossip import consensus_distance  # noqa: E402

@@ -97,7 +97,7 @@ def dp_worker(a: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from peerd.config import load_run_config
+    from peerd.run_config import load_run_config
     from peerd.data import WindowSampler, evaluate, load_corpus
     from peerd.models import build_model
     from protocols.diloco import inner_lr_at, make_inner_optimizer, set_lr

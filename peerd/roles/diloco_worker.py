@@ -30,7 +30,8 @@ from typing import Any, Optional
 import torch
 
 from peerd.checkpoint import Checkpoint, CheckpointError, checkpoint_path, load_checkpoint, save_checkpoint
-from peerd.config import NodeConfig, RunConfig
+from peerd.config import NodeConfig
+from peerd.run_config import RunConfig
 from peerd.faults import Faults, FaultyTransport
 from peerd.data import DataError, WindowSampler, evaluate, load_corpus
 from peerd.models import build_model

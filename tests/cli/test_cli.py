@@ -3,6 +3,7 @@
 import json
 import signal
 import subprocess
+import sys
 
 import pytest
 
@@ -103,3 +104,11 @@ def test_bootstrap_keeps_its_peer_id_across_restarts(tmp_path):
             swarm.close()
     assert ids[0] == ids[1] and ids[0].startswith("12D3KooW")
     assert oct((tmp_path / "bootstrap.key").stat().st_mode & 0o777) == "0o600"
+
+
+def test_light_commands_do_not_import_torch():
+    """`peerd --help`, `health`, `pause`, `config show` stay fast: the CLI and the node config import no torch."""
+    probe = ("import sys, peerd.cli, peerd.config, peerd.control; "
+             "print(sorted(m for m in ('torch', 'hivemind', 'protocols.allreduce') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -28,7 +28,7 @@ import time
 
 from hivemind.utils import MSGPackSerializer
 
-from peerd.config import load_run_config
+from peerd.run_config import load_run_config
 from peerd.daemon import publish_run_config, resolve_run_config
 from peerd.localswarm import TINY
 from peerd.membership import RunConfigConflict, config_payload

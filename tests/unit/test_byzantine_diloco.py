@@ -8,7 +8,8 @@ import asyncio
 
 import pytest
 
-from peerd.config import AveragingConfig, NodeConfig, RunConfig
+from peerd.config import NodeConfig
+from peerd.run_config import AveragingConfig, RunConfig
 from peerd.data import evaluate
 from peerd.faults import Faults
 from peerd.roles.diloco_worker import DiLoCoWorker

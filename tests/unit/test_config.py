@@ -5,14 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from peerd.config import (
-    AveragingConfig,
-    ConfigError,
-    NodeConfig,
-    RunConfig,
-    load_node_config,
-    load_run_config,
-)
+from peerd.config import ConfigError, NodeConfig, load_node_config
+from peerd.run_config import AveragingConfig, RunConfig, load_run_config
 from protocols.diloco import DiLoCoHyperparams
 
 pytestmark = pytest.mark.timeout(60)

@@ -5,7 +5,8 @@ import asyncio
 import pytest
 import torch
 
-from peerd.config import AveragingConfig, NodeConfig, RunConfig
+from peerd.config import NodeConfig
+from peerd.run_config import AveragingConfig, RunConfig
 from peerd.roles.diloco_worker import DiLoCoWorker
 from peerd.transport.inprocess import Hub
 from protocols.allreduce import AllReduceFailed

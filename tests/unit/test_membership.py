@@ -10,7 +10,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.dht.validation import DHTRecord
 from hivemind.utils import MSGPackSerializer
 
-from peerd.config import ConfigError, RunConfig, load_run_config
+from peerd.config import ConfigError
+from peerd.run_config import RunConfig, load_run_config
 from peerd.daemon import publish_run_config, resolve_run_config
 from peerd.localswarm import TINY
 from peerd.membership import (
