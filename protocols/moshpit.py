@@ -31,7 +31,7 @@ from typing import Sequence
 import torch
 
 from protocols.allreduce import AllReduceResult, ButterflyAllReduce
-from protocols.matchmaking import Group, Matchmaker
+from protocols.matchmaking import Group, Matchmaker, MatchmakingFailed
 
 
 # ---------------------------------------------------------------------------------------------------------- pure core
@@ -141,6 +141,14 @@ def round_to_join(peer: str, rounds: dict[str, int], outer_round: int, target_gr
     return outer_round
 
 
+def grid_group(peer: str, rendezvous: Group, outer_round: int, target_group_size: int) -> Group:
+    """``peer``'s grid group of ``outer_round``, cut out of the sealed rendezvous (the same on every member)."""
+    members = list(rendezvous.members)
+    key = assign(peer, members, outer_round, target_group_size).key
+    mates = tuple(p for p in members if assign(p, members, outer_round, target_group_size).key == key)
+    return Group(f"{rendezvous.group_id}.{key}", key, mates[0], mates, {p: rendezvous.infos.get(p, {}) for p in mates})
+
+
 # ------------------------------------------------------------------------------------------------------------ runner
 
 
@@ -162,17 +170,15 @@ class MoshpitAverager:
 
         ``live_peers`` (this peer's view of who is training) only tells the rendezvous how many peers to wait for
         before sealing early; the grid itself comes from the sealed rendezvous. Raises MatchmakingFailed (no
-        rendezvous within the matchmaking timeout) or AllReduceFailed (the group's all-reduce failed).
+        rendezvous within the matchmaking timeout, or a grid group below ``min_group_size``) or AllReduceFailed (the
+        group's all-reduce failed).
         """
         me = self.matchmaker.peer_id
         expected = len(set(live_peers) | {me})
         rendezvous = await self.matchmaker.form_group(f"moshpit.r{outer_round}", {}, expected_size=expected)
-        return await self.allreduce.run(grid_group(me, rendezvous, outer_round, self.target_group_size), tensor, weight)
+        group = grid_group(me, rendezvous, outer_round, self.target_group_size)
+        if len(group.members) < self.matchmaker.config.min_group_size:
+            raise MatchmakingFailed(f"grid group {group.key} of {len(group.members)} peer(s) is smaller than "
+                                    f"min_group_size={self.matchmaker.config.min_group_size}")
+        return await self.allreduce.run(group, tensor, weight)
 
-
-def grid_group(peer: str, rendezvous: Group, outer_round: int, target_group_size: int) -> Group:
-    """``peer``'s grid group of ``outer_round``, cut out of the sealed rendezvous (the same on every member)."""
-    members = list(rendezvous.members)
-    key = assign(peer, members, outer_round, target_group_size).key
-    mates = tuple(p for p in members if assign(p, members, outer_round, target_group_size).key == key)
-    return Group(f"{rendezvous.group_id}.{key}", key, mates[0], mates, {p: rendezvous.infos.get(p, {}) for p in mates})

@@ -10,7 +10,7 @@ from peerd.transport.inprocess import Hub
 from protocols.allreduce import AllReduceConfig, ButterflyAllReduce
 from protocols.diloco import weighted_average
 from protocols.gossip import GossipAverager, GossipConfig, choose_partners, consensus_distance, pair_average
-from protocols.matchmaking import MatchmakingConfig, Matchmaker
+from protocols.matchmaking import MatchmakingConfig, Matchmaker, MatchmakingFailed
 from protocols.moshpit import Grid, MoshpitAverager, assign, group_mates, round_to_join
 
 pytestmark = pytest.mark.timeout(60)
@@ -67,8 +67,9 @@ def test_pair_average_is_symmetric_and_preserves_mass():
     assert choose_partners(["a", "b", "c"], "a", 5, random.Random(0)) in (["b", "c"], ["c", "b"])
 
 
-async def _moshpit_peers(hub, n, target):
-    mm_cfg = MatchmakingConfig(matchmaking_timeout_s=2.0, request_timeout_s=0.5, poll_interval_s=0.05)
+async def _moshpit_peers(hub, n, target, min_group_size=1):
+    mm_cfg = MatchmakingConfig(matchmaking_timeout_s=2.0, request_timeout_s=0.5, poll_interval_s=0.05,
+                               min_group_size=min_group_size)
     out = []
     for i in range(n):
         t = hub.transport(f"peer{i:02d}")
@@ -117,6 +118,26 @@ def test_moshpit_groups_come_from_the_rendezvous_not_from_each_peers_view():
             state = [res.averaged for res in results]
         for x in state:
             torch.testing.assert_close(x, reference, rtol=1e-5, atol=1e-6)
+
+    asyncio.run(main())
+
+
+def test_moshpit_lone_grid_peer_fails_its_round_under_min_group_size():
+    """5 peers on a 2 x 2 x 2 grid leave some peer alone along some dimension; with min_group_size = 2 that peer's
+    round fails (MatchmakingFailed) while the others average in their groups."""
+
+    async def main():
+        hub = Hub()
+        peers = await _moshpit_peers(hub, 5, 2, min_group_size=2)
+        names = [f"peer{i:02d}" for i in range(5)]
+        lone = {r: [p for p in names if not group_mates(p, names, r, 2)] for r in range(3)}
+        r = next(r for r, ps in lone.items() if ps)
+        xs = [torch.full((100,), float(i)) for i in range(5)]
+        results = await asyncio.gather(*[p.average(r, x, 1.0, names) for p, x in zip(peers, xs)],
+                                       return_exceptions=True)
+        failed = [names[i] for i, res in enumerate(results) if isinstance(res, MatchmakingFailed)]
+        assert failed == lone[r] and "min_group_size=2" in str(results[names.index(failed[0])])
+        assert all(res.group_size >= 2 for res in results if not isinstance(res, BaseException))
 
     asyncio.run(main())
 
