@@ -3,8 +3,8 @@
 Importing this module does not import torch, so light commands (``peerd --help``, ``health``, ``pause``) start fast.
 
 Precedence for the node config: built-in defaults < ``--config FILE`` (TOML) < ``PEERD_*`` environment variables <
-command-line flags. NodeConfig is a frozen dataclass validated in ``__post_init__``; unknown keys and wrong types raise :class:`ConfigError`
-naming the key and the file.
+command-line flags. NodeConfig is a frozen dataclass validated in ``__post_init__``; unknown keys and wrong types
+raise :class:`ConfigError` naming the key and the file.
 """
 
 from __future__ import annotations
