@@ -162,7 +162,7 @@ def load_node_config_with_sources(
     values: dict[str, Any] = {}
     sources: dict[str, str] = {f.name: "default" for f in fields(NodeConfig)}
     if config_file:
-        data = _read_toml(config_file)
+        data = read_toml(config_file)
         if "node" in data:
             stray = sorted(set(data) - {"node"})
             if stray:
@@ -179,7 +179,7 @@ def load_node_config_with_sources(
     given = {k: v for k, v in overrides.items() if v is not None}
     values.update(given)
     sources.update({k: f"flag {flag_names.get(k, '--' + k.replace('_', '-'))}" for k in given})
-    return _build(NodeConfig, values, config_file or "node config"), sources
+    return build_config(NodeConfig, values, config_file or "node config"), sources
 
 
 def _parse_env(raw: str, f: dataclasses.Field, var: str) -> Any:
@@ -207,7 +207,8 @@ def _parse_env(raw: str, f: dataclasses.Field, var: str) -> Any:
 # ------------------------------------------------------------------------------------------------------------ helpers
 
 
-def _read_toml(path: str | os.PathLike) -> dict[str, Any]:
+def read_toml(path: str | os.PathLike) -> dict[str, Any]:
+    """The TOML file's top-level table. Raises ConfigError if the file is missing or not valid TOML."""
     try:
         with open(path, "rb") as f:
             return tomllib.load(f)
@@ -231,7 +232,10 @@ _TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), 
           "Optional[int]": (int, type(None))}
 
 
-def _build(cls: type, data: Mapping[str, Any], source: str, **extra: Any) -> Any:
+def build_config(cls: type, data: Mapping[str, Any], source: str, **extra: Any) -> Any:
+    """``cls(**data, **extra)`` after checking keys and value types; errors name the key and ``source``.
+
+    Raises ConfigError (unknown key, wrong type, or a value ``cls.__post_init__`` refuses)."""
     data = _check_keys(cls, data, source)
     for f in fields(cls):
         if f.name not in data:

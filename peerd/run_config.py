@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
-from peerd.config import ConfigError, _build, _read_toml
+from peerd.config import ConfigError, build_config, read_toml
 from protocols.allreduce import AllReduceConfig
 from protocols.compression import CODECS
 from protocols.diloco import DiLoCoHyperparams
@@ -159,8 +159,8 @@ class RunConfig:
             diloco = DiLoCoHyperparams.from_dict(data.pop("diloco", {}))
         except (ValueError, TypeError) as e:
             raise ConfigError(f"{source}: [diloco]: {e}") from None
-        averaging = _build(AveragingConfig, data.pop("averaging", {}), f"{source}: [averaging]")
-        return _build(cls, data, source, diloco=diloco, averaging=averaging)
+        averaging = build_config(AveragingConfig, data.pop("averaging", {}), f"{source}: [averaging]")
+        return build_config(cls, data, source, diloco=diloco, averaging=averaging)
 
     def fingerprint(self) -> str:
         """Short hash of the canonical JSON form: equal configs have equal fingerprints."""
@@ -169,4 +169,4 @@ class RunConfig:
 
 def load_run_config(path: str | os.PathLike) -> RunConfig:
     """Read a run config TOML file. Raises ConfigError naming the file and key."""
-    return RunConfig.from_dict(_read_toml(path), source=str(path))
+    return RunConfig.from_dict(read_toml(path), source=str(path))
