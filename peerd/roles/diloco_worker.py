@@ -16,6 +16,11 @@ reset: the worker keeps training, and its next pseudo-gradient covers every step
 later round and the worker downloads that state before its next attempt, dropping its unsynchronized local steps
 (logged with their count). A leader that sees a member with a different theta_outer digest refuses it; the refused
 worker downloads the leader's state. So no two members of a group ever disagree on theta_outer.
+
+While it downloads, a worker's status says ``role = "syncing"``, and the all-reduce peers count it in their round's
+expected group size: they wait for it in matchmaking (bounded by ``matchmaking_timeout_s``) instead of sealing the
+round without it. Otherwise a peer whose download takes longer than a round (a slow or capped uploader) would find
+the swarm a round further every time it finished, and download again forever.
 """
 
 from __future__ import annotations
@@ -58,6 +63,8 @@ from protocols.wire import ProtocolViolation
 logger = logging.getLogger(__name__)
 
 ROLE = "diloco"
+#: Status role of a worker downloading the swarm's state: it joins the round in progress right after.
+SYNCING = "syncing"
 #: An all-reduce that fails (a member died mid-round) is retried this many times in all, among the survivors.
 MAX_ROUND_ATTEMPTS = 2
 #: Longest a running all-reduce may delay a requested shutdown, in seconds.
@@ -101,6 +108,7 @@ class DiLoCoWorker:
         self.transport = transport
         self.stop = stop
         self.gate = gate or PauseGate()  # paused: no inner steps, no matchmaking (see _wait_while_paused)
+        self._syncing = False  # downloading the swarm's state (status role SYNCING)
         self.peer_id = transport.streams.peer_id
         self.prefix = f"peerd.{run_id}"
         self.stats = RoundStats()
@@ -232,7 +240,8 @@ class DiLoCoWorker:
 
     async def _outer_round(self) -> None:
         """One outer round with the configured topology; on success theta_local restarts from theta_outer."""
-        live = await self._live_peers()
+        records = await self._peer_records()
+        live = _workers(records)
         # all-reduce peers move in lockstep: anyone ahead means we missed a round. Moshpit groups progress
         # independently, so only a gap of two rounds means our groupmates are gone. Gossip has no rounds to share.
         margin = {"allreduce": 1, "moshpit": 2}.get(self.method)
@@ -242,7 +251,8 @@ class DiLoCoWorker:
         if self.faults is not None:
             self.faults.round = self.outer.outer_round + 1
         if self.method == "allreduce":
-            outcome = await self._allreduce_round(live)
+            syncing = sum(1 for p, v in records.items() if p != self.peer_id and v.get("role") == SYNCING)
+            outcome = await self._allreduce_round(live, syncing)
         elif self._diverged(flatten_parameters(self.model)):
             outcome = None
         else:
@@ -294,14 +304,17 @@ class DiLoCoWorker:
         self.round_quota = self.hp.inner_steps
         return True
 
-    async def _allreduce_round(self, live: dict[str, dict]) -> Optional[tuple[dict, float, int, str]]:
+    async def _allreduce_round(self, live: dict[str, dict], syncing: int = 0) -> Optional[tuple[dict, float, int, str]]:
         """Average pseudo-gradients with everyone present, then apply the shared outer step (bit-identical).
+
+        The group is sealed early once it has every live peer at our round plus the ``syncing`` peers (downloading
+        the state to join this round); otherwise matchmaking waits out its timeout.
 
         If the all-reduce fails (a member died mid-round: its part is missing for everyone), the survivors retry the
         round once right away among themselves, with the same pseudo-gradients, under a fresh group key.
         """
         r = self.outer.outer_round
-        expected = 1 + sum(1 for p, s in live.items() if p != self.peer_id and s.get("outer_round") == r)
+        expected = 1 + syncing + sum(1 for p, s in live.items() if p != self.peer_id and s.get("outer_round") == r)
         pseudo_gradient = self.outer.pseudo_gradient(flatten_parameters(self.model))  # (P,)
         weight = float(self.samples_since_sync)
         if self.faults is not None:
@@ -462,14 +475,14 @@ class DiLoCoWorker:
 
     # ------------------------------------------------------------------------------------------------ catching up
 
+    async def _peer_records(self) -> dict[str, dict]:
+        """Status records of this run's peers, any role (PeerID -> record). The daemon's discovery returns only
+        records signed by their owner (peerd.transport.records); records with the wrong schema are dropped here."""
+        return self._status_filter(await self.transport.discovery.get(status_key(self.run_id)))
+
     async def _live_peers(self) -> dict[str, dict]:
-        """Status records of live workers of this run (PeerID -> record). The daemon's discovery returns only records
-        signed by their owner (peerd.transport.records); records with the wrong schema are dropped here (logged)."""
-        records = self._status_filter(await self.transport.discovery.get(status_key(self.run_id)))
-        return {
-            peer: value for peer, value in records.items()
-            if value.get("role") == ROLE and isinstance(value.get("outer_round"), int)
-        }
+        """Status records of live, training workers of this run (role ``diloco``; PeerID -> record)."""
+        return _workers(await self._peer_records())
 
     async def _catch_up(self, live: dict[str, dict], margin: int = 1) -> bool:
         """Download the state of the most advanced live peer if it is ``margin`` or more rounds ahead of us.
@@ -501,6 +514,16 @@ class DiLoCoWorker:
             await asyncio.sleep(min(1.0, self.node.status_interval_s))
 
     async def _download_from(self, peers: list[str]) -> bool:
+        """Adopt the outer state of the first of ``peers`` that serves a valid one; False if none did. Our status
+        says SYNCING meanwhile, so that peers ahead wait for us in their round."""
+        self._syncing = True
+        await self._publish_status()
+        try:
+            return await self._download_first(peers)
+        finally:
+            self._syncing = False
+
+    async def _download_first(self, peers: list[str]) -> bool:
         expected = {"theta": (torch.float32, self.outer.numel), "momentum": (torch.float32, self.outer.numel)}
         max_bytes = 2 * 4 * self.outer.numel
         timeout = self.run.averaging.reducer_timeout_s
@@ -522,6 +545,7 @@ class DiLoCoWorker:
             self.steps_since_sync, self.samples_since_sync = 0, 0
             self.round_quota = self.hp.inner_steps
             self.round_start_theta = outer.theta
+            self._syncing = False
             await self._publish_status()
             logger.info(
                 "downloaded outer round %d state (%.1f MB) from %s in %.2f s%s",
@@ -567,7 +591,7 @@ class DiLoCoWorker:
             logger.info("outer round %d: eval %s", extra["outer_round"], _fmt_eval(eval_loss), extra=extra)
 
     async def _publish_status(self, role: Optional[str] = None) -> None:
-        role = role or ("paused" if self.gate.paused else ROLE)
+        role = role or ("paused" if self.gate.paused else SYNCING if self._syncing else ROLE)
         record = make_status(
             role=role, outer_round=self.outer.outer_round, inner_step=self.steps_since_sync,
             loss=self.stats.last_loss, tokens_per_s=self.stats.tokens_per_s,
@@ -650,3 +674,9 @@ def _fmt_eval(nats: Optional[float]) -> str:
     if nats is None:
         return "off"
     return f"{nats:.4f} nats/byte ({nats / 0.6931471805599453:.4f} bits/byte)"
+
+
+def _workers(records: dict[str, dict]) -> dict[str, dict]:
+    """The records of training workers (role ``diloco`` with an outer round) among status records."""
+    return {peer: value for peer, value in records.items()
+            if value.get("role") == ROLE and isinstance(value.get("outer_round"), int)}

@@ -114,6 +114,55 @@ def test_refused_peer_downloads_the_leaders_state(tmp_path):
     asyncio.run(main())
 
 
+def test_peer_ahead_waits_for_a_syncing_peer_instead_of_outrunning_it(tmp_path):
+    """b downloads a's state more slowly than a runs a round (a capped uploader). While b's status says "syncing", a
+    counts it in its round's expected group and waits in matchmaking, so b joins that very round; before, a sealed
+    the round alone and b found it a round further on every download."""
+
+    async def main():
+        hub = Hub()
+        run = _run(min_group_size=1)
+        a = _worker(hub, "peer-a", run, tmp_path)
+        await _start(a)
+        for _ in range(2):  # a trains alone for two rounds
+            await a._train_until_quota()
+            await a._outer_round()
+        assert a.outer.outer_round == 2
+        b = _worker(hub, "peer-b", run, tmp_path)
+        await _start(b)
+        sizes, roles = [], []
+        real_run, real_download = a.allreduce.run, b._download_first
+
+        async def recording_run(group, tensor, weight):
+            sizes.append(len(group.members))
+            return await real_run(group, tensor, weight)
+
+        async def slow_download(peers):
+            roles.append((await a._peer_records())[b.peer_id]["role"])
+            await asyncio.sleep(1.5)  # the download outlasts a's round
+            return await real_download(peers)
+
+        a.allreduce.run, b._download_first = recording_run, slow_download
+        await a._train_until_quota()
+
+        async def b_joins():
+            assert await b._catch_up(await b._live_peers())
+            await b._train_until_quota()
+            await b._outer_round()
+
+        async def a_round():
+            await asyncio.sleep(0.3)
+            await a._outer_round()
+
+        await asyncio.gather(a_round(), b_joins())
+        assert roles == ["syncing"]
+        assert sizes == [2]  # a waited for b
+        assert a.outer.outer_round == b.outer.outer_round == 3 and a.outer.digest() == b.outer.digest()
+        assert (await a._peer_records())[b.peer_id]["role"] == "diloco"
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("method", ["allreduce", "gossip"])
 def test_diverged_local_training_sits_the_round_out_and_restarts_from_theta_outer(tmp_path, method):
     async def main():
