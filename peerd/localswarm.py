@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,14 +69,15 @@ class Swarm:
         self.peers: list[Peer] = []
         self.bootstrap_maddr: Optional[str] = None
         self._bootstrap: Optional[subprocess.Popen] = None
+        self.children = ProcessSet()
 
     def start_bootstrap(self, timeout_s: float = 30.0) -> str:
         out = self.workdir / "bootstrap.out"
         with open(out, "w") as stdout, open(self.workdir / "bootstrap.err", "w") as stderr:
-            self._bootstrap = subprocess.Popen(
+            self._bootstrap = self.children.start(
                 peerd_cmd("bootstrap", "--config", str(LOCAL), "--identity", str(self.workdir / "bootstrap.key"),
                           "--checkpoint-dir", str(self.workdir / "bootstrap-state")),
-                stdout=stdout, stderr=stderr, start_new_session=True,
+                stdout=stdout, stderr=stderr,
             )
         deadline = time.time() + timeout_s
         while time.time() < deadline:
@@ -101,9 +103,8 @@ class Swarm:
             args += ["--run-config", str(run_config)]
         log = self.workdir / f"{name}.log"
         with open(log, "w") as stderr:
-            proc = subprocess.Popen(peerd_cmd(*args, *extra), stdout=subprocess.DEVNULL, stderr=stderr,
-                                    start_new_session=True,
-                                    env={**os.environ, "PEERD_LOGLEVEL": "INFO", **(env or {})})
+            proc = self.children.start(peerd_cmd(*args, *extra), stdout=subprocess.DEVNULL, stderr=stderr,
+                                       env={**os.environ, "PEERD_LOGLEVEL": "INFO", **(env or {})})
         peer = Peer(name, proc, log)
         self.peers.append(peer)
         return peer
@@ -112,7 +113,7 @@ class Swarm:
         """Start any command as a managed peer process (stderr to ``<name>.log``); killed by :meth:`close`."""
         log = self.workdir / f"{name}.log"
         with open(log, "w") as stderr:
-            proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
+            proc = self.children.start(argv, stdout=subprocess.DEVNULL, stderr=stderr)
         peer = Peer(name, proc, log)
         self.peers.append(peer)
         return peer
@@ -136,28 +137,81 @@ class Swarm:
                          for p in self.peers)
 
     def close(self) -> None:
-        procs = [p.proc for p in self.peers] + ([self._bootstrap] if self._bootstrap else [])
-        for proc in procs:
-            _kill_tree(proc.pid, signal.SIGKILL)
-            try:  # every peer leads its own session: this also reaches orphans whose parent was killed first
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        for proc in procs:
+        self.children.stop(grace_s=0.0)
+
+
+class ProcessSet:
+    """Child processes for local swarms, each leading its own session (process group), so that a peer's helpers
+    (its DHT child, p2pd) can be reached even after their parent died. Used by the tests, the demo and every
+    benchmark; :meth:`stop` always leaves nothing behind."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, argv: list[str], **popen_kwargs: Any) -> subprocess.Popen:
+        """``subprocess.Popen(argv, start_new_session=True, **popen_kwargs)``, remembered for :meth:`stop`."""
+        proc = subprocess.Popen(argv, start_new_session=True, **popen_kwargs)
+        self.procs.append(proc)
+        return proc
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM every process group (a clean stop: checkpoint, leave), then SIGKILL each whole tree and group
+        still there after ``grace_s`` seconds (0: kill at once)."""
+        if grace_s > 0:
+            for proc in self.procs:
+                signal_group(proc.pid, signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            for proc in self.procs:
+                try:
+                    proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+        for proc in self.procs:
+            kill_tree(proc.pid)
+        for proc in self.procs:
             try:
                 proc.wait(10)
             except subprocess.TimeoutExpired:
                 pass
+        self.procs.clear()
 
 
-def _kill_tree(pid: int, sig: int) -> None:
+def signal_group(pid: int, sig: int) -> None:
+    """Signal the process group led by ``pid``; a group outlives its leader while helpers remain."""
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid``, every descendant, and the process group it leads (which also reaches orphans whose parent
+    was killed first)."""
     try:
         parent = psutil.Process(pid)
         family = parent.children(recursive=True) + [parent]
     except psutil.NoSuchProcess:
-        return
+        family = []
     for proc in family:
         try:
-            proc.send_signal(sig)
+            proc.send_signal(signal.SIGKILL)
         except psutil.NoSuchProcess:
             pass
+    signal_group(pid, signal.SIGKILL)
+
+
+def pump_lines(stream: Any, log_path: str | os.PathLike, on_line: Callable[[str], None]) -> threading.Thread:
+    """Copy a child's text ``stream`` line by line into ``log_path`` (flushed per line) and hand each line to
+    ``on_line``, in a daemon thread."""
+
+    def run() -> None:
+        with open(log_path, "w") as log:
+            for line in iter(stream.readline, ""):
+                log.write(line)
+                log.flush()
+                on_line(line)
+        stream.close()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread

@@ -49,6 +49,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from benchlib import load_wan_testbed, machine_line, result_args  # noqa: E402
+from peerd.localswarm import ProcessSet, kill_tree  # noqa: E402
 
 SECTION = "## All-reduce on a virtual WAN: peerd vs hivemind vs gloo (scripts/bench_allreduce.py)"
 CODECS = ("none", "fp16", "int8")
@@ -350,8 +351,8 @@ class Worker:
 
     def __init__(self, argv: list[str], log_path: str):
         self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                     start_new_session=True)
+        self.proc = ProcessSet().start(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+                                       text=True)
         self.lines: "queue.Queue[Optional[str]]" = queue.Queue()
         self.log_path = log_path
         threading.Thread(target=self._pump, daemon=True).start()
@@ -384,17 +385,7 @@ class Worker:
             return f.read()[-chars:]
 
     def kill(self) -> None:
-        import psutil
-
-        try:
-            family = psutil.Process(self.proc.pid).children(recursive=True) + [psutil.Process(self.proc.pid)]
-        except psutil.NoSuchProcess:
-            family = []
-        for p in family:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
+        kill_tree(self.proc.pid)
         try:
             self.proc.wait(10)
         except subprocess.TimeoutExpired:

@@ -52,10 +52,10 @@ for _p in (REPO, os.path.join(REPO, "scripts")):
 import psutil  # noqa: E402
 import torch  # noqa: E402
 
-from bench_diloco import Children, _fmt_bytes, _machine, _pump, _toml_value  # noqa: E402
+from bench_diloco import _fmt_bytes, _machine, _toml_value  # noqa: E402
 from peerd.avgpeer import initial_vector, sketch_indices  # noqa: E402
 from peerd.run_config import load_run_config  # noqa: E402
-from peerd.localswarm import Swarm, _kill_tree  # noqa: E402
+from peerd.localswarm import ProcessSet, Swarm, kill_tree, pump_lines  # noqa: E402
 from protocols.diloco import DiLoCoHyperparams  # noqa: E402
 from protocols.gossip import consensus_distance  # noqa: E402
 from protocols.moshpit import Grid  # noqa: E402
@@ -144,15 +144,6 @@ def _rounds_of(path: Path) -> list[dict]:
     return [r for r in _read_jsonl(path) if r.get("event") == "round"]
 
 
-def _kill_group_and_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL a peer's whole process tree (python, DHT child, p2pd) and its process group."""
-    _kill_tree(proc.pid, signal.SIGKILL)
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 def run_avg(spec: AvgSpec, args: argparse.Namespace, workdir: str) -> AvgResult:
     """One swarm: bootstrap + ``spec.peers`` avgpeer processes until every survivor exits (or the run times out)."""
     result = AvgResult(spec)
@@ -181,7 +172,7 @@ def run_avg(spec: AvgSpec, args: argparse.Namespace, workdir: str) -> AvgResult:
         if victim is not None:
             while time.monotonic() < deadline:
                 if any(r.get("round") == KILL_AFTER_ROUND for r in _rounds_of(outs[victim])):
-                    _kill_group_and_tree(procs[victim])
+                    kill_tree(procs[victim].pid)
                     break
                 if procs[victim].poll() is not None:
                     result.notes.append(f"victim {victim} exited (rc={procs[victim].poll()}) before round "
@@ -204,12 +195,7 @@ def run_avg(spec: AvgSpec, args: argparse.Namespace, workdir: str) -> AvgResult:
         result.notes.append(f"failed: {type(e).__name__}: {e}")
         result.wall_s = time.perf_counter() - t0
     finally:
-        swarm.close()
-        for proc in procs:  # helpers orphaned by a killed leader are still in its process group
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        swarm.close()  # whole trees and process groups: also the helpers a killed leader orphaned
     result.records = {i: _rounds_of(outs[i]) for i in range(spec.peers)}
     if victim is not None and result.records[victim]:
         result.victim_last_round = max(r["round"] for r in result.records[victim])
@@ -349,7 +335,7 @@ def run_diloco(topology: str, args: argparse.Namespace, workdir: str) -> DilocoR
     config_path = os.path.join(rundir, "run.toml")
     write_run_config(config_path, args, topology)
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PEERD_THREADS="1")
-    children = Children()
+    children = ProcessSet()
     events: list[list[dict]] = [[] for _ in range(n)]
     lock = threading.Lock()
 
@@ -372,7 +358,7 @@ def run_diloco(topology: str, args: argparse.Namespace, workdir: str) -> DilocoR
             [args.peerd, "bootstrap", "--host-maddrs", LOOPBACK_MADDR, "--identity", os.path.join(rundir, "boot.key")],
             stdout=subprocess.PIPE, stderr=open(os.path.join(rundir, "bootstrap.err"), "w"), text=True, env=env)
         maddrs: queue.Queue[str] = queue.Queue()
-        _pump(boot.stdout, os.path.join(rundir, "bootstrap.out"), maddrs.put)
+        pump_lines(boot.stdout, os.path.join(rundir, "bootstrap.out"), maddrs.put)
         initial_peer = None
         deadline = time.monotonic() + args.bootstrap_timeout_s
         while initial_peer is None:
@@ -394,7 +380,7 @@ def run_diloco(topology: str, args: argparse.Namespace, workdir: str) -> DilocoR
                  "--checkpoint-dir", os.path.join(rundir, f"ckpt{i}"), "--host-maddrs", LOOPBACK_MADDR,
                  "--threads", "1", "--log-format", "json"],
                 stdout=open(os.path.join(rundir, f"peer{i}.out"), "w"), stderr=subprocess.PIPE, text=True, env=env)
-            _pump(p.stderr, os.path.join(rundir, f"peer{i}.err"), lambda line, i=i: on_peer_line(i, line))
+            pump_lines(p.stderr, os.path.join(rundir, f"peer{i}.err"), lambda line, i=i: on_peer_line(i, line))
             peers.append(p)
         deadline = time.monotonic() + args.run_timeout_s
         while any(p.poll() is None for p in peers):
@@ -415,7 +401,7 @@ def run_diloco(topology: str, args: argparse.Namespace, workdir: str) -> DilocoR
         if t0 is not None:
             result.wall_s = time.perf_counter() - t0
     finally:
-        children.stop_all()
+        children.stop()
     with lock:
         _summarize_diloco(result, events, args)
     if not result.ok:

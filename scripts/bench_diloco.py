@@ -47,6 +47,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+from peerd.localswarm import ProcessSet, pump_lines  # noqa: E402
 from peerd.run_config import load_run_config  # noqa: E402
 from peerd.data import evaluate, load_corpus, WindowSampler  # noqa: E402
 from peerd.models import build_model, count_parameters  # noqa: E402
@@ -230,58 +231,6 @@ def write_run_config(path: str, s: Settings, h: int, rounds: int, matchmaking_ti
     load_run_config(path)  # the daemon's own schema check, before any process starts
 
 
-class Children:
-    """Child processes, each leading its own process group, so the daemons' helpers (p2pd) die with them."""
-
-    def __init__(self) -> None:
-        self.procs: list[subprocess.Popen] = []
-
-    def start(self, argv: list[str], **kw) -> subprocess.Popen:
-        proc = subprocess.Popen(argv, start_new_session=True, **kw)
-        self.procs.append(proc)
-        return proc
-
-    def stop_all(self, grace_s: float = 10.0) -> None:
-        """SIGTERM every group, SIGKILL what is left after ``grace_s``."""
-        for proc in self.procs:
-            _signal_group(proc, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for proc in self.procs:
-            _signal_group(proc, signal.SIGKILL)
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
-        self.procs.clear()
-
-
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    # The group outlives its leader while helpers remain, so signal it even if the leader has exited.
-    try:
-        os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _pump(stream, log_path: str, on_line) -> threading.Thread:
-    def run() -> None:
-        with open(log_path, "w") as log:
-            for line in iter(stream.readline, ""):
-                log.write(line)
-                log.flush()
-                on_line(line)
-        stream.close()
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t
-
-
 def run_diloco(s: Settings, h: int, args: argparse.Namespace, workdir: str) -> RunResult:
     """``s.peers`` peerd daemons on one run until ``max_outer_rounds``; everything read from their JSON logs."""
     rounds = s.steps // h
@@ -292,7 +241,7 @@ def run_diloco(s: Settings, h: int, args: argparse.Namespace, workdir: str) -> R
     write_run_config(config_path, s, h, rounds, args.matchmaking_timeout_s)
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PEERD_THREADS="1")
     peerd = args.peerd
-    children = Children()
+    children = ProcessSet()
     events: list[list[dict]] = [[] for _ in range(s.peers)]
     lock = threading.Lock()
 
@@ -315,7 +264,7 @@ def run_diloco(s: Settings, h: int, args: argparse.Namespace, workdir: str) -> R
             [peerd, "bootstrap", "--host-maddrs", LOOPBACK_MADDR, "--identity", os.path.join(rundir, "boot.key")],
             stdout=subprocess.PIPE, stderr=open(os.path.join(rundir, "bootstrap.err"), "w"), text=True, env=env)
         maddrs: queue.Queue[str] = queue.Queue()
-        _pump(boot.stdout, os.path.join(rundir, "bootstrap.out"), maddrs.put)
+        pump_lines(boot.stdout, os.path.join(rundir, "bootstrap.out"), maddrs.put)
         initial_peer = None
         deadline = time.monotonic() + args.bootstrap_timeout_s
         while initial_peer is None:
@@ -337,7 +286,7 @@ def run_diloco(s: Settings, h: int, args: argparse.Namespace, workdir: str) -> R
                  "--checkpoint-dir", os.path.join(rundir, f"ckpt{i}"), "--host-maddrs", LOOPBACK_MADDR,
                  "--threads", "1", "--log-format", "json"],
                 stdout=open(os.path.join(rundir, f"peer{i}.out"), "w"), stderr=subprocess.PIPE, text=True, env=env)
-            _pump(p.stderr, os.path.join(rundir, f"peer{i}.err"), lambda line, i=i: on_peer_line(i, line))
+            pump_lines(p.stderr, os.path.join(rundir, f"peer{i}.err"), lambda line, i=i: on_peer_line(i, line))
             peers.append(p)
         deadline = time.monotonic() + args.run_timeout_s
         while any(p.poll() is None for p in peers):
@@ -358,7 +307,7 @@ def run_diloco(s: Settings, h: int, args: argparse.Namespace, workdir: str) -> R
         if t0 is not None:
             result.wall_s = time.perf_counter() - t0
     finally:
-        children.stop_all()
+        children.stop()
     with lock:
         _summarize_diloco(result, events, s, h, rounds)
     if not result.ok:

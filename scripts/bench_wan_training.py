@@ -48,6 +48,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from benchlib import load_wan_testbed, machine_line, result_args  # noqa: E402
+from peerd.localswarm import kill_tree  # noqa: E402
 
 SECTION = "## DiLoCo vs per-step data parallel on a virtual WAN (scripts/bench_wan_training.py)"
 
@@ -201,18 +202,8 @@ def read_events(path: str) -> list[dict]:
 
 
 def kill(procs: list[Proc]) -> None:
-    import psutil
-
     for p in procs:
-        try:
-            family = psutil.Process(p.popen.pid).children(recursive=True) + [psutil.Process(p.popen.pid)]
-        except psutil.NoSuchProcess:
-            continue
-        for q in family:
-            try:
-                q.kill()
-            except psutil.NoSuchProcess:
-                pass
+        kill_tree(p.popen.pid)
     for p in procs:
         try:
             p.popen.wait(10)

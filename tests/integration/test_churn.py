@@ -19,7 +19,7 @@ from collections import defaultdict
 
 import pytest
 
-from peerd.localswarm import Peer, _kill_tree
+from peerd.localswarm import Peer, kill_tree
 from tests.integration.test_diloco_swarm import _config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(720)]
@@ -38,7 +38,7 @@ def _joined(peer: Peer) -> bool:
 
 def _kill(peer: Peer) -> int:
     """SIGKILL the peer's whole process group (worker, DHT child, p2pd), as when its machine dies; its exit status."""
-    _kill_tree(peer.proc.pid, signal.SIGKILL)
+    kill_tree(peer.proc.pid)
     try:
         os.killpg(peer.proc.pid, signal.SIGKILL)
     except ProcessLookupError:
