@@ -106,13 +106,17 @@ class EventTap(logging.Handler):
 
 
 def status_key(run_id: str) -> str:
-    """DHT key under which every peer of ``run_id`` keeps its status record (subkey = PeerID)."""
-    return f"peerd.{run_id}.status"
+    """Deprecated: use ``RunNamespace.of(run_id).status_key`` (:mod:`peerd.namespace`). Keyed by the run name."""
+    from peerd.namespace import RunNamespace
+
+    return RunNamespace.of(run_id).status_key
 
 
 def config_key(run_id: str) -> str:
-    """DHT key of the run's published configuration."""
-    return f"peerd.{run_id}.config"
+    """Deprecated: use ``RunNamespace.of(run_id).config_key`` (:mod:`peerd.namespace`). Keyed by the run name."""
+    from peerd.namespace import RunNamespace
+
+    return RunNamespace.of(run_id).config_key
 
 
 STATUS_FIELDS = ("role", "outer_round", "inner_step", "loss", "tokens_per_s", "eval_nats_per_byte", "digest")
