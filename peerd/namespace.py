@@ -34,8 +34,8 @@ CREATOR_MIN_PREFIX = 24
 PEER_ID_LENGTH = 52
 
 NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}"
-_NAME = re.compile(rf"^{NAME_PATTERN}$")
-_CREATOR = re.compile(r"^12D3KooW[1-9A-HJ-NP-Za-km-z]+$")  # base58btc alphabet
+_NAME = re.compile(NAME_PATTERN)
+_CREATOR = re.compile(r"12D3KooW[1-9A-HJ-NP-Za-km-z]+")  # base58btc alphabet
 
 
 class RunIdError(ValueError):
@@ -44,7 +44,7 @@ class RunIdError(ValueError):
 
 def check_name(text: str, what: str = "run name") -> str:
     """``text`` if it is a valid name (:data:`NAME_PATTERN`), else RunIdError naming ``what``."""
-    if not isinstance(text, str) or not _NAME.match(text):
+    if not isinstance(text, str) or not _NAME.fullmatch(text):
         raise RunIdError(f"invalid {what} {text!r}: use 1-64 letters, digits, '_' or '-', starting with a letter "
                          f"or digit ('.' separates the parts of DHT keys)")
     return text
@@ -65,7 +65,7 @@ class RunRef:
         if self.creator is not None:
             c = self.creator
             if (not isinstance(c, str) or not CREATOR_MIN_PREFIX <= len(c) <= PEER_ID_LENGTH
-                    or not _CREATOR.match(c)):
+                    or not _CREATOR.fullmatch(c)):
                 raise RunIdError(
                     f"invalid run id {self.name}@{c}: after '@' give the creator's PeerID (12D3KooW...) or at least "
                     f"its first {CREATOR_MIN_PREFIX} characters"
