@@ -114,7 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "inner steps. The first peer of a run passes --run-config; later peers need only --run-id "
                        "and --initial-peers. Stop with Ctrl-C or SIGTERM: the peer checkpoints and leaves.")
     p.add_argument("--run-id", type=_run_id, default=os.environ.get("PEERD_RUN_ID"),
-                   help="name of the run, e.g. shakespeare-demo (default $PEERD_RUN_ID)")
+                   help="the run: NAME (1-64 letters, digits, '_', '-') or NAME@CREATOR (the creator's PeerID or its "
+                        "first 24+ characters: accept only the config that peer signed), e.g. shakespeare-demo "
+                        "(default $PEERD_RUN_ID)")
     p.add_argument("--run-config", metavar="FILE",
                    help="run config TOML (node_configs/runs/*.toml); required to start a new run, checked against "
                    "the published one otherwise")

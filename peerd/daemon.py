@@ -1,7 +1,7 @@
 """Lifecycle of a peer: identity -> transport -> run config (fetch or publish) -> role -> clean exit.
 
 Every DHT record a peer stores is signed by its identity key and every record it reads is verified
-(:mod:`peerd.transport.records`); the run config is signed by the run's creator and bound to the run id
+(:mod:`peerd.transport.records`); the run config is signed by the run's creator and bound to the run name
 (:mod:`peerd.membership`); a run's allowlist is enforced on the role's transport (:mod:`peerd.transport.admission`).
 
 Nothing here parses flags (that is ``peerd.cli``); everything here can be driven from tests.
@@ -82,7 +82,7 @@ async def start_transport(node: NodeConfig, client_mode: bool = False) -> Hivemi
     return transport
 
 
-async def resolve_run_config(transport, run: RunRef | str, local: Optional[RunConfig],
+async def resolve_run_config(transport, run_id: RunRef | str, local: Optional[RunConfig],
                              pin: Optional[Path] = None) -> RunConfigRecord:
     """The run's creator-signed config (rules in :mod:`peerd.membership`), checked against ``local`` if given;
     or ``local``, signed by us and published now, if the run has none. ``pin``: where this peer pins (and later
@@ -91,10 +91,10 @@ async def resolve_run_config(transport, run: RunRef | str, local: Optional[RunCo
     Raises RunConfigConflict if the published config disagrees with ``local`` (naming the differing keys), is
     ambiguous or differs from the pinned one, if neither exists, if the run id names another creator than the one
     who signed the published config (naming both) or names another creator and nothing is published, or if we
-    would publish a config whose allowlist does not list us. Raises RunIdError if ``run`` is a malformed run id.
+    would publish a config whose allowlist does not list us. Raises RunIdError if ``run_id`` is malformed.
     """
     discovery: SignedDiscovery = transport.discovery
-    ref = as_run_ref(run)  # a malformed run id fails here, before anything is published
+    ref = as_run_ref(run_id)  # a malformed run id fails here, before anything is published
     run_id = ref.name
     key = RunNamespace(ref).config_key
     pinned = load_pin(pin, run_id, key_id(key)) if pin is not None else None
@@ -141,13 +141,13 @@ async def resolve_run_config(transport, run: RunRef | str, local: Optional[RunCo
     return record
 
 
-async def publish_run_config(transport, ref: RunRef | str, run: RunConfig) -> RunConfigRecord:
+async def publish_run_config(transport, run_id: RunRef | str, run: RunConfig) -> RunConfigRecord:
     """Sign ``run`` as this run's creator and store it under the run name's config key. Raises RunConfigConflict if
     the run id names another creator or the config's allowlist does not list us (such a config would be refused by
     every peer)."""
     discovery: SignedDiscovery = transport.discovery
     me = discovery.signer.peer_id
-    ref = as_run_ref(ref)
+    ref = as_run_ref(run_id)
     run_id = ref.name
     if not ref.accepts(me):
         raise RunConfigConflict(
@@ -164,19 +164,19 @@ async def publish_run_config(transport, ref: RunRef | str, run: RunConfig) -> Ru
     return record
 
 
-async def keep_config_record(transport, run: RunRef | str, record: RunConfigRecord) -> bool:
+async def keep_config_record(transport, run_id: RunRef | str, record: RunConfigRecord) -> bool:
     """(Re-)store the creator's signed config record for another CONFIG_TTL_S."""
     discovery: SignedDiscovery = transport.discovery
-    return await discovery.store_portable(RunNamespace.of(run).config_key, record.creator, record.envelope,
+    return await discovery.store_portable(RunNamespace.of(run_id).config_key, record.creator, record.envelope,
                                           discovery.time() + CONFIG_TTL_S)
 
 
-async def keep_run_config_alive(transport, run: RunRef | str, record: RunConfigRecord) -> None:
+async def keep_run_config_alive(transport, run_id: RunRef | str, record: RunConfigRecord) -> None:
     """Every live peer re-stores the creator's record, unchanged: the run's config outlives its creator."""
     while True:
         await asyncio.sleep(CONFIG_REFRESH_S)
         with contextlib.suppress(Exception):
-            await keep_config_record(transport, run, record)
+            await keep_config_record(transport, run_id, record)
 
 
 def _diff(a: dict, b: dict, prefix: str = "") -> list[tuple[str, object, object]]:
@@ -190,13 +190,13 @@ def _diff(a: dict, b: dict, prefix: str = "") -> list[tuple[str, object, object]
     return out
 
 
-async def join(run: RunRef | str, node: NodeConfig, local_run: Optional[RunConfig]) -> None:
-    """Join (or create) run ``run`` (``name`` or ``name@creator``) as a DiLoCo worker until stopped or the run's
+async def join(run_id: RunRef | str, node: NodeConfig, local_run: Optional[RunConfig]) -> None:
+    """Join (or create) run ``run_id`` (``name`` or ``name@creator``, a string or a RunRef) as a DiLoCo worker until stopped or the run's
     round limit. Everything but the choice of the config is keyed by the run name."""
     from peerd.limits import apply_cpu_threads, apply_gpu_memory_fraction
     from peerd.roles.diloco_worker import DiLoCoWorker, pick_device  # torch-heavy; keep `peerd --help` fast
 
-    ref = as_run_ref(run)
+    ref = as_run_ref(run_id)
     run_id = ref.name
     stop = asyncio.Event()
     install_stop_handlers(stop)
@@ -274,14 +274,14 @@ async def bootstrap(node: NodeConfig, on_ready=print) -> None:
             await transport.shutdown()
 
 
-async def read_status(node: NodeConfig, run: RunRef | str) -> tuple[dict[str, dict], Optional[dict]]:
-    """Live status records and the published config of run ``run``, read through a short-lived DHT client.
+async def read_status(node: NodeConfig, run_id: RunRef | str) -> tuple[dict[str, dict], Optional[dict]]:
+    """Live status records and the published config of run ``run_id``, read through a short-lived DHT client.
 
     Only records signed by their owner and with the status schema are returned (the others are logged). The config
     is the run's as :func:`peerd.membership.choose` decides (None if there is none or it is ambiguous):
     ``{config, fingerprint, creator, creators}``.
     """
-    ref = as_run_ref(run)
+    ref = as_run_ref(run_id)
     ns = RunNamespace(ref)
     transport = await HivemindTransport.create(
         initial_peers=node.initial_peers, host_maddrs=("/ip4/127.0.0.1/tcp/0",), client_mode=True,

@@ -17,7 +17,6 @@ from typing import Any, Mapping
 
 from peerd.config import ConfigError, build_config, read_toml
 from protocols.allreduce import AllReduceConfig
-from protocols.compression import CODECS
 from protocols.diloco import DiLoCoHyperparams
 from protocols.gossip import GossipConfig
 from protocols.matchmaking import MatchmakingConfig
