@@ -10,7 +10,6 @@ import asyncio
 import json
 import logging
 import os
-import re
 import sys
 import time
 from typing import Any, Optional, Sequence
@@ -23,11 +22,10 @@ from peerd.config import (
     load_node_config_with_sources,
 )
 from peerd.control import ControlUnavailable
+from peerd.namespace import RunIdError
 
 logger = logging.getLogger("peerd")
 
-#: A name, optionally bound to the run's creator: ``name@<creator PeerID or a prefix of it>`` (peerd.membership).
-RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}(@12D3KooW[1-9A-HJ-NP-Za-km-z]{16,50})?$")
 EXAMPLE_PEER = "/ip4/203.0.113.7/tcp/31337/p2p/12D3KooW..."
 
 
@@ -41,12 +39,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _run_id(value: str) -> str:
-    if not RUN_ID.match(value):
-        raise argparse.ArgumentTypeError(
-            f"invalid run id {value!r}: use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit,"
-            " optionally followed by @ and the creator's PeerID (or its first 24 or more characters)"
-        )
-    return value
+    """A run id as :meth:`peerd.namespace.RunRef.parse` accepts it (the one place run ids are parsed)."""
+    from peerd.namespace import RunIdError, RunRef
+
+    try:
+        return str(RunRef.parse(value))
+    except RunIdError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _node_flags(p: argparse.ArgumentParser, listen_default: Optional[str] = None) -> None:
@@ -115,7 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "inner steps. The first peer of a run passes --run-config; later peers need only --run-id "
                        "and --initial-peers. Stop with Ctrl-C or SIGTERM: the peer checkpoints and leaves.")
     p.add_argument("--run-id", type=_run_id, default=os.environ.get("PEERD_RUN_ID"),
-                   help="name of the run, e.g. shakespeare-demo (default $PEERD_RUN_ID)")
+                   help="the run: NAME (1-64 letters, digits, '_', '-') or NAME@CREATOR (the creator's PeerID or its "
+                        "first 24+ characters: accept only the config that peer signed), e.g. shakespeare-demo "
+                        "(default $PEERD_RUN_ID)")
     p.add_argument("--run-config", metavar="FILE",
                    help="run config TOML (node_configs/runs/*.toml); required to start a new run, checked against "
                    "the published one otherwise")
@@ -395,8 +396,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args = build_parser().parse_args(argv)
         setup_logging(args.log_format, args.log_level)
         return COMMANDS[args.command](args)
-    except (UsageError, ConfigError) as e:
-        print(f"peerd: error: {e}" if isinstance(e, ConfigError) else f"{e}", file=sys.stderr)
+    except (UsageError, ConfigError, RunIdError) as e:
+        print(f"{e}" if isinstance(e, UsageError) else f"peerd: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

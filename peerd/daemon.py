@@ -1,7 +1,7 @@
 """Lifecycle of a peer: identity -> transport -> run config (fetch or publish) -> role -> clean exit.
 
 Every DHT record a peer stores is signed by its identity key and every record it reads is verified
-(:mod:`peerd.transport.records`); the run config is signed by the run's creator and bound to the run id
+(:mod:`peerd.transport.records`); the run config is signed by the run's creator and bound to the run name
 (:mod:`peerd.membership`); a run's allowlist is enforced on the role's transport (:mod:`peerd.transport.admission`).
 
 Nothing here parses flags (that is ``peerd.cli``); everything here can be driven from tests.
@@ -30,10 +30,10 @@ from peerd.membership import (
     parse_config_record,
     pin_path,
     save_pin,
-    split_run_id,
 )
+from peerd.namespace import RunNamespace, RunRef, as_run_ref
 from peerd.signing import InvalidRecord, Signer
-from peerd.telemetry import StatusFilter, config_key, status_key
+from peerd.telemetry import StatusFilter
 from peerd.transport.admission import admit_only
 from peerd.transport.hivemind_backend import HivemindTransport
 from peerd.transport.records import OwnerRecordValidator, SignedDiscovery, key_id
@@ -82,19 +82,21 @@ async def start_transport(node: NodeConfig, client_mode: bool = False) -> Hivemi
     return transport
 
 
-async def resolve_run_config(transport, run_id: str, local: Optional[RunConfig],
+async def resolve_run_config(transport, run_id: RunRef | str, local: Optional[RunConfig],
                              pin: Optional[Path] = None) -> RunConfigRecord:
     """The run's creator-signed config (rules in :mod:`peerd.membership`), checked against ``local`` if given;
     or ``local``, signed by us and published now, if the run has none. ``pin``: where this peer pins (and later
     checks) the config it accepted. ``transport.discovery`` must be a :class:`SignedDiscovery` with our key.
 
     Raises RunConfigConflict if the published config disagrees with ``local`` (naming the differing keys), is
-    ambiguous or differs from the pinned one, if neither exists, if the run id names another creator and nothing
-    is published, or if we would publish a config whose allowlist does not list us.
+    ambiguous or differs from the pinned one, if neither exists, if the run id names another creator than the one
+    who signed the published config (naming both) or names another creator and nothing is published, or if we
+    would publish a config whose allowlist does not list us. Raises RunIdError if ``run_id`` is malformed.
     """
     discovery: SignedDiscovery = transport.discovery
-    key = config_key(run_id)
-    split_run_id(run_id)  # a malformed creator suffix fails here, before anything is published
+    ref = as_run_ref(run_id)  # a malformed run id fails here, before anything is published
+    run_id = ref.name
+    key = RunNamespace(ref).config_key
     pinned = load_pin(pin, run_id, key_id(key)) if pin is not None else None
     records = []
     for owner, found in (await discovery.get_signed(key)).items():
@@ -103,22 +105,28 @@ async def resolve_run_config(transport, run_id: str, local: Optional[RunConfig],
         except InvalidRecord as e:
             logger.warning("ignoring an invalid config for run %s signed by %s: %s", run_id, owner, e,
                            extra={"event": "config_refused", "creator": owner, "reason": str(e)})
-    accepted = choose(run_id, records, pinned)
+    accepted = choose(ref, records, pinned)
     if not accepted and pinned is not None:
         logger.info("the DHT lost the configuration of run %s: re-publishing the pinned one (creator %s)", run_id,
                     pinned.creator)
-        await keep_config_record(transport, run_id, pinned)
+        await keep_config_record(transport, ref, pinned)
         accepted = [pinned]
     if not accepted:
+        others = sorted(r.creator for r in records if not ref.accepts(r.creator))
+        if others and (local is None or not ref.accepts(discovery.signer.peer_id)):
+            raise RunConfigConflict(
+                f"run {run_id!r}: the run id {ref} accepts only a configuration signed by {ref.creator}, but the "
+                f"published one is signed by {', '.join(others)}; check the PeerID after '@' (ask the run's creator)"
+            )
         if local is None:
             raise RunConfigConflict(
                 f"run {run_id!r} has no configuration published in the DHT (is any peer of it online?);"
                 " the first peer of a run must pass --run-config FILE"
             )
-        accepted = [await publish_run_config(transport, run_id, local)]
+        accepted = [await publish_run_config(transport, ref, local)]
         logger.info("published the configuration of new run %s (fingerprint %s), signed by this peer; joiners that "
-                    "give the run id %s@%s accept only configs signed by this peer", run_id, local.fingerprint(),
-                    run_id.partition("@")[0], discovery.signer.peer_id[:RUN_CREATOR_MIN_PREFIX],
+                    "give the run id %s accept only configs signed by this peer", run_id, local.fingerprint(),
+                    RunRef(run_id, discovery.signer.peer_id[:RUN_CREATOR_MIN_PREFIX]),
                     extra={"event": "config_published", "fingerprint": local.fingerprint()})
     record = accepted[0]
     remote = record.run
@@ -133,35 +141,37 @@ async def resolve_run_config(transport, run_id: str, local: Optional[RunConfig],
     return record
 
 
-async def publish_run_config(transport, run_id: str, run: RunConfig) -> RunConfigRecord:
-    """Sign ``run`` as this run's creator and store it. Raises RunConfigConflict if the run id names another
-    creator or the config's allowlist does not list us (such a config would be refused by every peer)."""
+async def publish_run_config(transport, run_id: RunRef | str, run: RunConfig) -> RunConfigRecord:
+    """Sign ``run`` as this run's creator and store it under the run name's config key. Raises RunConfigConflict if
+    the run id names another creator or the config's allowlist does not list us (such a config would be refused by
+    every peer)."""
     discovery: SignedDiscovery = transport.discovery
     me = discovery.signer.peer_id
-    _, creator_prefix = split_run_id(run_id)
-    if creator_prefix is not None and not me.startswith(creator_prefix):
+    ref = as_run_ref(run_id)
+    run_id = ref.name
+    if not ref.accepts(me):
         raise RunConfigConflict(
-            f"run {run_id!r} belongs to the peer {creator_prefix}...; only it can publish the run's configuration, "
-            "and none is published now (is any peer of the run online?)"
+            f"run {str(ref)!r} belongs to the peer {ref.creator}, not to this peer ({me}); only it can publish the "
+            "run's configuration, and none is published now (is any peer of the run online?)"
         )
     if run.allowlist and me not in run.allowlist:
         raise RunConfigConflict(f"cannot publish the configuration of run {run_id!r}: this peer ({me}) is not on "
                                 "its allowlist")
-    key = config_key(run_id)
+    key = RunNamespace(ref).config_key
     envelope = discovery.seal_portable(key, config_payload(run_id, me, run))
     record = RunConfigRecord(me, run, envelope)
-    await keep_config_record(transport, run_id, record)
+    await keep_config_record(transport, ref, record)
     return record
 
 
-async def keep_config_record(transport, run_id: str, record: RunConfigRecord) -> bool:
+async def keep_config_record(transport, run_id: RunRef | str, record: RunConfigRecord) -> bool:
     """(Re-)store the creator's signed config record for another CONFIG_TTL_S."""
     discovery: SignedDiscovery = transport.discovery
-    return await discovery.store_portable(config_key(run_id), record.creator, record.envelope,
+    return await discovery.store_portable(RunNamespace.of(run_id).config_key, record.creator, record.envelope,
                                           discovery.time() + CONFIG_TTL_S)
 
 
-async def keep_run_config_alive(transport, run_id: str, record: RunConfigRecord) -> None:
+async def keep_run_config_alive(transport, run_id: RunRef | str, record: RunConfigRecord) -> None:
     """Every live peer re-stores the creator's record, unchanged: the run's config outlives its creator."""
     while True:
         await asyncio.sleep(CONFIG_REFRESH_S)
@@ -180,11 +190,14 @@ def _diff(a: dict, b: dict, prefix: str = "") -> list[tuple[str, object, object]
     return out
 
 
-async def join(run_id: str, node: NodeConfig, local_run: Optional[RunConfig]) -> None:
-    """Join (or create) run ``run_id`` as a DiLoCo worker until stopped or the run's round limit."""
+async def join(run_id: RunRef | str, node: NodeConfig, local_run: Optional[RunConfig]) -> None:
+    """Join (or create) run ``run_id`` (``name`` or ``name@creator``, a string or a RunRef) as a DiLoCo worker until stopped or the run's
+    round limit. Everything but the choice of the config is keyed by the run name."""
     from peerd.limits import apply_cpu_threads, apply_gpu_memory_fraction
     from peerd.roles.diloco_worker import DiLoCoWorker, pick_device  # torch-heavy; keep `peerd --help` fast
 
+    ref = as_run_ref(run_id)
+    run_id = ref.name
     stop = asyncio.Event()
     install_stop_handlers(stop)
     async with VolunteerServices(node, "diloco", stop, run_id=run_id) as services:
@@ -194,16 +207,16 @@ async def join(run_id: str, node: NodeConfig, local_run: Optional[RunConfig]) ->
         keeper = data_plane = None
         try:
             logger.info("listening on %s", " ".join(transport.visible_maddrs()))
-            record = await resolve_run_config(transport, run_id, local_run, pin_path(node.checkpoint_path, run_id))
+            record = await resolve_run_config(transport, ref, local_run, pin_path(node.checkpoint_path, ref))
             run = record.run
             if run.allowlist and transport.peer_id not in run.allowlist:
                 raise RunConfigConflict(f"this peer ({transport.peer_id}) is not on the allowlist of run {run_id!r};"
                                         " ask the run's creator to add it")
-            keeper = asyncio.ensure_future(keep_run_config_alive(transport, run_id, record))
+            keeper = asyncio.ensure_future(keep_run_config_alive(transport, ref, record))
             data_plane = await start_data_plane(node, transport)
             role_transport = admit_only(services.pace(data_plane or transport), run.allowlist)
             worker = DiLoCoWorker(run_id, run, node, role_transport, stop, gate=services.gate)
-            services.watch_peers(role_transport.discovery, run_id)
+            services.watch_peers(role_transport.discovery, RunNamespace(ref))
             services.ready(f"joined run {run_id}")
             await worker.run_forever()
         finally:
@@ -261,26 +274,28 @@ async def bootstrap(node: NodeConfig, on_ready=print) -> None:
             await transport.shutdown()
 
 
-async def read_status(node: NodeConfig, run_id: str) -> tuple[dict[str, dict], Optional[dict]]:
-    """Live status records and the published config of ``run_id``, read through a short-lived DHT client.
+async def read_status(node: NodeConfig, run_id: RunRef | str) -> tuple[dict[str, dict], Optional[dict]]:
+    """Live status records and the published config of run ``run_id``, read through a short-lived DHT client.
 
     Only records signed by their owner and with the status schema are returned (the others are logged). The config
     is the run's as :func:`peerd.membership.choose` decides (None if there is none or it is ambiguous):
     ``{config, fingerprint, creator, creators}``.
     """
+    ref = as_run_ref(run_id)
+    ns = RunNamespace(ref)
     transport = await HivemindTransport.create(
         initial_peers=node.initial_peers, host_maddrs=("/ip4/127.0.0.1/tcp/0",), client_mode=True,
         record_validators=[OwnerRecordValidator()],
     )
     try:
         discovery = SignedDiscovery(transport.discovery, signer=None)
-        statuses = StatusFilter(logger)(await discovery.get(status_key(run_id)))
+        statuses = StatusFilter(logger)(await discovery.get(ns.status_key))
         records = []
-        for owner, found in (await discovery.get_signed(config_key(run_id))).items():
+        for owner, found in (await discovery.get_signed(ns.config_key)).items():
             with contextlib.suppress(InvalidRecord):
-                records.append(parse_config_record(run_id, owner, found.value, found.envelope))
+                records.append(parse_config_record(ref.name, owner, found.value, found.envelope))
         try:
-            accepted = choose(run_id, records, pinned=None)
+            accepted = choose(ref, records, pinned=None)
         except RunConfigConflict as e:
             logger.warning("%s", e)
             accepted = []

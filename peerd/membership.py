@@ -1,22 +1,23 @@
 """Who a run belongs to: its creator-signed config, how a run id binds to its creator, and its allowlist.
 
 **The config record.** The peer that creates a run signs its config with its identity key and stores it under
-``(peerd.<run_id>.config, [owner:<creator PeerID>])`` as a *portable* signed record (:mod:`peerd.signing`): the
-payload ``{run_id, creator, public_key, fingerprint, config}`` is signed together with the DHT key, so it cannot be
-moved to another run. DHT nodes refuse anything under the creator's subkey that the creator did not sign, so the
+``(RunNamespace.config_key, [owner:<creator PeerID>])`` (``peerd.<run name>.config``) as a *portable* signed record
+(:mod:`peerd.signing`): the payload ``{run_id, creator, public_key, fingerprint, config}`` (``run_id`` holds the run
+*name*, without any ``@creator``) is signed together with the DHT key, so it cannot be moved to another run. DHT nodes refuse anything under the creator's subkey that the creator did not sign, so the
 honest record cannot be overwritten or altered; every peer of the run re-stores it (unchanged) to keep it alive
 after the creator leaves. A verifier checks the signature with the key embedded in the creator's PeerID, that
 ``public_key`` is that key, that ``creator``/``run_id`` match where the record was found, and that ``fingerprint``
 is the config's.
 
-**Which creator.** Anyone can sign a config for any run id under their *own* subkey, so a reader must know whose
+**Which creator.** Anyone can sign a config for any run name under their *own* subkey, so a reader must know whose
 config is the run's. In order:
 
-1. A run id of the form ``name@<creator PeerID prefix>`` (``RUN_CREATOR_MIN_PREFIX`` characters or more of the
-   creator's PeerID, e.g. ``shakespeare@12D3KooWQ4s6d1Yvb2tnUfSx``) accepts only configs signed by a PeerID with
-   that prefix. Finding another key with the same 24-character prefix takes ~58^16 key generations.
+1. A run id of the form ``name@<creator PeerID prefix>`` (:class:`peerd.namespace.RunRef`: the full PeerID or its
+   first ``RUN_CREATOR_MIN_PREFIX`` characters or more, e.g. ``shakespeare@12D3KooWQ4s6d1Yvb2tnUfSx``) is the same
+   run as ``name`` (same keys) but accepts only configs signed by a PeerID with that prefix. Finding another key
+   with the same 24-character prefix takes ~58^16 key generations.
 2. Otherwise a peer that joined the run before *pins* (trust on first use) the fingerprint and signed record it
-   accepted, in ``<checkpoint_dir>/<run_id>/run-config.json``, and afterwards accepts only that fingerprint (and
+   accepted, in ``<checkpoint_dir>/<run name>/run-config.json``, and afterwards accepts only that fingerprint (and
    can re-publish the pinned record if the DHT lost it).
 3. Otherwise (a plain run id, first join) it accepts the valid configs present if they all have one fingerprint
    (peers started together with the same ``--run-config`` each sign it), and refuses to join, naming the creators,
@@ -42,13 +43,14 @@ from pathlib import Path
 from typing import Any, Optional
 
 from peerd.config import ConfigError
+from peerd.namespace import CREATOR_MIN_PREFIX, RunRef, as_run_ref
 from peerd.run_config import RunConfig
 from peerd.signing import InvalidRecord, public_key_of, verify
 
 logger = logging.getLogger(__name__)
 
 #: Shortest creator PeerID prefix a run id may carry: "12D3KooW" (the same for every Ed25519 PeerID) + 16 chars.
-RUN_CREATOR_MIN_PREFIX = 24
+RUN_CREATOR_MIN_PREFIX = CREATOR_MIN_PREFIX
 PIN_FILENAME = "run-config.json"
 
 
@@ -69,44 +71,29 @@ class RunConfigRecord:
         return self.run.fingerprint()
 
 
-def split_run_id(run_id: str) -> tuple[str, Optional[str]]:
-    """``name@prefix`` -> (name, creator PeerID prefix); a plain run id -> (run_id, None).
-
-    Raises RunConfigConflict if the prefix is too short to bind the run to a key or is no Ed25519 PeerID prefix.
-    """
-    name, sep, prefix = run_id.partition("@")
-    if not sep:
-        return run_id, None
-    if len(prefix) < RUN_CREATOR_MIN_PREFIX or not prefix.startswith("12D3KooW"):
-        raise RunConfigConflict(
-            f"run id {run_id!r}: after '@' give the creator's PeerID (12D3KooW...) or at least its first "
-            f"{RUN_CREATOR_MIN_PREFIX} characters"
-        )
-    return name, prefix
-
-
-def config_payload(run_id: str, creator: str, run: RunConfig) -> dict[str, Any]:
-    """What the creator signs: the config bound to the run id, the creator and its public key."""
+def config_payload(run_name: str, creator: str, run: RunConfig) -> dict[str, Any]:
+    """What the creator signs: the config bound to the run *name* (``RunRef.name``, never ``name@creator``), the
+    creator and its public key."""
     public = public_key_of(creator).public_bytes_raw().hex()
-    return {"run_id": run_id, "creator": creator, "public_key": public, "fingerprint": run.fingerprint(),
+    return {"run_id": run_name, "creator": creator, "public_key": public, "fingerprint": run.fingerprint(),
             "config": run.to_dict()}
 
 
-def parse_config_record(run_id: str, owner: str, value: Any, envelope: dict) -> RunConfigRecord:
-    """Check a config payload found (signature already verified) under ``owner``'s subkey of run ``run_id``.
+def parse_config_record(run_name: str, owner: str, value: Any, envelope: dict) -> RunConfigRecord:
+    """Check a config payload found (signature already verified) under ``owner``'s subkey of run ``run_name``.
 
     Raises InvalidRecord naming what is wrong: missing fields, another run or creator, a public key that is not the
     creator's, a config that does not parse, a fingerprint that does not match, a creator not on the allowlist.
     """
     if not isinstance(value, dict) or set(value) != {"run_id", "creator", "public_key", "fingerprint", "config"}:
         raise InvalidRecord("not a run config record (wrong schema)")
-    if value["run_id"] != run_id or value["creator"] != owner:
+    if value["run_id"] != run_name or value["creator"] != owner:
         raise InvalidRecord(f"signed for run {value['run_id']!r} by {value['creator']}, found under run "
-                            f"{run_id!r} of {owner}")
+                            f"{run_name!r} of {owner}")
     if value["public_key"] != public_key_of(owner).public_bytes_raw().hex():
         raise InvalidRecord("its public key is not the one of the creator's PeerID")
     try:
-        run = RunConfig.from_dict(value["config"], source=f"configuration published for run {run_id!r}")
+        run = RunConfig.from_dict(value["config"], source=f"configuration published for run {run_name!r}")
     except (ConfigError, TypeError, AttributeError) as e:
         raise InvalidRecord(f"invalid config: {e}") from None
     if run.fingerprint() != value["fingerprint"]:
@@ -116,16 +103,18 @@ def parse_config_record(run_id: str, owner: str, value: Any, envelope: dict) -> 
     return RunConfigRecord(owner, run, envelope)
 
 
-def choose(run_id: str, records: list[RunConfigRecord], pinned: Optional[RunConfigRecord]) -> list[RunConfigRecord]:
+def choose(run: RunRef | str, records: list[RunConfigRecord],
+           pinned: Optional[RunConfigRecord]) -> list[RunConfigRecord]:
     """The records that are the run's config (all with one fingerprint), by the rules in the module docstring;
     [] if none is published. Raises RunConfigConflict when the candidates are ambiguous."""
-    _, prefix = split_run_id(run_id)
-    if prefix is not None:
-        others = [r for r in records if not r.creator.startswith(prefix)]
+    ref = as_run_ref(run)
+    run_id = ref.name
+    if ref.creator is not None:
+        others = [r for r in records if not ref.accepts(r.creator)]
         for r in others:
-            logger.warning("ignoring a config for run %s signed by %s: the run id names creator %s...", run_id,
-                           r.creator, prefix, extra={"event": "config_refused", "creator": r.creator})
-        records = [r for r in records if r.creator.startswith(prefix)]
+            logger.warning("ignoring a config for run %s signed by %s: the run id names creator %s", run_id,
+                           r.creator, ref.creator, extra={"event": "config_refused", "creator": r.creator})
+        records = [r for r in records if ref.accepts(r.creator)]
     if pinned is not None:
         for r in records:
             if r.fingerprint != pinned.fingerprint:
@@ -147,12 +136,12 @@ def choose(run_id: str, records: list[RunConfigRecord], pinned: Optional[RunConf
 # ------------------------------------------------------------------------------------------------------------ pins
 
 
-def pin_path(checkpoint_dir: str | os.PathLike, run_id: str) -> Path:
-    """Where a peer pins the run config it accepted: next to its checkpoint of the run."""
-    return Path(checkpoint_dir) / run_id / PIN_FILENAME
+def pin_path(checkpoint_dir: str | os.PathLike, run: RunRef | str) -> Path:
+    """Where a peer pins the run config it accepted: next to its checkpoint of the run (by run name)."""
+    return Path(checkpoint_dir) / as_run_ref(run).name / PIN_FILENAME
 
 
-def load_pin(path: Path, run_id: str, config_key_id: bytes) -> Optional[RunConfigRecord]:
+def load_pin(path: Path, run_name: str, config_key_id: bytes) -> Optional[RunConfigRecord]:
     """The pinned record, re-verified; None if there is no pin. Raises RunConfigConflict if the file is damaged."""
     if not path.exists():
         return None
@@ -167,7 +156,7 @@ def load_pin(path: Path, run_id: str, config_key_id: bytes) -> Optional[RunConfi
 
         verify(config_key_id, owner_subkey(creator), envelope, 0.0)
         value = msgpack.unpackb(envelope["payload"], raw=False)
-        return parse_config_record(run_id, creator, value, envelope)
+        return parse_config_record(run_name, creator, value, envelope)
     except (OSError, ValueError, KeyError, TypeError) as e:  # InvalidRecord is a ValueError
         raise RunConfigConflict(f"the pinned run config {path} is damaged ({e}); delete it to trust the DHT "
                                 f"again") from None

@@ -17,86 +17,180 @@ from typing import Any, Mapping
 
 from peerd.config import ConfigError, build_config, read_toml
 from protocols.allreduce import AllReduceConfig
-from protocols.compression import CODECS
 from protocols.diloco import DiLoCoHyperparams
 from protocols.gossip import GossipConfig
 from protocols.matchmaking import MatchmakingConfig
+from protocols.state_transfer import StateTransferConfig
 
 MODEL_NAMES = ("tiny", "small")
 AVERAGING_METHODS = ("allreduce", "moshpit", "gossip")
+#: How peers of a run split the work. Only DiLoCo data parallelism exists; a registry of roles extends this.
+PARALLELISMS = ("diloco",)
+
+#: ``[averaging.<table>]`` -> (attribute of AveragingConfig, the protocol's own config class). Each protocol
+#: documents its fields (protocols/matchmaking.py, allreduce.py, gossip.py, state_transfer.py).
+PROTOCOL_TABLES: dict[str, tuple[str, type]] = {
+    "matchmaking": ("matchmaking_config", MatchmakingConfig),
+    "allreduce": ("allreduce_config", AllReduceConfig),
+    "gossip": ("gossip_config", GossipConfig),
+    "state_transfer": ("state_transfer_config", StateTransferConfig),
+}
+
+#: The flat ``[averaging]`` keys of configs written before the protocol sub-tables (files, published records,
+#: pins): key -> the (table, field)s it sets, the first being the one it always named. They keep their meaning:
+#: the all-reduce's compression and sender timeout were also the gossip's, and state downloads waited
+#: ``reducer_timeout_s``. The fingerprint is computed in this flat form (see :meth:`RunConfig.fingerprint`).
+LEGACY_AVERAGING_KEYS: dict[str, tuple[tuple[str, str], ...]] = {
+    "compression": (("allreduce", "compression"), ("gossip", "compression")),
+    "matchmaking_timeout_s": (("matchmaking", "matchmaking_timeout_s"),),
+    "request_timeout_s": (("matchmaking", "request_timeout_s"),),
+    "min_group_size": (("matchmaking", "min_group_size"),),
+    "sender_timeout_s": (("allreduce", "sender_timeout_s"), ("gossip", "exchange_timeout_s")),
+    "reducer_timeout_s": (("allreduce", "reducer_timeout_s"), ("state_transfer", "download_timeout_s")),
+    "aggregation": (("allreduce", "aggregation"),),
+    "clip_tau": (("allreduce", "clip_tau"),),
+    "gossip_partners": (("gossip", "partners_per_round"),),
+}
+
+
+def _legacy_poll_interval_s(matchmaking_timeout_s: float) -> float:
+    """The matchmaking poll interval flat configs implied."""
+    return min(0.5, matchmaking_timeout_s / 4)
 
 
 @dataclass(frozen=True)
 class AveragingConfig:
-    """How peers average pseudo-gradients (timeouts in seconds)."""
+    """How peers average pseudo-gradients: the topology, plus the config of each protocol it uses (in TOML, the
+    sub-tables ``[averaging.matchmaking]``, ``[averaging.allreduce]``, ``[averaging.gossip]`` and
+    ``[averaging.state_transfer]``; their fields are documented by the protocols). Flat keys of older configs
+    (:data:`LEGACY_AVERAGING_KEYS`) are read too, and are still attributes (read-only, e.g.
+    ``averaging.reducer_timeout_s``) for existing callers."""
 
     method: str = "allreduce"
     """Topology: allreduce (one butterfly all-reduce of pseudo-gradients among all peers present; theta_outer stays
     bit-identical), moshpit (all-reduce in grid groups of ``group_size``, Ryabinin et al. 2021) or gossip (pairwise
-    push-pull with ``gossip_partners`` random peers, no barrier; Boyd et al. 2006). With moshpit and gossip every
-    peer applies its own outer step and then averages its outer state (theta_outer and momentum) with its group or
-    partners, so peers stay close rather than identical."""
-    compression: str = "fp16"
-    """Wire codec of what is averaged: none | fp16 | int8."""
+    push-pull with ``[averaging.gossip] partners_per_round`` random peers, no barrier; Boyd et al. 2006). With
+    moshpit and gossip every peer applies its own outer step and then averages its outer state (theta_outer and
+    momentum) with its group or partners, so peers stay close rather than identical."""
     group_size: int = 4
     """moshpit: target group size M (the grid has side M and ceil(log_M N) dimensions)."""
-    gossip_partners: int = 2
-    """gossip: partners a peer exchanges with after each of its outer steps (k)."""
-    aggregation: str = "mean"
-    """How each reducer combines its part: mean, or centered_clip (CenteredClip, Karimireddy et al. 2021: a minority
-    of peers sending scaled or flipped pseudo-gradients cannot drag the result away)."""
-    clip_tau: float = 1.0
-    """CenteredClip radius in the units of the averaged values (each reducer clips its own part)."""
     ban_s: float = 120.0
-    """How long a peer that sent invalid data or stalled mid-transfer is excluded from our rounds."""
-    min_group_size: int = 1
-    """A round with fewer peers fails (1 lets a lone peer keep applying outer steps)."""
-    matchmaking_timeout_s: float = 30.0
-    """Longest a peer waits for the round's group to form."""
-    request_timeout_s: float = 5.0
-    """Longest one request to another peer (join, state download header) may take."""
-    sender_timeout_s: float = 30.0
-    """A reducer waits this long for the members' parts."""
-    reducer_timeout_s: float = 60.0
-    """A member waits this long for every reducer's answer."""
+    """How long (seconds) a peer that sent invalid data or stalled mid-transfer is excluded from our rounds."""
+    matchmaking_config: MatchmakingConfig = field(default_factory=MatchmakingConfig)
+    """``[averaging.matchmaking]``: group formation (:class:`protocols.matchmaking.MatchmakingConfig`)."""
+    allreduce_config: AllReduceConfig = field(default_factory=AllReduceConfig)
+    """``[averaging.allreduce]``: the butterfly all-reduce (:class:`protocols.allreduce.AllReduceConfig`)."""
+    gossip_config: GossipConfig = field(default_factory=GossipConfig)
+    """``[averaging.gossip]``: pairwise gossip (:class:`protocols.gossip.GossipConfig`)."""
+    state_transfer_config: StateTransferConfig = field(default_factory=StateTransferConfig)
+    """``[averaging.state_transfer]``: state downloads (:class:`protocols.state_transfer.StateTransferConfig`)."""
 
     def __post_init__(self) -> None:
-        for name in ("matchmaking_timeout_s", "request_timeout_s", "sender_timeout_s", "reducer_timeout_s", "clip_tau", "ban_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ConfigError(f"averaging.{name} must be a number of seconds, got {value!r}")
-            object.__setattr__(self, name, float(value))  # equal configs must print (and hash) alike
+        if isinstance(self.ban_s, bool) or not isinstance(self.ban_s, (int, float)):
+            raise ConfigError(f"averaging.ban_s must be a number of seconds, got {self.ban_s!r}")
+        object.__setattr__(self, "ban_s", float(self.ban_s))  # equal configs must print (and hash) alike
         if self.method not in AVERAGING_METHODS:
             raise ConfigError(f"averaging.method must be one of {AVERAGING_METHODS}, got {self.method!r}")
         if self.ban_s <= 0:
             raise ConfigError(f"averaging.ban_s must be positive, got {self.ban_s}")
-        if self.group_size < 2 or self.gossip_partners < 1:
-            raise ConfigError(
-                f"averaging.group_size must be >= 2 and gossip_partners >= 1, got {self.group_size}, "
-                f"{self.gossip_partners}"
-            )
-        if self.compression not in CODECS:
-            raise ConfigError(f"averaging.compression must be one of {CODECS}, got {self.compression!r}")
-        try:
-            self.matchmaking()
-            self.allreduce()
-        except ValueError as e:
-            raise ConfigError(f"averaging: {e}") from None
+        if self.group_size < 2:
+            raise ConfigError(f"averaging.group_size must be >= 2, got {self.group_size}")
+
+    @classmethod
+    def from_flat(cls, **values: Any) -> "AveragingConfig":
+        """From the flat keys of older configs (:data:`LEGACY_AVERAGING_KEYS`) plus ``method``, ``group_size``,
+        ``ban_s``, with their old meaning. Raises ConfigError (unknown key, or a value a protocol refuses)."""
+        return cls.from_dict(values, "averaging")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], source: str = "averaging") -> "AveragingConfig":
+        """From an ``[averaging]`` table: sub-tables per protocol, or the flat keys of older configs (not both).
+        Raises ConfigError naming the key and ``source``."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{source}: expected a table of keys, got {type(data).__name__} {data!r}")
+        data = dict(data)
+        tables = {t: data.pop(t) for t in PROTOCOL_TABLES if t in data}
+        legacy = {k: data.pop(k) for k in LEGACY_AVERAGING_KEYS if k in data}
+        if tables and legacy:
+            raise ConfigError(f"{source}: flat keys {', '.join(sorted(legacy))} mixed with the sub-tables "
+                              f"{', '.join(sorted(tables))}: move them into their sub-tables")
+        if legacy:
+            tables = {t: {} for t in PROTOCOL_TABLES}
+            for key, value in legacy.items():
+                for table, name in LEGACY_AVERAGING_KEYS[key]:
+                    tables[table][name] = value
+            mm = tables["matchmaking"].get("matchmaking_timeout_s", MatchmakingConfig.matchmaking_timeout_s)
+            if isinstance(mm, (int, float)) and not isinstance(mm, bool) and mm > 0:
+                tables["matchmaking"]["poll_interval_s"] = _legacy_poll_interval_s(mm)
+        built = {}
+        for table, (attr, protocol_cls) in PROTOCOL_TABLES.items():
+            built[attr] = build_config(protocol_cls, tables.get(table, {}), f"{source}.{table}")
+        known = {f.name for f in fields(cls)} - {attr for attr, _ in PROTOCOL_TABLES.values()}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"{source}: unknown key {unknown[0]!r} (known: "
+                              f"{', '.join(sorted(known | set(PROTOCOL_TABLES)))}, or the older flat keys "
+                              f"{', '.join(LEGACY_AVERAGING_KEYS)})")
+        return build_config(cls, data, source, **built)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field, protocol configs as sub-tables (what is published: complete, no reader fills a default)."""
+        out: dict[str, Any] = {"method": self.method, "group_size": self.group_size, "ban_s": self.ban_s}
+        for table, (attr, _) in PROTOCOL_TABLES.items():
+            out[table] = _plain(dataclasses.asdict(getattr(self, attr)))
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        # older callers read the flat keys (e.g. averaging.reducer_timeout_s); each names one protocol field
+        targets = LEGACY_AVERAGING_KEYS.get(name)
+        if targets is None:
+            raise AttributeError(name)
+        table, field_name = targets[0]
+        return getattr(self.__dict__[PROTOCOL_TABLES[table][0]], field_name)
+
+    def protocol(self, table: str) -> Any:
+        """The config of the protocol of ``[averaging.<table>]``."""
+        return getattr(self, PROTOCOL_TABLES[table][0])
 
     def matchmaking(self) -> MatchmakingConfig:
-        return MatchmakingConfig(
-            matchmaking_timeout_s=self.matchmaking_timeout_s,
-            request_timeout_s=self.request_timeout_s,
-            poll_interval_s=min(0.5, self.matchmaking_timeout_s / 4),
-            min_group_size=self.min_group_size,
-        )
+        return self.matchmaking_config
 
     def allreduce(self) -> AllReduceConfig:
-        return AllReduceConfig(self.compression, self.sender_timeout_s, self.reducer_timeout_s,
-                               aggregation=self.aggregation, clip_tau=self.clip_tau)
+        return self.allreduce_config
 
     def gossip(self) -> GossipConfig:
-        return GossipConfig(self.gossip_partners, self.compression, self.sender_timeout_s)
+        return self.gossip_config
+
+    def state_transfer(self) -> StateTransferConfig:
+        return self.state_transfer_config
+
+    def fingerprint_dict(self) -> dict[str, Any]:
+        """The flat form the fingerprint hashes (fixed before the sub-tables existed): ``method``, ``group_size``,
+        ``ban_s`` and every key of :data:`LEGACY_AVERAGING_KEYS` (from the field it always named); any other
+        protocol field only where it differs from what the flat form implies (the value of the flat key that also
+        sets it, the implied poll interval, else its default), as ``"<table>.<field>"``."""
+        out: dict[str, Any] = {"method": self.method, "group_size": self.group_size, "ban_s": self.ban_s}
+        implied: dict[tuple[str, str], Any] = {}
+        for key, targets in LEGACY_AVERAGING_KEYS.items():
+            (table, name), *also = targets
+            out[key] = getattr(self.protocol(table), name)
+            implied[(table, name)] = out[key]
+            for other in also:
+                implied[other] = out[key]
+        implied[("matchmaking", "poll_interval_s")] = _legacy_poll_interval_s(self.matchmaking_config.matchmaking_timeout_s)
+        for table, (attr, cls) in PROTOCOL_TABLES.items():
+            values = _plain(dataclasses.asdict(getattr(self, attr)))
+            defaults = _plain(dataclasses.asdict(cls()))
+            for name, value in values.items():
+                expected = implied.get((table, name), defaults.get(name))
+                if value != expected:
+                    out[f"{table}.{name}"] = value
+        return out
+
+
+def _plain(values: dict[str, Any]) -> dict[str, Any]:
+    """JSON-shaped (tuples as lists), as TOML and msgpack give them back."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
 
 
 @dataclass(frozen=True)
@@ -123,6 +217,9 @@ class RunConfig:
     """PeerIDs (``12D3KooW...``) allowed in this run; empty = anyone. Peers not on it cannot join rounds, serve or
     fetch state, or publish this run's config; the peer that creates the run must be on it
     (:mod:`peerd.membership`)."""
+    parallelism: str = "diloco"
+    """How peers split the work: diloco (every peer trains the whole model, DiLoCo outer steps; the only one so
+    far, :data:`PARALLELISMS`)."""
 
     def __post_init__(self) -> None:
         from peerd.signing import is_peer_id
@@ -131,6 +228,8 @@ class RunConfig:
         if bad:
             raise ConfigError(f"allowlist: not Ed25519 PeerIDs (12D3KooW...): {', '.join(map(repr, bad))}")
         object.__setattr__(self, "allowlist", tuple(sorted(set(self.allowlist))))  # equal sets hash alike
+        if self.parallelism not in PARALLELISMS:
+            raise ConfigError(f"parallelism must be one of {PARALLELISMS}, got {self.parallelism!r}")
         if self.model not in MODEL_NAMES:
             raise ConfigError(f"model must be one of {MODEL_NAMES}, got {self.model!r}")
         if self.dataset not in ("shakespeare", "local"):
@@ -143,10 +242,12 @@ class RunConfig:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
 
     def to_dict(self) -> dict[str, Any]:
+        """Every field (what the creator publishes: a reader never fills a field from its own default), except an
+        empty allowlist (runs without one kept the fingerprints they had before allowlists existed)."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("diloco", "averaging")}
         out["diloco"] = self.diloco.to_dict()
-        out["averaging"] = dataclasses.asdict(self.averaging)
-        if not self.allowlist:  # runs without one keep the fingerprints they had before allowlists existed
+        out["averaging"] = self.averaging.to_dict()
+        if not self.allowlist:
             del out["allowlist"]
         else:
             out["allowlist"] = list(self.allowlist)
@@ -159,12 +260,39 @@ class RunConfig:
             diloco = DiLoCoHyperparams.from_dict(data.pop("diloco", {}))
         except (ValueError, TypeError) as e:
             raise ConfigError(f"{source}: [diloco]: {e}") from None
-        averaging = build_config(AveragingConfig, data.pop("averaging", {}), f"{source}: [averaging]")
+        averaging = AveragingConfig.from_dict(data.pop("averaging", {}), f"{source}: [averaging]")
         return build_config(cls, data, source, diloco=diloco, averaging=averaging)
 
     def fingerprint(self) -> str:
-        """Short hash of the canonical JSON form: equal configs have equal fingerprints."""
-        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+        """Short hash (16 hex digits of SHA-256) of the canonical JSON of :meth:`fingerprint_dict`: equal configs
+        have equal fingerprints, and adding a defaulted field to the config keeps the fingerprints of configs that
+        leave it at its default (checkpoints resume, pins hold)."""
+        return hashlib.sha256(json.dumps(self.fingerprint_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+    def fingerprint_dict(self) -> dict[str, Any]:
+        """What the fingerprint hashes: :meth:`to_dict` with ``averaging`` in the flat form the scheme was fixed
+        with (:meth:`AveragingConfig.fingerprint_dict`), and any field not in :data:`FINGERPRINT_FIELDS` /
+        :data:`FINGERPRINT_DILOCO_FIELDS` (added later) left out where it is at its default."""
+        full = self.to_dict()
+        defaults = RunConfig().to_dict()
+        out = {k: v for k, v in full.items() if k in FINGERPRINT_FIELDS or v != defaults.get(k, _MISSING)}
+        default_diloco = DiLoCoHyperparams().to_dict()
+        out["diloco"] = {k: v for k, v in full["diloco"].items()
+                         if k in FINGERPRINT_DILOCO_FIELDS or v != default_diloco.get(k, _MISSING)}
+        out["averaging"] = self.averaging.fingerprint_dict()
+        return out
+
+
+#: Top-level keys the fingerprint scheme was fixed with: always hashed (``allowlist`` only when not empty, as
+#: :meth:`RunConfig.to_dict` gives it). Any field added since (e.g. ``parallelism``) is hashed only when it is not
+#: at its default. Never add to these lists: that would change every fingerprint.
+FINGERPRINT_FIELDS = ("model", "seq_len", "batch_size", "dataset", "seed", "max_outer_rounds", "eval_batches",
+                      "diloco", "averaging", "allowlist")
+#: The same for ``[diloco]``.
+FINGERPRINT_DILOCO_FIELDS = ("inner_steps", "inner_lr", "inner_betas", "inner_weight_decay", "warmup_steps",
+                             "lr_decay_steps", "min_lr_ratio", "grad_clip_norm", "outer_lr", "outer_momentum",
+                             "outer_nesterov")
+_MISSING = object()
 
 
 def load_run_config(path: str | os.PathLike) -> RunConfig:

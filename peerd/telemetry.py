@@ -1,4 +1,5 @@
-"""Logging setup (human-readable or JSON lines) and the status records peers keep in the DHT.
+"""Logging setup (human-readable or JSON lines) and structured events. The status records peers keep in the DHT
+are in :mod:`peerd.status` (re-exported here).
 
 Structured events are ordinary log records with ``extra={"event": ..., ...}``: the JSON formatter writes those
 fields as keys, so tests and log shippers read them without parsing prose.
@@ -10,7 +11,6 @@ import json
 import logging
 import os
 import sys
-import time
 from typing import Any
 
 # hivemind renames WARNING to WARN process-wide; log shippers expect the standard names
@@ -106,83 +106,26 @@ class EventTap(logging.Handler):
 
 
 def status_key(run_id: str) -> str:
-    """DHT key under which every peer of ``run_id`` keeps its status record (subkey = PeerID)."""
-    return f"peerd.{run_id}.status"
+    """Deprecated: use ``RunNamespace.of(run_id).status_key`` (:mod:`peerd.namespace`). Keyed by the run name."""
+    from peerd.namespace import RunNamespace
+
+    return RunNamespace.of(run_id).status_key
 
 
 def config_key(run_id: str) -> str:
-    """DHT key of the run's published configuration."""
-    return f"peerd.{run_id}.config"
+    """Deprecated: use ``RunNamespace.of(run_id).config_key`` (:mod:`peerd.namespace`). Keyed by the run name."""
+    from peerd.namespace import RunNamespace
+
+    return RunNamespace.of(run_id).config_key
 
 
-STATUS_FIELDS = ("role", "outer_round", "inner_step", "loss", "tokens_per_s", "eval_nats_per_byte", "digest")
-
-
-def make_status(**fields: Any) -> dict[str, Any]:
-    """A status record: the known fields (missing ones None) plus the time it was made."""
-    unknown = set(fields) - set(STATUS_FIELDS)
-    if unknown:
-        raise ValueError(f"unknown status fields {sorted(unknown)}")
-    record = {name: fields.get(name) for name in STATUS_FIELDS}
-    record["time"] = time.time()
-    return record
-
-
-#: Bounds of a status record (the DHT carries them to every peer of the run; a reader trusts none of them blindly).
-_STATUS_INTS = ("outer_round", "inner_step")
-_STATUS_FLOATS = ("loss", "tokens_per_s", "eval_nats_per_byte")
-_MAX_ROUND = 2**40
-
-
-def status_problem(record: Any) -> str | None:
-    """None if ``record`` has the schema of :func:`make_status`, else what is wrong (a reader drops such records).
-
-    Checks: a dict with exactly the status fields and ``time``; ``role`` a short string; ``outer_round`` and
-    ``inner_step`` non-negative integers (or None); loss, tokens/s and eval finite numbers (or None); ``digest`` a
-    short string (or None); ``time`` a finite number.
-    """
-    if not isinstance(record, dict):
-        return f"not a record but {type(record).__name__}"
-    if set(record) != set(STATUS_FIELDS) | {"time"}:
-        return f"fields {sorted(map(str, record))} are not the status fields"
-    if not isinstance(record["role"], str) or not 0 < len(record["role"]) <= 32:
-        return "role is not a short string"
-    for name in _STATUS_INTS:
-        value = record[name]
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < _MAX_ROUND):
-            return f"{name} is not a non-negative integer: {value!r}"
-    for name in _STATUS_FLOATS + ("time",):
-        value = record[name]
-        if value is None and name != "time":
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or abs(value) == float("inf"):
-            return f"{name} is not a finite number: {value!r}"
-    digest = record["digest"]
-    if digest is not None and (not isinstance(digest, str) or len(digest) > 64):
-        return "digest is not a short string"
-    return None
-
-
-class StatusFilter:
-    """Keeps the status records that have the right schema (:func:`status_problem`); logs each bad one once."""
-
-    def __init__(self, log: logging.Logger | None = None):
-        self.log = log or logging.getLogger(__name__)
-        self.dropped = 0
-        self._logged: set[tuple[str, str]] = set()
-
-    def __call__(self, records: dict[str, Any]) -> dict[str, dict]:
-        """PeerID -> status value (``records`` maps PeerIDs to :class:`protocols.interfaces.Record` or values)."""
-        out = {}
-        for peer, record in records.items():
-            value = getattr(record, "value", record)
-            problem = status_problem(value)
-            if problem is None:
-                out[peer] = value
-                continue
-            self.dropped += 1
-            if (peer, problem) not in self._logged and len(self._logged) < 4096:
-                self._logged.add((peer, problem))
-                self.log.warning("dropped the status record of %s: %s", peer, problem,
-                                 extra={"event": "status_refused", "peer": peer, "reason": problem})
-        return out
+# Status records moved to peerd.status; re-exported for the code that imports them from here.
+from peerd.status import (  # noqa: E402,F401
+    KNOWN_STATUS_FIELDS,
+    OPTIONAL_STATUS_FIELDS,
+    STATUS_FIELDS,
+    STATUS_VERSION,
+    StatusFilter,
+    make_status,
+    status_problem,
+)

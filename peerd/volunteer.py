@@ -22,7 +22,8 @@ from peerd.health import DaemonState, assess_health
 from peerd.pause import USER_REASON, PauseGate
 from peerd.schedule import ActiveHours, enforce_active_hours
 from peerd.systemd import Notifier, watchdog_interval_s, watchdog_loop
-from peerd.telemetry import EventTap, status_key
+from peerd.namespace import RunNamespace, RunRef
+from peerd.telemetry import EventTap
 from peerd.transport.pacing import PacedStreams, PacedTransport, pace
 
 logger = logging.getLogger(__name__)
@@ -147,14 +148,16 @@ class VolunteerServices:
             self.state.joined_at = time.time()
         self.notifier.notify("READY=1", "STATUS=" + status)
 
-    def watch_peers(self, discovery: Any, run_id: str) -> None:
-        """Keep ``peers_seen`` (live peers of the run, from their status records) up to date."""
+    def watch_peers(self, discovery: Any, run: RunNamespace | RunRef | str) -> None:
+        """Keep ``peers_seen`` (live peers of the run, from their status records) up to date. ``run``: the run's
+        namespace, or its run id."""
+        status_key = RunNamespace.of(run).status_key
         interval = max(PEERS_POLL_MIN_S, 2 * self.node.status_interval_s)
 
         async def poll() -> None:
             while True:
                 with contextlib.suppress(Exception):
-                    records = await discovery.get(status_key(run_id))
+                    records = await discovery.get(status_key)
                     live = [p for p, r in records.items() if isinstance(r.value, dict) and r.value.get("role") != "left"]
                     self.peers_seen = len(live)
                     if self.metrics is not None:

@@ -25,6 +25,20 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 
 @dataclass(frozen=True)
+class StateTransferConfig:
+    """Timeouts (seconds) of a state download (:func:`download_state`)."""
+
+    download_timeout_s: float = 60.0
+    """Longest the download of one peer's whole state (connect, header and payload) may take before the
+    downloader gives up on that peer and tries the next; size it for the model's state over the slowest link a
+    joiner should still catch up over."""
+
+    def __post_init__(self) -> None:
+        if not self.download_timeout_s > 0:
+            raise ValueError(f"download_timeout_s must be positive, got {self.download_timeout_s}")
+
+
+@dataclass(frozen=True)
 class StateSnapshot:
     """Serialized state: ``header`` (msgpack-able: tensors spec + metadata) and ``payload`` bytes."""
 

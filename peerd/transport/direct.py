@@ -53,6 +53,7 @@ from typing import Any, Optional
 import msgpack
 from cryptography.exceptions import InvalidSignature
 
+from peerd.namespace import network_key
 from peerd.signing import InvalidRecord, Signer, public_key_of
 from protocols.interfaces import Discovery, PeerStreams, StreamHandler
 from protocols.wire import ProtocolViolation, read_frame, require, try_write_frame, write_frame
@@ -60,7 +61,7 @@ from protocols.wire import ProtocolViolation, read_frame, require, try_write_fra
 logger = logging.getLogger(__name__)
 
 #: DHT key of the data plane addresses; subkey = the owner's PeerID, value = ``{"host": str, "port": int}``.
-DATAPLANE_KEY = "peerd.dataplane"
+DATAPLANE_KEY = network_key("dataplane")  # "peerd.dataplane": one key for the whole network, not per run
 #: Handshake protocol version and signature domain (never valid as another protocol's signature).
 VERSION = 1
 DOMAIN = "peerd-direct/1"

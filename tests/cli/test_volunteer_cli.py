@@ -111,3 +111,12 @@ def test_run_id_from_the_environment(peerd):
     assert bad.returncode == 2 and "invalid run id" in bad.stderr
     status = peerd("status", env={"PEERD_RUN_ID": "fine"})
     assert status.returncode == 2 and "--initial-peers" in status.stderr  # the run id was accepted from the env
+
+
+def test_a_run_name_that_would_alias_dht_keys_is_a_usage_error(peerd):
+    """'/' and '.' (the DHT key separator) in a run name, or a creator prefix too short to bind a key: exit 2 with
+    one line, before anything starts."""
+    for bad in ("bad/name", "a.b", "demo@12D3KooWshort", "demo@", "@12D3KooWAAAAAAAAAAAAAAAAAAAA"):
+        result = peerd("join", "--run-id", bad, "--config", str(LOCAL))
+        assert result.returncode == 2, (bad, result)
+        assert "invalid run id" in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr

@@ -33,7 +33,8 @@ from peerd.daemon import publish_run_config, resolve_run_config
 from peerd.localswarm import TINY
 from peerd.membership import RunConfigConflict, config_payload
 from peerd.signing import Signer, owner_subkey, seal, verify
-from peerd.telemetry import config_key, make_status, status_key
+from peerd.namespace import RunNamespace
+from peerd.telemetry import make_status
 from peerd.transport.hivemind_backend import HivemindTransport
 from peerd.transport.records import OwnerRecordValidator, SignedDiscovery, key_id
 from protocols.matchmaking import MatchmakingConfig, Matchmaker, MatchmakingFailed
@@ -63,7 +64,8 @@ async def main(args: argparse.Namespace) -> dict:
 
 async def _forge(args, transport, raw, checker, summary) -> None:
     """B4: forged writes through a raw DHT client; then read what the honest nodes hold."""
-    skey, ckey = status_key(args.run_id), config_key(args.run_id)
+    ns = RunNamespace.of(args.run_id)
+    skey, ckey = ns.status_key, ns.config_key
     creator, victim = args.creator, [p for p in args.listed if p != args.creator][0]
     deadline = time.time() + 60
     while True:  # until the listed peers' status records and the run's config are in the DHT
@@ -104,7 +106,8 @@ async def _forge(args, transport, raw, checker, summary) -> None:
 
 async def _intrude(args, transport, me: Signer, summary) -> None:
     """B5: pose as a live worker far ahead, try to join rounds, fetch state, and publish a config."""
-    prefix = f"peerd.{args.run_id}"
+    ns = RunNamespace.of(args.run_id)
+    prefix = f"peerd.{ns.run.name}"  # the DiLoCo worker's handler prefix (peerd/roles/diloco_worker.py)
     discovery: SignedDiscovery = transport.discovery
     run = load_run_config(TINY)
     try:  # the daemon's own path: refused (the named run belongs to its creator; we are not on the allowlist)
@@ -113,8 +116,8 @@ async def _intrude(args, transport, me: Signer, summary) -> None:
         summary["config_publish_refused"] += 1
     # around the daemon: a config of our own, signed by us, under our own subkey (the DHT stores it)
     ours = dataclasses.replace(run, allowlist=tuple(args.listed) + (me.peer_id,), seed=666)
-    envelope = discovery.seal_portable(config_key(args.run_id), config_payload(args.run_id, me.peer_id, ours))
-    await discovery.store_portable(config_key(args.run_id), me.peer_id, envelope, discovery.time() + 600)
+    envelope = discovery.seal_portable(ns.config_key, config_payload(ns.run.name, me.peer_id, ours))
+    await discovery.store_portable(ns.config_key, me.peer_id, envelope, discovery.time() + 600)
 
     # each attempt waits long enough to span the listed peers' next matchmaking
     matchmaker = Matchmaker(transport, prefix, MatchmakingConfig(matchmaking_timeout_s=4.5, request_timeout_s=1.0,
@@ -122,7 +125,7 @@ async def _intrude(args, transport, me: Signer, summary) -> None:
     await matchmaker.start()
     deadline = time.time() + args.duration_s
     while time.time() < deadline and summary["contested_join_attempts"] < args.contested:
-        live = await discovery.get(status_key(args.run_id))
+        live = await discovery.get(ns.status_key)
         statuses = {p: r.value for p, r in live.items() if p in args.listed}
         if any(s.get("role") == "left" for s in statuses.values()):
             break  # the listed peers are done
@@ -130,7 +133,7 @@ async def _intrude(args, transport, me: Signer, summary) -> None:
             await asyncio.sleep(0.5)
             continue
         target = min(s["outer_round"] for s in statuses.values())
-        await discovery.store(status_key(args.run_id), me.peer_id,
+        await discovery.store(ns.status_key, me.peer_id,
                               make_status(role="diloco", outer_round=target + 50, inner_step=0, digest="0" * 16),
                               discovery.time() + 10)
         summary["join_attempts"] += 1

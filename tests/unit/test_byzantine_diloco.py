@@ -25,7 +25,7 @@ def _run_swarm(tmp_path, aggregation: str, attack: bool) -> tuple[float, int]:
     run = RunConfig(
         model="tiny", seq_len=32, batch_size=8, eval_batches=0,
         diloco=DiLoCoHyperparams(inner_steps=8, warmup_steps=4, inner_lr=2e-3),
-        averaging=AveragingConfig(compression="none", min_group_size=4, matchmaking_timeout_s=5.0,
+        averaging=AveragingConfig.from_flat(compression="none", min_group_size=4, matchmaking_timeout_s=5.0,
                                   request_timeout_s=1.0, sender_timeout_s=5.0, reducer_timeout_s=10.0,
                                   aggregation=aggregation, clip_tau=1.0),
     )

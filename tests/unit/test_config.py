@@ -268,12 +268,12 @@ def test_run_config_dict_round_trip():
     run = RunConfig(
         model="tiny", seq_len=32, batch_size=4, dataset="local", seed=3, max_outer_rounds=5, eval_batches=0,
         diloco=DiLoCoHyperparams(inner_steps=7, inner_lr=1e-3, inner_betas=(0.8, 0.9), outer_nesterov=False),
-        averaging=AveragingConfig(compression="int8", min_group_size=2, matchmaking_timeout_s=9.0,
+        averaging=AveragingConfig.from_flat(compression="int8", min_group_size=2, matchmaking_timeout_s=9.0,
                                   request_timeout_s=2.0, sender_timeout_s=4.0, reducer_timeout_s=8.0),
     )
     data = run.to_dict()
     assert data["diloco"]["inner_betas"] == [0.8, 0.9]
-    assert data["averaging"]["compression"] == "int8"
+    assert data["averaging"]["allreduce"]["compression"] == data["averaging"]["gossip"]["compression"] == "int8"
     back = RunConfig.from_dict(data)
     assert back == run
     assert back.fingerprint() == run.fingerprint()
@@ -295,8 +295,8 @@ def test_fingerprint_is_deterministic_short_hex():
         {"model": "tiny"},
         {"diloco": DiLoCoHyperparams(inner_lr=1e-3)},
         {"diloco": DiLoCoHyperparams(outer_nesterov=False)},
-        {"averaging": AveragingConfig(compression="int8")},
-        {"averaging": AveragingConfig(min_group_size=2)},
+        {"averaging": AveragingConfig.from_flat(compression="int8")},
+        {"averaging": AveragingConfig.from_flat(min_group_size=2)},
     ],
     ids=lambda c: next(iter(c)),
 )
@@ -313,7 +313,7 @@ def test_equal_configs_have_equal_fingerprints_whatever_the_number_types():
     DiLoCoHyperparams converts ints to floats at construction; AveragingConfig does not, so the fingerprint of a
     directly built config differs from the one a peer computes after reading it back from the DHT.
     """
-    direct = RunConfig(averaging=AveragingConfig(sender_timeout_s=10, reducer_timeout_s=20),
+    direct = RunConfig(averaging=AveragingConfig.from_flat(sender_timeout_s=10, reducer_timeout_s=20),
                        diloco=DiLoCoHyperparams(outer_lr=1))
     published = RunConfig.from_dict(direct.to_dict())
     assert published == direct
@@ -326,17 +326,17 @@ def test_equal_configs_have_equal_fingerprints_whatever_the_number_types():
 @pytest.mark.parametrize("sender, reducer", [(30.0, 30.0), (30.0, 10.0)])
 def test_reducer_timeout_must_exceed_sender_timeout(sender, reducer):
     with pytest.raises(ConfigError, match="reducer_timeout_s"):
-        AveragingConfig(sender_timeout_s=sender, reducer_timeout_s=reducer)
+        AveragingConfig.from_flat(sender_timeout_s=sender, reducer_timeout_s=reducer)
     with pytest.raises(ConfigError, match="reducer_timeout_s"):
         RunConfig.from_dict({"averaging": {"sender_timeout_s": sender, "reducer_timeout_s": reducer}})
-    AveragingConfig(sender_timeout_s=sender, reducer_timeout_s=sender + 0.5)
+    AveragingConfig.from_flat(sender_timeout_s=sender, reducer_timeout_s=sender + 0.5)
 
 
 @pytest.mark.parametrize("request_s, matchmaking_s", [(5.0, 5.0), (10.0, 5.0)])
 def test_request_timeout_must_be_below_matchmaking_timeout(request_s, matchmaking_s):
     with pytest.raises(ConfigError, match="request_timeout_s"):
-        AveragingConfig(request_timeout_s=request_s, matchmaking_timeout_s=matchmaking_s)
-    AveragingConfig(request_timeout_s=matchmaking_s - 0.5, matchmaking_timeout_s=matchmaking_s)
+        AveragingConfig.from_flat(request_timeout_s=request_s, matchmaking_timeout_s=matchmaking_s)
+    AveragingConfig.from_flat(request_timeout_s=matchmaking_s - 0.5, matchmaking_timeout_s=matchmaking_s)
 
 
 @pytest.mark.parametrize(
@@ -346,7 +346,7 @@ def test_request_timeout_must_be_below_matchmaking_timeout(request_s, matchmakin
 )
 def test_other_invalid_averaging_values(kwargs):
     with pytest.raises(ConfigError):
-        AveragingConfig(**kwargs)
+        AveragingConfig.from_flat(**kwargs)
 
 
 def test_run_config_errors_name_the_source(tmp_path):

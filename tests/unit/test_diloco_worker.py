@@ -19,7 +19,7 @@ def _run(min_group_size: int) -> RunConfig:
     return RunConfig(
         model="tiny", seq_len=32, batch_size=4, eval_batches=0,
         diloco=DiLoCoHyperparams(inner_steps=3, warmup_steps=2, inner_lr=1e-3),
-        averaging=AveragingConfig(compression="none", min_group_size=min_group_size, matchmaking_timeout_s=4.0,
+        averaging=AveragingConfig.from_flat(compression="none", min_group_size=min_group_size, matchmaking_timeout_s=4.0,
                                   request_timeout_s=1.0, sender_timeout_s=3.0, reducer_timeout_s=6.0),
     )
 

@@ -22,10 +22,14 @@ from peerd.membership import (
     parse_config_record,
     pin_path,
     save_pin,
-    split_run_id,
 )
+from peerd.namespace import RunIdError, RunNamespace, RunRef
 from peerd.signing import InvalidRecord, Signer, owner_subkey, seal
-from peerd.telemetry import config_key
+
+
+def config_key(run_id: str) -> str:
+    return RunNamespace.of(run_id).config_key
+
 from peerd.transport.admission import AdmissionStreams, admit_only
 from peerd.transport.inprocess import Hub
 from peerd.transport.records import OwnerRecordValidator, SignedDiscovery, key_id
@@ -54,12 +58,12 @@ def tiny(**changes) -> RunConfig:
 
 def test_run_ids_may_name_their_creator():
     s = signer()
-    assert split_run_id("demo") == ("demo", None)
-    assert split_run_id(f"demo@{s.peer_id}") == ("demo", s.peer_id)
-    assert split_run_id(f"demo@{s.peer_id[:24]}") == ("demo", s.peer_id[:24])
+    assert RunRef.parse("demo") == RunRef("demo", None)
+    assert RunRef.parse(f"demo@{s.peer_id}") == RunRef("demo", s.peer_id)
+    assert RunRef.parse(f"demo@{s.peer_id[:24]}") == RunRef("demo", s.peer_id[:24])
     for bad in (f"demo@{s.peer_id[:23]}", "demo@QmYyQSo1c1Ym7orWxLYvCrM2Em"):
-        with pytest.raises(RunConfigConflict, match="PeerID"):
-            split_run_id(bad)
+        with pytest.raises(RunIdError, match="PeerID"):
+            RunRef.parse(bad)
 
 
 def test_allowlist_must_hold_peer_ids_and_leaves_open_runs_fingerprints_alone():
@@ -200,12 +204,37 @@ def test_named_runs_accept_only_their_creator_and_only_it_can_create_them(tmp_pa
             await resolve_run_config(peer(hub, forger), run_id, tiny(seed=3))  # squatting a named run
         f = peer(hub, forger)
         # even by going around the daemon's check, the forger's config is ignored by joiners
-        envelope = f.discovery.seal_portable(config_key(run_id), config_payload(run_id, forger.peer_id, tiny(seed=3)))
+        envelope = f.discovery.seal_portable(config_key(run_id), config_payload("b4", forger.peer_id, tiny(seed=3)))
         await f.discovery.store_portable(config_key(run_id), forger.peer_id, envelope, f.discovery.time() + 60)
-        with pytest.raises(RunConfigConflict, match="no configuration published"):
+        with pytest.raises(RunConfigConflict, match="accepts only a configuration signed by") as refused:
             await resolve_run_config(peer(hub, joiner), run_id, None)
+        assert creator.peer_id[:24] in str(refused.value) and forger.peer_id in str(refused.value)
         await resolve_run_config(peer(hub, creator), run_id, tiny())
         assert (await resolve_run_config(peer(hub, joiner), run_id, None)).creator == creator.peer_id
+
+    asyncio.run(main())
+
+
+def test_a_named_run_id_is_the_run_of_its_name(tmp_path):
+    """The creator of `demo` advises `demo@<its PeerID>`: that joiner finds the config (keys derive from the name),
+    as does a joiner naming a 24-character prefix; the creator may itself start with `demo@<own PeerID>`."""
+    async def main():
+        hub = Hub()
+        creator, joiner, other = signer(), signer(), signer()
+        published = await resolve_run_config(peer(hub, creator), "demo", tiny(), pin_path(tmp_path / "c", "demo"))
+        for run_id in (f"demo@{creator.peer_id}", f"demo@{creator.peer_id[:24]}", "demo"):
+            found = await resolve_run_config(peer(hub, joiner), run_id, None)
+            assert found.creator == creator.peer_id and found.fingerprint == published.fingerprint
+        assert pin_path(tmp_path, f"demo@{creator.peer_id}") == pin_path(tmp_path, "demo")
+        # a joiner naming another creator is refused, naming both
+        with pytest.raises(RunConfigConflict) as refused:
+            await resolve_run_config(peer(hub, joiner), f"demo@{other.peer_id}", None)
+        assert other.peer_id in str(refused.value) and creator.peer_id in str(refused.value)
+        # the creator of a new run may name itself from the start
+        own = f"solo@{creator.peer_id}"
+        record = await resolve_run_config(peer(hub, creator), own, tiny(seed=5))
+        assert record.envelope["payload"] and record.creator == creator.peer_id
+        assert (await resolve_run_config(peer(hub, joiner), "solo", None)).fingerprint == tiny(seed=5).fingerprint()
 
     asyncio.run(main())
 

@@ -192,7 +192,8 @@ def test_portable_records_can_be_kept_alive_by_others_but_not_altered():
 @pytest.mark.parametrize("change", [
     {"outer_round": "7"}, {"outer_round": -1}, {"outer_round": True}, {"outer_round": 2**41}, {"inner_step": 1.5},
     {"loss": float("nan")}, {"tokens_per_s": float("inf")}, {"role": ""}, {"role": 7}, {"role": "x" * 33},
-    {"digest": "f" * 65}, {"time": None}, {"extra": 1},
+    {"digest": "f" * 65}, {"time": None}, {"instance": ""}, {"instance": "i" * 65}, {"instance": 3}, {"v": "1"},
+    {"v": -1},
 ])
 def test_status_records_with_the_wrong_schema_are_dropped(change):
     good = make_status(role="diloco", outer_round=3, inner_step=4, loss=2.0, digest="ab" * 8)

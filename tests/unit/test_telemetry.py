@@ -7,7 +7,15 @@ import time
 
 import pytest
 
-from peerd.telemetry import STATUS_FIELDS, JsonFormatter, config_key, make_status, status_key
+from peerd.telemetry import (
+    KNOWN_STATUS_FIELDS,
+    STATUS_FIELDS,
+    STATUS_VERSION,
+    JsonFormatter,
+    config_key,
+    make_status,
+    status_key,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -110,9 +118,9 @@ def test_each_record_is_a_single_line(json_log):
 def test_make_status_fills_missing_fields_with_none():
     before = time.time()
     record = make_status(role="worker", outer_round=2)
-    assert set(record) == set(STATUS_FIELDS) | {"time"}
+    assert set(record) == set(KNOWN_STATUS_FIELDS) | {"time", "v"} and record["v"] == STATUS_VERSION
     assert record["role"] == "worker" and record["outer_round"] == 2
-    for name in STATUS_FIELDS:
+    for name in KNOWN_STATUS_FIELDS:
         if name not in ("role", "outer_round"):
             assert record[name] is None, name
     assert before <= record["time"] <= time.time()
@@ -131,7 +139,7 @@ def test_make_status_with_every_field():
 def test_make_status_rejects_unknown_fields(unknown):
     with pytest.raises(ValueError) as info:
         make_status(**unknown)
-    for name in set(unknown) - set(STATUS_FIELDS):
+    for name in set(unknown) - set(KNOWN_STATUS_FIELDS):
         assert name in str(info.value)
 
 
