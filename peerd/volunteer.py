@@ -82,8 +82,8 @@ class VolunteerServices:
                 logger.info("control socket %s (peerd pause | resume | health)", path,
                             extra={"event": "control", "path": str(path)})
             else:
-                logger.warning("another peerd daemon serves the control socket %s: this one runs without one "
-                               "(give it its own --checkpoint-dir or control_socket)", path)
+                logger.warning("another peerd daemon (pid %s) serves the control socket %s: this one runs without "
+                               "one (give it its own --checkpoint-dir or control_socket)", self._control.holder, path)
         except OSError as e:
             logger.warning("cannot create the control socket %s: %s; pause/resume/health are unavailable", path, e)
         if self.metrics is not None:
