@@ -155,16 +155,21 @@ def test_a_forked_child_does_not_keep_the_identity_lock(tmp_path):
     path = tmp_path / "identity.key"
     held = hold_identity(path)
     read_end, write_end = os.pipe()
+    ready_read, ready_write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child outlives the parent's hold and waits for the parent to say it may exit
         os.close(write_end)
+        os.write(ready_write, b"r")  # os.fork() has returned here: the at-fork hooks have run
         os.read(read_end, 1)
         os._exit(0)
     os.close(read_end)
+    os.close(ready_write)
     try:
+        assert os.read(ready_read, 1) == b"r"
         held.release()
         hold_identity(path).release()  # would raise IdentityInUse if the child had kept the locked descriptor
     finally:
         os.write(write_end, b"x")
         os.close(write_end)
+        os.close(ready_read)
         os.waitpid(pid, 0)
