@@ -348,6 +348,13 @@ def _cmd_install_service(args: argparse.Namespace) -> int:
         exec_args += ["--run-config", os.path.abspath(args.run_config)]
         files.append(os.path.abspath(args.run_config))
     if args.initial_peers:
+        from peerd.multiaddrs import check_multiaddr
+
+        for maddr in args.initial_peers:  # refuse a typo now, not at the service's first start
+            try:
+                check_multiaddr(maddr, require_peer_id=True)
+            except ValueError as e:
+                raise UsageError(f"peerd install-service: --initial-peers: {e}") from None
         exec_args += ["--initial-peers", *args.initial_peers]
     try:
         unit = render_unit(exec_args, user=args.user, watchdog_s=args.watchdog_s,
