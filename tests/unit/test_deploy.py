@@ -95,7 +95,8 @@ def test_compose_example_contract():
             assert any(p.endswith(f":{env['PEERD_METRICS_PORT']}") for p in service["ports"])
             assert service["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
             # as compose substitutes it: multiaddrs are checked, so the placeholder must become a real PeerID
-            substituted = {k: re.sub(r"\$\{BOOTSTRAP_PEER_ID[^}]*\}", BOOTSTRAP_PEER_ID, str(v)) for k, v in env.items()}
+            substituted = {k: re.sub(r"\$\{BOOTSTRAP_PEER_ID[^}]*\}", BOOTSTRAP_PEER_ID, str(v))
+                           for k, v in env.items()}
             node = load_node_config(None, environ={**image_env(), **{k: v for k, v in substituted.items()
                                                                       if k != "PEERD_RUN_ID"}})
             assert node.initial_peers == (f"/dns4/bootstrap/tcp/31337/p2p/{BOOTSTRAP_PEER_ID}",)
