@@ -14,7 +14,7 @@ import time
 import psutil
 import pytest
 
-from peerd.localswarm import LOCAL, Swarm, peerd_cmd
+from peerd.localswarm import LOCAL, TINY, Swarm, peerd_cmd
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -68,13 +68,18 @@ def _control(checkpoint_dir, *args):
 
 def test_a12_a_sigkilled_worker_leaves_no_process_and_its_successor_serves_the_control_socket(swarm, tmp_path):
     swarm.start_bootstrap()
-    first = swarm.start_peer("w", RUN)
+    endless = tmp_path / "endless.toml"  # the worker must still be running when it is killed
+    endless.write_text(TINY.read_text().replace("max_outer_rounds = 2", "max_outer_rounds = 0"))
+    assert endless.read_text() != TINY.read_text()
+    first = swarm.start_peer("w", RUN, endless)
     checkpoint_dir = tmp_path / "ckpt-w"
     swarm.wait_for(lambda: first.of("control") and any("p2pd" in p.name() for p in _tree(first.proc.pid)), 120,
                    "the worker's control socket and its p2pd")
+    swarm.wait_for(lambda: first.of("outer_round"), 180, "the worker to complete an outer round (and checkpoint)")
     swarm.wait_for(lambda: _control(checkpoint_dir, "health")[1].get("pid") == first.proc.pid, 60,
                    "the first worker to answer on its control socket")
     tree = _tree(first.proc.pid)  # collected before the kill: afterwards the orphans have another parent
+    assert first.proc.poll() is None
     assert len(tree) >= 3, [p.name() for p in tree]  # the daemon, its DHT process, p2pd
 
     first.proc.send_signal(signal.SIGKILL)
@@ -84,10 +89,12 @@ def test_a12_a_sigkilled_worker_leaves_no_process_and_its_successor_serves_the_c
         time.sleep(0.1)
     assert not [(p.pid, p.name()) for p in tree if _alive(p)], "processes of the killed worker still run"
 
-    second = swarm.start_peer("w", RUN)
+    second = swarm.start_peer("w", RUN, endless)
     assert second.proc.pid != first.proc.pid
     swarm.wait_for(lambda: second.of("control"), 120, "the restarted worker to serve its control socket")
     assert "another peerd daemon" not in second.log.read_text()
+    swarm.wait_for(lambda: second.of("resume"), 120, "the restarted worker to resume from its checkpoint")
+    assert second.of("resume")[0]["outer_round"] >= 1
     rc, health, err = _control(checkpoint_dir, "health")
     assert health.get("pid") == second.proc.pid, (rc, health, err)
     rc, paused, err = _control(checkpoint_dir, "pause")
