@@ -58,7 +58,8 @@ def _node_flags(p: argparse.ArgumentParser, listen_default: Optional[str] = None
     g.add_argument("--announce-maddrs", nargs="+", metavar="MADDR",
                    help="public multiaddrs other peers should dial (behind port forwarding)")
     g.add_argument("--identity", metavar="PATH",
-                   help="Ed25519 identity key file, created on first run (default ~/.peerd/identity.key)")
+                   help="Ed25519 identity key file, created on first run and locked while the daemon runs (default "
+                   "<checkpoint-dir>/identity.key; bootstrap: <checkpoint-dir>/bootstrap.key)")
     g.add_argument("--nat-port-map", action=argparse.BooleanOptionalAction, default=None,
                    help="ask the router for a port mapping via UPnP/NAT-PMP (default off)")
     p.add_argument("--log-format", choices=("text", "json"), default="text",
@@ -272,6 +273,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
     node, sources = load_node_config_with_sources(args.config, overrides=_node_overrides(args), flag_names=FLAG_NAMES)
     out: dict[str, Any] = {"node": dataclasses.asdict(node), "sources": sources}
+    out["node"]["identity"] = str(node.identity_path)  # the default follows checkpoint_dir: show where it lands
     if args.run_config:
         from peerd.run_config import load_run_config
 
@@ -347,6 +349,13 @@ def _cmd_install_service(args: argparse.Namespace) -> int:
         exec_args += ["--run-config", os.path.abspath(args.run_config)]
         files.append(os.path.abspath(args.run_config))
     if args.initial_peers:
+        from peerd.multiaddrs import check_multiaddr
+
+        for maddr in args.initial_peers:  # refuse a typo now, not at the service's first start
+            try:
+                check_multiaddr(maddr, require_peer_id=True)
+            except ValueError as e:
+                raise UsageError(f"peerd install-service: --initial-peers: {e}") from None
         exec_args += ["--initial-peers", *args.initial_peers]
     try:
         unit = render_unit(exec_args, user=args.user, watchdog_s=args.watchdog_s,

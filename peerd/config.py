@@ -31,7 +31,20 @@ MAX_UNIX_SOCKET_PATH = 107
 
 
 class ConfigError(ValueError):
-    """A configuration value is missing, unknown, of the wrong type or out of range."""
+    """A configuration value is missing, unknown, of the wrong type or out of range.
+
+    ``key``: the offending key where one is to blame; ``reason``: the message without the file or flag it came
+    from (the loader names the flag or variable that set ``key``)."""
+
+    def __init__(self, message: str, key: Optional[str] = None, reason: Optional[str] = None):
+        super().__init__(message)
+        self.key = key
+        self.reason = reason if reason is not None else message
+
+
+#: Identity file, inside ``checkpoint_dir``, of each kind of daemon when ``identity`` is not set: a bootstrap node
+#: and a worker on one machine (or two workers with their own checkpoint dirs) get PeerIDs of their own.
+DEFAULT_IDENTITY_FILES = {"worker": "identity.key", "bootstrap": "bootstrap.key"}
 
 
 # --------------------------------------------------------------------------------------------------------- node config
@@ -47,8 +60,10 @@ class NodeConfig:
     """Multiaddrs to listen on (port 0 = any free port)."""
     announce_maddrs: tuple[str, ...] = ()
     """Multiaddrs other peers should dial (public address behind port forwarding); default: what we listen on."""
-    identity: str = "~/.peerd/identity.key"
-    """Ed25519 private key file (created with mode 0600 on first run); keeps the PeerID stable across restarts."""
+    identity: Optional[str] = None
+    """Ed25519 private key file (created with mode 0600 on first run); keeps the PeerID stable across restarts. A
+    running daemon locks it: two daemons never share one. Default ``<checkpoint_dir>/identity.key`` for workers,
+    ``<checkpoint_dir>/bootstrap.key`` for bootstrap nodes."""
     checkpoint_dir: str = "~/.peerd/checkpoints"
     """Where outer-round checkpoints are written (one subfolder per run id)."""
     device: str = "auto"
@@ -94,6 +109,22 @@ class NodeConfig:
     """`peerd health` fails when this peer has neither completed nor joined a round for this many seconds."""
 
     def __post_init__(self) -> None:
+        from peerd.multiaddrs import check_multiaddr
+
+        for name in ("initial_peers", "host_maddrs", "announce_maddrs"):
+            for maddr in getattr(self, name):
+                try:
+                    check_multiaddr(maddr, require_peer_id=name == "initial_peers")
+                except ValueError as e:
+                    raise ConfigError(f"{name}: {e}", key=name, reason=str(e)) from None
+        for name, path, want_dir in (("checkpoint_dir", self.checkpoint_path, True),
+                                     ("identity", self.identity_path, False)):
+            if want_dir and path.exists() and not path.is_dir():
+                raise ConfigError(f"{name}: {str(path)!r} exists and is not a folder", key=name,
+                                  reason=f"{str(path)!r} exists and is not a folder")
+            if not want_dir and path.is_dir():
+                raise ConfigError(f"{name}: {str(path)!r} is a folder, not a key file", key=name,
+                                  reason=f"{str(path)!r} is a folder, not a key file")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.data_plane not in ("p2p", "direct"):
@@ -132,7 +163,14 @@ class NodeConfig:
 
     @property
     def identity_path(self) -> Path:
-        return Path(os.path.expanduser(self.identity))
+        """A worker's identity file: ``identity``, else ``<checkpoint_dir>/identity.key``."""
+        return self.identity_path_for("worker")
+
+    def identity_path_for(self, role: str) -> Path:
+        """The identity file of a daemon of kind ``role`` (a key of :data:`DEFAULT_IDENTITY_FILES`)."""
+        if self.identity:
+            return Path(os.path.expanduser(self.identity))
+        return self.checkpoint_path / DEFAULT_IDENTITY_FILES[role]
 
     @property
     def checkpoint_path(self) -> Path:
@@ -182,7 +220,13 @@ def load_node_config_with_sources(
     given = {k: v for k, v in overrides.items() if v is not None}
     values.update(given)
     sources.update({k: f"flag {flag_names.get(k, '--' + k.replace('_', '-'))}" for k in given})
-    return build_config(NodeConfig, values, config_file or "node config"), sources
+    try:
+        return build_config(NodeConfig, values, config_file or "node config"), sources
+    except ConfigError as e:
+        where = sources.get(e.key or "", "default")
+        if where.startswith(("flag ", "env ")):  # name what the user typed, not the file it overrode
+            raise ConfigError(f"{where[where.index(' ') + 1:]}: {e.reason}", key=e.key, reason=e.reason) from None
+        raise
 
 
 def _parse_env(raw: str, f: dataclasses.Field, var: str) -> Any:
@@ -308,5 +352,7 @@ def build_config(cls: type, data: Mapping[str, Any], source: str, **extra: Any) 
             raise ConfigError(f"{source}: {f.name} must be {e}, got {type(value).__name__} {value!r}") from None
     try:
         return cls(**data, **extra)
-    except (ConfigError, ValueError) as e:
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}", key=e.key, reason=e.reason) from None
+    except ValueError as e:
         raise ConfigError(f"{source}: {e}") from None

@@ -2,21 +2,23 @@
 
 Protocol: the client sends one JSON object on one line (``{"cmd": "status" | "pause" | "resume" | "health", ...}``),
 the daemon answers one JSON object on one line and closes. One daemon per socket: the server holds an exclusive
-``flock`` on ``<socket>.lock`` for its lifetime, so a second daemon on the same folder is told (and runs without a
-control socket) instead of stealing the first one's socket; a socket file left by a crashed daemon is replaced.
+``flock`` on ``<socket>.lock`` for its lifetime (:mod:`peerd.locks`), so a second daemon on the same folder is told
+(and runs without a control socket) instead of stealing the first one's socket; the socket and lock of a daemon that
+died, even by SIGKILL, are taken over by the next one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import json
 import logging
 import os
 import socket
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Optional
+
+from peerd import locks
 
 logger = logging.getLogger(__name__)
 
@@ -38,18 +40,18 @@ class ControlServer:
         self.handler = handler
         self._server: Optional[asyncio.AbstractServer] = None
         self._lock_fd: Optional[int] = None
+        self.holder: Optional[int] = None
+        """Pid of the other daemon that serves ``path``, after :meth:`start` returned False."""
 
     async def start(self) -> bool:
         """Bind the socket (mode 0600; its folder is created with mode 0700). False if another live daemon holds
-        it. Raises OSError if the folder cannot be created or the socket bound."""
+        it (its pid in :attr:`holder`). Raises OSError if the folder cannot be created or the socket bound."""
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        fd = os.open(f"{self.path}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
+            self._lock_fd = locks.acquire(f"{self.path}.lock")
+        except locks.LockHeld as e:
+            self.holder = e.pid
             return False
-        self._lock_fd = fd
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()  # left by a daemon that died: we hold the lock, so nobody serves it
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -77,9 +79,8 @@ class ControlServer:
         self._release_lock()
 
     def _release_lock(self) -> None:
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)  # releases the flock; the lock file stays (unlinking it would race)
-            self._lock_fd = None
+        locks.release(self._lock_fd)
+        self._lock_fd = None
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:

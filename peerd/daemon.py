@@ -19,7 +19,7 @@ from typing import Optional
 
 from peerd.config import NodeConfig
 from peerd.run_config import RunConfig
-from peerd.identity import load_or_create_identity
+from peerd.identity import hold_identity, load_or_create_identity
 from peerd.membership import (
     RUN_CREATOR_MIN_PREFIX,
     RunConfigConflict,
@@ -62,22 +62,41 @@ def install_stop_handlers(stop: asyncio.Event) -> None:
         loop.add_signal_handler(signum, on_signal, signum)
 
 
-async def start_transport(node: NodeConfig, client_mode: bool = False) -> HivemindTransport:
-    """The DHT node and streams of this peer. Its DHT node refuses forged owner records (OwnerRecordValidator), and
-    its discovery signs what this peer stores and returns only validly signed records (SignedDiscovery)."""
-    identity = str(node.identity_path)
-    peer_id = load_or_create_identity(identity)
-    signer = Signer.from_identity_file(identity)
-    logger.info("PeerID %s (identity %s)", peer_id, identity)
-    transport = await HivemindTransport.create(
-        initial_peers=node.initial_peers,
-        host_maddrs=node.host_maddrs,
-        announce_maddrs=node.announce_maddrs,
-        identity_path=identity,
-        nat_port_map=node.nat_port_map,
-        client_mode=client_mode,
-        record_validators=[OwnerRecordValidator()],
-    )
+#: Where every daemon kept its identity before it moved into the checkpoint dir.
+LEGACY_IDENTITY = "~/.peerd/identity.key"
+
+
+async def start_transport(node: NodeConfig, client_mode: bool = False, role: str = "worker") -> HivemindTransport:
+    """The DHT node and streams of this peer (``role``: "worker" or "bootstrap", which picks the default identity
+    file, :meth:`NodeConfig.identity_path_for`). Its DHT node refuses forged owner records (OwnerRecordValidator),
+    and its discovery signs what this peer stores and returns only validly signed records (SignedDiscovery).
+
+    The identity file stays locked until ``transport.shutdown()``. Raises IdentityInUse if another daemon holds it,
+    IdentityError if it is unusable, ConnectionError if the DHT node cannot start."""
+    path = node.identity_path_for(role)
+    identity = str(path)
+    hold = hold_identity(path)
+    try:
+        peer_id = load_or_create_identity(identity)
+        signer = Signer.from_identity_file(identity)
+        logger.info("PeerID %s (identity %s)", peer_id, identity)
+        legacy = Path(LEGACY_IDENTITY).expanduser()
+        if node.identity is None and role == "worker" and legacy.exists() and legacy != path:
+            logger.warning("%s, the identity of earlier peerd versions, is no longer the default; pass --identity %s "
+                           "to keep its PeerID", LEGACY_IDENTITY, LEGACY_IDENTITY)
+        transport = await HivemindTransport.create(
+            initial_peers=node.initial_peers,
+            host_maddrs=node.host_maddrs,
+            announce_maddrs=node.announce_maddrs,
+            identity_path=identity,
+            nat_port_map=node.nat_port_map,
+            client_mode=client_mode,
+            record_validators=[OwnerRecordValidator()],
+        )
+    except BaseException:
+        hold.release()
+        raise
+    transport.on_shutdown.append(hold.release)
     transport.discovery = SignedDiscovery(transport.discovery, signer)
     return transport
 
@@ -263,7 +282,7 @@ async def bootstrap(node: NodeConfig, on_ready=print) -> None:
     stop = asyncio.Event()
     install_stop_handlers(stop)
     async with VolunteerServices(node, "bootstrap", stop) as services:
-        transport = await start_transport(node)
+        transport = await start_transport(node, role="bootstrap")
         try:
             for maddr in transport.visible_maddrs():
                 on_ready(maddr)

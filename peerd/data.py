@@ -268,9 +268,9 @@ def evaluate(
     seq_len: int,
     batch_size: int,
     max_batches: int | None,
-    device: str | torch.device = "cpu",
 ) -> EvalResult:
-    """Loss of ``model`` on the start of ``eval_tokens``, identical on every peer.
+    """Loss of ``model`` on the start of ``eval_tokens``, identical on every peer, computed on the model's device
+    (that of its first parameter; the batches are moved there).
 
     Uses non-overlapping consecutive windows ``eval_tokens[i*T : i*T + T + 1]`` from the start, at most
     ``max_batches`` batches of ``batch_size`` windows (``None``: all of them). The model is called as
@@ -278,8 +278,13 @@ def evaluate(
     in eval mode; its previous training mode is restored.
 
     Raises:
-        ValueError: ``eval_tokens`` is shorter than ``seq_len + 1``, or sizes are not positive.
+        ValueError: ``eval_tokens`` is shorter than ``seq_len + 1``, sizes are not positive, or the model has no
+            parameters (so no device).
     """
+    param = next(model.parameters(), None)
+    if param is None:
+        raise ValueError("the model has no parameters: cannot tell which device to evaluate it on")
+    device = param.device
     if seq_len <= 0 or batch_size <= 0 or (max_batches is not None and max_batches <= 0):
         raise ValueError(
             f"seq_len ({seq_len}), batch_size ({batch_size}) and max_batches ({max_batches}) must be positive"

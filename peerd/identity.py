@@ -3,6 +3,9 @@
 The file holds a libp2p ``PrivateKey`` protobuf (key type Ed25519, 64 bytes: 32-byte seed then 32-byte public key),
 the format the libp2p daemon reads with ``-id``. It is created on first use with mode 0600; an existing file with
 looser permissions is refused, because anyone who can read it can impersonate this peer.
+
+A running daemon holds its identity file with :func:`hold_identity`: two daemons with one identity would share a
+PeerID (each dialing itself, neither seeing the other), so the second one is refused.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
+from typing import Optional
 
 import base58
 from cryptography.hazmat.primitives import serialization
@@ -20,7 +24,47 @@ _IDENTITY_MULTIHASH = b"\x00"  # multihash code 0x00 (identity): keys up to 42 b
 
 
 class IdentityError(RuntimeError):
-    """The identity file is unreadable, malformed or readable by others."""
+    """The identity file is unreadable, malformed or readable by others, or another daemon uses it."""
+
+
+class IdentityInUse(IdentityError):
+    """Another live daemon holds this identity file."""
+
+
+class IdentityHold:
+    """The lock on an identity file, held until :meth:`release` (or this process's death)."""
+
+    def __init__(self, path: Path, fd: Optional[int]):
+        self.path = path
+        self._fd = fd
+
+    def release(self) -> None:
+        from peerd import locks
+
+        locks.release(self._fd)
+        self._fd = None
+
+
+def hold_identity(path: str | os.PathLike) -> IdentityHold:
+    """Lock ``path`` for this daemon (``flock`` on ``<path>.lock``, created beside it with its folder, mode 0700).
+
+    Raises IdentityInUse, naming the file and the holder's pid, if another daemon holds it; IdentityError if the
+    lock file cannot be created."""
+    from peerd import locks
+
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = locks.acquire(path.with_name(path.name + ".lock"))
+    except locks.LockHeld as e:
+        who = f"pid {e.pid}" if e.pid is not None else "pid unknown"
+        raise IdentityInUse(
+            f"identity file {path} is in use by another peerd daemon ({who}); two daemons with one identity share "
+            "a PeerID: give this one its own with --identity PATH (node config key identity)"
+        ) from None
+    except OSError as e:
+        raise IdentityError(f"cannot lock identity file {path}: {e}") from None
+    return IdentityHold(path, fd)
 
 
 def load_or_create_identity(path: str | os.PathLike) -> str:

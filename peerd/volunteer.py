@@ -83,8 +83,8 @@ class VolunteerServices:
                 logger.info("control socket %s (peerd pause | resume | health)", path,
                             extra={"event": "control", "path": str(path)})
             else:
-                logger.warning("another peerd daemon serves the control socket %s: this one runs without one "
-                               "(give it its own --checkpoint-dir or control_socket)", path)
+                logger.warning("another peerd daemon (pid %s) serves the control socket %s: this one runs without "
+                               "one (give it its own --checkpoint-dir or control_socket)", self._control.holder, path)
         except OSError as e:
             logger.warning("cannot create the control socket %s: %s; pause/resume/health are unavailable", path, e)
         if self.metrics is not None:
@@ -184,7 +184,7 @@ class VolunteerServices:
             if not isinstance(max_age, (int, float)) or max_age <= 0:
                 return {"ok": False, "error": f"max_age_s must be a positive number, got {max_age!r}"}
             healthy, message = assess_health(self.state, self.gate.reasons, time.time(), float(max_age))
-            return {"ok": True, "healthy": healthy, "message": message}
+            return {"ok": True, "healthy": healthy, "message": message, "pid": os.getpid()}
         if cmd in ("pause", "resume"):
             if self.role == "bootstrap":
                 return {"ok": False, "error": "a bootstrap node does not train: nothing to pause or resume"}
@@ -194,7 +194,8 @@ class VolunteerServices:
                 changed = self.gate.resume(USER_REASON)
             logger.info("control: %s%s; now %s", cmd, "" if changed else " (no change)", self.gate.describe(),
                         extra={"event": f"control_{cmd}", "changed": changed, "paused": self.gate.paused})
-            return {"ok": True, "changed": changed, "paused": self.gate.paused, "pause_reasons": self.gate.reasons}
+            return {"ok": True, "changed": changed, "paused": self.gate.paused, "pause_reasons": self.gate.reasons,
+                    "pid": os.getpid()}
         return {"ok": False, "error": f"unknown command {cmd!r} (status, pause, resume, health)"}
 
     def _systemd_status(self, event: Mapping[str, Any]) -> None:

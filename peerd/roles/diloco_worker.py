@@ -576,7 +576,7 @@ class DiLoCoWorker:
             result = await loop.run_in_executor(
                 None,
                 lambda: evaluate(self.model, self.eval_tokens, self.run.seq_len, self.run.batch_size,
-                                 self.run.eval_batches, device=str(self.device)),
+                                 self.run.eval_batches),
             )
             eval_loss = result.nats_per_byte
             self.stats.last_eval = eval_loss

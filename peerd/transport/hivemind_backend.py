@@ -4,6 +4,10 @@ The DHT runs in a child process with its own p2pd; this process attaches a secon
 (``DHT.replicate_p2p``), so both share one PeerID and one set of listening sockets. Peer streams are raw libp2p
 streams (``add_binary_stream_handler``): peerd frames them itself (:mod:`protocols.wire`), avoiding a protobuf message
 per tensor part.
+
+The DHT process and its p2pd die with this process, however it dies (SIGKILL, the OOM killer): an orphan would keep
+announcing a dead peer. Nothing runs in a SIGKILLed process, so the DHT process watches its parent itself
+(:func:`_die_with_parent`) and takes p2pd, its own child, down with it.
 """
 
 from __future__ import annotations
@@ -11,8 +15,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
 
 import hivemind
 from hivemind.p2p import P2P, PeerID
@@ -21,6 +29,83 @@ from hivemind.utils import get_dht_time
 from protocols.interfaces import Record, StreamHandler
 
 logger = logging.getLogger(__name__)
+
+
+#: How often the DHT process checks that the daemon that started it is alive, in seconds.
+PARENT_POLL_S = 0.25
+#: How long p2pd gets to exit on SIGTERM once the daemon is gone, before SIGKILL.
+ORPHAN_GRACE_S = 1.0
+
+
+def _children_of(pid: int) -> list[int]:
+    """Pids whose parent is ``pid`` (from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(b")") + 2:].split()  # the name in parentheses may contain spaces
+        if int(fields[1]) == pid:
+            found.append(int(entry))
+    return found
+
+
+def _descendants_of(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        kids = _children_of(todo.pop())
+        out += kids
+        todo += kids
+    return out
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """In the DHT process: once ``parent_pid`` is gone (we were reparented), stop p2pd and every other descendant,
+    then exit. Runs in a daemon thread; a thread, not ``PR_SET_PDEATHSIG``, because the signal would fire when the
+    parent's *thread* that forked us exits (an executor thread), not only when the parent does."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_S)
+        pids = _descendants_of(os.getpid())
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + ORPHAN_GRACE_S
+        while time.monotonic() < deadline and any(os.path.exists(f"/proc/{pid}") and not _is_zombie(pid)
+                                                  for pid in pids):
+            time.sleep(0.05)
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="peerd-parent-watch", daemon=True).start()
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return True
+    return stat[stat.rindex(b")") + 2:].split()[0] == b"Z"
+
+
+class _TiedDHT(hivemind.DHT):
+    """hivemind's DHT process, which exits (with its p2pd) when the process that started it dies."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        self._starter_pid = os.getpid()  # set before hivemind.DHT.__init__ forks (start=True)
+        super().__init__(*args, **kwargs)
+
+    def run(self) -> None:
+        _die_with_parent(self._starter_pid)
+        super().run()
 
 
 class HivemindDiscovery:
@@ -118,6 +203,8 @@ class HivemindTransport:
     dht: hivemind.DHT
     discovery: HivemindDiscovery
     streams: HivemindStreams
+    on_shutdown: list[Callable[[], None]] = field(default_factory=list)
+    """Called after the DHT process is gone (e.g. releasing the identity lock)."""
 
     @classmethod
     async def create(
@@ -157,7 +244,7 @@ class HivemindTransport:
             kwargs["announce_maddrs"] = list(announce_maddrs)
         loop = asyncio.get_running_loop()
         try:
-            dht = await loop.run_in_executor(None, lambda: hivemind.DHT(start=True, **kwargs))
+            dht = await loop.run_in_executor(None, lambda: _TiedDHT(start=True, **kwargs))
         except Exception as e:
             raise ConnectionError(f"could not start the DHT node: {e}") from e
         p2p = await dht.replicate_p2p()
@@ -175,4 +262,10 @@ class HivemindTransport:
         with contextlib.suppress(Exception):
             await self.streams.p2p.shutdown()
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, self.dht.shutdown)
+        try:
+            await loop.run_in_executor(None, self.dht.shutdown)
+        finally:
+            for callback in self.on_shutdown:
+                with contextlib.suppress(Exception):
+                    callback()
+            self.on_shutdown.clear()

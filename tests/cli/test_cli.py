@@ -1,6 +1,7 @@
 """The command line: help, usage errors, run-config conflicts, status of a live run."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -112,3 +113,29 @@ def test_light_commands_do_not_import_torch():
              "print(sorted(m for m in ('torch', 'hivemind', 'protocols.allreduce') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("how, needle", [
+    ("flag", "--initial-peers"), ("file", "initial_peers"), ("env", "PEERD_INITIAL_PEERS"),
+])
+def test_a_malformed_multiaddr_is_a_usage_error_naming_the_flag_key_or_variable(tmp_path, how, needle):
+    """Caught in the node config, before any process starts (was: p2pd failing to parse it, exit 1)."""
+    args, env = ["join", "--run-id", "x", "--checkpoint-dir", str(tmp_path / "ckpt")], dict(os.environ)
+    if how == "flag":
+        args += ["--initial-peers", "notamaddr"]
+    elif how == "file":
+        (tmp_path / "node.toml").write_text('[node]\ninitial_peers = ["notamaddr"]\n')
+        args += ["--config", str(tmp_path / "node.toml")]
+    else:
+        env["PEERD_INITIAL_PEERS"] = "notamaddr"
+    result = subprocess.run(peerd_cmd(*args), capture_output=True, text=True, timeout=90, env=env)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and "notamaddr" in lines[0], result.stderr
+    assert not (tmp_path / "ckpt").exists()  # nothing started
+
+
+def test_an_initial_peer_without_a_peer_id_is_a_usage_error():
+    result = _peerd("join", "--run-id", "x", "--initial-peers", "/ip4/127.0.0.1/tcp/31337")
+    assert result.returncode == 2 and "/p2p/<PeerID>" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1

@@ -68,16 +68,22 @@ def test_usage_errors_exit_2(peerd):
     assert hours.returncode == 2 and "active_hours" in hours.stderr and len(hours.stderr.strip().splitlines()) == 1
 
 
+BOOTSTRAP = "/ip4/203.0.113.7/tcp/31337/p2p/12D3KooWKbVaxDqFciM1PngLgGXCskoJKt22WxpPdZ7JMvqUPyVe"
+
+
 def test_install_service_writes_the_unit_and_prints_the_commands(tmp_path, peerd):
     config = tmp_path / "node.toml"
     config.write_text('[node]\nupload_limit_mb_s = 5\n')
     result = peerd("install-service", "--run-id", "r1", "--config", str(config), "--unit-dir", str(tmp_path / "u"),
-                    "--initial-peers", "/ip4/203.0.113.7/tcp/31337/p2p/12D3KooWA", "--peerd", "/opt/p/bin/peerd")
+                    "--initial-peers", BOOTSTRAP, "--peerd", "/opt/p/bin/peerd")
     assert result.returncode == 0, result.stderr
     unit = (tmp_path / "u" / "peerd.service").read_text()
     assert (f"ExecStart=/opt/p/bin/peerd join --run-id r1 --config {config} "
-            "--initial-peers /ip4/203.0.113.7/tcp/31337/p2p/12D3KooWA") in unit
+            f"--initial-peers {BOOTSTRAP}") in unit
     assert "Type=notify" in unit and "WatchdogSec=120" in unit
+    typo = peerd("install-service", "--run-id", "r1", "--print", "--peerd", "/opt/p/bin/peerd",
+                 "--initial-peers", "/ip4/203.0.113.7/tcp/31337/p2p/12D3KooWA")
+    assert typo.returncode == 2 and "--initial-peers" in typo.stderr and len(typo.stderr.strip().splitlines()) == 1
     # the config lives under /tmp here; under /home or /root the unit would need ProtectHome=read-only
     assert ("ProtectHome=read-only" in unit) == str(config).startswith(("/home/", "/root/"))
     for needle in ("systemctl daemon-reload", "systemctl enable --now peerd.service", "useradd --system"):

@@ -34,7 +34,7 @@ def _run_swarm(tmp_path, aggregation: str, attack: bool) -> tuple[float, int]:
         hub = Hub()
         workers = []
         for i in range(4):
-            node = NodeConfig(checkpoint_dir=str(tmp_path / f"{aggregation}-{attack}-{i}"), threads=1)
+            node = NodeConfig(checkpoint_dir=str(tmp_path / f"{aggregation}-{attack}-{i}"), threads=1, device="cpu")
             workers.append(DiLoCoWorker("b1", run, node, hub.transport(f"peer{i}"), asyncio.Event()))
         faults = Faults()
         if attack:

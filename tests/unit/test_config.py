@@ -14,6 +14,10 @@ pytestmark = pytest.mark.timeout(60)
 REPO = Path(__file__).resolve().parents[2]
 RUN_PRESETS = sorted((REPO / "node_configs" / "runs").glob("*.toml"))
 MACHINE_PRESETS = sorted((REPO / "node_configs" / "machines").glob("*.toml"))
+#: Real PeerIDs (Ed25519 keys): initial_peers are checked to end with a well-formed /p2p/<PeerID>.
+PEER_A = "12D3KooWKbVaxDqFciM1PngLgGXCskoJKt22WxpPdZ7JMvqUPyVe"
+PEER_B = "12D3KooWDptq23arqsipaxkBVToiQZPCgYnmBUo2eYGMRa9FzXeq"
+PEER_C = "12D3KooWPEqR8gNoASfa4FWphmfn8iFzfrthqAFxFhYunqvgMVGp"
 
 
 def write(tmp_path: Path, text: str, name: str = "config.toml") -> Path:
@@ -174,8 +178,8 @@ def test_out_of_range_values_name_the_file(tmp_path):
 
 
 def test_string_given_for_a_list_becomes_a_one_element_tuple(tmp_path):
-    path = write(tmp_path, '[node]\ninitial_peers = "/ip4/127.0.0.1/tcp/1/p2p/x"\n')
-    assert load_node_config(str(path), environ={}).initial_peers == ("/ip4/127.0.0.1/tcp/1/p2p/x",)
+    path = write(tmp_path, f'[node]\ninitial_peers = "/ip4/127.0.0.1/tcp/1/p2p/{PEER_A}"\n')
+    assert load_node_config(str(path), environ={}).initial_peers == (f"/ip4/127.0.0.1/tcp/1/p2p/{PEER_A}",)
 
 
 # ---------------------------------------------------------------------------------------------------------- precedence
@@ -212,7 +216,8 @@ def test_unknown_override_is_a_config_error():
 
 def test_env_parsing_of_lists_bools_ints_floats_and_strings():
     env = {
-        "PEERD_INITIAL_PEERS": "/ip4/1.2.3.4/tcp/1/p2p/A, /ip4/5.6.7.8/tcp/2/p2p/B  /dns/x/tcp/3/p2p/C",
+        "PEERD_INITIAL_PEERS": (f"/ip4/1.2.3.4/tcp/1/p2p/{PEER_A}, /ip4/5.6.7.8/tcp/2/p2p/{PEER_B}"
+                                f"  /dns/x/tcp/3/p2p/{PEER_C}"),
         "PEERD_HOST_MADDRS": "/ip4/127.0.0.1/tcp/0",
         "PEERD_ANNOUNCE_MADDRS": "",
         "PEERD_NAT_PORT_MAP": "yes",
@@ -223,7 +228,8 @@ def test_env_parsing_of_lists_bools_ints_floats_and_strings():
         "PEERD_IDENTITY": "/keys/id.key",
     }
     node = load_node_config(None, environ=env)
-    assert node.initial_peers == ("/ip4/1.2.3.4/tcp/1/p2p/A", "/ip4/5.6.7.8/tcp/2/p2p/B", "/dns/x/tcp/3/p2p/C")
+    assert node.initial_peers == (f"/ip4/1.2.3.4/tcp/1/p2p/{PEER_A}", f"/ip4/5.6.7.8/tcp/2/p2p/{PEER_B}",
+                                  f"/dns/x/tcp/3/p2p/{PEER_C}")
     assert node.host_maddrs == ("/ip4/127.0.0.1/tcp/0",)
     assert node.announce_maddrs == ()
     assert node.nat_port_map is True
@@ -385,3 +391,59 @@ def test_data_plane_choices_and_port_range():
         NodeConfig(data_plane="udp")
     with pytest.raises(ConfigError, match="data_port"):
         NodeConfig(data_port=70000)
+
+
+# ----------------------------------------------------------------------------------------- multiaddrs, identity, paths
+
+
+@pytest.mark.parametrize("key, value, needle", [
+    ("initial_peers", "notamaddr", "notamaddr"),
+    ("initial_peers", "/ip4/1.2.3.4/tcp/31337", "/p2p/<PeerID>"),  # reachable, but whom to expect there?
+    ("initial_peers", "/ip4/1.2.3.4/tcp/31337/p2p/12D3KooWtruncated", "PeerID"),
+    ("initial_peers", f"/ip4/1.2.3/tcp/31337/p2p/{PEER_A}", "1.2.3"),
+    ("host_maddrs", "/ip4/0.0.0.0/tcp/99999", "99999"),
+    ("host_maddrs", "/ip4/0.0.0.0/tpc/1", "tpc"),
+    ("announce_maddrs", "203.0.113.7:31337", "203.0.113.7:31337"),
+])
+def test_malformed_multiaddrs_are_config_errors_naming_the_key(key, value, needle):
+    with pytest.raises(ConfigError) as info:
+        NodeConfig(**{key: (value,)})
+    assert key in str(info.value) and needle in str(info.value) and info.value.key == key
+
+
+@pytest.mark.parametrize("maddr", [
+    f"/ip4/203.0.113.7/tcp/31337/p2p/{PEER_A}", f"/ip6/::1/tcp/1/p2p/{PEER_B}",
+    f"/dns4/boot.example.org/tcp/1/p2p/{PEER_C}",
+    f"/ip4/1.2.3.4/udp/1/quic-v1/p2p/{PEER_A}", "/ip4/1.2.3.4/tcp/1/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N",
+])
+def test_well_formed_initial_peers_pass(maddr):
+    assert NodeConfig(initial_peers=(maddr,), host_maddrs=("/ip4/127.0.0.1/tcp/0", "/ip6/::/tcp/0")).initial_peers
+
+
+def test_a_bad_multiaddr_from_a_flag_or_variable_names_the_flag_or_variable(tmp_path):
+    path = str(write(tmp_path, f'[node]\ninitial_peers = ["/ip4/1.2.3.4/tcp/1/p2p/{PEER_A}"]\n'))
+    with pytest.raises(ConfigError, match="^--initial-peers: invalid multiaddr 'nope'"):
+        load_node_config(path, environ={}, overrides={"initial_peers": ("nope",)})
+    with pytest.raises(ConfigError, match="^PEERD_HOST_MADDRS: invalid multiaddr 'nope'"):
+        load_node_config(path, environ={"PEERD_HOST_MADDRS": "nope"})
+    bad_file = str(write(tmp_path, '[node]\nannounce_maddrs = ["nope"]\n', "bad.toml"))
+    with pytest.raises(ConfigError, match="announce_maddrs: invalid multiaddr 'nope'") as info:
+        load_node_config(bad_file, environ={})
+    assert str(info.value).startswith(bad_file)
+
+
+def test_identity_defaults_to_the_checkpoint_dir_with_one_file_per_kind_of_daemon(tmp_path):
+    a, b = NodeConfig(checkpoint_dir=str(tmp_path / "a")), NodeConfig(checkpoint_dir=str(tmp_path / "b"))
+    assert a.identity is None
+    assert a.identity_path == tmp_path / "a" / "identity.key" and b.identity_path == tmp_path / "b" / "identity.key"
+    assert a.identity_path_for("bootstrap") == tmp_path / "a" / "bootstrap.key"
+    given = NodeConfig(checkpoint_dir=str(tmp_path / "a"), identity=str(tmp_path / "me.key"))
+    assert given.identity_path == given.identity_path_for("bootstrap") == tmp_path / "me.key"
+
+
+def test_paths_of_the_wrong_kind_are_config_errors(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="checkpoint_dir.*not a folder"):
+        NodeConfig(checkpoint_dir=str(tmp_path / "file"))
+    with pytest.raises(ConfigError, match="identity.*is a folder"):
+        NodeConfig(identity=str(tmp_path))

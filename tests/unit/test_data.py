@@ -139,3 +139,28 @@ def test_evaluate_short_last_batch_and_errors():
     assert evaluate(model, tokens, seq_len=8, batch_size=2, max_batches=None).tokens == 3 * 8
     with pytest.raises(ValueError, match="too few"):
         evaluate(model, tokens[:8], seq_len=8, batch_size=2, max_batches=1)
+
+
+class _DeviceProbe(torch.nn.Module):
+    """A model whose weights live on the ``meta`` device (no memory, no CPU compute): stands in for a model on a GPU,
+    so a batch left on the CPU is caught on machines without one. Returns a fixed loss of 2 nats per token."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(4, device="meta"))
+        self.seen: list[torch.device] = []
+
+    def forward(self, x, y):
+        self.seen += [x.device, y.device]
+        if x.device != self.weight.device or y.device != self.weight.device:
+            raise RuntimeError(f"batch on {x.device}, model on {self.weight.device}")
+        return None, torch.tensor(2.0)
+
+
+def test_evaluate_runs_where_the_model_is():
+    """A worker's model sits on its training device (cuda with device = auto): evaluation must not assume the CPU."""
+    model = _DeviceProbe()
+    result = evaluate(model, ByteTokenizer.encode("x" * 40), seq_len=8, batch_size=2, max_batches=None)
+    assert set(model.seen) == {torch.device("meta")} and result.nats_per_byte == 2.0 and result.tokens == 4 * 8
+    with pytest.raises(ValueError, match="no parameters"):
+        evaluate(torch.nn.Identity(), ByteTokenizer.encode("x" * 40), seq_len=8, batch_size=2, max_batches=1)

@@ -3,6 +3,7 @@ node config example."""
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -68,6 +69,10 @@ def test_dockerfile_contract():
     assert "31337/tcp" in exposed
 
 
+#: What `docker compose logs bootstrap` printed, exported as BOOTSTRAP_PEER_ID (compose.yaml, step 2).
+BOOTSTRAP_PEER_ID = "12D3KooWKbVaxDqFciM1PngLgGXCskoJKt22WxpPdZ7JMvqUPyVe"
+
+
 def test_compose_example_contract():
     compose = yaml.safe_load(COMPOSE.read_text())
     services = compose["services"]
@@ -89,8 +94,12 @@ def test_compose_example_contract():
             assert env["PEERD_RUN_ID"] == "shakespeare-demo"
             assert any(p.endswith(f":{env['PEERD_METRICS_PORT']}") for p in service["ports"])
             assert service["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
-            node = load_node_config(None, environ={**image_env(), **{k: str(v) for k, v in env.items()
+            # as compose substitutes it: multiaddrs are checked, so the placeholder must become a real PeerID
+            substituted = {k: re.sub(r"\$\{BOOTSTRAP_PEER_ID[^}]*\}", BOOTSTRAP_PEER_ID, str(v))
+                           for k, v in env.items()}
+            node = load_node_config(None, environ={**image_env(), **{k: v for k, v in substituted.items()
                                                                       if k != "PEERD_RUN_ID"}})
+            assert node.initial_peers == (f"/dns4/bootstrap/tcp/31337/p2p/{BOOTSTRAP_PEER_ID}",)
             assert node.metrics_host == "0.0.0.0" and node.metrics_port == 9400
 
 

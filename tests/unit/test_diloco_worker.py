@@ -25,7 +25,7 @@ def _run(min_group_size: int) -> RunConfig:
 
 
 def _worker(hub, name, run, tmp_path) -> DiLoCoWorker:
-    node = NodeConfig(checkpoint_dir=str(tmp_path / name), threads=1)
+    node = NodeConfig(checkpoint_dir=str(tmp_path / name), threads=1, device="cpu")
     return DiLoCoWorker("unit", run, node, hub.transport(name), asyncio.Event())
 
 

@@ -11,7 +11,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.p2p import PeerID
 from hivemind.proto import crypto_pb2
 
-from peerd.identity import IdentityError, load_or_create_identity, peer_id_of
+from peerd.identity import IdentityError, IdentityInUse, hold_identity, load_or_create_identity, peer_id_of
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -134,3 +134,42 @@ def test_peer_id_of_a_known_key():
 def test_peer_id_of_garbage_raises_identity_error():
     with pytest.raises(IdentityError, match="my-source"):
         peer_id_of(b"\xff" * 10, source="my-source")
+
+
+def test_a_held_identity_is_refused_to_a_second_daemon_naming_the_file_and_the_holder(tmp_path):
+    path = tmp_path / "state" / "identity.key"
+    first = hold_identity(path)
+    try:
+        with pytest.raises(IdentityInUse) as info:
+            hold_identity(path)
+        message = str(info.value)
+        assert str(path) in message and f"pid {os.getpid()}" in message and "--identity" in message
+        assert len(message.splitlines()) == 1
+    finally:
+        first.release()
+    hold_identity(path).release()  # released: the next daemon gets it
+
+
+def test_a_forked_child_does_not_keep_the_identity_lock(tmp_path):
+    """hivemind forks its DHT process while the daemon holds the lock: an orphaned child must not keep it."""
+    path = tmp_path / "identity.key"
+    held = hold_identity(path)
+    read_end, write_end = os.pipe()
+    ready_read, ready_write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child outlives the parent's hold and waits for the parent to say it may exit
+        os.close(write_end)
+        os.write(ready_write, b"r")  # os.fork() has returned here: the at-fork hooks have run
+        os.read(read_end, 1)
+        os._exit(0)
+    os.close(read_end)
+    os.close(ready_write)
+    try:
+        assert os.read(ready_read, 1) == b"r"
+        held.release()
+        hold_identity(path).release()  # would raise IdentityInUse if the child had kept the locked descriptor
+    finally:
+        os.write(write_end, b"x")
+        os.close(write_end)
+        os.close(ready_read)
+        os.waitpid(pid, 0)
