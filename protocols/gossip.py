@@ -185,7 +185,7 @@ class GossipAverager(Service):
         header = {"numel": numel, "weight": weight, "codec": self.codec.name}
         try:
             reply = await call(self.transport.streams, peer, self.prefix, "gossip", header, payload,
-                               timeout_s=self.config.exchange_timeout_s,
+                               timeout_s=None,  # bounded by _exchange's wait_for
                                max_reply_bytes=self.codec.encoded_size(numel))
         except Refused as e:
             if e.code == "busy":

@@ -332,7 +332,7 @@ async def call(
     header: Optional[dict[str, Any]] = None,
     payload: Payload = b"",
     *,
-    timeout_s: float,
+    timeout_s: Optional[float],
     max_reply_bytes: int = 0,
     connect_timeout_s: Optional[float] = None,
     chunk_bytes: int = CHUNK_BYTES,
@@ -342,7 +342,8 @@ async def call(
     Args:
         streams: this peer's streams (``transport.streams``).
         header: msgpack-able map of the request (no reserved keys); payload: its raw bytes (any length).
-        timeout_s: for the whole exchange (open, send, reply), in seconds.
+        timeout_s: for the whole exchange (open, send, reply), in seconds; None only where the caller bounds the
+            call itself (e.g. inside its own ``asyncio.wait_for``).
         max_reply_bytes: largest reply payload accepted; a larger announced reply is refused on its header, before
             any payload byte is read.
         connect_timeout_s: optional tighter bound on opening the stream and sending the request.
@@ -356,20 +357,33 @@ async def call(
         Refused (the handler refused or failed); ValueError on a reserved key in ``header``.
     """
     request = _check_keys(header)
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    first = min(timeout_s, connect_timeout_s) if connect_timeout_s is not None else timeout_s
-    reader, writer = await _open(streams, peer, handler_name(service, method), first)
-    stream = RpcStream(reader, writer, peer, caller=True, chunk_bytes=chunk_bytes)
-    try:
-        connect_deadline = loop.time() + first if connect_timeout_s is not None else deadline
-        await stream._send(request, payload, min(deadline, connect_deadline) - loop.time())
-        message = await stream.recv(max_reply_bytes, deadline - loop.time())
+    name = handler_name(service, method)
+
+    async def connect() -> RpcStream:
+        reader, writer = await streams.open(peer, name)
+        stream = RpcStream(reader, writer, peer, caller=True, chunk_bytes=chunk_bytes)
+        try:
+            await stream._send(request, payload, None)
+        except BaseException:
+            stream.close()
+            raise
+        return stream
+
+    async def exchange() -> Reply:
+        if connect_timeout_s is None:
+            stream = await connect()
+        else:
+            stream = await _guard(connect(), connect_timeout_s, f"opening {name!r} to {peer} and sending the request")
+        try:
+            message = await stream.recv(max_reply_bytes)
+        finally:
+            stream.close()
         if message is None:
             raise ProtocolViolation(f"{peer} ended the call without a reply")
         return Reply(message.header, message.payload, stream.bytes_received, stream.bytes_sent)
-    finally:
-        stream.close()
+
+    # one deadline around the whole exchange (not one per step): fewer event-loop hops per call
+    return await _guard(exchange(), timeout_s, f"call {name!r} to {peer}")
 
 
 async def open_stream(
