@@ -68,7 +68,7 @@ class StateSnapshot:
             if size == 0:
                 tensor = torch.empty(0, dtype=dtype)
             else:
-                tensor = torch.frombuffer(bytearray(self.payload[offset : offset + size]), dtype=dtype)
+                tensor = torch.frombuffer(bytearray(memoryview(self.payload)[offset : offset + size]), dtype=dtype)
             if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
                 raise ProtocolViolation(f"{name} has non-finite values")
             out[name] = tensor
