@@ -60,9 +60,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Default largest payload of one frame; longer payloads are chunked. Payloads up to this size are read and written
-#: without a copy.
-CHUNK_BYTES = 8 << 20
+#: Default largest payload of one frame; longer payloads are chunked. A payload up to this size is received without
+#: a copy (a chunked one is copied once, into its buffer), and its message is byte for byte the single frame that
+#: peers spoke before chunking existed.
+CHUNK_BYTES = 64 << 20
 
 #: Largest total payload a message may announce (msgpack's unsigned 64-bit range is larger; this keeps it signed).
 MAX_TOTAL_BYTES = 2**63 - 1
@@ -276,7 +277,7 @@ class RpcStream:
         """Send one message; returns its bytes. Raises RpcTimeout, Unreachable; ValueError on reserved keys."""
         header = _check_keys(header)
         if not self.caller:
-            header["status"] = "ok"
+            header = {"status": "ok", **header}
         return await self._send(header, payload, timeout_s)
 
     async def _send(self, header: dict[str, Any], payload: Payload, timeout_s: Optional[float]) -> int:
@@ -483,8 +484,12 @@ class Service:
     transport: Any = None
 
     def methods(self) -> dict[str, MethodHandler]:
-        """``{method: handler}``; by default every ``rpc_<method>`` of this object."""
-        return {attr[4:]: getattr(self, attr) for attr in dir(type(self)) if attr.startswith("rpc_")}
+        """``{method: handler}``; by default every ``rpc_<method>`` of this object (looked up once)."""
+        table = self.__dict__.get("_methods")
+        if table is None:
+            table = {attr[4:]: getattr(self, attr) for attr in dir(type(self)) if attr.startswith("rpc_")}
+            self.__dict__["_methods"] = table
+        return table
 
     def handler_name_of(self, method: str) -> str:
         return handler_name(self.name, method)
@@ -551,8 +556,8 @@ class Service:
             if request is not None:  # raised by the handler while reading: head violations were reported above
                 self.on_bad_request(peer, method, e)
             await _try_refuse(writer, "protocol", str(e))
-        except RpcTimeout as e:
-            await _try_refuse(writer, "timeout", str(e))
+        except (RpcTimeout, asyncio.TimeoutError) as e:  # (TimeoutError is an OSError: before the next clause)
+            await _try_refuse(writer, "timeout", str(e) or "handler timed out")
         except (Unreachable, ConnectionError, OSError) as e:
             logger.debug("%s: %s went away: %s", self.handler_name_of(method), peer, e)
         except Exception as e:  # noqa: BLE001 - a handler bug answers the caller instead of hanging it
