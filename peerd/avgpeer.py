@@ -29,6 +29,7 @@ from peerd.faults import Faults, FaultyTransport
 from peerd.telemetry import JsonFormatter
 from peerd.transport.hivemind_backend import HivemindTransport
 from protocols.allreduce import AllReduceConfig, AllReduceFailed, ButterflyAllReduce
+from protocols.codecs import CODECS
 from protocols.gossip import GossipAverager, GossipConfig
 from protocols.matchmaking import MatchmakingConfig, Matchmaker, MatchmakingFailed
 from protocols.moshpit import MoshpitAverager, round_to_join
@@ -179,7 +180,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--numel", type=int, default=100_000)
     p.add_argument("--weight", type=float, default=1.0)
-    p.add_argument("--compression", choices=("none", "fp16", "int8"), default="none")
+    p.add_argument("--compression", choices=CODECS, default="none")
     p.add_argument("--group-size", type=int, default=2, help="moshpit target group size M")
     p.add_argument("--partners", type=int, default=2, help="gossip partners per round k")
     p.add_argument("--timeout-s", type=float, default=10.0)

@@ -27,11 +27,12 @@ from typing import Optional
 import torch
 
 from protocols.bans import BanList
-from protocols.compression import Codec, all_finite, get_codec
+from protocols.codecs import Codec, all_finite, get_codec
 from protocols.interfaces import StreamReader, StreamWriter, Transport
 from protocols.matchmaking import Group
 from protocols.robust import AGGREGATIONS, centered_clip
-from protocols.wire import ProtocolViolation, read_frame, read_header, read_payload, require, try_write_frame, write_frame
+from protocols.rpc import Refused, Request, RpcError, RpcTimeout, Service, call
+from protocols.wire import ProtocolViolation, require
 
 logger = logging.getLogger(__name__)
 
@@ -175,16 +176,20 @@ class _ReduceSession:
     answered: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-class ButterflyAllReduce:
+class ButterflyAllReduce(Service):
     """Runs butterfly all-reduces for groups formed by :class:`protocols.matchmaking.Matchmaker`.
 
-    Call :meth:`start` once (registers the ``<prefix>.reduce`` handler), then :meth:`run` once per group.
+    An RPC service (:mod:`protocols.rpc`) named ``prefix`` with one method, ``reduce`` (stream handler
+    ``<prefix>.reduce``): a member's request carries its slice of our part (header ``group_id``, ``numel``,
+    ``weight``, ``codec``), the reply carries the encoded mean of the part. Call :meth:`start` once, then :meth:`run`
+    once per group.
     """
 
     def __init__(self, transport: Transport, prefix: str, config: AllReduceConfig, bans: Optional[BanList] = None):
         self.transport = transport
-        self.prefix = prefix
+        self.prefix = self.name = prefix
         self.config = config
+        self.request_timeout_s = config.sender_timeout_s  # a sender stalled inside its header is banned
         self.bans = bans if bans is not None else BanList()
         self.codec = get_codec(config.compression)
         self._sessions: dict[str, _ReduceSession] = {}
@@ -192,13 +197,13 @@ class ButterflyAllReduce:
 
     @property
     def handler_name(self) -> str:
-        return f"{self.prefix}.reduce"
+        return self.handler_name_of("reduce")
 
-    async def start(self) -> None:
-        await self.transport.streams.add_handler(self.handler_name, self._handle_part)
+    def stream_handler(self, method: str):
+        return self._handle_part  # a seam: tests wrap the reducer's side of a member's stream
 
-    async def stop(self) -> None:
-        await self.transport.streams.remove_handler(self.handler_name)
+    async def _handle_part(self, peer: str, reader: StreamReader, writer: StreamWriter) -> None:
+        await self.serve("reduce", peer, reader, writer)
 
     async def run(self, group: Group, tensor: torch.Tensor, weight: float) -> AllReduceResult:
         """Average ``tensor`` (P,) fp32 with the group, weighted by ``weight`` (e.g. samples processed).
@@ -311,77 +316,67 @@ class ButterflyAllReduce:
         """Send our slice of ``peer``'s part; returns that part's mean (decoded) and the bytes sent and received."""
         loop = asyncio.get_running_loop()
         timeout = start + self.config.reducer_timeout_s - loop.time()
-        expected_bytes = self.codec.encoded_size(part.numel())
-
-        async def exchange() -> tuple[torch.Tensor, int, int]:
-            reader, writer = await self.transport.streams.open(peer, self.handler_name)
-            try:
-                header = {"group_id": group.group_id, "numel": part.numel(), "weight": weight,
-                          "codec": self.codec.name}
-                sent = await write_frame(writer, header, self._encode_part(part))
-                answer, payload, received = await read_frame(reader, expected_bytes)
-                status = require(answer, "status", str)
-                if status != "ok":
-                    raise AllReduceFailed(f"reducer {peer} refused our part: {answer.get('reason', status)}")
-                try:
-                    averaged = self.codec.decode(payload, part.numel())
-                except ValueError as e:  # wrong size or non-finite values: a faulty or hostile reducer
-                    self.bans.ban(peer, f"sent an invalid mean: {e}")
-                    raise ProtocolViolation(f"reducer {peer} sent an invalid mean: {e}") from None
-                return averaged, sent, received
-            finally:
-                writer.close()
-
+        header = {"group_id": group.group_id, "numel": part.numel(), "weight": weight, "codec": self.codec.name}
         try:
-            return await asyncio.wait_for(exchange(), max(timeout, 0.0))
-        except asyncio.TimeoutError:
+            reply = await call(self.transport.streams, peer, self.prefix, "reduce", header, self._encode_part(part),
+                               timeout_s=max(timeout, 0.0), max_reply_bytes=self.codec.encoded_size(part.numel()))
+        except RpcTimeout:
             raise AllReduceFailed(f"reducer {peer} did not answer within reducer_timeout_s") from None
-        except (ConnectionError, OSError, ProtocolViolation) as e:
+        except Refused as e:
+            raise AllReduceFailed(f"reducer {peer} refused our part: {e.reason}") from e
+        except RpcError as e:
             raise AllReduceFailed(f"reducer {peer} failed: {e!r}") from e
+        try:
+            averaged = self.codec.decode(reply.payload, part.numel())
+        except ValueError as e:  # wrong size or non-finite values: a faulty or hostile reducer
+            self.bans.ban(peer, f"sent an invalid mean: {e}")
+            raise AllReduceFailed(f"reducer {peer} failed: sent an invalid mean: {e}") from None
+        return averaged, reply.bytes_sent, reply.nbytes
 
     def _encode_part(self, part: torch.Tensor) -> bytes:
         """Encode our slice of another member's part (a seam for fault-injection tests)."""
         return self.codec.encode(part)
 
-    async def _handle_part(self, peer: str, reader: StreamReader, writer: StreamWriter) -> None:
+    def on_bad_request(self, peer: str, method: str, error: RpcError) -> None:
+        """Garbage (or a stall) before we even know the part's group: ban the sender, exclude it everywhere."""
+        if isinstance(error, RpcTimeout):  # connected, then stalled inside its header: as bad as a malformed one
+            error = ProtocolViolation(f"part header not delivered within sender_timeout_s={self.config.sender_timeout_s}")
+        logger.warning("dropped a part from %s: %r", peer, error)
+        self.bans.ban(peer, f"malformed part header: {error}")
+        for other in self._sessions.values():
+            if peer in other.group.members and peer not in other.reducer.contributors:
+                other.excluded.setdefault(peer, f"malformed part header: {error}")
+                other.arrived.set()
+
+    async def rpc_reduce(self, request: Request) -> None:
         """Serve one member's part of our reduction: validate, accumulate, answer with the encoded mean."""
         cfg = self.config
+        peer, header = request.peer, request.header
+        group_id = require(header, "group_id", str)  # a ProtocolViolation goes to on_bad_request
         try:
-            try:
-                header, payload_length, received = await asyncio.wait_for(read_header(reader), cfg.sender_timeout_s)
-            except asyncio.TimeoutError:  # connected, then stalled inside its header: as bad as a malformed one
-                raise ProtocolViolation(
-                    f"part header not delivered within sender_timeout_s={cfg.sender_timeout_s}") from None
-            group_id = require(header, "group_id", str)
             # the sender may have learned of the group before we did: wait for our own run() to start
             ready = self._session_ready.setdefault(group_id, asyncio.Event())
             await asyncio.wait_for(ready.wait(), cfg.sender_timeout_s)
             session = self._sessions[group_id]
-        except (ProtocolViolation, asyncio.TimeoutError, KeyError, ConnectionError) as e:
-            if not self._sessions.get(locals().get("group_id", "")):
-                self._session_ready.pop(locals().get("group_id", ""), None)
+        except (asyncio.TimeoutError, KeyError) as e:
+            if not self._sessions.get(group_id):
+                self._session_ready.pop(group_id, None)
             logger.warning("dropped a part from %s: %r", peer, e)
-            if isinstance(e, ProtocolViolation):  # garbage before we even know its group: exclude it everywhere
-                self.bans.ban(peer, f"malformed part header: {e}")
-                for other in self._sessions.values():
-                    if peer in other.group.members and peer not in other.reducer.contributors:
-                        other.excluded.setdefault(peer, f"malformed part header: {e}")
-                        other.arrived.set()
-            await try_write_frame(writer, {"status": "refused", "reason": f"unknown group or malformed header: {e!r}"})
-            return
-        reason = self._check_header(session, peer, header, payload_length)
+            raise Refused(f"unknown group: {e!r}") from None
+        reason = self._check_header(session, peer, header, request.size)
         if reason is None and self.bans.is_banned(peer):
             reason = f"banned: {self.bans.reason(peer)}"
         if reason is None:
             try:
                 budget = max(session.deadline - asyncio.get_running_loop().time(), 0.0) + 1.0
-                payload = await asyncio.wait_for(read_payload(reader, payload_length), budget)
-                session.bytes_received += received + payload_length
+                expected = session.codec.encoded_size(session.part_numel)
+                payload = await request.payload(expected, budget)
+                session.bytes_received += request.stream.bytes_received
                 if session.result_bytes is None:
                     session.reducer.add(peer, session.codec.decode(payload, session.part_numel), header["weight"])
-            except asyncio.TimeoutError:
+            except RpcTimeout:
                 reason = f"stalled: part not delivered within sender_timeout_s={cfg.sender_timeout_s}"
-            except (ValueError, ProtocolViolation, ConnectionError) as e:
+            except (ValueError, RpcError) as e:
                 reason = f"{type(e).__name__}: {e}"
         if reason is not None:
             session.excluded[peer] = reason
@@ -389,19 +384,17 @@ class ButterflyAllReduce:
             session.arrived.set()
             logger.warning("excluded %s from group %s: %s", peer, session.group.group_id, reason,
                            extra={"event": "exclude", "peer": peer, "reason": reason})
-            await try_write_frame(writer, {"status": "refused", "reason": reason})
-            return
+            raise Refused(reason)
         session.arrived.set()
         try:
             await asyncio.wait_for(session.finished.wait(), cfg.reducer_timeout_s)
-            written = await write_frame(writer, {"status": "ok"}, session.result_bytes)
-            session.bytes_sent += written
-            session.answers += 1
-            session.answered.set()
-        except (asyncio.TimeoutError, ConnectionError, OSError) as e:
+            written = await request.reply({}, session.result_bytes)
+        except (asyncio.TimeoutError, RpcError) as e:
             logger.info("could not answer %s for group %s: %r", peer, session.group.group_id, e)
             return
-        await _until_closed_by_member(reader, cfg.sender_timeout_s)
+        session.bytes_sent += written
+        session.answers += 1
+        session.answered.set()
 
     @staticmethod
     def _check_header(session: _ReduceSession, peer: str, header: dict, payload_length: int) -> Optional[str]:
@@ -424,18 +417,3 @@ class ButterflyAllReduce:
         if payload_length != session.codec.encoded_size(session.part_numel):
             return f"payload of {payload_length} bytes, expected {session.codec.encoded_size(session.part_numel)}"
         return None
-
-
-async def _until_closed_by_member(reader: StreamReader, timeout_s: float) -> None:
-    """Wait (at most ``timeout_s``) until the member closes its end, i.e. has read our whole answer; then the
-    transport may close ours.
-
-    Closing first loses data on p2pd (hivemind's go-libp2p-daemon): when our side of the unix socket closes, p2pd's
-    stream pipe closes the libp2p stream, and go-yamux's ``Close`` is ``CloseRead`` then ``CloseWrite``; the
-    ``CloseRead`` wakes the pipe's other goroutine with ``ErrStreamReset``, which calls ``Reset``. When that reset
-    wins the race against the FIN, the member's yamux drops the answer bytes it had buffered but not yet read, and
-    the member sees "stream ended mid-payload" while everyone else finishes the round (seen under CPU load with
-    parts of ~440 KB).
-    """
-    with contextlib.suppress(Exception):  # EOF (IncompleteReadError), a reset, a timeout: all mean we are done
-        await asyncio.wait_for(reader.readexactly(1), timeout_s)

@@ -28,9 +28,10 @@ import torch
 
 from protocols.allreduce import validate_weight
 from protocols.bans import BanList
-from protocols.compression import get_codec
-from protocols.interfaces import StreamReader, StreamWriter, Transport
-from protocols.wire import ProtocolViolation, read_frame, read_header, read_payload, require, try_write_frame, write_frame
+from protocols.codecs import get_codec
+from protocols.interfaces import Transport
+from protocols.rpc import Refused, Request, RpcError, RpcTimeout, Service, Unreachable, call
+from protocols.wire import ProtocolViolation, require
 
 logger = logging.getLogger(__name__)
 
@@ -98,8 +99,12 @@ class GossipResult:
     partners: list[str] = field(default_factory=list)
 
 
-class GossipAverager:
+class GossipAverager(Service):
     """Serves and initiates pairwise exchanges on a shared state held by the caller.
+
+    An RPC service (:mod:`protocols.rpc`) named ``prefix`` with one method, ``gossip`` (stream handler
+    ``<prefix>.gossip``): the request carries the initiator's ``(numel, weight, codec)`` and encoded x, the reply
+    the responder's weight and encoded x; a responder in another exchange refuses with code ``busy``.
 
     ``get_state() -> (x (P,) fp32, w)`` and ``set_state(x, w)`` give access to the averaged state; they are called
     only from the event loop, inside this averager's lock, so the state never changes mid-exchange.
@@ -116,8 +121,9 @@ class GossipAverager:
         bans: Optional[BanList] = None,
     ):
         self.transport = transport
-        self.prefix = prefix
+        self.prefix = self.name = prefix
         self.config = config
+        self.request_timeout_s = config.exchange_timeout_s
         self.codec = get_codec(config.compression)
         self.get_state = get_state
         self.set_state = set_state
@@ -130,13 +136,7 @@ class GossipAverager:
 
     @property
     def handler_name(self) -> str:
-        return f"{self.prefix}.gossip"
-
-    async def start(self) -> None:
-        await self.transport.streams.add_handler(self.handler_name, self._serve)
-
-    async def stop(self) -> None:
-        await self.transport.streams.remove_handler(self.handler_name)
+        return self.handler_name_of("gossip")
 
     async def gossip_round(self, live_peers: Sequence[str]) -> GossipResult:
         """Exchange with up to ``partners_per_round`` random live peers (busy ones are replaced by others)."""
@@ -163,13 +163,13 @@ class GossipAverager:
             mine = self.codec.encode(x)
             try:
                 answer = await asyncio.wait_for(self._call(peer, x.numel(), w, mine, result), self.config.exchange_timeout_s)
-            except asyncio.TimeoutError:
+            except (asyncio.TimeoutError, RpcTimeout):
                 logger.info("gossip exchange with %s timed out", peer)
                 return "failed"
-            except (ProtocolViolation, ValueError) as e:
+            except (ProtocolViolation, Refused, ValueError) as e:
                 self.bans.ban(peer, f"invalid gossip answer: {e}")
                 return "failed"
-            except (ConnectionError, OSError) as e:
+            except Unreachable as e:
                 logger.info("gossip exchange with %s failed: %s", peer, e)
                 return "failed"
             if answer is None:
@@ -182,81 +182,77 @@ class GossipAverager:
     async def _call(
         self, peer: str, numel: int, weight: float, payload: bytes, result: GossipResult
     ) -> Optional[tuple[torch.Tensor, float]]:
-        reader, writer = await self.transport.streams.open(peer, self.handler_name)
+        header = {"numel": numel, "weight": weight, "codec": self.codec.name}
         try:
-            sent = await write_frame(writer, {"numel": numel, "weight": weight, "codec": self.codec.name}, payload)
-            header, answer, received = await read_frame(reader, self.codec.encoded_size(numel))
-        finally:
-            writer.close()
-        result.bytes_sent += sent
-        result.bytes_received += received
-        self.bytes_sent += sent
-        self.bytes_received += received
-        status = require(header, "status", str)
-        if status == "busy":
-            return None
-        if status != "ok":
-            raise ProtocolViolation(f"{peer} refused the exchange: {header.get('reason', status)}")
-        w_j = validate_weight(require(header, "weight", (int, float)))
-        return self.codec.decode(answer, numel), w_j
+            reply = await call(self.transport.streams, peer, self.prefix, "gossip", header, payload,
+                               timeout_s=None,  # bounded by _exchange's wait_for
+                               max_reply_bytes=self.codec.encoded_size(numel))
+        except Refused as e:
+            if e.code == "busy":
+                return None
+            raise
+        result.bytes_sent += reply.bytes_sent
+        result.bytes_received += reply.nbytes
+        self.bytes_sent += reply.bytes_sent
+        self.bytes_received += reply.nbytes
+        w_j = validate_weight(require(reply.header, "weight", (int, float)))
+        return self.codec.decode(reply.payload, numel), w_j
 
-    async def _serve(self, peer: str, reader: StreamReader, writer: StreamWriter) -> None:
+    def on_bad_request(self, peer: str, method: str, error: RpcError) -> None:
+        if isinstance(error, ProtocolViolation):  # a late request is no evidence of malice
+            self.bans.ban(peer, f"invalid gossip exchange: {error}")
+
+    async def rpc_gossip(self, request: Request) -> None:
         # While we are busy, an exchange from a smaller PeerID waits for us and one from a larger PeerID is answered
         # "busy": waits then only ever point from smaller to larger PeerIDs, so concurrent exchanges cannot deadlock.
+        peer = request.peer
         if self.bans.is_banned(peer):
-            await try_write_frame(writer, {"status": "refused", "reason": "banned"})
-            return
+            raise Refused("banned")
         if self.lock.locked() and peer > self.transport.streams.peer_id:
-            await self._answer_busy(reader, writer)
-            return
+            return await self._answer_busy(request)
         try:
             await asyncio.wait_for(self.lock.acquire(), self.config.exchange_timeout_s)
         except asyncio.TimeoutError:
-            await self._answer_busy(reader, writer)
-            return
+            return await self._answer_busy(request)
         try:
-            await self._serve_locked(peer, reader, writer)
+            await self._serve_locked(request)
         finally:
             self.lock.release()
 
-    async def _answer_busy(self, reader: StreamReader, writer: StreamWriter) -> None:
+    async def _answer_busy(self, request: Request) -> None:
         """Read (and drop) the request before answering busy: closing on an unread request resets the stream, and the
         initiator would count a failure instead of trying another partner."""
         x, _ = self.get_state()
         try:
-            await asyncio.wait_for(read_frame(reader, self.codec.encoded_size(x.numel())), self.config.exchange_timeout_s)
-        except (ProtocolViolation, asyncio.TimeoutError, ConnectionError):
+            await request.payload(self.codec.encoded_size(x.numel()), self.config.exchange_timeout_s)
+        except RpcError:
             return
-        await try_write_frame(writer, {"status": "busy"})
+        raise Refused("in another exchange", "busy")
 
-    async def _serve_locked(self, peer: str, reader: StreamReader, writer: StreamWriter) -> None:
+    async def _serve_locked(self, request: Request) -> None:
+        peer = request.peer
         x, w = self.get_state()
         try:
-            header, payload_length, _ = await asyncio.wait_for(read_header(reader), self.config.exchange_timeout_s)
+            header = request.header
             numel = require(header, "numel", int)
             w_i = validate_weight(require(header, "weight", (int, float)))
             if numel != x.numel() or header.get("codec") != self.codec.name:
                 raise ProtocolViolation(f"exchange of {numel} {header.get('codec')} values, expected {x.numel()}")
-            if payload_length != self.codec.encoded_size(numel):
-                raise ProtocolViolation(f"payload of {payload_length} bytes for {numel} values")
-            payload = await asyncio.wait_for(read_payload(reader, payload_length), self.config.exchange_timeout_s)
+            if request.size != self.codec.encoded_size(numel):
+                raise ProtocolViolation(f"payload of {request.size} bytes for {numel} values")
+            payload = await request.payload(request.size, self.config.exchange_timeout_s)
             x_i = self.codec.decode(payload, numel)
-        except (ProtocolViolation, ValueError, asyncio.TimeoutError, ConnectionError) as e:
-            if not isinstance(e, asyncio.TimeoutError):
+        except (ProtocolViolation, ValueError, RpcTimeout, Unreachable) as e:
+            if not isinstance(e, RpcTimeout):
                 self.bans.ban(peer, f"invalid gossip exchange: {e}")
-            await try_write_frame(writer, {"status": "refused", "reason": str(e)})
-            return
+            raise Refused(str(e)) from None
         mine = self.codec.encode(x)
         try:
-            sent = await asyncio.wait_for(
-                write_frame(writer, {"status": "ok", "weight": validate_weight(w)}, mine),
-                self.config.exchange_timeout_s,
-            )
-        except (ConnectionError, OSError, asyncio.TimeoutError):
+            sent = await request.reply({"weight": validate_weight(w)}, mine, self.config.exchange_timeout_s)
+        except RpcError:
             return  # the initiator will not update either: skip ours to keep the pair's sum
         self.bytes_sent += sent
-        self.bytes_received += payload_length
+        self.bytes_received += request.size
         new_x, new_w = pair_average(x_i, w_i, self.codec.decode(mine, numel), w)
         self.set_state(new_x, new_w)
         self.served += 1
-

@@ -55,7 +55,9 @@ class StreamWriter(Protocol):
     def close(self) -> None: ...
 
 
-#: ``handler(remote_peer_id, reader, writer)``: serves one incoming stream; the transport closes it afterwards.
+#: ``handler(remote_peer_id, reader, writer)``: serves one incoming stream; the transport closes it afterwards (where
+#: closing first could drop the handler's last answer, as on p2pd, only once the remote closed or a bounded wait ran
+#: out). Protocols register handlers through :class:`protocols.rpc.Service`, not directly.
 StreamHandler = Callable[[str, StreamReader, StreamWriter], Awaitable[None]]
 
 

@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from protocols.bans import BanList
-from protocols.interfaces import StreamReader, StreamWriter, Transport
-from protocols.wire import ProtocolViolation, read_frame, require, try_write_frame, write_frame
+from protocols.interfaces import Transport
+from protocols.rpc import Refused, Request, RpcError, Service, call
+from protocols.wire import ProtocolViolation, require
 
 logger = logging.getLogger(__name__)
 
@@ -106,10 +107,14 @@ class _Session:
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-class Matchmaker:
+class Matchmaker(Service):
     """Forms averaging groups among peers that share a discovery prefix.
 
-    Call :meth:`start` once (registers the ``<prefix>.join`` stream handler), then :meth:`form_group` once per round.
+    An RPC service (:mod:`protocols.rpc`) named ``prefix`` with one method, ``join`` (stream handler
+    ``<prefix>.join``): the request is ``{key, info, remaining_s}``; the leader answers when the group is sealed
+    (``{"type": "group", group_id, members, infos}``) or it defers (``{"type": "redirect", leader}``), or refuses
+    with code ``refused`` (admission), ``late`` (already sealed) or ``gone`` (not matchmaking for that key).
+    Call :meth:`start` once, then :meth:`form_group` once per round.
     """
 
     def __init__(
@@ -121,8 +126,9 @@ class Matchmaker:
         bans: Optional[BanList] = None,
     ) -> None:
         self.transport = transport
-        self.prefix = prefix
+        self.prefix = self.name = prefix
         self.config = config
+        self.request_timeout_s = config.request_timeout_s
         self.admit = admit
         self.bans = bans if bans is not None else BanList()
         self._sessions: dict[str, _Session] = {}
@@ -134,13 +140,7 @@ class Matchmaker:
 
     @property
     def handler_name(self) -> str:
-        return f"{self.prefix}.join"
-
-    async def start(self) -> None:
-        await self.transport.streams.add_handler(self.handler_name, self._handle_join)
-
-    async def stop(self) -> None:
-        await self.transport.streams.remove_handler(self.handler_name)
+        return self.handler_name_of("join")
 
     def _discovery_key(self, key: str) -> str:
         return f"{self.prefix}.mm.{key}"
@@ -267,20 +267,16 @@ class Matchmaker:
         return group
 
     async def _follow(self, session: _Session, leader: str) -> tuple[str, Any]:
-        """Ask ``leader`` to admit us; returns (kind, value) with kind in group|redirect|unreachable|refused|late."""
+        """Ask ``leader`` to admit us; returns (kind, value) with kind in group|redirect|unreachable|refused|late|gone."""
         loop = asyncio.get_running_loop()
         cfg = self.config
         remaining = session.deadline - loop.time()
+        request = {"key": session.key, "info": session.info, "remaining_s": max(0.0, remaining)}
         try:
-            reader, writer = await asyncio.wait_for(
-                self.transport.streams.open(leader, self.handler_name), cfg.request_timeout_s
-            )
-        except (ConnectionError, OSError, asyncio.TimeoutError) as e:
-            return "unreachable", repr(e)
-        try:
-            request = {"key": session.key, "info": session.info, "remaining_s": max(0.0, remaining)}
-            await asyncio.wait_for(write_frame(writer, request), cfg.request_timeout_s)
-            header, _, _ = await asyncio.wait_for(read_frame(reader, 0), remaining + cfg.request_timeout_s)
+            reply = await call(self.transport.streams, leader, self.prefix, "join", request,
+                               timeout_s=max(0.0, remaining) + cfg.request_timeout_s,
+                               connect_timeout_s=cfg.request_timeout_s)
+            header = reply.header
             kind = require(header, "type", str)
             if kind == "group":
                 members = tuple(require(header, "members", list))
@@ -290,63 +286,54 @@ class Matchmaker:
                 return "group", Group(require(header, "group_id", str), session.key, leader, members, infos)
             if kind == "redirect":
                 return "redirect", require(header, "leader", str)
-            if kind in ("refused", "late", "gone"):
-                return kind, str(header.get("reason", ""))
             raise ProtocolViolation(f"unknown answer type {kind!r}")
-        except (ConnectionError, OSError, asyncio.TimeoutError, ProtocolViolation) as e:
+        except Refused as e:
+            if e.code in ("refused", "late", "gone"):
+                return e.code, e.reason
             return "unreachable", repr(e)
-        finally:
-            writer.close()
+        except RpcError as e:
+            return "unreachable", repr(e)
 
-    async def _handle_join(self, peer: str, reader: StreamReader, writer: StreamWriter) -> None:
+    def on_bad_request(self, peer: str, method: str, error: RpcError) -> None:
+        logger.warning("malformed join request from %s: %s", peer, error)
+
+    async def rpc_join(self, request: Request) -> dict[str, Any]:
         loop = asyncio.get_running_loop()
-        try:
-            header, _, _ = await asyncio.wait_for(read_frame(reader, 0), self.config.request_timeout_s)
-            key = require(header, "key", str)
-            info = require(header, "info", dict)
-            remaining = float(require(header, "remaining_s", (int, float)))
-        except (ProtocolViolation, asyncio.TimeoutError, ConnectionError) as e:
-            logger.warning("malformed join request from %s: %s", peer, e)
-            return
+        peer = request.peer
+        key = require(request.header, "key", str)
+        info = require(request.header, "info", dict)
+        remaining = float(require(request.header, "remaining_s", (int, float)))
         session = self._sessions.get(key)
         if session is None or session.sealed:
             if session is not None or key in self._sealed_keys:
-                await try_write_frame(writer, {"type": "late", "reason": f"{self.peer_id} already sealed {key!r}"})
-            else:
-                await try_write_frame(writer, {"type": "gone", "reason": f"{self.peer_id} is not matchmaking for {key!r}"})
-            return
+                raise Refused(f"{self.peer_id} already sealed {key!r}", "late")
+            raise Refused(f"{self.peer_id} is not matchmaking for {key!r}", "gone")
         if session.following is not None:
-            await try_write_frame(writer, {"type": "redirect", "leader": session.following})
-            return
+            return {"type": "redirect", "leader": session.following}
         reason = f"banned: {self.bans.reason(peer)}" if self.bans.is_banned(peer) else None
         if reason is None and self.admit is not None:
             reason = self.admit(session.info, peer, info)
         if reason is not None:
-            await try_write_frame(writer, {"type": "refused", "reason": reason})
-            return
+            raise Refused(reason, "refused")
         follower = _Follower(info, loop.time() + min(remaining, self.config.matchmaking_timeout_s), loop.create_future())
         previous = session.followers.pop(peer, None)
         if previous is not None and not previous.answer.done():
             previous.answer.set_result(("unreachable", "superseded by a newer join request"))
         session.followers[peer] = follower
         session.changed.set()
-        watcher = asyncio.ensure_future(_watch_closed(reader, follower))
+        watcher = asyncio.ensure_future(_watch_closed(request, follower))
         try:
             kind, value = await follower.answer
         finally:
             watcher.cancel()
         if kind == "group":
-            answer = {"type": "group", "group_id": value.group_id, "members": list(value.members), "infos": value.infos}
-        elif kind == "redirect":
-            answer = {"type": "redirect", "leader": value}
-        else:
-            answer = {"type": "late", "reason": str(value)}
-        await try_write_frame(writer, answer)
+            return {"type": "group", "group_id": value.group_id, "members": list(value.members), "infos": value.infos}
+        if kind == "redirect":
+            return {"type": "redirect", "leader": value}
+        raise Refused(str(value), "late")
 
 
-async def _watch_closed(reader: StreamReader, follower: _Follower) -> None:
+async def _watch_closed(request: Request, follower: _Follower) -> None:
     """Flag the follower as gone when its join stream ends (it sends nothing after the request)."""
-    with contextlib.suppress(Exception):
-        await reader.readexactly(1)
+    await request.remote_closed()
     follower.closed.set()
-

@@ -1,23 +1,26 @@
 """Download of the current training state from a live peer (how a joiner catches up with the swarm).
 
-A serving peer answers ``<prefix>.state`` streams with one frame: a header describing the tensors (name, dtype,
-numel, in order) plus metadata, and a payload with the raw little-endian bytes of those tensors, back to back. The
-downloader checks everything against what it expects (names, shapes, dtypes, total size, finite values) before it
-uses anything: a bad answer is a :class:`StateTransferFailed`, and the caller tries another peer.
+A serving peer is an RPC service (:mod:`protocols.rpc`) named ``prefix`` with one method, ``state`` (stream handler
+``<prefix>.state``). It answers with one message: a header describing the tensors (name, dtype, numel, in order)
+plus metadata, and a payload with the raw little-endian bytes of those tensors, back to back. The RPC layer chunks a
+payload larger than ``chunk_bytes`` into several frames (64-bit total), so a state of any size (theta + momentum of
+a model above 537M parameters included) travels, and the downloader refuses a state larger than its ``max_bytes``
+on the header, before reading it. A peer with nothing to serve refuses with code ``unavailable``. The downloader
+checks everything against what it expects (names, shapes, dtypes, total size, finite values) before it uses
+anything: a bad answer is a :class:`StateTransferFailed`, and the caller tries another peer.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 
-from protocols.interfaces import StreamReader, StreamWriter, Transport
-from protocols.wire import ProtocolViolation, read_frame, require, write_frame
+from protocols.interfaces import Transport
+from protocols.rpc import CHUNK_BYTES, Refused, Request, RpcError, RpcTimeout, Service, call
+from protocols.wire import ProtocolViolation, require
 
 logger = logging.getLogger(__name__)
 
@@ -40,10 +43,10 @@ class StateTransferConfig:
 
 @dataclass(frozen=True)
 class StateSnapshot:
-    """Serialized state: ``header`` (msgpack-able: tensors spec + metadata) and ``payload`` bytes."""
+    """Serialized state: ``header`` (msgpack-able: tensors spec + metadata) and ``payload`` bytes (bytes-like)."""
 
     header: dict[str, Any]
-    payload: bytes
+    payload: bytes | bytearray
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> "StateSnapshot":
@@ -79,7 +82,7 @@ class StateSnapshot:
             if size == 0:
                 tensor = torch.empty(0, dtype=dtype)
             else:
-                tensor = torch.frombuffer(bytearray(self.payload[offset : offset + size]), dtype=dtype)
+                tensor = torch.frombuffer(bytearray(memoryview(self.payload)[offset : offset + size]), dtype=dtype)
             if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
                 raise ProtocolViolation(f"{name} has non-finite values")
             out[name] = tensor
@@ -100,34 +103,35 @@ class StateTransferFailed(Exception):
     """The peer could not be reached or sent an unusable state."""
 
 
-class StateServer:
-    """Serves the latest snapshot returned by ``get_snapshot`` (None = nothing to serve yet)."""
+class StateServer(Service):
+    """Serves the latest snapshot returned by ``get_snapshot`` (None = nothing to serve yet).
 
-    def __init__(self, transport: Transport, prefix: str, get_snapshot: Callable[[], Optional[StateSnapshot]]):
+    ``chunk_bytes`` is the largest payload per frame of an answer (tests set it small).
+    """
+
+    def __init__(self, transport: Transport, prefix: str, get_snapshot: Callable[[], Optional[StateSnapshot]],
+                 chunk_bytes: int = CHUNK_BYTES):
         self.transport = transport
-        self.prefix = prefix
+        self.prefix = self.name = prefix
         self.get_snapshot = get_snapshot
+        self.chunk_bytes = chunk_bytes
         self.served = 0
 
     @property
     def handler_name(self) -> str:
-        return f"{self.prefix}.state"
+        return self.handler_name_of("state")
 
-    async def start(self) -> None:
-        await self.transport.streams.add_handler(self.handler_name, self._serve)
-
-    async def stop(self) -> None:
-        await self.transport.streams.remove_handler(self.handler_name)
-
-    async def _serve(self, peer: str, reader: StreamReader, writer: StreamWriter) -> None:
+    async def rpc_state(self, request: Request) -> None:
         snapshot = self.get_snapshot()
-        with contextlib.suppress(ConnectionError, OSError):
-            if snapshot is None:
-                await write_frame(writer, {"status": "unavailable"})
-                return
-            await write_frame(writer, {"status": "ok", **snapshot.header}, snapshot.payload)
-            self.served += 1
-            logger.info("served state (%d bytes) to %s", len(snapshot.payload), peer)
+        if snapshot is None:
+            raise Refused("no state to serve yet", "unavailable")
+        try:
+            await request.reply(snapshot.header, snapshot.payload)
+        except RpcError as e:
+            logger.info("state upload to %s failed: %s", request.peer, e)
+            return
+        self.served += 1
+        logger.info("served state (%d bytes) to %s", len(snapshot.payload), request.peer)
 
 
 async def download_state(
@@ -138,21 +142,12 @@ async def download_state(
     Raises StateTransferFailed on any network failure, timeout, refusal or oversized/malformed answer; the returned
     snapshot still has to be validated with :meth:`StateSnapshot.tensors`.
     """
-
-    async def fetch() -> StateSnapshot:
-        reader, writer = await transport.streams.open(peer, f"{prefix}.state")
-        try:
-            header, payload, _ = await read_frame(reader, max_bytes)
-        finally:
-            writer.close()
-        if header.get("status") != "ok":
-            raise StateTransferFailed(f"{peer} has no state to serve ({header.get('status')!r})")
-        header.pop("status")
-        return StateSnapshot(header, payload)
-
     try:
-        return await asyncio.wait_for(fetch(), timeout_s)
-    except asyncio.TimeoutError:
+        reply = await call(transport.streams, peer, prefix, "state", timeout_s=timeout_s, max_reply_bytes=max_bytes)
+    except RpcTimeout:
         raise StateTransferFailed(f"{peer} did not send its state within {timeout_s} s") from None
-    except (ConnectionError, OSError, ProtocolViolation) as e:
+    except Refused as e:
+        raise StateTransferFailed(f"{peer} has no state to serve ({e.code}: {e.reason})") from e
+    except RpcError as e:
         raise StateTransferFailed(f"state download from {peer} failed: {e}") from e
+    return StateSnapshot(reply.header, reply.payload)

@@ -24,25 +24,57 @@ _PREFIX = struct.Struct(">II")
 MAX_HEADER_BYTES = 64 * 1024
 
 
-class ProtocolViolation(Exception):
-    """A peer sent bytes that do not follow the protocol (oversized, truncated, malformed, wrong schema)."""
+class RpcError(Exception):
+    """Base of every failure of an exchange with a peer (see :mod:`protocols.rpc` for the subclasses)."""
 
 
-def encode_frame(header: dict[str, Any], payload: bytes | memoryview = b"") -> list[bytes | memoryview]:
-    """Serialize a frame into buffers ready for ``writer.write`` (the payload is not copied)."""
+class ProtocolViolation(RpcError):
+    """A peer sent bytes that do not follow the protocol (oversized, truncated, malformed, wrong schema).
+
+    Raised on the side that read the bytes; the caller excludes (bans) that peer.
+    """
+
+
+class StreamEnded(ProtocolViolation):
+    """The stream ended cleanly before the first byte of a frame (the peer closed between frames).
+
+    A :class:`ProtocolViolation` where a frame was required (so :func:`read_frame` callers see no change);
+    :mod:`protocols.rpc` reads it as the peer having gone away, not as garbage.
+    """
+
+
+#: Largest payload one frame can carry (its length is a u32); :mod:`protocols.rpc` chunks longer messages.
+MAX_FRAME_PAYLOAD_BYTES = 2**32 - 1
+
+
+def encode_frame(
+    header: dict[str, Any], payload: bytes | memoryview | list[bytes | memoryview] = b""
+) -> list[bytes | memoryview]:
+    """Serialize a frame into buffers ready for ``writer.write`` (the payload is not copied).
+
+    ``payload`` may be a list of buffers, sent back to back as one payload (e.g. the slices of one chunk).
+    Raises ValueError if the header exceeds :data:`MAX_HEADER_BYTES` or the payload one frame's u32 length.
+    """
     header_bytes = msgpack.packb(header, use_bin_type=True)
     if len(header_bytes) > MAX_HEADER_BYTES:
         raise ValueError(f"frame header is {len(header_bytes)} bytes, more than {MAX_HEADER_BYTES}")
-    return [_PREFIX.pack(len(header_bytes), len(payload)), header_bytes, payload]
+    parts = payload if isinstance(payload, list) else [payload]
+    length = sum(memoryview(p).nbytes for p in parts)
+    if length > MAX_FRAME_PAYLOAD_BYTES:
+        raise ValueError(f"frame payload is {length} bytes, more than {MAX_FRAME_PAYLOAD_BYTES}: chunk it")
+    return [_PREFIX.pack(len(header_bytes), length), header_bytes, *parts]
 
 
-async def write_frame(writer: StreamWriter, header: dict[str, Any], payload: bytes | memoryview = b"") -> int:
+async def write_frame(
+    writer: StreamWriter, header: dict[str, Any], payload: bytes | memoryview | list[bytes | memoryview] = b""
+) -> int:
     """Write one frame and wait until the transport accepted it. Returns the number of bytes written."""
     total = 0
     for buffer in encode_frame(header, payload):
-        if len(buffer):
+        size = memoryview(buffer).nbytes
+        if size:
             writer.write(buffer)
-            total += len(buffer)
+            total += size
     await writer.drain()
     return total
 
@@ -77,7 +109,8 @@ async def read_header(reader: StreamReader) -> tuple[dict[str, Any], int, int]:
     try:
         prefix = await reader.readexactly(_PREFIX.size)
     except asyncio.IncompleteReadError as e:
-        raise ProtocolViolation(f"stream ended after {len(e.partial)} of {_PREFIX.size} prefix bytes") from None
+        kind = StreamEnded if not e.partial else ProtocolViolation
+        raise kind(f"stream ended after {len(e.partial)} of {_PREFIX.size} prefix bytes") from None
     header_length, payload_length = _PREFIX.unpack(prefix)
     if header_length > MAX_HEADER_BYTES:
         raise ProtocolViolation(f"header of {header_length} bytes exceeds the limit of {MAX_HEADER_BYTES}")

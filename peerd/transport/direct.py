@@ -55,6 +55,7 @@ from cryptography.exceptions import InvalidSignature
 
 from peerd.namespace import network_key
 from peerd.signing import InvalidRecord, Signer, public_key_of
+from peerd.transport.linger import CLOSE_LINGER_S, until_remote_closes
 from protocols.interfaces import Discovery, PeerStreams, StreamHandler
 from protocols.wire import ProtocolViolation, read_frame, require, try_write_frame, write_frame
 
@@ -371,6 +372,25 @@ class _Connection(asyncio.BufferedProtocol):
             raise
         return bytes(result)
 
+    async def read(self, n: int = -1) -> bytes:
+        """Up to ``n`` buffered bytes (all if ``n < 0``), waiting for at least one; b"" at EOF. Raises
+        ConnectionResetError if the connection broke."""
+        if self._waiter is not None:
+            raise RuntimeError("read() called while another read is waiting")
+        while not self._buffer:
+            if self._eof:
+                if self._error is not None:
+                    raise ConnectionResetError(f"connection lost: {self._error!r}")
+                return b""
+            await self._wait()
+        take = len(self._buffer) if n < 0 else min(n, len(self._buffer))
+        data = bytes(memoryview(self._buffer)[:take])
+        del self._buffer[:take]
+        if self._reading_paused and len(self._buffer) <= STREAM_LIMIT_BYTES:
+            self._reading_paused = False
+            self._transport.resume_reading()
+        return data
+
     def at_eof(self) -> bool:
         return self._eof and not self._buffer
 
@@ -579,6 +599,8 @@ class DirectStreams:
                 await handler(client, reader, writer)
             except Exception:
                 logger.exception("stream handler %s failed for %s (direct)", name, client)
+            else:  # closing with unread bytes would reset the connection and could drop our answer
+                await until_remote_closes(reader, CLOSE_LINGER_S)
         finally:
             with contextlib.suppress(Exception):
                 writer.close()

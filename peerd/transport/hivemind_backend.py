@@ -26,6 +26,7 @@ import hivemind
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 
+from peerd.transport.linger import CLOSE_LINGER_S, until_remote_closes
 from protocols.interfaces import Record, StreamHandler
 
 logger = logging.getLogger(__name__)
@@ -132,22 +133,8 @@ class HivemindDiscovery:
         }
 
 
-#: After a handler returns, how long its stream stays open for the remote to read the last answer and close first.
-CLOSE_LINGER_S = 5.0
-
-
-async def _until_remote_closes(reader: asyncio.StreamReader, timeout_s: float) -> None:
-    """Wait (at most ``timeout_s``) for the remote's EOF, discarding anything it still sends.
-
-    Closing our end first can lose our last answer on p2pd: closing the unix socket makes p2pd close the libp2p
-    stream, and go-yamux's close (CloseRead, then CloseWrite) can race into a stream reset that makes the remote drop
-    bytes it had received but not yet read (seen as "stream ended mid-payload" on ~1 in 1,000 large answers).
-    """
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    with contextlib.suppress(Exception):  # EOF, reset or timeout: all mean we may close now
-        while await asyncio.wait_for(reader.read(1 << 16), max(0.0, deadline - loop.time())):
-            pass
+# the p2pd close-order quirk: a served stream stays open until the remote closed it (see peerd.transport.linger)
+_until_remote_closes = until_remote_closes
 
 
 class HivemindStreams:

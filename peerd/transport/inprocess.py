@@ -61,9 +61,16 @@ class Hub:
         return a not in self._down and b not in self._down
 
     def disconnect(self, peer_id: str) -> None:
-        """Make ``peer_id`` unreachable and end every stream it takes part in (a crash, as others see it)."""
+        """Make ``peer_id`` unreachable and end every stream it takes part in (a crash, as others see it).
+
+        The crashed peer's own streams fail at once, bytes received but not yet read included (a dead process
+        reads nothing more); the others see the end of the stream after what it had sent.
+        """
         self._down.add(peer_id)
         for writer_a, writer_b in self._streams.pop(peer_id, []):
+            for writer in (writer_a, writer_b):
+                if writer._remote == peer_id:
+                    writer._target.set_exception(ConnectionResetError(f"{peer_id} is down"))
             writer_a.close()
             writer_b.close()
 

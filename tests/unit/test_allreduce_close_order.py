@@ -1,4 +1,8 @@
-"""A reducer closes its stream only after the member closed its own (p2pd drops buffered bytes on the other order)."""
+"""A reducer's stream closes only after the member closed its own (p2pd drops buffered bytes on the other order).
+
+The wait lives in the transport (peerd.transport.linger, used by the p2pd and direct streams); in-process, handlers
+end as soon as the members close after reading their answers.
+"""
 
 import asyncio
 
@@ -6,7 +10,8 @@ import pytest
 import torch
 
 from peerd.transport.inprocess import Hub
-from protocols.allreduce import AllReduceConfig, ButterflyAllReduce, _until_closed_by_member
+from peerd.transport.linger import until_remote_closes
+from protocols.allreduce import AllReduceConfig, ButterflyAllReduce
 from protocols.matchmaking import MatchmakingConfig, Matchmaker
 
 pytestmark = pytest.mark.timeout(60)
@@ -15,13 +20,13 @@ pytestmark = pytest.mark.timeout(60)
 def test_waits_for_the_member_to_close_and_no_longer_than_the_timeout():
     async def main():
         reader = asyncio.StreamReader()
-        waiting = asyncio.ensure_future(_until_closed_by_member(reader, 5.0))
+        waiting = asyncio.ensure_future(until_remote_closes(reader, 5.0))
         await asyncio.sleep(0.1)
         assert not waiting.done()  # the member has not closed: our side stays open
         reader.feed_eof()
         await asyncio.wait_for(waiting, 1.0)
         started = asyncio.get_running_loop().time()
-        await _until_closed_by_member(asyncio.StreamReader(), 0.2)  # a member that never closes
+        await until_remote_closes(asyncio.StreamReader(), 0.2)  # a member that never closes
         return asyncio.get_running_loop().time() - started
 
     assert 0.15 <= asyncio.run(main()) < 1.0

@@ -334,3 +334,44 @@ def test_server_that_hangs_up_mid_frame():
             await download_state(hub.transport("client"), PREFIX, "server", 1 << 20, 5)
 
     run(main())
+
+
+def test_a_state_larger_than_one_frame_arrives_chunked_and_bit_identical():
+    theta = torch.randn(30_000, generator=torch.Generator().manual_seed(3))
+    momentum = torch.randn(30_000, generator=torch.Generator().manual_seed(4))
+    snap = StateSnapshot.from_tensors({"theta": theta, "momentum": momentum}, {"outer_round": 2})
+    chunk = 1000  # 240 frames
+
+    async def main():
+        hub = Hub()
+        frames = []
+        server = hub.transport("server")
+        await StateServer(server, PREFIX, lambda: snap, chunk_bytes=chunk).start()
+        client = hub.transport("client")
+        original = client.streams.open
+
+        async def counting_open(peer, name):
+            reader, writer = await original(peer, name)
+            read = reader.readexactly
+
+            async def readexactly(n):
+                data = await read(n)
+                if n == 8:
+                    frames.append(data)
+                return data
+
+            reader.readexactly = readexactly
+            return reader, writer
+
+        client.streams.open = counting_open
+        got = await download_state(client, PREFIX, "server", max_bytes=len(snap.payload), timeout_s=10)
+        with pytest.raises(StateTransferFailed, match="exceeds the limit"):
+            await download_state(client, PREFIX, "server", max_bytes=len(snap.payload) - 1, timeout_s=10)
+        return got, frames
+
+    got, frames = run(main())
+    assert bytes(got.payload) == snap.payload and got.metadata == {"outer_round": 2}
+    tensors = got.tensors({"theta": (torch.float32, 30_000), "momentum": (torch.float32, 30_000)})
+    assert torch.equal(tensors["theta"].view(torch.int32), theta.view(torch.int32))
+    assert torch.equal(tensors["momentum"].view(torch.int32), momentum.view(torch.int32))
+    assert len(frames) >= len(snap.payload) // chunk  # the first download came in many frames
