@@ -181,9 +181,12 @@ def _diff(a: dict, b: dict, prefix: str = "") -> list[tuple[str, object, object]
 
 
 async def join(run_id: str, node: NodeConfig, local_run: Optional[RunConfig]) -> None:
-    """Join (or create) run ``run_id`` as a DiLoCo worker until stopped or the run's round limit."""
+    """Join (or create) run ``run_id`` in the role its config names (``parallelism``, :data:`peerd.roles.base.ROLES`)
+    until stopped or the role is done. Raises :class:`peerd.roles.status_board.DuplicateIdentity` if another live
+    daemon uses this peer's identity."""
+    from peerd.faults import instrument_from_env
     from peerd.limits import apply_cpu_threads, apply_gpu_memory_fraction
-    from peerd.roles.diloco_worker import DiLoCoWorker, pick_device  # torch-heavy; keep `peerd --help` fast
+    from peerd.roles.base import RunContext, parallelism, pick_device, role_class  # torch-heavy: keep --help fast
 
     stop = asyncio.Event()
     install_stop_handlers(stop)
@@ -202,10 +205,14 @@ async def join(run_id: str, node: NodeConfig, local_run: Optional[RunConfig]) ->
             keeper = asyncio.ensure_future(keep_run_config_alive(transport, run_id, record))
             data_plane = await start_data_plane(node, transport)
             role_transport = admit_only(services.pace(data_plane or transport), run.allowlist)
-            worker = DiLoCoWorker(run_id, run, node, role_transport, stop, gate=services.gate)
-            services.watch_peers(role_transport.discovery, run_id)
+            ctx = RunContext.build(run_id, run, node, role_transport, stop, services.gate, services.events)
+            ctx = instrument_from_env(ctx)  # PEERD_FAULTS: tests make this peer misbehave on schedule
+            role = role_class(parallelism(run))(ctx)
+            services.watch_peers(role_transport.discovery, ctx.namespace.status_key)
             services.ready(f"joined run {run_id}")
-            await worker.run_forever()
+            await role.run(ctx)
+            if ctx.status.conflict is not None:
+                raise ctx.status.conflict
         finally:
             if keeper is not None:
                 keeper.cancel()

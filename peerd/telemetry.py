@@ -1,7 +1,7 @@
 """Logging setup (human-readable or JSON lines) and the status records peers keep in the DHT.
 
-Structured events are ordinary log records with ``extra={"event": ..., ...}``: the JSON formatter writes those
-fields as keys, so tests and log shippers read them without parsing prose.
+Structured events (:mod:`peerd.events`) are logged with ``extra={"event": ..., ...}``: the JSON formatter writes
+those fields as keys, so tests and log shippers read them without parsing prose.
 """
 
 from __future__ import annotations
@@ -54,57 +54,6 @@ def setup_logging(log_format: str = "text", level: str | None = None) -> None:
     logging.captureWarnings(True)
 
 
-def event_fields(record: logging.LogRecord) -> dict[str, Any]:
-    """The ``extra`` fields of a record (``event`` and the rest), as the JSON formatter writes them."""
-    return {k: v for k, v in vars(record).items() if k not in _STANDARD_ATTRS and not k.startswith("_")}
-
-
-class EventTap(logging.Handler):
-    """Hands every structured event (a record with ``extra={"event": ...}``) to subscribers: metrics, the daemon's
-    own state, systemd status lines. Attach it to the ``peerd`` logger with :meth:`attach`."""
-
-    def __init__(self, *subscribers: Any):
-        super().__init__(logging.DEBUG)
-        self.subscribers = list(subscribers)
-        self._restore: list[tuple[Any, int]] = []
-        self._failed: set[int] = set()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if not isinstance(getattr(record, "event", None), str):
-            return
-        event = event_fields(record)
-        for subscriber in self.subscribers:
-            try:
-                subscriber(event)
-            except Exception:  # never let a subscriber break logging; say so once, not on every event
-                if id(subscriber) not in self._failed:
-                    self._failed.add(id(subscriber))
-                    logging.getLogger(__name__).warning("event subscriber %r failed", subscriber, exc_info=True)
-
-    def attach(self, logger_name: str = "peerd") -> None:
-        """Receive INFO events even when the user asked for fewer log lines: the ``peerd`` logger lets INFO through
-        and the root handlers keep the user's level."""
-        root = logging.getLogger()
-        target = logging.getLogger(logger_name)
-        if target.getEffectiveLevel() > logging.INFO:
-            for handler in root.handlers:
-                if handler.level < root.level:
-                    self._restore.append((handler, handler.level))
-                    handler.setLevel(root.level)
-            self._restore.append((target, target.level))
-            target.setLevel(logging.INFO)
-        target.addHandler(self)
-        self._target = target
-
-    def detach(self) -> None:
-        target = getattr(self, "_target", None)
-        if target is not None:
-            target.removeHandler(self)
-        for obj, level in reversed(self._restore):
-            obj.setLevel(level)
-        self._restore.clear()
-
-
 def status_key(run_id: str) -> str:
     """DHT key under which every peer of ``run_id`` keeps its status record (subkey = PeerID)."""
     return f"peerd.{run_id}.status"
@@ -115,7 +64,10 @@ def config_key(run_id: str) -> str:
     return f"peerd.{run_id}.config"
 
 
-STATUS_FIELDS = ("role", "outer_round", "inner_step", "loss", "tokens_per_s", "eval_nats_per_byte", "digest")
+STATUS_FIELDS = ("role", "outer_round", "inner_step", "loss", "tokens_per_s", "eval_nats_per_byte", "digest",
+                 "instance")
+#: Fields a record may lack (written by peers that predate them); a reader sees them as None.
+OPTIONAL_STATUS_FIELDS = ("instance",)
 
 
 def make_status(**fields: Any) -> dict[str, Any]:
@@ -139,11 +91,11 @@ def status_problem(record: Any) -> str | None:
 
     Checks: a dict with exactly the status fields and ``time``; ``role`` a short string; ``outer_round`` and
     ``inner_step`` non-negative integers (or None); loss, tokens/s and eval finite numbers (or None); ``digest`` a
-    short string (or None); ``time`` a finite number.
+    short string (or None); ``instance`` (optional) a short string or None; ``time`` a finite number.
     """
     if not isinstance(record, dict):
         return f"not a record but {type(record).__name__}"
-    if set(record) != set(STATUS_FIELDS) | {"time"}:
+    if not set(STATUS_FIELDS) - set(OPTIONAL_STATUS_FIELDS) <= set(record) <= set(STATUS_FIELDS) | {"time"}:
         return f"fields {sorted(map(str, record))} are not the status fields"
     if not isinstance(record["role"], str) or not 0 < len(record["role"]) <= 32:
         return "role is not a short string"
@@ -157,9 +109,10 @@ def status_problem(record: Any) -> str | None:
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or abs(value) == float("inf"):
             return f"{name} is not a finite number: {value!r}"
-    digest = record["digest"]
-    if digest is not None and (not isinstance(digest, str) or len(digest) > 64):
-        return "digest is not a short string"
+    for name in ("digest", "instance"):
+        value = record.get(name)
+        if value is not None and (not isinstance(value, str) or len(value) > 64):
+            return f"{name} is not a short string"
     return None
 
 
