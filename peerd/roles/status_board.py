@@ -79,11 +79,12 @@ class StatusBoard:
         return found
 
     async def run(self) -> None:
-        """Publish every ``interval_s`` and look for a duplicate identity, until cancelled."""
+        """Publish every ``interval_s`` and look for a duplicate identity, until cancelled. It reads before it
+        publishes: what another daemon stored under our PeerID since our last record is still there to be seen."""
         while True:
-            await self.publish()
             with contextlib.suppress(Exception):
                 await self.records()
+            await self.publish()
             await asyncio.sleep(self.interval_s)
 
     def _check_own(self, record: Optional[dict]) -> None:
