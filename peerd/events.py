@@ -294,7 +294,7 @@ class LogEvents:
     """The log subscriber: each event becomes the log line it describes, at its level, ``extra`` = its fields."""
 
     def __init__(self, log: logging.Logger | None = None):
-        self.log = log or logging.getLogger("peerd.roles")
+        self.log = log or logging.getLogger("peerd.events")
 
     def __call__(self, event: Event) -> None:
         self.log.log(event.level, "%s", event.message(), extra=event.fields())
