@@ -239,6 +239,57 @@ class Bandwidth(Event):
 
 
 @dataclass(frozen=True)
+class BandwidthCaps(Event):
+    """The node's bandwidth caps on the role's streams, MB/s (0: unlimited)."""
+
+    name: ClassVar[str] = "bandwidth_caps"
+    upload_mb_s: float
+    download_mb_s: float
+
+    def message(self) -> str:
+        def cap(mb_s: float) -> str:
+            return f"{mb_s:g} MB/s" if mb_s else "unlimited"
+
+        return f"bandwidth caps: upload {cap(self.upload_mb_s)}, download {cap(self.download_mb_s)}"
+
+
+@dataclass(frozen=True)
+class ControlSocketServing(Event):
+    name: ClassVar[str] = "control"
+    path: str
+
+    def message(self) -> str:
+        return f"control socket {self.path} (peerd pause | resume | health)"
+
+
+@dataclass(frozen=True)
+class MetricsServing(Event):
+    name: ClassVar[str] = "metrics"
+    host: str
+    port: int
+
+    def message(self) -> str:
+        return f"Prometheus metrics on http://{self.host}:{self.port}/metrics"
+
+
+@dataclass(frozen=True)
+class ControlCommand(Event):
+    """The volunteer ran ``peerd pause`` or ``peerd resume`` (event ``control_pause`` / ``control_resume``)."""
+
+    name: ClassVar[str] = "control_command"
+    cmd: str
+    changed: bool
+    paused: bool
+    state: str = field(default="", compare=False)
+
+    def fields(self) -> dict[str, Any]:
+        return {"event": f"control_{self.cmd}", "changed": self.changed, "paused": self.paused}
+
+    def message(self) -> str:
+        return f"control: {self.cmd}{'' if self.changed else ' (no change)'}; now {self.state}"
+
+
+@dataclass(frozen=True)
 class DuplicateIdentitySeen(Event):
     """Another live daemon publishes status under this peer's PeerID (a copied identity file)."""
 

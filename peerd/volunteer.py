@@ -22,7 +22,21 @@ from peerd.health import DaemonState, assess_health
 from peerd.pause import USER_REASON, PauseGate
 from peerd.schedule import ActiveHours, enforce_active_hours
 from peerd.systemd import Notifier, watchdog_interval_s, watchdog_loop
-from peerd.events import Bandwidth, Event, EventBus, LogEvents, Paused, Resumed, RoundDone, RoundFailed, Evaluated
+from peerd.events import (
+    Bandwidth,
+    BandwidthCaps,
+    ControlCommand,
+    ControlSocketServing,
+    Evaluated,
+    Event,
+    EventBus,
+    LogEvents,
+    MetricsServing,
+    Paused,
+    Resumed,
+    RoundDone,
+    RoundFailed,
+)
 from peerd.transport.pacing import PacedStreams, PacedTransport, pace
 
 logger = logging.getLogger(__name__)
@@ -77,8 +91,7 @@ class VolunteerServices:
         try:
             if await self._control.start():
                 self.control_path = str(path)
-                logger.info("control socket %s (peerd pause | resume | health)", path,
-                            extra={"event": "control", "path": str(path)})
+                self.events.publish(ControlSocketServing(str(path)))
             else:
                 logger.warning("another peerd daemon serves the control socket %s: this one runs without one "
                                "(give it its own --checkpoint-dir or control_socket)", path)
@@ -90,8 +103,7 @@ class VolunteerServices:
             except OSError as e:
                 raise ServiceError(f"cannot serve metrics on {self.node.metrics_host}:{self.node.metrics_port}: {e}"
                                    ) from None
-            logger.info("Prometheus metrics on http://%s:%d/metrics", self.node.metrics_host, self.metrics_port,
-                        extra={"event": "metrics", "host": self.node.metrics_host, "port": self.metrics_port})
+            self.events.publish(MetricsServing(self.node.metrics_host, self.metrics_port))
         if self.watchdog_s:
             self._spawn(watchdog_loop(self.notifier, self.watchdog_s))
         self._spawn(self._notify_stopping())
@@ -134,8 +146,7 @@ class VolunteerServices:
         up, down = self.node.upload_limit_mb_s, self.node.download_limit_mb_s
         self.streams = pace(transport.streams, up * 1e6, down * 1e6)
         if up or down:
-            logger.info("bandwidth caps: upload %s, download %s", _cap(up), _cap(down),
-                        extra={"event": "bandwidth_caps", "upload_mb_s": up, "download_mb_s": down})
+            self.events.publish(BandwidthCaps(up, down))
         return PacedTransport(transport.discovery, self.streams)
 
     def ready(self, status: str) -> None:
@@ -187,8 +198,7 @@ class VolunteerServices:
                 changed = self.gate.pause(USER_REASON, "paused by the volunteer (peerd pause)")
             else:
                 changed = self.gate.resume(USER_REASON)
-            logger.info("control: %s%s; now %s", cmd, "" if changed else " (no change)", self.gate.describe(),
-                        extra={"event": f"control_{cmd}", "changed": changed, "paused": self.gate.paused})
+            self.events.publish(ControlCommand(cmd, changed, self.gate.paused, self.gate.describe()))
             return {"ok": True, "changed": changed, "paused": self.gate.paused, "pause_reasons": self.gate.reasons}
         return {"ok": False, "error": f"unknown command {cmd!r} (status, pause, resume, health)"}
 
@@ -203,7 +213,3 @@ class VolunteerServices:
             self.notifier.status(f"paused: {self.gate.describe()}")
         elif isinstance(event, (Resumed, Evaluated)) and self.state.worker_state == "training":
             self.notifier.status(f"training run {self.state.run_id}, outer round {self.state.outer_round}")
-
-
-def _cap(mb_s: float) -> str:
-    return f"{mb_s:g} MB/s" if mb_s else "unlimited"

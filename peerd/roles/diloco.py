@@ -106,7 +106,7 @@ class DiLoCoRole:
         self.samples_since_sync = 0
         self.round_quota = self.hp.inner_steps
 
-        fragment = whole_model(self.model, ctx.namespace.prefix(ROLE))
+        fragment = whole_model(self.model, ctx.namespace, ROLE)
         self.part = FragmentState(fragment, OuterState.initial(fragment.flatten(self.model)),
                                   float(run.batch_size * self.hp.inner_steps))
         self.sync = make_outer_sync(ctx, self.part)

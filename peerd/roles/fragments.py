@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from peerd.namespace import RunNamespace
 from protocols.diloco import OuterState
 
 
@@ -55,9 +56,21 @@ class Fragment:
                 offset += p.numel()
 
 
-def whole_model(model: torch.nn.Module, scope: str) -> Fragment:
-    """The whole model as one fragment named ``model`` (group keys under ``scope`` unchanged)."""
-    return Fragment("model", tuple(name for name, _ in model.named_parameters()), scope)
+def whole_model(model: torch.nn.Module, ns: RunNamespace, role: str) -> Fragment:
+    """The whole model as one fragment named ``model``. Its group keys are the role's own (``ns.prefix(role)``,
+    unscoped): a run that syncs the whole model uses the keys it always did."""
+    return Fragment("model", tuple(name for name, _ in model.named_parameters()), ns.prefix(role))
+
+
+def fragment(model: torch.nn.Module, name: str, parameters: tuple[str, ...], ns: RunNamespace, role: str,
+             weight: float = 1.0) -> Fragment:
+    """A fragment of some of ``model``'s parameters, with group keys scoped to it (``ns.scoped(fragment=name)``).
+    Raises KeyError naming a parameter the model does not have."""
+    named = dict(model.named_parameters())
+    missing = [p for p in parameters if p not in named]
+    if missing:
+        raise KeyError(f"fragment {name!r}: the model has no parameters {missing}")
+    return Fragment(name, tuple(parameters), ns.scoped(fragment=name).prefix(role), weight)
 
 
 class FragmentState:
