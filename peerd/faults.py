@@ -3,7 +3,10 @@
     faults = Faults().kill(at_round=3, phase="allreduce").stall(seconds=30, at_round=2).corrupt(at_round=2)
 
 A peer process gets its schedule from the ``PEERD_FAULTS`` environment variable (``Faults.to_json()``), so a test
-can make one real peer misbehave. Every fault that fires is logged as a structured ``fault`` event (and counted in
+can make one real peer misbehave. The schedule reaches a role only through wrappers of its context
+(:func:`instrument`): the transport's streams (:class:`FaultyTransport`: kill/stall mid-transfer), the checkpoint
+store (:class:`FaultyCheckpointStore`) and each outer-sync strategy (:class:`FaultyOuterSync`: which round is
+attempted, kill at matchmaking, fail_round, corrupt). Roles and strategies carry no fault hooks. Every fault that fires is logged as a structured ``fault`` event (and counted in
 :attr:`Faults.fired`): a test asserts those counts, so an injection that never fired fails the test instead of
 passing vacuously.
 
@@ -139,7 +142,7 @@ class Faults:
         raise ConnectionResetError(f"killed by fault injection ({fault.phase}, round {self.round})")
 
     def at_phase(self, phase: str) -> None:
-        """Called by the worker when it enters ``phase`` of the current round."""
+        """Called (by a wrapper) when the peer enters ``phase`` of the current round."""
         fault = self._due("kill", phase)
         if fault is not None and phase not in ("allreduce", "reduce"):
             self._die(fault)
