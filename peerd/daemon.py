@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import signal
 from pathlib import Path
 from typing import Optional
@@ -33,7 +34,7 @@ from peerd.membership import (
 )
 from peerd.namespace import RunNamespace, RunRef, as_run_ref
 from peerd.signing import InvalidRecord, Signer
-from peerd.telemetry import StatusFilter
+from peerd.status import StatusFilter
 from peerd.transport.admission import admit_only
 from peerd.transport.hivemind_backend import HivemindTransport
 from peerd.transport.records import OwnerRecordValidator, SignedDiscovery, key_id
@@ -210,10 +211,12 @@ def _diff(a: dict, b: dict, prefix: str = "") -> list[tuple[str, object, object]
 
 
 async def join(run_id: RunRef | str, node: NodeConfig, local_run: Optional[RunConfig]) -> None:
-    """Join (or create) run ``run_id`` (``name`` or ``name@creator``, a string or a RunRef) as a DiLoCo worker until stopped or the run's
-    round limit. Everything but the choice of the config is keyed by the run name."""
+    """Join (or create) run ``run_id`` (``name`` or ``name@creator``, a string or a RunRef) in the role its config
+    names (``parallelism``, :data:`peerd.roles.base.ROLES`) until stopped or the role is done. Everything but the
+    choice of the config is keyed by the run name. Raises :class:`peerd.roles.status_board.DuplicateIdentity` if
+    another live daemon uses this peer's identity."""
     from peerd.limits import apply_cpu_threads, apply_gpu_memory_fraction
-    from peerd.roles.diloco_worker import DiLoCoWorker, pick_device  # torch-heavy; keep `peerd --help` fast
+    from peerd.roles.base import RunContext, parallelism, pick_device, role_class  # torch-heavy: keep --help fast
 
     ref = as_run_ref(run_id)
     run_id = ref.name
@@ -234,10 +237,17 @@ async def join(run_id: RunRef | str, node: NodeConfig, local_run: Optional[RunCo
             keeper = asyncio.ensure_future(keep_run_config_alive(transport, ref, record))
             data_plane = await start_data_plane(node, transport)
             role_transport = admit_only(services.pace(data_plane or transport), run.allowlist)
-            worker = DiLoCoWorker(run_id, run, node, role_transport, stop, gate=services.gate)
-            services.watch_peers(role_transport.discovery, RunNamespace(ref))
+            ctx = RunContext.build(ref, run, node, role_transport, stop, services.gate, services.events)
+            if os.environ.get("PEERD_FAULTS"):  # the test harness makes this peer misbehave on schedule
+                from peerd.faults import instrument_from_env
+
+                ctx = instrument_from_env(ctx)
+            role = role_class(parallelism(run))(ctx)
+            services.watch_peers(role_transport.discovery, ctx.namespace.status_key)
             services.ready(f"joined run {run_id}")
-            await worker.run_forever()
+            await role.run(ctx)
+            if ctx.status.conflict is not None:
+                raise ctx.status.conflict
         finally:
             if keeper is not None:
                 keeper.cancel()

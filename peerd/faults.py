@@ -3,7 +3,10 @@
     faults = Faults().kill(at_round=3, phase="allreduce").stall(seconds=30, at_round=2).corrupt(at_round=2)
 
 A peer process gets its schedule from the ``PEERD_FAULTS`` environment variable (``Faults.to_json()``), so a test
-can make one real peer misbehave. Every fault that fires is logged as a structured ``fault`` event (and counted in
+can make one real peer misbehave. The schedule reaches a role only through wrappers of its context
+(:func:`instrument`): the transport's streams (:class:`FaultyTransport`: kill/stall mid-transfer), the checkpoint
+store (:class:`FaultyCheckpointStore`) and each outer-sync strategy (:class:`FaultyOuterSync`: which round is
+attempted, kill at matchmaking, fail_round, corrupt). Roles and strategies carry no fault hooks. Every fault that fires is logged as a structured ``fault`` event (and counted in
 :attr:`Faults.fired`): a test asserts those counts, so an injection that never fired fails the test instead of
 passing vacuously.
 
@@ -139,7 +142,7 @@ class Faults:
         raise ConnectionResetError(f"killed by fault injection ({fault.phase}, round {self.round})")
 
     def at_phase(self, phase: str) -> None:
-        """Called by the worker when it enters ``phase`` of the current round."""
+        """Called (by a wrapper) when the peer enters ``phase`` of the current round."""
         fault = self._due("kill", phase)
         if fault is not None and phase not in ("allreduce", "reduce"):
             self._die(fault)
@@ -293,3 +296,97 @@ class FaultyTransport:
     @classmethod
     def wrap(cls, transport, faults: Faults) -> "FaultyTransport":
         return cls(transport.discovery, FaultyStreams(transport.streams, faults))
+
+
+# --------------------------------------------------------------------------------------------- role-level wrappers
+
+
+class FaultyMatchmaker:
+    """A matchmaker whose ``form_group`` first passes the ``matchmaking`` phase of the schedule (a kill there)."""
+
+    def __init__(self, inner, faults: Faults):
+        self.inner, self.faults = inner, faults
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def form_group(self, *args, **kwargs):
+        self.faults.at_phase("matchmaking")
+        return await self.inner.form_group(*args, **kwargs)
+
+
+class FaultyAllReduce:
+    """An all-reduce whose ``run`` fails the round (``fail_round``) or corrupts the pseudo-gradient (``corrupt``)
+    as the schedule says, before the real exchange."""
+
+    def __init__(self, inner, faults: Faults):
+        self.inner, self.faults = inner, faults
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def run(self, group, tensor, weight):
+        from protocols.allreduce import AllReduceFailed
+
+        if self.faults.fail_now():
+            raise AllReduceFailed("injected failure")
+        return await self.inner.run(group, self.faults.transform_pseudo_gradient(tensor), weight)
+
+
+class FaultyOuterSync:
+    """Wraps an outer-sync strategy (:mod:`peerd.roles.outer_sync`): tells the schedule which round is attempted
+    and routes the strategy's matchmaking and all-reduce through :class:`FaultyMatchmaker`/:class:`FaultyAllReduce`."""
+
+    def __init__(self, inner, faults: Faults):
+        self.inner, self.faults = inner, faults
+        for name, wrapper in (("matchmaker", FaultyMatchmaker), ("allreduce", FaultyAllReduce)):
+            if hasattr(inner, name):
+                setattr(inner, name, wrapper(getattr(inner, name), faults))
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def round(self, local, weight, live, syncing):
+        self.faults.round = self.inner.state.outer.outer_round + 1
+        return await self.inner.round(local, weight, live, syncing)
+
+
+class FaultyCheckpointStore:
+    """A checkpoint store that passes the ``checkpoint`` phase between the durable temporary file and its rename."""
+
+    def __init__(self, inner, faults: Faults):
+        self.inner, self.faults = inner, faults
+
+    @property
+    def path(self):
+        return self.inner.path
+
+    def load(self):
+        return self.inner.load()
+
+    def save(self, checkpoint, before_rename=None) -> None:
+        def hook() -> None:
+            self.faults.at_phase("checkpoint")
+            if before_rename is not None:
+                before_rename()
+
+        self.inner.save(checkpoint, before_rename=hook)
+
+
+def instrument(ctx, faults: Optional[Faults]):
+    """``ctx`` (a :class:`peerd.roles.base.RunContext`) with ``faults`` injected through its transport, checkpoint
+    store and outer-sync strategies; ``ctx`` itself if ``faults`` is None."""
+    if faults is None:
+        return ctx
+    import dataclasses
+
+    return dataclasses.replace(
+        ctx, transport=FaultyTransport.wrap(ctx.transport, faults),
+        checkpoints=FaultyCheckpointStore(ctx.checkpoints, faults),
+        wrap_sync=lambda sync: FaultyOuterSync(ctx.wrap_sync(sync), faults),
+    )
+
+
+def instrument_from_env(ctx):
+    """:func:`instrument` with the schedule of ``PEERD_FAULTS`` (a test makes one real peer misbehave)."""
+    return instrument(ctx, Faults.from_env())

@@ -1,8 +1,7 @@
 """What the local daemon knows about itself, and whether it is healthy.
 
-:class:`DaemonState` is fed the daemon's structured log events (``outer_round``, ``eval``, ``state_download``,
-``round_failed``, ``paused``, ``resumed``: see :class:`peerd.telemetry.EventTap`), so roles need no extra hooks to
-report. :func:`assess_health` is pure: the control socket answers ``peerd health`` with it.
+:class:`DaemonState` subscribes to the daemon's event bus (:mod:`peerd.events`: round done, eval, state
+download, round failed, paused, resumed, leave), so roles need no extra hooks to report. :func:`assess_health` is pure: the control socket answers ``peerd health`` with it.
 """
 
 from __future__ import annotations
@@ -10,6 +9,8 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Optional
+
+from peerd.events import Event, event_fields
 
 
 @dataclass
@@ -32,8 +33,9 @@ class DaemonState:
     last_loss: Optional[float] = None
     last_eval_nats_per_byte: Optional[float] = None
 
-    def observe(self, event: Mapping[str, Any], now: Optional[float] = None) -> None:
-        """Update from one structured log event (a dict with at least ``event``)."""
+    def observe(self, event: "Event | Mapping[str, Any]", now: Optional[float] = None) -> None:
+        """Update from one event (an :class:`peerd.events.Event`, or its fields: a dict with at least ``event``)."""
+        event = event_fields(event)
         now = time.time() if now is None else now
         kind = event.get("event")
         if isinstance(event.get("outer_round"), int):

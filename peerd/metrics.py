@@ -1,4 +1,4 @@
-"""Prometheus metrics of one daemon (``--metrics-port``), fed by the same structured events as the logs.
+"""Prometheus metrics of one daemon (``--metrics-port``), fed by the daemon's event bus (:mod:`peerd.events`).
 
 Every metric is named ``peerd_*``; times in seconds, losses in nats per byte, bytes in bytes. The registry is private
 to the daemon (no process-wide default registry), so tests can build several.
@@ -11,6 +11,8 @@ from typing import Any, Callable, Mapping, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from peerd.events import Event, event_fields
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +44,7 @@ class _StreamCollector:
 
 
 class Metrics:
-    """The daemon's metrics; :meth:`observe` takes structured log events, :meth:`serve` exposes them over HTTP."""
+    """The daemon's metrics; :meth:`observe` takes the bus's events, :meth:`serve` exposes them over HTTP."""
 
     def __init__(self, stream_report: Callable[[], Optional[Mapping[str, Mapping[str, Any]]]] = lambda: None):
         self.registry = r = CollectorRegistry(auto_describe=True)
@@ -67,8 +69,9 @@ class Metrics:
         r.register(_StreamCollector(stream_report))
         self._server = None
 
-    def observe(self, event: Mapping[str, Any]) -> None:
-        """Update from one structured log event."""
+    def observe(self, event: "Event | Mapping[str, Any]") -> None:
+        """Update from one event (an :class:`peerd.events.Event`, or its fields as its log line carries them)."""
+        event = event_fields(event)
         kind = event.get("event")
 
         def num(key: str) -> Optional[float]:

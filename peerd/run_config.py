@@ -63,8 +63,7 @@ class AveragingConfig:
     """How peers average pseudo-gradients: the topology, plus the config of each protocol it uses (in TOML, the
     sub-tables ``[averaging.matchmaking]``, ``[averaging.allreduce]``, ``[averaging.gossip]`` and
     ``[averaging.state_transfer]``; their fields are documented by the protocols). Flat keys of older configs
-    (:data:`LEGACY_AVERAGING_KEYS`) are read too, and are still attributes (read-only, e.g.
-    ``averaging.reducer_timeout_s``) for existing callers."""
+    (:data:`LEGACY_AVERAGING_KEYS`) are read too, each into the one protocol field it always meant."""
 
     method: str = "allreduce"
     """Topology: allreduce (one butterfly all-reduce of pseudo-gradients among all peers present; theta_outer stays
@@ -139,14 +138,6 @@ class AveragingConfig:
         for table, (attr, _) in PROTOCOL_TABLES.items():
             out[table] = _plain(dataclasses.asdict(getattr(self, attr)))
         return out
-
-    def __getattr__(self, name: str) -> Any:
-        # older callers read the flat keys (e.g. averaging.reducer_timeout_s); each names one protocol field
-        targets = LEGACY_AVERAGING_KEYS.get(name)
-        if targets is None:
-            raise AttributeError(name)
-        table, field_name = targets[0]
-        return getattr(self.__dict__[PROTOCOL_TABLES[table][0]], field_name)
 
     def protocol(self, table: str) -> Any:
         """The config of the protocol of ``[averaging.<table>]``."""

@@ -2,9 +2,9 @@
 
 :class:`VolunteerServices` owns, for one daemon's lifetime: the pause gate (``peerd pause``/``resume``, active
 hours), the local control socket, systemd notifications and watchdog, the Prometheus endpoint, bandwidth pacing of
-the role's streams, and the daemon's view of its own progress (for ``peerd health``). It learns about the role's
-progress from the role's structured log events (:class:`peerd.telemetry.EventTap`), so roles need only one hook:
-checking the pause gate.
+the role's streams, the daemon's event bus (:attr:`VolunteerServices.events`, which logs every event) and the
+daemon's view of its own progress (for ``peerd health``): health, metrics and systemd status lines subscribe to the
+bus, so a role reports by publishing typed events (:mod:`peerd.events`).
 """
 
 from __future__ import annotations
@@ -22,8 +22,21 @@ from peerd.health import DaemonState, assess_health
 from peerd.pause import USER_REASON, PauseGate
 from peerd.schedule import ActiveHours, enforce_active_hours
 from peerd.systemd import Notifier, watchdog_interval_s, watchdog_loop
-from peerd.namespace import RunNamespace, RunRef
-from peerd.telemetry import EventTap
+from peerd.events import (
+    Bandwidth,
+    BandwidthCaps,
+    ControlCommand,
+    ControlSocketServing,
+    Evaluated,
+    Event,
+    EventBus,
+    LogEvents,
+    MetricsServing,
+    Paused,
+    Resumed,
+    RoundDone,
+    RoundFailed,
+)
 from peerd.transport.pacing import PacedStreams, PacedTransport, pace
 
 logger = logging.getLogger(__name__)
@@ -56,18 +69,16 @@ class VolunteerServices:
         self._control = ControlServer(node.control_socket_path, self._handle)
         self._tasks: list[asyncio.Task] = []
         self._stopping_sent = False
-        subscribers = [self.state.observe, self._systemd_status]
+        self.events = EventBus(LogEvents(), self.state.observe, self._systemd_status)
         if node.metrics_port is not None:
             from peerd.metrics import Metrics  # prometheus_client only when asked for
 
             self.metrics = Metrics(lambda: self.streams.report() if self.streams else None)
-            subscribers.append(self.metrics.observe)
-        self._tap = EventTap(*subscribers)
+            self.events.subscribe(self.metrics.observe)
 
     # ---------------------------------------------------------------------------------------------------- lifecycle
 
     async def __aenter__(self) -> "VolunteerServices":
-        self._tap.attach()
         try:
             await self._start()
         except BaseException:
@@ -80,8 +91,7 @@ class VolunteerServices:
         try:
             if await self._control.start():
                 self.control_path = str(path)
-                logger.info("control socket %s (peerd pause | resume | health)", path,
-                            extra={"event": "control", "path": str(path)})
+                self.events.publish(ControlSocketServing(str(path)))
             else:
                 logger.warning("another peerd daemon (pid %s) serves the control socket %s: this one runs without "
                                "one (give it its own --checkpoint-dir or control_socket)", self._control.holder, path)
@@ -93,8 +103,7 @@ class VolunteerServices:
             except OSError as e:
                 raise ServiceError(f"cannot serve metrics on {self.node.metrics_host}:{self.node.metrics_port}: {e}"
                                    ) from None
-            logger.info("Prometheus metrics on http://%s:%d/metrics", self.node.metrics_host, self.metrics_port,
-                        extra={"event": "metrics", "host": self.node.metrics_host, "port": self.metrics_port})
+            self.events.publish(MetricsServing(self.node.metrics_host, self.metrics_port))
         if self.watchdog_s:
             self._spawn(watchdog_loop(self.notifier, self.watchdog_s))
         self._spawn(self._notify_stopping())
@@ -111,7 +120,7 @@ class VolunteerServices:
             self.notifier.notify("STOPPING=1")
         if self.streams is not None:
             report = self.streams.report()
-            logger.info("bandwidth: %s", _describe(report), extra={"event": "bandwidth", **report})
+            self.events.publish(Bandwidth(report["upload"], report["download"]))
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -120,7 +129,6 @@ class VolunteerServices:
         await self._control.close()
         if self.metrics is not None:
             self.metrics.close()
-        self._tap.detach()
         self.notifier.close()
 
     def _spawn(self, coro: Any) -> None:
@@ -138,8 +146,7 @@ class VolunteerServices:
         up, down = self.node.upload_limit_mb_s, self.node.download_limit_mb_s
         self.streams = pace(transport.streams, up * 1e6, down * 1e6)
         if up or down:
-            logger.info("bandwidth caps: upload %s, download %s", _cap(up), _cap(down),
-                        extra={"event": "bandwidth_caps", "upload_mb_s": up, "download_mb_s": down})
+            self.events.publish(BandwidthCaps(up, down))
         return PacedTransport(transport.discovery, self.streams)
 
     def ready(self, status: str) -> None:
@@ -148,10 +155,9 @@ class VolunteerServices:
             self.state.joined_at = time.time()
         self.notifier.notify("READY=1", "STATUS=" + status)
 
-    def watch_peers(self, discovery: Any, run: RunNamespace | RunRef | str) -> None:
-        """Keep ``peers_seen`` (live peers of the run, from their status records) up to date. ``run``: the run's
-        namespace, or its run id."""
-        status_key = RunNamespace.of(run).status_key
+    def watch_peers(self, discovery: Any, status_key: str) -> None:
+        """Keep ``peers_seen`` (live peers of the run, from their status records under ``status_key``) up to
+        date."""
         interval = max(PEERS_POLL_MIN_S, 2 * self.node.status_interval_s)
 
         async def poll() -> None:
@@ -192,37 +198,19 @@ class VolunteerServices:
                 changed = self.gate.pause(USER_REASON, "paused by the volunteer (peerd pause)")
             else:
                 changed = self.gate.resume(USER_REASON)
-            logger.info("control: %s%s; now %s", cmd, "" if changed else " (no change)", self.gate.describe(),
-                        extra={"event": f"control_{cmd}", "changed": changed, "paused": self.gate.paused})
+            self.events.publish(ControlCommand(cmd, changed, self.gate.paused, self.gate.describe()))
             return {"ok": True, "changed": changed, "paused": self.gate.paused, "pause_reasons": self.gate.reasons,
                     "pid": os.getpid()}
         return {"ok": False, "error": f"unknown command {cmd!r} (status, pause, resume, health)"}
 
-    def _systemd_status(self, event: Mapping[str, Any]) -> None:
-        kind = event.get("event")
+    def _systemd_status(self, event: Event) -> None:
         if not self.notifier.enabled:
             return
-        if kind == "outer_round":
-            self.notifier.status(f"outer round {event.get('outer_round')} done, group of {event.get('group_size')}")
-        elif kind == "round_failed":
-            self.notifier.status(f"round {event.get('outer_round')} failed: {event.get('reason')}")
-        elif kind == "paused":
+        if isinstance(event, RoundDone):
+            self.notifier.status(f"outer round {event.outer_round} done, group of {event.group_size}")
+        elif isinstance(event, RoundFailed):
+            self.notifier.status(f"round {event.outer_round} failed: {event.reason}")
+        elif isinstance(event, Paused):
             self.notifier.status(f"paused: {self.gate.describe()}")
-        elif kind in ("resumed", "eval") and self.state.worker_state == "training":
+        elif isinstance(event, (Resumed, Evaluated)) and self.state.worker_state == "training":
             self.notifier.status(f"training run {self.state.run_id}, outer round {self.state.outer_round}")
-
-
-def _cap(mb_s: float) -> str:
-    return f"{mb_s:g} MB/s" if mb_s else "unlimited"
-
-
-def _describe(report: Mapping[str, Mapping[str, Any]]) -> str:
-    parts = []
-    for direction in ("upload", "download"):
-        side = report[direction]
-        rate = side.get("achieved_bytes_per_s")
-        limit = side.get("limit_bytes_per_s")
-        parts.append(f"{direction} {side['bytes'] / 1e6:.1f} MB"
-                     + (f" at {rate / 1e6:.2f} MB/s" if rate else "")
-                     + (f" (cap {limit / 1e6:g} MB/s)" if limit else ""))
-    return ", ".join(parts)

@@ -34,7 +34,7 @@ from peerd.localswarm import TINY
 from peerd.membership import RunConfigConflict, config_payload
 from peerd.signing import Signer, owner_subkey, seal, verify
 from peerd.namespace import RunNamespace
-from peerd.telemetry import make_status
+from peerd.status import make_status
 from peerd.transport.hivemind_backend import HivemindTransport
 from peerd.transport.records import OwnerRecordValidator, SignedDiscovery, key_id
 from protocols.matchmaking import MatchmakingConfig, Matchmaker, MatchmakingFailed
@@ -107,7 +107,7 @@ async def _forge(args, transport, raw, checker, summary) -> None:
 async def _intrude(args, transport, me: Signer, summary) -> None:
     """B5: pose as a live worker far ahead, try to join rounds, fetch state, and publish a config."""
     ns = RunNamespace.of(args.run_id)
-    prefix = f"peerd.{ns.run.name}"  # the DiLoCo worker's handler prefix (peerd/roles/diloco_worker.py)
+    prefix = ns.prefix("diloco")  # the DiLoCo role's handler prefix (peerd/roles/fragments.py whole_model)
     discovery: SignedDiscovery = transport.discovery
     run = load_run_config(TINY)
     try:  # the daemon's own path: refused (the named run belongs to its creator; we are not on the allowlist)

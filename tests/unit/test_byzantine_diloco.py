@@ -11,8 +11,9 @@ import pytest
 from peerd.config import NodeConfig
 from peerd.run_config import AveragingConfig, RunConfig
 from peerd.data import evaluate
-from peerd.faults import Faults
-from peerd.roles.diloco_worker import DiLoCoWorker
+from peerd.faults import Faults, instrument
+from peerd.roles.base import RunContext
+from peerd.roles.diloco import DiLoCoRole
 from peerd.transport.inprocess import Hub
 from protocols.diloco import DiLoCoHyperparams
 
@@ -32,15 +33,15 @@ def _run_swarm(tmp_path, aggregation: str, attack: bool) -> tuple[float, int]:
 
     async def main():
         hub = Hub()
-        workers = []
-        for i in range(4):
-            node = NodeConfig(checkpoint_dir=str(tmp_path / f"{aggregation}-{attack}-{i}"), threads=1, device="cpu")
-            workers.append(DiLoCoWorker("b1", run, node, hub.transport(f"peer{i}"), asyncio.Event()))
         faults = Faults()
         if attack:
             for r in range(1, ROUNDS + 1):
                 faults.corrupt(at_round=r, how="scale", scale=-1000.0)
-            workers[3].faults = faults
+        workers = []
+        for i in range(4):
+            node = NodeConfig(checkpoint_dir=str(tmp_path / f"{aggregation}-{attack}-{i}"), threads=1, device="cpu")
+            ctx = RunContext.build("b1", run, node, hub.transport(f"peer{i}"))
+            workers.append(DiLoCoRole(instrument(ctx, faults) if i == 3 else ctx))
         for w in workers:
             for component in w.components:
                 await component.start()

@@ -1,4 +1,4 @@
-"""The DiLoCo worker's round logic on the in-process transport: failed rounds roll back, then recover."""
+"""The DiLoCo role's round logic on the in-process transport: failed rounds roll back, then recover."""
 
 import asyncio
 
@@ -7,7 +7,8 @@ import torch
 
 from peerd.config import NodeConfig
 from peerd.run_config import AveragingConfig, RunConfig
-from peerd.roles.diloco_worker import DiLoCoWorker
+from peerd.roles.base import RunContext
+from peerd.roles.diloco import DiLoCoRole
 from peerd.transport.inprocess import Hub
 from protocols.allreduce import AllReduceFailed
 from protocols.diloco import DiLoCoHyperparams, OuterState, flatten_parameters
@@ -24,9 +25,9 @@ def _run(min_group_size: int) -> RunConfig:
     )
 
 
-def _worker(hub, name, run, tmp_path) -> DiLoCoWorker:
+def _worker(hub, name, run, tmp_path) -> DiLoCoRole:
     node = NodeConfig(checkpoint_dir=str(tmp_path / name), threads=1, device="cpu")
-    return DiLoCoWorker("unit", run, node, hub.transport(name), asyncio.Event())
+    return DiLoCoRole(RunContext.build("unit", run, node, hub.transport(name)))
 
 
 async def _start(worker):
@@ -60,7 +61,7 @@ def test_injected_allreduce_failure_rolls_back_everyone_then_the_next_round_succ
         for w in (a, b):
             await _start(w)
         fired = []
-        real_run = b.allreduce.run
+        real_run = b.sync.allreduce.run
 
         async def failing_run(group, tensor, weight):
             if not fired:
@@ -68,7 +69,7 @@ def test_injected_allreduce_failure_rolls_back_everyone_then_the_next_round_succ
                 raise AllReduceFailed("injected")
             return await real_run(group, tensor, weight)
 
-        b.allreduce.run = failing_run
+        b.sync.allreduce.run = failing_run
         start = a.outer.digest()
         assert start == b.outer.digest()
         for w in (a, b):
@@ -131,7 +132,7 @@ def test_peer_ahead_waits_for_a_syncing_peer_instead_of_outrunning_it(tmp_path):
         b = _worker(hub, "peer-b", run, tmp_path)
         await _start(b)
         sizes, roles = [], []
-        real_run, real_download = a.allreduce.run, b._download_first
+        real_run, real_download = a.sync.allreduce.run, b._download_first
 
         async def recording_run(group, tensor, weight):
             sizes.append(len(group.members))
@@ -142,7 +143,7 @@ def test_peer_ahead_waits_for_a_syncing_peer_instead_of_outrunning_it(tmp_path):
             await asyncio.sleep(1.5)  # the download outlasts a's round
             return await real_download(peers)
 
-        a.allreduce.run, b._download_first = recording_run, slow_download
+        a.sync.allreduce.run, b._download_first = recording_run, slow_download
         await a._train_until_quota()
 
         async def b_joins():

@@ -1,4 +1,5 @@
-"""Log formats (human-readable by default, JSON lines for shippers) and the event tap that feeds metrics and health."""
+"""Log formats (human-readable by default, JSON lines for shippers) and the event bus that feeds logs, metrics and
+health."""
 
 import json
 import logging
@@ -6,7 +7,9 @@ import re
 
 import pytest
 
-from peerd.telemetry import EventTap, setup_logging
+from peerd.events import EventBus, LogEvents, Paused, RoundDone, RoundFailed
+from peerd.health import DaemonState
+from peerd.telemetry import setup_logging
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -45,22 +48,46 @@ def test_json_lines_carry_the_event_fields(stderr):
     assert record["event"] == "paused" and record["reasons"] == {"user": "by hand"} and record["level"] == "INFO"
 
 
-def test_tap_sees_info_events_even_when_the_user_asked_for_warnings_only(stderr):
+def _done(outer_round: int) -> RoundDone:
+    return RoundDone(outer_round, group_size=3, bytes_sent=10, bytes_received=20, allreduce_s=0.5, excluded={},
+                     attempts=1, round_s=1.5, weight=8.0, inner_steps=4, dp_equivalent_bytes=100, digest="ab" * 8,
+                     method="allreduce", eval_nats_per_byte=None, tokens=64)
+
+
+def test_bus_reaches_subscribers_even_when_the_user_asked_for_warnings_only(stderr):
     setup_logging("text", "WARNING")
     seen = []
-    tap = EventTap(seen.append, lambda event: 1 / 0)  # a broken subscriber must not break logging or the others
-    tap.attach()
-    try:
-        log = logging.getLogger("peerd.roles.x")
-        log.info("round done", extra={"event": "outer_round", "outer_round": 2, "group_size": 3})
-        log.info("no event here")
-        log.info("round done again", extra={"event": "outer_round", "outer_round": 3, "group_size": 3})
-        log.warning("careful")
-    finally:
-        tap.detach()
-    assert [e["outer_round"] for e in seen] == [2, 3] and seen[0]["group_size"] == 3
+    bus = EventBus(LogEvents(), seen.append, lambda event: 1 / 0)  # a broken subscriber breaks nothing
+    bus.publish(_done(2))
+    logging.getLogger("peerd.roles.x").info("no event here")
+    bus.publish(_done(3))
+    logging.getLogger("peerd.roles.x").warning("careful")
+    assert [e.outer_round for e in seen] == [2, 3] and seen[0].group_size == 3
     lines = stderr.getvalue().strip().splitlines()
     assert len([l for l in lines if "careful" in l]) == 1
     assert len([l for l in lines if "event subscriber" in l and "failed" in l]) == 1  # said once, as a warning
-    assert not [l for l in lines if "round done" in l or "no event" in l]  # the user's level still holds
-    assert logging.getLogger("peerd").level == logging.NOTSET  # detach restored it
+    assert not [l for l in lines if "outer round" in l or "no event" in l]  # the user's level still holds
+
+
+def test_log_subscriber_writes_the_events_fields_as_json_keys(stderr):
+    setup_logging("json")
+    bus = EventBus(LogEvents())
+    bus.publish(_done(4))
+    bus.publish(RoundFailed(4, "no group in time", "allreduce", "theta_outer unchanged"))
+    bus.publish(Paused(4, {"user": "by hand"}, local_steps=2))
+    done, failed, paused = (json.loads(line) for line in stderr.getvalue().strip().splitlines())
+    assert done["event"] == "outer_round" and done["level"] == "INFO"
+    for key, value in (("outer_round", 4), ("group_size", 3), ("bytes_sent", 10), ("allreduce_s", 0.5),
+                       ("eval_nats_per_byte", None), ("digest", "ab" * 8), ("method", "allreduce")):
+        assert done[key] == value, key
+    assert done["message"].startswith("outer round 4 done: group 3")
+    assert failed["event"] == "round_failed" and failed["level"] == "WARNING" and failed["reason"] == "no group in time"
+    assert failed["message"] == "round 5 failed: no group in time; theta_outer unchanged"
+    assert paused["event"] == "paused" and paused["reasons"] == {"user": "by hand"} and "local_steps" not in paused
+
+
+def test_health_follows_typed_events():
+    state = DaemonState(role="diloco", run_id="r", started_at=1000.0)
+    bus = EventBus(lambda event: state.observe(event, now=1050.0))
+    bus.publish(_done(1))
+    assert state.rounds_completed == 1 and state.outer_round == 1 and state.last_round_at == 1050.0

@@ -4,7 +4,7 @@ while ``to_dict`` stays complete, and the protocols own their configs ([averagin
 
 import dataclasses
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional
 

@@ -21,7 +21,8 @@ from peerd.signing import (
     unseal,
     verify,
 )
-from peerd.telemetry import StatusFilter, make_status, status_key, status_problem
+from peerd.namespace import RunNamespace
+from peerd.status import StatusFilter, make_status, status_problem
 from peerd.transport.inprocess import Hub
 from peerd.transport.records import OwnerRecordValidator, SignedDiscovery, key_id
 
@@ -210,4 +211,4 @@ def test_status_filter_drops_missing_fields_and_non_records():
     f = StatusFilter()
     assert f({"a": good, "b": missing, "c": "hello", "d": None}) == {"a": good}
     assert f.dropped == 3
-    assert status_key("r") == "peerd.r.status"
+    assert RunNamespace.of("r").status_key == "peerd.r.status"

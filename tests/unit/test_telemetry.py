@@ -7,15 +7,9 @@ import time
 
 import pytest
 
-from peerd.telemetry import (
-    KNOWN_STATUS_FIELDS,
-    STATUS_FIELDS,
-    STATUS_VERSION,
-    JsonFormatter,
-    config_key,
-    make_status,
-    status_key,
-)
+from peerd.namespace import RunNamespace
+from peerd.status import KNOWN_STATUS_FIELDS, STATUS_VERSION, make_status
+from peerd.telemetry import JsonFormatter
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -128,10 +122,10 @@ def test_make_status_fills_missing_fields_with_none():
 
 def test_make_status_with_every_field():
     values = {"role": "worker", "outer_round": 5, "inner_step": 7, "loss": 2.5, "tokens_per_s": 1000.0,
-              "eval_nats_per_byte": 1.9, "digest": "0123456789abcdef"}
-    assert set(values) == set(STATUS_FIELDS)
+              "eval_nats_per_byte": 1.9, "digest": "0123456789abcdef", "instance": "fedcba9876543210"}
+    assert set(values) == set(KNOWN_STATUS_FIELDS)
     record = make_status(**values)
-    assert {k: record[k] for k in STATUS_FIELDS} == values
+    assert {k: record[k] for k in KNOWN_STATUS_FIELDS} == values
     assert isinstance(record["time"], float)
 
 
@@ -144,5 +138,6 @@ def test_make_status_rejects_unknown_fields(unknown):
 
 
 def test_dht_keys_are_per_run():
-    assert status_key("r1") != status_key("r2") and "r1" in status_key("r1")
-    assert config_key("r1") != status_key("r1") and "r1" in config_key("r1")
+    r1, r2 = RunNamespace.of("r1"), RunNamespace.of("r2")
+    assert r1.status_key != r2.status_key and "r1" in r1.status_key
+    assert r1.config_key != r1.status_key and "r1" in r1.config_key

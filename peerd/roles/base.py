@@ -1,0 +1,169 @@
+"""What every role gets and must provide.
+
+A role is one way of taking part in a run (DiLoCo worker today; SWARM stage server/trainer, SkipPipe, SPES expert
+worker next). The daemon builds one :class:`RunContext` (transport already admitted and paced, the run's namespace
+and config, stop event, pause gate, bans, status board, checkpoint store, event bus, device) and awaits
+``ROLES[run.parallelism](ctx).run(ctx)``. A role returns when ``ctx.stop`` is set or its work is done; it publishes
+what happens as typed events (:mod:`peerd.events`), never by special log lines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Protocol
+
+import torch
+
+from peerd.checkpoint import Checkpoint, checkpoint_path, load_checkpoint, save_checkpoint
+from peerd.config import NodeConfig
+from peerd.events import Banned, EventBus
+from peerd.namespace import RunNamespace, RunRef, as_run_ref
+from peerd.pause import PauseGate
+from peerd.roles.status_board import StatusBoard
+from peerd.run_config import RunConfig
+from protocols.bans import BanList
+from protocols.interfaces import Transport
+
+logger = logging.getLogger(__name__)
+
+#: Role name (the run config's ``parallelism``) -> "module:Class"; imported on use (roles import torch models).
+ROLES: dict[str, str] = {"diloco": "peerd.roles.diloco:DiLoCoRole"}
+
+
+class Role(Protocol):
+    """A role: ``name`` (its status role) and ``run``, which returns when ``ctx.stop`` is set or the work is done,
+    after a last checkpoint."""
+
+    name: str
+
+    async def run(self, ctx: "RunContext") -> None: ...
+
+
+def parallelism(run: RunConfig) -> str:
+    """The run's role name (``diloco`` for configs that predate the field)."""
+    return getattr(run, "parallelism", "diloco")
+
+
+def role_class(name: str) -> Callable[["RunContext"], Role]:
+    """The role class registered as ``name``. Raises KeyError naming the known roles."""
+    try:
+        target = ROLES[name]
+    except KeyError:
+        raise KeyError(f"unknown parallelism {name!r}; known: {sorted(ROLES)}") from None
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def pick_device(device: str) -> torch.device:
+    """``auto`` -> CUDA if present else CPU. Raises RuntimeError if CUDA is asked for but absent."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"--device {device} requested but CUDA is not available on this machine")
+    return torch.device(device)
+
+
+class CheckpointStore:
+    """The role's checkpoint file (one per run in the node's checkpoint dir). A failed write is logged, not raised:
+    the role keeps training and the next checkpoint may succeed."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def load(self) -> Optional[Checkpoint]:
+        return load_checkpoint(self.path)
+
+    def save(self, checkpoint: Checkpoint, before_rename: Optional[Callable[[], None]] = None) -> None:
+        try:
+            save_checkpoint(self.path, checkpoint, before_rename=before_rename)
+        except OSError as e:
+            logger.error("could not write checkpoint %s: %s", self.path, e)
+
+
+@dataclass
+class RunContext:
+    """Everything a role needs from the daemon. ``wrap_sync`` decorates each outer-sync strategy the role builds
+    (identity in production; :mod:`peerd.faults` injects faults through it)."""
+
+    run_id: str
+    namespace: RunNamespace
+    run: RunConfig
+    node: NodeConfig
+    transport: Transport
+    stop: asyncio.Event
+    gate: PauseGate
+    bans: BanList
+    status: StatusBoard
+    checkpoints: CheckpointStore
+    events: EventBus
+    device: torch.device
+    wrap_sync: Callable[[Any], Any] = field(default=lambda sync: sync)
+
+    @property
+    def peer_id(self) -> str:
+        return self.transport.streams.peer_id
+
+    @classmethod
+    def build(cls, run_ref: RunRef | str, run: RunConfig, node: NodeConfig, transport: Transport,
+              stop: Optional[asyncio.Event] = None, gate: Optional[PauseGate] = None,
+              events: Optional[EventBus] = None, instance: Optional[str] = None) -> "RunContext":
+        """A context with the run's namespace, bans (published as :class:`peerd.events.Banned`), a status board
+        under ``ns.status_key`` and the checkpoint file of the run (by name) in ``node.checkpoint_path``.
+        ``run_ref``: ``name`` or ``name@creator`` (only the name matters here)."""
+        stop = stop if stop is not None else asyncio.Event()
+        events = events if events is not None else EventBus()
+        ref = as_run_ref(run_ref)
+        run_id = ref.name
+        ns = RunNamespace(run=ref)
+        ban_s = run.averaging.ban_s
+        bans = BanList(ban_s, on_ban=lambda peer, reason: events.publish(Banned(peer, reason, ban_s)))
+        status = StatusBoard(transport.discovery, ns.status_key, transport.streams.peer_id, node.status_interval_s,
+                             node.status_ttl_s, stop, events, instance)
+        return cls(run_id, ns, run, node, transport, stop, gate or PauseGate(), bans, status,
+                   CheckpointStore(checkpoint_path(node.checkpoint_path, run_id)), events, pick_device(node.device))
+
+
+async def unless_stopped(ctx: RunContext, coro, what: str = "matchmaking") -> Any:
+    """Run ``coro`` but abandon it (returning None) as soon as a stop or a pause is requested."""
+    task = asyncio.ensure_future(coro)
+    stopper = asyncio.ensure_future(ctx.stop.wait())
+    pauser = asyncio.ensure_future(ctx.gate.wait_paused())
+    try:
+        await asyncio.wait({task, stopper, pauser}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopper.cancel()
+        pauser.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
+    logger.info("%s requested: abandoned %s", "stop" if ctx.stop.is_set() else "pause", what)
+    return None
+
+
+#: Longest a running all-reduce may delay a requested shutdown, in seconds.
+SHUTDOWN_GRACE_S = 15.0
+
+
+async def bounded_on_stop(ctx: RunContext, coro, grace_s: float = SHUTDOWN_GRACE_S) -> Any:
+    """Run ``coro``; if a stop is requested meanwhile, give it at most ``grace_s`` more seconds (then None)."""
+    task = asyncio.ensure_future(coro)
+    stopper = asyncio.ensure_future(ctx.stop.wait())
+    try:
+        await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopper.cancel()
+    if not task.done():
+        done, _ = await asyncio.wait({task}, timeout=grace_s)
+        if not done:
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            logger.info("stop requested: abandoned the running all-reduce")
+            return None
+    return task.result()

@@ -1,0 +1,444 @@
+"""The data-parallel DiLoCo role (Douillard et al. 2023, Alg. 1): inner steps on local data, outer rounds with the
+swarm through the run's outer-sync strategy (:mod:`peerd.roles.outer_sync`).
+
+Life of a worker:
+
+1. Resume from its local checkpoint if there is one, then *catch up*: if a live peer (seen through the status
+   records in the DHT) is at a later outer round, download theta_outer and the outer momentum from it.
+2. Loop: run inner AdamW steps until the round's quota (H, or what remains of the current round for a joiner);
+   then sync each fragment (the whole model: one fragment) with the strategy; on success theta_local restarts from
+   the new theta_outer; evaluate; checkpoint.
+3. On stop: abandon matchmaking (or let a running all-reduce finish, bounded), checkpoint, leave.
+
+When a round fails (no group in time, too few peers, a reducer died, the leader refused our state), theta_outer and
+the outer momentum stay exactly as they were, and theta_local is *not* reset: the worker keeps training, and its
+next pseudo-gradient covers every step since the last successful round (its weight counts all those samples). If the
+others completed the round without us, the status records show a later round and the worker downloads that state
+before its next attempt, dropping its unsynchronized local steps. A leader that sees a member with a different
+theta_outer digest refuses it; the refused worker downloads the leader's state. So no two members of a group ever
+disagree on theta_outer.
+
+While it downloads, a worker's status says ``role = "syncing"``, and the all-reduce peers count it in their round's
+expected group size: they wait for it in matchmaking (bounded by ``matchmaking_timeout_s``) instead of sealing the
+round without it. Otherwise a peer whose download takes longer than a round would find the swarm a round further
+every time it finished, and download again forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from peerd.checkpoint import Checkpoint, CheckpointError
+from peerd.data import DataError, WindowSampler, evaluate, load_corpus
+from peerd.events import (
+    CheckpointResumed,
+    Evaluated,
+    InnerProgress,
+    Left,
+    Paused,
+    Resumed,
+    RoundDone,
+    RoundFailed,
+    StateDownloaded,
+)
+from peerd.models import build_model
+from peerd.roles.base import RunContext
+from peerd.roles.fragments import FragmentState, whole_model
+from peerd.roles.outer_sync import Refused, RoundFailure, RoundResult, make_outer_sync
+from peerd.roles.state_sync import StateSync
+from protocols.compression import all_finite
+from protocols.diloco import OuterState, inner_lr_at, make_inner_optimizer, set_lr
+from protocols.state_transfer import StateSnapshot
+from protocols.wire import ProtocolViolation
+
+logger = logging.getLogger(__name__)
+
+ROLE = "diloco"
+#: Status role of a worker downloading the swarm's state: it joins the round in progress right after.
+SYNCING = "syncing"
+
+
+@dataclass
+class RoundStats:
+    """Counters a worker reports (status records, events, the demo's summary)."""
+
+    rounds_ok: int = 0
+    rounds_failed: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    tokens: int = 0
+    last_loss: Optional[float] = None
+    last_eval: Optional[float] = None
+    tokens_per_s: Optional[float] = None
+
+
+class DiLoCoRole:
+    """One peer's DiLoCo training. ``run()`` returns when stopped or after ``max_outer_rounds``."""
+
+    name = ROLE
+
+    def __init__(self, ctx: RunContext):
+        self.ctx = ctx
+        run, node = ctx.run, ctx.node
+        self.run_cfg = run
+        self.hp = run.diloco
+        self.peer_id = ctx.peer_id
+        self.device = ctx.device
+        self.stats = RoundStats()
+        self._syncing = False
+        if node.threads:
+            torch.set_num_threads(node.threads)
+        if run.dataset == "local" and not node.data:
+            raise DataError(f"run {ctx.run_id!r} trains on local data: pass --data PATH|GLOB")
+        corpus = load_corpus(node.data or "shakespeare")
+        self.eval_tokens = corpus.eval
+        self.sampler = WindowSampler(corpus.train, run.seq_len, run.batch_size, seed=self.peer_id)
+        self.model = build_model(run.model, run.seq_len, run.seed).to(self.device)
+        self.optimizer = make_inner_optimizer(self.model.parameters(), self.hp)
+        self.steps_since_sync = 0
+        self.samples_since_sync = 0
+        self.round_quota = self.hp.inner_steps
+
+        fragment = whole_model(self.model, ctx.namespace, ROLE)
+        self.part = FragmentState(fragment, OuterState.initial(fragment.flatten(self.model)),
+                                  float(run.batch_size * self.hp.inner_steps))
+        self.sync = make_outer_sync(ctx, self.part)
+        self._snapshot: Optional[StateSnapshot] = None
+        self._snapshot_of: Optional[OuterState] = None
+        self.state_sync = StateSync(ctx.transport, fragment.scope, self._current_snapshot,
+                                    run.averaging.state_transfer().download_timeout_s)
+        self.components = (self.sync, self.state_sync)
+        ctx.status.set_source(self._status_fields)
+
+    @property
+    def outer(self) -> OuterState:
+        return self.part.outer
+
+    @outer.setter
+    def outer(self, value: OuterState) -> None:
+        self.part.outer = value
+
+    # ------------------------------------------------------------------------------------------------------ lifecycle
+
+    async def run(self, ctx: Optional[RunContext] = None) -> None:
+        """Train until stopped or ``max_outer_rounds`` is reached; always checkpoints before returning."""
+        for component in self.components:
+            await component.start()
+        self._resume()
+        status_task = asyncio.ensure_future(self.ctx.status.run())
+        try:
+            await self._catch_up(await self._live_peers())
+            await self._evaluate_and_publish()
+            while not self.ctx.stop.is_set() and not self._finished():
+                await self._wait_while_paused()
+                await self._train_until_quota()
+                if self.ctx.stop.is_set():
+                    break
+                if self.ctx.gate.paused:
+                    continue
+                await self._outer_round()
+        finally:
+            status_task.cancel()
+            with contextlib.suppress(BaseException):
+                await status_task
+            self._save_checkpoint()
+            await self.ctx.status.publish(role="left")
+            for component in self.components:
+                with contextlib.suppress(Exception):
+                    await component.stop()
+        self.ctx.events.publish(Left(self.outer.outer_round, self.stats.bytes_sent, self.stats.bytes_received,
+                                     self.stats.rounds_failed, self.ctx.run_id))
+
+    def _finished(self) -> bool:
+        limit = self.run_cfg.max_outer_rounds
+        return bool(limit) and self.outer.outer_round >= limit
+
+    # ---------------------------------------------------------------------------------------------------- inner steps
+
+    def _inner_step(self) -> float:
+        """One AdamW step on a fresh batch; runs in a worker thread. Returns the loss (nats/byte)."""
+        global_step = self.outer.outer_round * self.hp.inner_steps + self.steps_since_sync
+        set_lr(self.optimizer, inner_lr_at(global_step, self.hp))
+        x, y = self.sampler.next_batch()  # (B, T), (B, T)
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        _, loss = self.model(x, y)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.hp.grad_clip_norm:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.hp.grad_clip_norm)
+        self.optimizer.step()
+        return float(loss.detach())
+
+    async def _train_until_quota(self) -> None:
+        loop = asyncio.get_running_loop()
+        tokens_per_step = self.run_cfg.batch_size * self.run_cfg.seq_len
+        window_start, window_steps = time.perf_counter(), 0
+        while (self.steps_since_sync < self.round_quota and not self.ctx.stop.is_set()
+               and not self.ctx.gate.paused):
+            loss = await loop.run_in_executor(None, self._inner_step)
+            self.steps_since_sync += 1
+            self.samples_since_sync += self.run_cfg.batch_size
+            self.stats.tokens += tokens_per_step
+            self.stats.last_loss = loss
+            window_steps += 1
+            if window_steps == self.ctx.node.log_every_steps or self.steps_since_sync == self.round_quota:
+                elapsed = time.perf_counter() - window_start
+                self.stats.tokens_per_s = window_steps * tokens_per_step / max(elapsed, 1e-9)
+                self.ctx.events.publish(InnerProgress(self.outer.outer_round, self.steps_since_sync, loss,
+                                                      self.stats.tokens_per_s, self.round_quota))
+                window_start, window_steps = time.perf_counter(), 0
+
+    def _restart_local(self, outer: Optional[OuterState] = None) -> None:
+        """theta_local := theta_outer (adopting ``outer`` first if given); the next round starts from zero steps."""
+        self.part.reset_to_outer(self.model, outer)
+        self.steps_since_sync, self.samples_since_sync = 0, 0
+        self.round_quota = self.hp.inner_steps
+
+    # --------------------------------------------------------------------------------------------------- outer rounds
+
+    async def _outer_round(self) -> None:
+        """One outer round with the run's strategy; on success theta_local restarts from theta_outer."""
+        records = await self._peer_records()
+        live = _workers(records)
+        margin = self.sync.catch_up_margin
+        if margin is not None and await self._catch_up(live, margin):
+            return
+        started = time.perf_counter()
+        r = self.outer.outer_round
+        local = self.part.fragment.flatten(self.model)  # (P,)
+        if not all_finite(local):
+            # nobody can use our contribution (and the all-reduce would refuse it): sit the round out
+            self._round_failed(r, "local pseudo-gradient is not finite (local training diverged)",
+                               f"dropping {self.steps_since_sync} local steps and the inner optimizer state, "
+                               "restarting from theta_outer")
+            self.optimizer = make_inner_optimizer(self.model.parameters(), self.hp)
+            self._restart_local()
+            return
+        syncing = sum(1 for p, v in records.items() if p != self.peer_id and v.get("role") == SYNCING)
+        weight = float(self.samples_since_sync)
+        steps = self.steps_since_sync
+        outcome = await self.sync.round(local, weight, live, syncing)
+        if outcome is None:
+            return
+        if isinstance(outcome, Refused):
+            logger.warning("round %d: %s; adopting the leader's state after its round", r + 1, outcome.reason)
+            await self._wait_for_round(outcome.leader, outcome.outer_round)
+            await self._download_from([outcome.leader])
+            return
+        if isinstance(outcome, RoundFailure):
+            self._round_failed(r, outcome.reason, f"theta_outer unchanged, keeping {steps} local steps")
+            self.round_quota = steps + self.hp.inner_steps
+            return
+        assert isinstance(outcome, RoundResult)
+        if outcome.failure is not None:
+            self._round_failed(r, outcome.failure, "keeping our own outer step")
+        self._restart_local()
+        self.stats.rounds_ok += 1
+        self.stats.bytes_sent += outcome.bytes_sent
+        self.stats.bytes_received += outcome.bytes_received
+        self._save_checkpoint()
+        n = outcome.group_size
+        dp_bytes = int(steps * 2 * (n - 1) / n * 4 * self.outer.numel)
+        eval_loss = await self._evaluate()
+        self.ctx.events.publish(RoundDone(
+            self.outer.outer_round, n, outcome.bytes_sent, outcome.bytes_received, outcome.allreduce_s,
+            outcome.excluded, outcome.attempts, round(time.perf_counter() - started, 3), weight, steps, dp_bytes,
+            self.outer.digest(), self.sync.method, eval_loss, self.stats.tokens,
+        ))
+        await self.ctx.status.publish()
+
+    def _round_failed(self, r: int, reason: str, consequence: str) -> None:
+        self.stats.rounds_failed += 1
+        self.ctx.events.publish(RoundFailed(r, reason, self.sync.method, consequence))
+
+    async def _wait_while_paused(self) -> None:
+        """While the gate is paused: publish role "paused" (others stop counting on us), wait, then rejoin. Called
+        only between rounds, so a pause never breaks a running all-reduce."""
+        gate, stop = self.ctx.gate, self.ctx.stop
+        if not gate.paused or stop.is_set():
+            return
+        self.ctx.events.publish(Paused(self.outer.outer_round, gate.reasons, self.steps_since_sync))
+        await self.ctx.status.publish()
+        resumed = asyncio.ensure_future(gate.wait_running())
+        stopper = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait({resumed, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            resumed.cancel()
+            stopper.cancel()
+        if stop.is_set():
+            return
+        self.ctx.events.publish(Resumed(self.outer.outer_round))
+        await self.ctx.status.publish()
+        await self._catch_up(await self._live_peers())  # before training: steps on a stale state would be dropped
+
+    # ------------------------------------------------------------------------------------------------ catching up
+
+    async def _peer_records(self) -> dict[str, dict]:
+        """Status records of this run's peers, any role (PeerID -> record)."""
+        return await self.ctx.status.records()
+
+    async def _live_peers(self) -> dict[str, dict]:
+        """Status records of live, training workers of this run (role ``diloco``; PeerID -> record)."""
+        return _workers(await self._peer_records())
+
+    async def _catch_up(self, live: dict[str, dict], margin: int = 1) -> bool:
+        """Download the state of the most advanced live peer if it is ``margin`` or more rounds ahead of us.
+        True if we adopted a state."""
+        mine = self.outer.outer_round
+        ahead = sorted(
+            ((s["outer_round"], p) for p, s in live.items() if p != self.peer_id and s["outer_round"] >= mine + margin),
+            reverse=True,
+        )
+        if not ahead:
+            return False
+        adopted = await self._download_from([p for _, p in ahead])
+        if adopted:
+            # join the round in progress: do only what the others still have to do
+            in_round = [s.get("inner_step") or 0 for s in live.values() if s["outer_round"] == self.outer.outer_round]
+            self.round_quota = max(1, self.hp.inner_steps - max(in_round, default=0))
+        return adopted
+
+    async def _wait_for_round(self, peer: str, outer_round: int) -> None:
+        """Wait (bounded by the round's timeouts) until ``peer``'s status shows ``outer_round``: the leader that
+        refused us is finishing that round right now, and its state after the round is the one worth adopting."""
+        loop = asyncio.get_running_loop()
+        averaging = self.run_cfg.averaging
+        deadline = (loop.time() + averaging.matchmaking().matchmaking_timeout_s
+                    + averaging.allreduce().reducer_timeout_s)
+        while loop.time() < deadline and not self.ctx.stop.is_set():
+            status = (await self._live_peers()).get(peer)
+            if status is None or status["outer_round"] >= outer_round:
+                return
+            await asyncio.sleep(min(1.0, self.ctx.node.status_interval_s))
+
+    async def _download_from(self, peers: list[str]) -> bool:
+        """Adopt the outer state of the first of ``peers`` that serves a valid one; False if none did. Our status
+        says SYNCING meanwhile, so that peers ahead wait for us in their round."""
+        self._syncing = True
+        await self.ctx.status.publish()
+        try:
+            return await self._download_first(peers)
+        finally:
+            self._syncing = False
+
+    def _validate(self, snapshot: StateSnapshot) -> OuterState:
+        numel = self.outer.numel
+        tensors = snapshot.tensors({"theta": (torch.float32, numel), "momentum": (torch.float32, numel)})
+        outer = OuterState(tensors["theta"], tensors["momentum"], int(snapshot.metadata.get("outer_round", -1)))
+        if snapshot.metadata.get("digest") != outer.digest():
+            raise ProtocolViolation("state digest does not match its tensors")
+        return outer
+
+    async def _download_first(self, peers: list[str]) -> bool:
+        got = await self.state_sync.download_first(peers, 2 * 4 * self.outer.numel, self._validate)
+        if got is None:
+            return False
+        dropped = self.steps_since_sync
+        self._restart_local(got.state)
+        self._syncing = False
+        await self.ctx.status.publish()
+        outer = got.state
+        self.ctx.events.publish(StateDownloaded(outer.outer_round, got.peer, outer.digest(), got.seconds,
+                                                got.payload_bytes / 1e6, dropped))
+        return True
+
+    def _current_snapshot(self) -> StateSnapshot:
+        """The outer state as served to joiners, rebuilt only when the state object changed."""
+        outer = self.outer
+        if self._snapshot is None or self._snapshot_of is not outer:
+            self._snapshot_of = outer
+            self._snapshot = StateSnapshot.from_tensors(
+                {"theta": outer.theta, "momentum": outer.momentum},
+                {"outer_round": outer.outer_round, "digest": outer.digest(), "run": self.run_cfg.fingerprint()},
+            )
+        return self._snapshot
+
+    # ------------------------------------------------------------------------------------------ evaluation, status
+
+    async def _evaluate(self) -> Optional[float]:
+        """Held-out loss (nats/byte) of theta_local; None if the run's ``eval_batches`` is 0."""
+        if not self.run_cfg.eval_batches:
+            return None
+        run = self.run_cfg
+        result = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: evaluate(self.model, self.eval_tokens, run.seq_len, run.batch_size, run.eval_batches))
+        self.stats.last_eval = result.nats_per_byte
+        return result.nats_per_byte
+
+    async def _evaluate_and_publish(self) -> None:
+        eval_loss = await self._evaluate()
+        self.ctx.events.publish(Evaluated(self.outer.outer_round, eval_loss, self.stats.tokens))
+
+    def _status_fields(self) -> dict:
+        role = "paused" if self.ctx.gate.paused else SYNCING if self._syncing else ROLE
+        return dict(role=role, outer_round=self.outer.outer_round, inner_step=self.steps_since_sync,
+                    loss=self.stats.last_loss, tokens_per_s=self.stats.tokens_per_s,
+                    eval_nats_per_byte=self.stats.last_eval, digest=self.outer.digest()[:16])
+
+    async def _publish_status(self, role: Optional[str] = None) -> None:
+        await (self.ctx.status.publish(role=role) if role else self.ctx.status.publish())
+
+    # ----------------------------------------------------------------------------------------------------- checkpoint
+
+    def _save_checkpoint(self) -> None:
+        tensors = {"theta_outer": self.outer.theta, "momentum": self.outer.momentum,
+                   "theta_local": self.part.fragment.flatten(self.model)}
+        inner_state = self.optimizer.state_dict()["state"]
+        for index, state in inner_state.items():
+            for name, value in state.items():
+                tensors[f"inner.{index}.{name}"] = torch.as_tensor(value).detach().cpu()
+        metadata = {
+            "run_id": self.ctx.run_id, "run_fingerprint": self.run_cfg.fingerprint(),
+            "outer_round": self.outer.outer_round, "steps_since_sync": self.steps_since_sync,
+            "samples_since_sync": self.samples_since_sync, "round_quota": self.round_quota,
+            "sampler": self.sampler.state_dict(), "tokens": self.stats.tokens,
+        }
+        self.ctx.checkpoints.save(Checkpoint(tensors, metadata))
+
+    def _resume(self) -> None:
+        path = self.ctx.checkpoints.path
+        checkpoint = self.ctx.checkpoints.load()
+        if checkpoint is None:
+            return
+        meta = checkpoint.metadata
+        if meta.get("run_fingerprint") != self.run_cfg.fingerprint():
+            raise CheckpointError(
+                f"checkpoint {path} was written under another configuration of run {self.ctx.run_id!r};"
+                " move it away or use another --checkpoint-dir"
+            )
+        t = checkpoint.tensors
+        try:
+            self.outer = OuterState(t["theta_outer"].clone(), t["momentum"].clone(), int(meta["outer_round"]))
+            self.part.round_start_theta = self.outer.theta
+            self.part.fragment.load_(self.model, t["theta_local"])
+            state = self.optimizer.state_dict()
+            inner: dict[int, dict[str, torch.Tensor]] = {}
+            for name, value in t.items():
+                if name.startswith("inner."):
+                    _, index, key = name.split(".", 2)
+                    inner.setdefault(int(index), {})[key] = value.to(self.device) if key != "step" else value
+            state["state"] = inner
+            self.optimizer.load_state_dict(state)
+            self.sampler.load_state_dict(meta["sampler"])
+        except (KeyError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"checkpoint {path} is incomplete or mismatched: {e}") from None
+        self.steps_since_sync = int(meta["steps_since_sync"])
+        self.samples_since_sync = int(meta["samples_since_sync"])
+        self.round_quota = int(meta["round_quota"])
+        self.stats.tokens = int(meta.get("tokens", 0))
+        self.ctx.events.publish(CheckpointResumed(self.outer.outer_round, self.outer.digest(), str(path),
+                                                  self.steps_since_sync))
+
+
+def _workers(records: dict[str, dict]) -> dict[str, dict]:
+    """The records of training workers (role ``diloco`` with an outer round) among status records."""
+    return {peer: value for peer, value in records.items()
+            if value.get("role") == ROLE and isinstance(value.get("outer_round"), int)}

@@ -1,0 +1,280 @@
+"""Outer-sync strategies: how one fragment's outer state meets the swarm's in an outer round.
+
+One class per averaging method, behind :class:`OuterSync`; :data:`OUTER_SYNCS` maps the run config's
+``averaging.method`` to its class (the only place that looks at the method name).
+
+- :class:`AllReduceSync` (DiLoCo, Douillard et al. 2023, Alg. 1): butterfly-all-reduce the pseudo-gradients of
+  everyone present, then apply the shared outer step: theta_outer stays bit-identical across the swarm.
+- :class:`MoshpitSync` (Ryabinin et al. 2021): apply our own outer step, then average the outer state in this
+  round's grid group.
+- :class:`GossipSync`: apply our own outer step, then average the outer state with random partners.
+
+Contract: :meth:`OuterSync.round` takes theta_local of the fragment ((P,) fp32) and its weight (samples since the
+last successful round); it returns a :class:`RoundResult` after updating ``state.outer``, a :class:`RoundFailure`
+with ``state.outer`` untouched, :class:`Refused` (the leader's theta_outer differs: adopt its state), or None when
+a stop or a pause abandoned the round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import ClassVar, Optional, Union
+
+import torch
+
+from peerd.roles.base import RunContext, bounded_on_stop, unless_stopped
+from peerd.roles.fragments import FragmentState
+from protocols.allreduce import AllReduceFailed, ButterflyAllReduce
+from protocols.diloco import OuterState
+from protocols.gossip import GossipAverager
+from protocols.matchmaking import AdmissionRefused, Matchmaker, MatchmakingFailed
+from protocols.moshpit import MoshpitAverager, round_to_join
+
+logger = logging.getLogger(__name__)
+
+#: An all-reduce that fails (a member died mid-round) is tried this many times in all, among the survivors.
+MAX_ROUND_ATTEMPTS = 2
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """A completed exchange (bytes in bytes, seconds). ``failure``: a mixing exchange that failed while our own
+    outer step was kept (the round still counts)."""
+
+    group_size: int
+    bytes_sent: int
+    bytes_received: int
+    allreduce_s: float
+    excluded: dict = field(default_factory=dict)
+    attempts: int = 1
+    failure: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class RoundFailure:
+    """The round failed: ``state.outer`` is unchanged and the local steps are kept for the next attempt."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Refused:
+    """The round's leader refused us (``reason``); its state after round ``outer_round`` is the one to adopt."""
+
+    leader: str
+    reason: str
+    outer_round: int
+
+
+RoundOutcome = Union[RoundResult, RoundFailure, Refused, None]
+
+
+class OuterSync:
+    """One fragment's outer sync. ``catch_up_margin``: rounds a live peer must be ahead before we download its state
+    instead of syncing (None: never, the method has no shared rounds). ``same_theta``: members must share
+    theta_outer (its digest is checked at admission)."""
+
+    method: ClassVar[str]
+    catch_up_margin: ClassVar[Optional[int]]
+    same_theta: ClassVar[bool] = False
+
+    def __init__(self, ctx: RunContext, state: FragmentState):
+        self.ctx = ctx
+        self.state = state
+        self.hp = ctx.run.diloco
+        self.components: tuple = ()
+
+    async def start(self) -> None:
+        for component in self.components:
+            await component.start()
+
+    async def stop(self) -> None:
+        for component in self.components:
+            try:
+                await component.stop()
+            except Exception:  # stopping is best effort: the transport goes down next
+                logger.debug("could not stop %r", component, exc_info=True)
+
+    def _admit(self, own_info: dict, peer: str, info: dict) -> Optional[str]:
+        allowlist = self.ctx.run.allowlist
+        if allowlist and peer not in allowlist:
+            return "not on the run's allowlist"
+        if self.same_theta and info.get("digest") != own_info.get("digest"):
+            return f"theta_outer digest {str(info.get('digest'))[:12]} differs from the leader's"
+        return None
+
+    def _matchmaker(self) -> Matchmaker:
+        admit = self._admit if self.same_theta or self.ctx.run.allowlist else None
+        return Matchmaker(self.ctx.transport, self.state.fragment.scope, self.ctx.run.averaging.matchmaking(),
+                          admit=admit, bans=self.ctx.bans)
+
+    def _allreduce(self) -> ButterflyAllReduce:
+        return ButterflyAllReduce(self.ctx.transport, self.state.fragment.scope, self.ctx.run.averaging.allreduce(),
+                                  bans=self.ctx.bans)
+
+    async def round(self, local: torch.Tensor, weight: float, live: dict[str, dict], syncing: int) -> RoundOutcome:
+        raise NotImplementedError
+
+
+class AllReduceSync(OuterSync):
+    """Average pseudo-gradients with everyone present; apply the shared outer step (bit-identical theta_outer).
+
+    The group is sealed early once it has every live peer at our round plus the ``syncing`` peers (downloading the
+    state to join this round); otherwise matchmaking waits out its timeout. If the all-reduce fails (a member died
+    mid-round), the survivors retry once right away among themselves, under a fresh group key.
+    """
+
+    method = "allreduce"
+    catch_up_margin = 1  # peers move in lockstep: anyone ahead means we missed a round
+    same_theta = True
+
+    def __init__(self, ctx: RunContext, state: FragmentState):
+        super().__init__(ctx, state)
+        self.matchmaker = self._matchmaker()
+        self.allreduce = self._allreduce()
+        self.components = (self.matchmaker, self.allreduce)
+
+    async def round(self, local, weight, live, syncing):
+        outer = self.state.outer
+        r = outer.outer_round
+        me = self.ctx.peer_id
+        expected = 1 + syncing + sum(1 for p, s in live.items() if p != me and s.get("outer_round") == r)
+        pseudo_gradient = outer.pseudo_gradient(local)  # (P,)
+        result = None
+        for attempt in range(1, MAX_ROUND_ATTEMPTS + 1):
+            key = f"round{r}" if attempt == 1 else f"round{r}.attempt{attempt}"
+            try:
+                group = await unless_stopped(
+                    self.ctx, self.matchmaker.form_group(key, {"digest": outer.digest()}, expected_size=expected))
+                if group is None:
+                    return None
+                result = await bounded_on_stop(self.ctx, self.allreduce.run(group, pseudo_gradient, weight))
+                break
+            except AdmissionRefused as e:
+                return Refused(e.leader, e.reason, r + 1)
+            except AllReduceFailed as e:
+                if attempt < MAX_ROUND_ATTEMPTS and not self.ctx.stop.is_set():
+                    logger.warning("round %d all-reduce failed (%s); retrying among the survivors", r + 1, e)
+                    expected = max(1, len(group.members) - 1)
+                    continue
+                return RoundFailure(str(e))
+            except (MatchmakingFailed, asyncio.TimeoutError) as e:
+                return RoundFailure(str(e))
+        if result is None:
+            return None
+        self.state.outer = outer.apply(result.averaged, self.hp)
+        return RoundResult(result.group_size, result.bytes_sent, result.bytes_received, round(result.seconds, 3),
+                           result.excluded, attempt)
+
+
+class _MixingSync(OuterSync):
+    """Apply our own outer step onto the current state (gossip may have mixed it), then average the outer state.
+    A failed exchange keeps our own step: peers drift apart a little until a later exchange pulls them together."""
+
+    async def _exchange(self, r: int, stepped: OuterState, weight: float, peers: list[str]) -> Optional[RoundResult]:
+        raise NotImplementedError
+
+    async def round(self, local, weight, live, syncing):
+        r = self._round_to_join(live)
+        delta = self.state.round_start_theta - local  # own pseudo-gradient (P,)
+        stepped = self.state.outer.apply(delta, self.hp)
+        stepped = OuterState(stepped.theta, stepped.momentum, r + 1)
+        me = self.ctx.peer_id
+        peers = sorted(live) if me in live else sorted([*live, me])
+        started = time.perf_counter()
+        failure = None
+        try:
+            result = await self._exchange(r, stepped, weight, peers)
+        except (MatchmakingFailed, AllReduceFailed) as e:
+            result, failure = None, str(e)
+        if result is None:
+            result = RoundResult(1, 0, 0, 0.0, {}, 1, failure)
+        return RoundResult(result.group_size, result.bytes_sent, result.bytes_received,
+                           round(time.perf_counter() - started, 3), result.excluded, 1, failure)
+
+    def _round_to_join(self, live: dict[str, dict]) -> int:
+        return self.state.outer.outer_round
+
+
+class MoshpitSync(_MixingSync):
+    method = "moshpit"
+    catch_up_margin = 2  # groups progress independently: only a gap of two rounds means our groupmates are gone
+
+    def __init__(self, ctx: RunContext, state: FragmentState):
+        super().__init__(ctx, state)
+        self.matchmaker = self._matchmaker()
+        self.allreduce = self._allreduce()
+        self.moshpit = MoshpitAverager(self.matchmaker, self.allreduce, ctx.run.averaging.group_size)
+        self.components = (self.matchmaker, self.allreduce)
+
+    def _round_to_join(self, live):
+        r = self.state.outer.outer_round
+        rounds = {p: s["outer_round"] for p, s in live.items() if p != self.ctx.peer_id}
+        joined = round_to_join(self.ctx.peer_id, rounds, r, self.ctx.run.averaging.group_size)
+        if joined != r:
+            logger.info("our moshpit groupmates moved on: joining round %d instead of %d", joined + 1, r + 1)
+            outer = self.state.outer
+            self.state.outer = OuterState(outer.theta, outer.momentum, joined)
+        return joined
+
+    async def _exchange(self, r, stepped, weight, peers):
+        packed = torch.cat([stepped.theta, stepped.momentum])  # (2P,)
+        try:
+            result = await unless_stopped(self.ctx, self.moshpit.average(r, packed, weight, peers))
+        finally:  # our status keeps showing round r until the group is done: others match with us
+            self.state.outer = stepped
+        if result is None:
+            return None
+        self.state.outer = unpack(result.averaged, r + 1)
+        return RoundResult(result.group_size, result.bytes_sent, result.bytes_received, 0.0, result.excluded)
+
+
+class GossipSync(_MixingSync):
+    method = "gossip"
+    catch_up_margin = None  # gossip has no rounds to share
+
+    def __init__(self, ctx: RunContext, state: FragmentState):
+        super().__init__(ctx, state)
+        self.gossip = GossipAverager(ctx.transport, state.fragment.scope, ctx.run.averaging.gossip(),
+                                     self._gossip_state, self._set_gossip_state, bans=ctx.bans)
+        self.components = (self.gossip,)
+        self._bytes = (0, 0)  # the averager's byte counters at our last round
+
+    def _gossip_state(self) -> tuple[torch.Tensor, float]:
+        return torch.cat([self.state.outer.theta, self.state.outer.momentum]), self.state.gossip_weight
+
+    def _set_gossip_state(self, packed: torch.Tensor, weight: float) -> None:
+        self.state.outer = unpack(packed, self.state.outer.outer_round)
+        self.state.gossip_weight = weight
+
+    async def _exchange(self, r, stepped, weight, peers):
+        self.state.outer, self.state.gossip_weight = stepped, weight
+        result = await unless_stopped(self.ctx, self.gossip.gossip_round(peers))
+        if result is None:
+            return None
+        # bytes of exchanges we answered since our last round count too, not only those we started
+        sent, received = self.gossip.bytes_sent, self.gossip.bytes_received
+        out = RoundResult(1 + result.exchanges, sent - self._bytes[0], received - self._bytes[1], 0.0)
+        self._bytes = (sent, received)
+        return out
+
+
+#: ``averaging.method`` -> strategy class.
+OUTER_SYNCS: dict[str, type[OuterSync]] = {cls.method: cls for cls in (AllReduceSync, MoshpitSync, GossipSync)}
+
+
+def make_outer_sync(ctx: RunContext, state: FragmentState) -> OuterSync:
+    """The run's strategy for ``state``, decorated by ``ctx.wrap_sync``. Raises KeyError for an unknown method."""
+    method = ctx.run.averaging.method
+    if method not in OUTER_SYNCS:
+        raise KeyError(f"unknown averaging method {method!r}; known: {sorted(OUTER_SYNCS)}")
+    return ctx.wrap_sync(OUTER_SYNCS[method](ctx, state))
+
+
+def unpack(packed: torch.Tensor, outer_round: int) -> OuterState:
+    """(2P,) = [theta_outer, momentum] back into an OuterState (validated: shapes, finite values)."""
+    numel = packed.numel() // 2
+    return OuterState(packed[:numel].clone(), packed[numel:].clone(), outer_round)
