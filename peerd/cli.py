@@ -21,7 +21,7 @@ from peerd.config import (
     load_node_config,
     load_node_config_with_sources,
 )
-from peerd.control import ControlUnavailable
+from peerd.service.control import ControlUnavailable
 from peerd.namespace import RunIdError
 
 logger = logging.getLogger("peerd")
@@ -284,7 +284,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 
 def _control(args: argparse.Namespace, payload: dict[str, Any]) -> dict[str, Any]:
-    from peerd.control import request
+    from peerd.service.control import request
 
     node = _node_config(args)
     return request(node.control_socket_path, payload)
@@ -330,7 +330,7 @@ def _cmd_install_service(args: argparse.Namespace) -> int:
     import shutil
     from pathlib import Path
 
-    from peerd.systemd import needs_home, render_unit
+    from peerd.service.systemd import needs_home, render_unit
 
     run_id = _require_run_id(args)
     peerd = args.peerd or _own_executable() or shutil.which("peerd")
@@ -418,7 +418,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from peerd.daemon import RunConfigConflict
         from peerd.data import DataError
         from peerd.identity import IdentityError
-        from peerd.volunteer import ServiceError
+        from peerd.service.volunteer import ServiceError
 
         if isinstance(e, (RunConfigConflict, CheckpointError, DataError, IdentityError, ConnectionError,
                           ServiceError)):

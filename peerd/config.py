@@ -24,7 +24,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from peerd.schedule import ActiveHours
+from peerd.service.schedule import ActiveHours
 
 #: Longest path a Unix socket address holds on Linux (sun_path is 108 bytes with the terminating NUL).
 MAX_UNIX_SOCKET_PATH = 107

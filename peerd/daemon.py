@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
 import signal
@@ -20,7 +19,6 @@ from typing import Optional
 
 from peerd.config import NodeConfig
 from peerd.run_config import RunConfig
-from peerd.identity import hold_identity, load_or_create_identity
 from peerd.membership import (
     RUN_CREATOR_MIN_PREFIX,
     RunConfigConflict,
@@ -33,12 +31,12 @@ from peerd.membership import (
     save_pin,
 )
 from peerd.namespace import RunNamespace, RunRef, as_run_ref
-from peerd.signing import InvalidRecord, Signer
+from peerd.signing import InvalidRecord, key_id
 from peerd.status import StatusFilter
 from peerd.transport.admission import admit_only
-from peerd.transport.hivemind_backend import HivemindTransport
-from peerd.transport.records import OwnerRecordValidator, SignedDiscovery, key_id
-from peerd.volunteer import VolunteerServices
+from peerd.transport.factory import open_reader, open_transport, start_data_plane
+from peerd.transport.records import SignedDiscovery
+from peerd.service.volunteer import VolunteerServices
 
 logger = logging.getLogger(__name__)
 
@@ -62,44 +60,6 @@ def install_stop_handlers(stop: asyncio.Event) -> None:
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, on_signal, signum)
 
-
-#: Where every daemon kept its identity before it moved into the checkpoint dir.
-LEGACY_IDENTITY = "~/.peerd/identity.key"
-
-
-async def start_transport(node: NodeConfig, client_mode: bool = False, role: str = "worker") -> HivemindTransport:
-    """The DHT node and streams of this peer (``role``: "worker" or "bootstrap", which picks the default identity
-    file, :meth:`NodeConfig.identity_path_for`). Its DHT node refuses forged owner records (OwnerRecordValidator),
-    and its discovery signs what this peer stores and returns only validly signed records (SignedDiscovery).
-
-    The identity file stays locked until ``transport.shutdown()``. Raises IdentityInUse if another daemon holds it,
-    IdentityError if it is unusable, ConnectionError if the DHT node cannot start."""
-    path = node.identity_path_for(role)
-    identity = str(path)
-    hold = hold_identity(path)
-    try:
-        peer_id = load_or_create_identity(identity)
-        signer = Signer.from_identity_file(identity)
-        logger.info("PeerID %s (identity %s)", peer_id, identity)
-        legacy = Path(LEGACY_IDENTITY).expanduser()
-        if node.identity is None and role == "worker" and legacy.exists() and legacy != path:
-            logger.warning("%s, the identity of earlier peerd versions, is no longer the default; pass --identity %s "
-                           "to keep its PeerID", LEGACY_IDENTITY, LEGACY_IDENTITY)
-        transport = await HivemindTransport.create(
-            initial_peers=node.initial_peers,
-            host_maddrs=node.host_maddrs,
-            announce_maddrs=node.announce_maddrs,
-            identity_path=identity,
-            nat_port_map=node.nat_port_map,
-            client_mode=client_mode,
-            record_validators=[OwnerRecordValidator()],
-        )
-    except BaseException:
-        hold.release()
-        raise
-    transport.on_shutdown.append(hold.release)
-    transport.discovery = SignedDiscovery(transport.discovery, signer)
-    return transport
 
 
 async def resolve_run_config(transport, run_id: RunRef | str, local: Optional[RunConfig],
@@ -215,7 +175,7 @@ async def join(run_id: RunRef | str, node: NodeConfig, local_run: Optional[RunCo
     names (``parallelism``, :data:`peerd.roles.base.ROLES`) until stopped or the role is done. Everything but the
     choice of the config is keyed by the run name. Raises :class:`peerd.roles.status_board.DuplicateIdentity` if
     another live daemon uses this peer's identity."""
-    from peerd.limits import apply_cpu_threads, apply_gpu_memory_fraction
+    from peerd.service.limits import apply_cpu_threads, apply_gpu_memory_fraction
     from peerd.roles.base import RunContext, parallelism, pick_device, role_class  # torch-heavy: keep --help fast
 
     ref = as_run_ref(run_id)
@@ -225,7 +185,7 @@ async def join(run_id: RunRef | str, node: NodeConfig, local_run: Optional[RunCo
     async with VolunteerServices(node, "diloco", stop, run_id=run_id) as services:
         apply_cpu_threads(node.threads)
         apply_gpu_memory_fraction(node.gpu_memory_fraction, pick_device(node.device))
-        transport = await start_transport(node)
+        transport = await open_transport(node)
         keeper = data_plane = None
         try:
             logger.info("listening on %s", " ".join(transport.visible_maddrs()))
@@ -239,7 +199,7 @@ async def join(run_id: RunRef | str, node: NodeConfig, local_run: Optional[RunCo
             role_transport = admit_only(services.pace(data_plane or transport), run.allowlist)
             ctx = RunContext.build(ref, run, node, role_transport, stop, services.gate, services.events)
             if os.environ.get("PEERD_FAULTS"):  # the test harness makes this peer misbehave on schedule
-                from peerd.faults import instrument_from_env
+                from peerd.testing.faults import instrument_from_env
 
                 ctx = instrument_from_env(ctx)
             role = role_class(parallelism(run))(ctx)
@@ -256,43 +216,12 @@ async def join(run_id: RunRef | str, node: NodeConfig, local_run: Optional[RunCo
             await transport.shutdown()
 
 
-def _ip4(maddr: str) -> Optional[str]:
-    parts = maddr.split("/")
-    return parts[2] if len(parts) > 2 and parts[1] == "ip4" else None
-
-
-async def start_data_plane(node: NodeConfig, transport: HivemindTransport) -> Optional[HivemindTransport]:
-    """With ``data_plane = "direct"``: ``transport`` with its streams moved onto the direct TCP data plane
-    (:class:`peerd.transport.direct.DirectStreams`, listening on the host of ``host_maddrs`` at ``data_port`` and
-    announcing the host of ``announce_maddrs``, else the first non-loopback address we are visible at); None with
-    ``p2p``, or if no address to announce is known (then streams stay on p2pd, with a warning)."""
-    if node.data_plane != "direct":
-        return None
-    from peerd.transport.direct import DirectStreams
-
-    host = next(filter(None, map(_ip4, node.host_maddrs)), "0.0.0.0")
-    announce = next(filter(None, map(_ip4, node.announce_maddrs)), None)
-    if announce is None and host != "0.0.0.0":
-        announce = host
-    if announce is None:
-        visible = [ip for ip in map(_ip4, transport.visible_maddrs()) if ip and ip != "0.0.0.0"]
-        announce = next((ip for ip in visible if not ip.startswith("127.")), visible[0] if visible else None)
-    if announce is None:
-        logger.warning("data_plane = direct, but no IPv4 address to announce is known (set announce_maddrs): "
-                       "peer streams stay on p2p")
-        return None
-    discovery: SignedDiscovery = transport.discovery
-    streams = DirectStreams(transport.streams, discovery, discovery.signer, host, node.data_port, announce)
-    await streams.start()
-    return dataclasses.replace(transport, streams=streams)
-
-
 async def bootstrap(node: NodeConfig, on_ready=print) -> None:
     """Run a DHT-only node until stopped; ``on_ready`` receives each visible multiaddr."""
     stop = asyncio.Event()
     install_stop_handlers(stop)
     async with VolunteerServices(node, "bootstrap", stop) as services:
-        transport = await start_transport(node, role="bootstrap")
+        transport = await open_transport(node, role="bootstrap")
         try:
             for maddr in transport.visible_maddrs():
                 on_ready(maddr)
@@ -312,12 +241,9 @@ async def read_status(node: NodeConfig, run_id: RunRef | str) -> tuple[dict[str,
     """
     ref = as_run_ref(run_id)
     ns = RunNamespace(ref)
-    transport = await HivemindTransport.create(
-        initial_peers=node.initial_peers, host_maddrs=("/ip4/127.0.0.1/tcp/0",), client_mode=True,
-        record_validators=[OwnerRecordValidator()],
-    )
+    transport = await open_reader(node)
     try:
-        discovery = SignedDiscovery(transport.discovery, signer=None)
+        discovery = transport.discovery
         statuses = StatusFilter(logger)(await discovery.get(ns.status_key))
         records = []
         for owner, found in (await discovery.get_signed(ns.config_key)).items():

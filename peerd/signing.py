@@ -23,6 +23,7 @@ re-serialization is needed. This module has no hivemind import; callers pass the
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 from typing import Any, Optional
@@ -133,6 +134,12 @@ class Signer:
 
     def sign(self, message: bytes) -> bytes:
         return self._key.sign(message)
+
+
+def key_id(key: str) -> bytes:
+    """The DHT's 20-byte id of ``key`` (what a DHT node's record validator sees instead of the key): SHA-1 of the
+    key's msgpack form, as hivemind's ``DHTID.generate(source=key)`` computes it (tested against it)."""
+    return hashlib.sha1(msgpack.packb(key, use_bin_type=True)).digest()
 
 
 def _message(key_id: bytes, subkey: str, payload: bytes, expires: Optional[float]) -> bytes:

@@ -49,7 +49,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from benchlib import load_wan_testbed, machine_line, result_args  # noqa: E402
-from peerd.localswarm import ProcessSet, kill_tree  # noqa: E402
+from peerd.testing.localswarm import ProcessSet, kill_tree  # noqa: E402
 
 SECTION = "## All-reduce on a virtual WAN: peerd vs hivemind vs gloo (scripts/bench_allreduce.py)"
 CODECS = ("none", "fp16", "int8")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Benchmark: averaging topologies (all-reduce, moshpit, gossip) among real peers on 127.0.0.1.
 
-Part 1, consensus. N real averaging peers (``python -m peerd.avgpeer``, each its own process tree: python, hivemind
+Part 1, consensus. N real averaging peers (``python -m peerd.testing.avgpeer``, each its own process tree: python, hivemind
 DHT child, p2pd) start from different random vectors (``randn(numel)`` seeded by the peer's index) and run rounds of
 one topology. After every round each peer logs a *sketch* of its vector (the values at 4096 fixed coordinates, the
 same on every peer). The consensus distance of round r is estimated from the sketches of the peers that logged round
@@ -53,9 +53,9 @@ import psutil  # noqa: E402
 import torch  # noqa: E402
 
 from bench_diloco import _fmt_bytes, _machine, _toml_value  # noqa: E402
-from peerd.avgpeer import initial_vector, sketch_indices  # noqa: E402
+from peerd.testing.avgpeer import initial_vector, sketch_indices  # noqa: E402
 from peerd.run_config import load_run_config  # noqa: E402
-from peerd.localswarm import ProcessSet, Swarm, kill_tree, pump_lines  # noqa: E402
+from peerd.testing.localswarm import ProcessSet, Swarm, kill_tree, pump_lines  # noqa: E402
 from protocols.diloco import DiLoCoHyperparams  # noqa: E402
 from protocols.gossip import consensus_distance  # noqa: E402
 from protocols.moshpit import Grid  # noqa: E402
@@ -158,7 +158,7 @@ def run_avg(spec: AvgSpec, args: argparse.Namespace, workdir: str) -> AvgResult:
     try:
         maddr = swarm.start_bootstrap(timeout_s=args.bootstrap_timeout_s)
         for i in range(spec.peers):
-            argv = [sys.executable, "-m", "peerd.avgpeer", "--index", str(i), "--expect", str(spec.peers),
+            argv = [sys.executable, "-m", "peerd.testing.avgpeer", "--index", str(i), "--expect", str(spec.peers),
                     "--topology", spec.topology, "--rounds", str(spec.rounds), "--out", str(outs[i]),
                     "--initial-peers", maddr, "--run-id", f"bench-{spec.name}", "--numel", str(args.numel),
                     "--compression", spec.compression, "--group-size", str(spec.group_size),
@@ -498,7 +498,7 @@ def make_markdown(avg: list[AvgResult], dl: list[DilocoResult], args: argparse.N
         rounds_cols = " | ".join(f"r{r}" for r in REPORT_ROUNDS)
         out += [
             "### Consensus among averaging peers", "",
-            f"Setup: N real peers (`python -m peerd.avgpeer`, each its own process tree with a hivemind DHT and p2pd) "
+            f"Setup: N real peers (`python -m peerd.testing.avgpeer`, each its own process tree with a hivemind DHT and p2pd) "
             f"on 127.0.0.1, each starting from its own `randn({args.numel:,})` vector; codec on the wire as in the "
             f"table (fp16 unless noted). Topologies: allreduce = one butterfly all-reduce among all live peers per "
             f"round; moshpit = grid groups of M (M = {args.group_size_8} for N=8: grid "

@@ -47,7 +47,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from peerd.localswarm import ProcessSet, pump_lines  # noqa: E402
+from peerd.testing.localswarm import ProcessSet, pump_lines  # noqa: E402
 from peerd.run_config import load_run_config  # noqa: E402
 from peerd.data import evaluate, load_corpus, WindowSampler  # noqa: E402
 from peerd.models import build_model, count_parameters  # noqa: E402

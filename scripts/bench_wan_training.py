@@ -48,7 +48,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from benchlib import load_wan_testbed, machine_line, result_args  # noqa: E402
-from peerd.localswarm import kill_tree  # noqa: E402
+from peerd.testing.localswarm import kill_tree  # noqa: E402
 
 SECTION = "## DiLoCo vs per-step data parallel on a virtual WAN (scripts/bench_wan_training.py)"
 

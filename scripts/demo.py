@@ -10,7 +10,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from peerd.localswarm import ROOT, Swarm
+from peerd.testing.localswarm import ROOT, Swarm
 
 RUN_CONFIG = ROOT / "node_configs" / "runs" / "shakespeare-demo.toml"
 LN2 = 0.6931471805599453

@@ -22,7 +22,7 @@ from peerd.checkpoint import Checkpoint, checkpoint_path, load_checkpoint, save_
 from peerd.config import NodeConfig
 from peerd.events import Banned, EventBus
 from peerd.namespace import RunNamespace, RunRef, as_run_ref
-from peerd.pause import PauseGate
+from peerd.service.pause import PauseGate
 from peerd.roles.status_board import StatusBoard
 from peerd.run_config import RunConfig
 from protocols.bans import BanList
@@ -87,7 +87,7 @@ class CheckpointStore:
 @dataclass
 class RunContext:
     """Everything a role needs from the daemon. ``wrap_sync`` decorates each outer-sync strategy the role builds
-    (identity in production; :mod:`peerd.faults` injects faults through it)."""
+    (identity in production; :mod:`peerd.testing.faults` injects faults through it)."""
 
     run_id: str
     namespace: RunNamespace

@@ -53,7 +53,7 @@ from peerd.roles.base import RunContext
 from peerd.roles.fragments import FragmentState, whole_model
 from peerd.roles.outer_sync import Refused, RoundFailure, RoundResult, make_outer_sync
 from peerd.roles.state_sync import StateSync
-from protocols.compression import all_finite
+from protocols.codecs import all_finite
 from protocols.diloco import OuterState, inner_lr_at, make_inner_optimizer, set_lr
 from protocols.state_transfer import StateSnapshot
 from protocols.wire import ProtocolViolation

@@ -4,7 +4,7 @@
   ``HivemindTransport.create(record_validators=...)``). A DHT node that has it refuses to store, and drops from
   what other nodes return, any record under a subkey ``[owner:<PeerID>]`` that is not an envelope signed by that
   PeerID for that key and expiration (:mod:`peerd.signing`). Other subkeys are not its business (hivemind's
-  ``RSASignatureValidator`` works the same way), so non-peerd users of the DHT (``peerd.avgpeer``) are unaffected.
+  ``RSASignatureValidator`` works the same way), so non-peerd users of the DHT (``peerd.testing.avgpeer``) are unaffected.
   Every peerd node (workers, bootstrap nodes, ``peerd status``) runs it, so all agree on what is valid.
 - :class:`SignedDiscovery` wraps a :class:`protocols.interfaces.Discovery` for the protocols above it: ``store``
   signs (a peer stores only its own records, under its own PeerID), ``get`` returns only records whose signature
@@ -19,22 +19,16 @@ import logging
 from collections import Counter
 from typing import Any, Optional
 
-from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer
 
-from peerd.signing import InvalidRecord, Signer, claims_owner, owner_of, owner_subkey, seal, unseal, verify
+from peerd.signing import InvalidRecord, Signer, claims_owner, key_id, owner_of, owner_subkey, seal, unseal, verify
 from protocols.interfaces import Record
 
 logger = logging.getLogger(__name__)
 
 #: Distinct refused records remembered so that each is logged once (a forged record is read on every poll).
 _LOGGED_MAX = 4096
-
-
-def key_id(key: str) -> bytes:
-    """The DHT's id of ``key`` (what validators see instead of the key): SHA-1 of its msgpack form."""
-    return DHTID.generate(source=key).to_bytes()
 
 
 class OwnerRecordValidator(RecordValidatorBase):

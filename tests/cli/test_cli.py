@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from peerd.localswarm import LOCAL, TINY, Swarm, peerd_cmd
+from peerd.testing.localswarm import LOCAL, TINY, Swarm, peerd_cmd
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -109,7 +109,7 @@ def test_bootstrap_keeps_its_peer_id_across_restarts(tmp_path):
 
 def test_light_commands_do_not_import_torch():
     """`peerd --help`, `health`, `pause`, `config show` stay fast: the CLI and the node config import no torch."""
-    probe = ("import sys, peerd.cli, peerd.config, peerd.control; "
+    probe = ("import sys, peerd.cli, peerd.config, peerd.service.control; "
              "print(sorted(m for m in ('torch', 'hivemind', 'protocols.allreduce') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from peerd.cli import build_parser, main
-from peerd.localswarm import LOCAL, peerd_cmd
+from peerd.testing.localswarm import LOCAL, peerd_cmd
 
 pytestmark = pytest.mark.timeout(120)
 

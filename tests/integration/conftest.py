@@ -1,6 +1,6 @@
 import pytest
 
-from peerd.localswarm import Swarm
+from peerd.testing.localswarm import Swarm
 
 
 @pytest.fixture

@@ -30,13 +30,14 @@ from hivemind.utils import MSGPackSerializer
 
 from peerd.run_config import load_run_config
 from peerd.daemon import publish_run_config, resolve_run_config
-from peerd.localswarm import TINY
+from peerd.testing.localswarm import TINY
 from peerd.membership import RunConfigConflict, config_payload
 from peerd.signing import Signer, owner_subkey, seal, verify
 from peerd.namespace import RunNamespace
 from peerd.status import make_status
 from peerd.transport.hivemind_backend import HivemindTransport
-from peerd.transport.records import OwnerRecordValidator, SignedDiscovery, key_id
+from peerd.signing import key_id
+from peerd.transport.records import OwnerRecordValidator, SignedDiscovery
 from protocols.matchmaking import MatchmakingConfig, Matchmaker, MatchmakingFailed
 from protocols.state_transfer import StateTransferFailed, download_state
 

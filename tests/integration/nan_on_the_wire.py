@@ -16,7 +16,7 @@ import sys
 import numpy as np
 
 from peerd import cli
-from peerd.faults import Faults
+from peerd.testing.faults import Faults
 from protocols.allreduce import ButterflyAllReduce
 
 _NAN_DTYPES = {"none": "<f4", "fp16": "<f2"}

@@ -1,4 +1,4 @@
-"""Butterfly all-reduce among real averaging peers (peerd.avgpeer, one process each; RELIABILITY rows A1 and A4).
+"""Butterfly all-reduce among real averaging peers (peerd.testing.avgpeer, one process each; RELIABILITY rows A1 and A4).
 
 A1: a clean all-reduce of N = 4 and N = 8 peers leaves every peer with the weighted mean of the initial vectors,
 bit-identical on every peer. A4: a reducer is SIGKILLed with its part sealed, before it answers anyone (fault
@@ -12,9 +12,9 @@ import sys
 import pytest
 import torch
 
-from peerd.avgpeer import initial_vector
-from peerd.faults import ENV, Faults
-from peerd.localswarm import Peer, Swarm
+from peerd.testing.avgpeer import initial_vector
+from peerd.testing.faults import ENV, Faults
+from peerd.testing.localswarm import Peer, Swarm
 
 pytestmark = [pytest.mark.slow]
 
@@ -22,7 +22,7 @@ TOLERANCE = 1e-5  # fp32, compression none
 
 
 def _start(swarm: Swarm, tmp_path, index: int, n: int, numel: int, env: dict | None = None, **flags) -> Peer:
-    argv = [sys.executable, "-m", "peerd.avgpeer", "--index", str(index), "--expect", str(n),
+    argv = [sys.executable, "-m", "peerd.testing.avgpeer", "--index", str(index), "--expect", str(n),
             "--topology", "allreduce", "--rounds", "1", "--numel", str(numel), "--compression", "none",
             "--weight", str(float(index + 1)), "--out", str(tmp_path / f"a{index}.jsonl"),
             "--initial-peers", swarm.bootstrap_maddr, "--start-timeout-s", "150", "--member-ttl-s", "6",

@@ -19,7 +19,7 @@ from collections import defaultdict
 
 import pytest
 
-from peerd.localswarm import Peer, kill_tree
+from peerd.testing.localswarm import Peer, kill_tree
 from tests.integration.test_diloco_swarm import _config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(720)]

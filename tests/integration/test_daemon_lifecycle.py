@@ -14,7 +14,7 @@ import time
 import psutil
 import pytest
 
-from peerd.localswarm import LOCAL, TINY, Swarm, peerd_cmd
+from peerd.testing.localswarm import LOCAL, TINY, Swarm, peerd_cmd
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from peerd.faults import ENV, Faults
+from peerd.testing.faults import ENV, Faults
 from tests.integration.test_diloco_swarm import _config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]

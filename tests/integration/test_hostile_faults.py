@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from peerd.faults import ENV, Faults
+from peerd.testing.faults import ENV, Faults
 from peerd.identity import load_or_create_identity
-from peerd.localswarm import LOCAL
+from peerd.testing.localswarm import LOCAL
 from tests.integration.test_diloco_swarm import _config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]

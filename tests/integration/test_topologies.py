@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from peerd.avgpeer import initial_vector
+from peerd.testing.avgpeer import initial_vector
 from protocols.diloco import weighted_average
 from protocols.gossip import consensus_distance
 
@@ -18,7 +18,7 @@ def _start(swarm, n, topology, rounds, tmp_path, weights=None, **flags):
     maddr = swarm.start_bootstrap()
     peers = []
     for i in range(n):
-        argv = [sys.executable, "-m", "peerd.avgpeer", "--index", str(i), "--expect", str(n), "--topology", topology,
+        argv = [sys.executable, "-m", "peerd.testing.avgpeer", "--index", str(i), "--expect", str(n), "--topology", topology,
                 "--rounds", str(rounds), "--out", str(tmp_path / f"a{i}.jsonl"), "--initial-peers", maddr,
                 "--weight", str(weights[i] if weights else 1.0), "--member-ttl-s", "4"]
         for k, v in flags.items():

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 
 from peerd.identity import load_or_create_identity
-from peerd.localswarm import TINY, Peer, Swarm, peerd_cmd
+from peerd.testing.localswarm import TINY, Peer, Swarm, peerd_cmd
 from tests.dockerfile import DOCKERFILE, exec_form, image_env
 
 # generous guards: these take 10-30 s each on an idle machine, several times that on a shared, overloaded one

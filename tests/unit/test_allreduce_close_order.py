@@ -11,8 +11,8 @@ import torch
 
 from peerd.transport.inprocess import Hub
 from peerd.transport.linger import until_remote_closes
-from protocols.allreduce import AllReduceConfig, ButterflyAllReduce
-from protocols.matchmaking import MatchmakingConfig, Matchmaker
+from protocols.allreduce import AllReduceConfig
+from protocols.matchmaking import MatchmakingConfig
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -32,29 +32,22 @@ def test_waits_for_the_member_to_close_and_no_longer_than_the_timeout():
     assert 0.15 <= asyncio.run(main()) < 1.0
 
 
-def test_reducer_handlers_end_once_members_close_after_reading_the_answer():
+def test_reducer_handlers_end_once_members_close_after_reading_the_answer(averaging_peers):
     cfg = AllReduceConfig(compression="none", sender_timeout_s=5.0, reducer_timeout_s=10.0)
 
     async def main():
         hub = Hub()
-        peers = []
-        for name in ("a", "b", "c"):
-            t = hub.transport(name)
-            mm = Matchmaker(t, "run", MatchmakingConfig(3.0, 1.0, 0.05))
-            ar = ButterflyAllReduce(t, "run", cfg)
-            await mm.start()
-            await ar.start()
-            peers.append((t, mm, ar))
+        peers = await averaging_peers(hub, ("a", "b", "c"), "run", MatchmakingConfig(3.0, 1.0, 0.05), cfg)
 
         async def member(i):
-            _, mm, ar = peers[i]
+            mm, ar = peers[i]
             group = await mm.form_group("r0", {}, expected_size=3)
             return await ar.run(group, torch.full((999,), float(i)), 1.0)
 
         started = asyncio.get_running_loop().time()
         results = await asyncio.gather(*(member(i) for i in range(3)))
         await asyncio.sleep(0.1)
-        pending = sum(1 for t, _, _ in peers for task in t.streams._tasks if not task.done())
+        pending = sum(1 for p in peers for task in p.transport.streams._tasks if not task.done())
         return results, pending, asyncio.get_running_loop().time() - started
 
     results, pending, seconds = asyncio.run(main())

@@ -6,32 +6,13 @@ import pytest
 import torch
 
 from peerd.transport.inprocess import Hub
-from protocols.allreduce import AllReduceConfig, AllReduceFailed, ButterflyAllReduce, PartReducer, partition_sizes
+from protocols.allreduce import AllReduceConfig, AllReduceFailed, PartReducer, partition_sizes
 from protocols.diloco import weighted_average
 from protocols.matchmaking import AdmissionRefused, MatchmakingConfig, Matchmaker, MatchmakingFailed
 
 pytestmark = pytest.mark.timeout(60)
 
-MM = MatchmakingConfig(matchmaking_timeout_s=3.0, request_timeout_s=1.0, poll_interval_s=0.05)
-AR = AllReduceConfig(compression="none", sender_timeout_s=1.0, reducer_timeout_s=2.0)
-
-
-async def _peers(hub, n, admit=None, compression="none"):
-    peers = []
-    for i in range(n):
-        t = hub.transport(f"peer{i:02d}")
-        mm = Matchmaker(t, "run", MM, admit=admit)
-        ar = ButterflyAllReduce(t, "run", AllReduceConfig(compression, AR.sender_timeout_s, AR.reducer_timeout_s))
-        await mm.start()
-        await ar.start()
-        peers.append((mm, ar))
-    return peers
-
-
-async def _round(peer, key, x, w, expected=None, info=None):
-    mm, ar = peer
-    group = await mm.form_group(key, info or {}, expected_size=expected)
-    return await ar.run(group, x, w)
+FP16 = AllReduceConfig(compression="fp16", sender_timeout_s=1.0, reducer_timeout_s=2.0)
 
 
 def test_partition_sizes():
@@ -56,14 +37,14 @@ def test_part_reducer_rejects_bad_parts_without_changing_the_sum():
 
 
 @pytest.mark.parametrize("n", [1, 2, 4, 5])
-def test_weighted_mean_bit_identical_on_every_member(n):
+def test_weighted_mean_bit_identical_on_every_member(n, averaging_peers):
     async def main():
         hub = Hub()
-        peers = await _peers(hub, n)
+        peers = await averaging_peers(hub, n)
         g = torch.Generator().manual_seed(n)
         xs = [torch.randn(1003, generator=g) for _ in range(n)]
         ws = [float(i + 1) for i in range(n)]
-        results = await asyncio.gather(*[_round(p, "r0", x, w, expected=n) for p, x, w in zip(peers, xs, ws)])
+        results = await asyncio.gather(*[p.round("r0", x, w, expected=n) for p, x, w in zip(peers, xs, ws)])
         reference = weighted_average(xs, ws)
         for res in results:
             assert res.group_size == n
@@ -75,12 +56,12 @@ def test_weighted_mean_bit_identical_on_every_member(n):
     asyncio.run(main())
 
 
-def test_fp16_results_identical_across_members():
+def test_fp16_results_identical_across_members(averaging_peers):
     async def main():
         hub = Hub()
-        peers = await _peers(hub, 3, compression="fp16")
+        peers = await averaging_peers(hub, 3, allreduce=FP16)
         xs = [torch.randn(5000) for _ in range(3)]
-        results = await asyncio.gather(*[_round(p, "r0", x, 1.0, expected=3) for p, x in zip(peers, xs)])
+        results = await asyncio.gather(*[p.round("r0", x, 1.0, expected=3) for p, x in zip(peers, xs)])
         for res in results:
             assert torch.equal(res.averaged, results[0].averaged)
         err = (results[0].averaged - weighted_average(xs, [1, 1, 1])).norm() / weighted_average(xs, [1, 1, 1]).norm()
@@ -89,14 +70,14 @@ def test_fp16_results_identical_across_members():
     asyncio.run(main())
 
 
-def test_staggered_arrivals_form_one_group_without_expected_size():
+def test_staggered_arrivals_form_one_group_without_expected_size(averaging_peers):
     async def main():
         hub = Hub()
-        peers = await _peers(hub, 3)
+        peers = await averaging_peers(hub, 3)
 
         async def late(peer, delay, x):
             await asyncio.sleep(delay)
-            return await _round(peer, "r1", x, 1.0, expected=3)
+            return await peer.round("r1", x, 1.0, expected=3)
 
         xs = [torch.full((10,), float(i)) for i in range(3)]
         results = await asyncio.gather(*[late(p, 0.3 * i, x) for i, (p, x) in enumerate(zip(peers, xs))])
@@ -107,29 +88,29 @@ def test_staggered_arrivals_form_one_group_without_expected_size():
     asyncio.run(main())
 
 
-def test_window_expires_with_the_peers_present():
+def test_window_expires_with_the_peers_present(averaging_peers):
     async def main():
         hub = Hub()
-        peers = await _peers(hub, 3)
+        peers = await averaging_peers(hub, 3)
         xs = [torch.full((8,), float(i)) for i in range(2)]
         # expected 3 but only 2 come: the group seals when the matchmaking window ends
-        results = await asyncio.gather(*[_round(p, "r2", x, 1.0, expected=3) for p, x in zip(peers[:2], xs)])
+        results = await asyncio.gather(*[p.round("r2", x, 1.0, expected=3) for p, x in zip(peers[:2], xs)])
         assert [r.group_size for r in results] == [2, 2]
         assert torch.equal(results[0].averaged, torch.full((8,), 0.5))
 
     asyncio.run(main())
 
 
-def test_admission_refusal_reaches_the_refused_peer():
+def test_admission_refusal_reaches_the_refused_peer(averaging_peers):
     async def main():
         hub = Hub()
         admit = lambda own, peer, info: None if info.get("digest") == own.get("digest") else "digest differs"
-        peers = await _peers(hub, 3, admit=admit)
+        peers = await averaging_peers(hub, 3, admit=admit)
         x = torch.zeros(4)
         tasks = [
-            _round(peers[0], "r3", x, 1.0, expected=2, info={"digest": "a"}),
-            _round(peers[1], "r3", x, 1.0, expected=2, info={"digest": "a"}),
-            _round(peers[2], "r3", x, 1.0, expected=2, info={"digest": "b"}),
+            peers[0].round("r3", x, 1.0, expected=2, info={"digest": "a"}),
+            peers[1].round("r3", x, 1.0, expected=2, info={"digest": "a"}),
+            peers[2].round("r3", x, 1.0, expected=2, info={"digest": "b"}),
         ]
         results = await asyncio.gather(*tasks, return_exceptions=True)
         assert results[0].group_size == results[1].group_size == 2
@@ -138,16 +119,16 @@ def test_admission_refusal_reaches_the_refused_peer():
     asyncio.run(main())
 
 
-def test_dead_registrant_is_skipped_and_min_group_size_enforced():
+def test_dead_registrant_is_skipped_and_min_group_size_enforced(averaging_peers):
     async def main():
         hub = Hub()
-        peers = await _peers(hub, 3)
+        peers = await averaging_peers(hub, 3)
         # peer00 registers, then vanishes: the others must route around the smallest PeerID
-        t = asyncio.ensure_future(peers[0][0].form_group("r4", {}, expected_size=3))
+        t = asyncio.ensure_future(peers[0].matchmaker.form_group("r4", {}, expected_size=3))
         await asyncio.sleep(0.1)
         hub.disconnect("peer00")
         xs = [torch.full((6,), 2.0), torch.full((6,), 4.0)]
-        results = await asyncio.gather(*[_round(p, "r4", x, 1.0, expected=2) for p, x in zip(peers[1:], xs)])
+        results = await asyncio.gather(*[p.round("r4", x, 1.0, expected=2) for p, x in zip(peers[1:], xs)])
         assert all(torch.equal(r.averaged, torch.full((6,), 3.0)) for r in results)
         t.cancel()
         strict = Matchmaker(hub.transport("peer09"), "run",
@@ -160,36 +141,36 @@ def test_dead_registrant_is_skipped_and_min_group_size_enforced():
     asyncio.run(main())
 
 
-def test_reducer_death_fails_the_round_for_everyone_and_a_late_sender_still_gets_the_mean():
+def test_reducer_death_fails_the_round_for_everyone_and_a_late_sender_still_gets_the_mean(averaging_peers):
     async def main():
         hub = Hub()
-        peers = await _peers(hub, 3)
-        groups = await asyncio.gather(*[p[0].form_group("r6", {}, expected_size=3) for p in peers])
+        peers = await averaging_peers(hub, 3)
+        groups = await asyncio.gather(*[p.matchmaker.form_group("r6", {}, expected_size=3) for p in peers])
         hub.disconnect(groups[0].members[2])
-        survivors = [p for p in peers if p[0].peer_id != groups[0].members[2]]
-        results = await asyncio.gather(*[p[1].run(groups[0], torch.ones(30), 1.0) for p in survivors],
+        survivors = [p for p in peers if p.matchmaker.peer_id != groups[0].members[2]]
+        results = await asyncio.gather(*[p.allreduce.run(groups[0], torch.ones(30), 1.0) for p in survivors],
                                        return_exceptions=True)
         assert all(isinstance(r, AllReduceFailed) for r in results)
 
     asyncio.run(main())
 
 
-def test_malformed_part_excludes_sender_and_keeps_the_mean_of_the_honest():
+def test_malformed_part_excludes_sender_and_keeps_the_mean_of_the_honest(averaging_peers):
     async def main():
         hub = Hub()
-        peers = await _peers(hub, 3)
-        groups = await asyncio.gather(*[p[0].form_group("r7", {}, expected_size=3) for p in peers])
+        peers = await averaging_peers(hub, 3)
+        groups = await asyncio.gather(*[p.matchmaker.form_group("r7", {}, expected_size=3) for p in peers])
         group = groups[0]
-        by_id = {p[0].peer_id: p for p in peers}
+        by_id = {p.matchmaker.peer_id: p for p in peers}
         bad = group.members[1]
         # the bad peer sends a part with NaN; the honest ones average normally
         honest = [m for m in group.members if m != bad]
         xs = {m: torch.full((9,), float(i)) for i, m in enumerate(group.members)}
         xs[bad] = torch.full((9,), float("nan"))
-        codec_ok = [by_id[m][1].run(group, xs[m], 1.0) for m in honest]
-        bad_run = by_id[bad][1].run(group, torch.full((9,), 5.0), 1.0)
+        codec_ok = [by_id[m].allreduce.run(group, xs[m], 1.0) for m in honest]
+        bad_run = by_id[bad].allreduce.run(group, torch.full((9,), 5.0), 1.0)
         # the bad member reduces honestly but sends NaN parts to the others
-        by_id[bad][1]._encode_part = lambda part: torch.full_like(part, float("nan")).numpy().tobytes()
+        by_id[bad].allreduce._encode_part = lambda part: torch.full_like(part, float("nan")).numpy().tobytes()
         results = await asyncio.gather(*codec_ok, bad_run, return_exceptions=True)
         for r in results[:2]:
             assert not isinstance(r, BaseException), r
@@ -205,12 +186,12 @@ def test_malformed_part_excludes_sender_and_keeps_the_mean_of_the_honest():
     asyncio.run(main())
 
 
-def test_bytes_sent_count_both_directions_of_the_butterfly():
+def test_bytes_sent_count_both_directions_of_the_butterfly(averaging_peers):
     async def main():
         hub = Hub()
         n, numel = 4, 4000
-        peers = await _peers(hub, n, compression="fp16")
-        results = await asyncio.gather(*[_round(p, "r8", torch.randn(numel), 1.0, expected=n) for p in peers])
+        peers = await averaging_peers(hub, n, allreduce=FP16)
+        results = await asyncio.gather(*[p.round("r8", torch.randn(numel), 1.0, expected=n) for p in peers])
         payload = 2 * (n - 1) / n * numel * 2  # each peer sends (N-1)/N of the vector and (N-1) answers of 1/N
         for r in results:
             assert payload <= r.bytes_sent <= payload * 1.1, (r.bytes_sent, payload)

@@ -7,8 +7,8 @@ import stat
 
 import pytest
 
-from peerd.control import ControlServer, ControlUnavailable, request
-from peerd.health import DaemonState, assess_health
+from peerd.service.control import ControlServer, ControlUnavailable, request
+from peerd.service.health import DaemonState, assess_health
 
 pytestmark = pytest.mark.timeout(30)
 

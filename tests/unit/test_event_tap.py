@@ -8,7 +8,7 @@ import re
 import pytest
 
 from peerd.events import EventBus, LogEvents, Paused, RoundDone, RoundFailed
-from peerd.health import DaemonState
+from peerd.service.health import DaemonState
 from peerd.telemetry import setup_logging
 
 pytestmark = pytest.mark.timeout(30)

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from peerd.config import NodeConfig
-from peerd.faults import FaultyOuterSync, Faults, instrument
+from peerd.testing.faults import FaultyOuterSync, Faults, instrument
 from peerd.roles.base import RunContext
 from peerd.roles.diloco import DiLoCoRole
 from peerd.run_config import AveragingConfig, RunConfig

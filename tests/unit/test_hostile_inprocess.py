@@ -16,8 +16,7 @@ import torch
 
 from peerd.transport.inprocess import Hub
 from protocols.allreduce import AllReduceConfig, ButterflyAllReduce
-from protocols.bans import BanList
-from protocols.matchmaking import AdmissionRefused, MatchmakingConfig, Matchmaker
+from protocols.matchmaking import AdmissionRefused, MatchmakingConfig
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -101,18 +100,10 @@ class CountingAllReduce(ButterflyAllReduce):
             CountingAllReduce.bytes_read[self.transport.streams.peer_id] += counted.n
 
 
-async def _swarm(hub, mode):
+async def _swarm(averaging_peers, hub, mode):
     cfg = AllReduceConfig("none", SENDER_TIMEOUT_S, 2 * SENDER_TIMEOUT_S + 2)
-    peers = []
-    for i in range(4):
-        t = hub.transport(f"peer{i}")
-        bans = BanList(60.0)
-        mm = Matchmaker(t, "h", MatchmakingConfig(3.0, 0.5, 0.05), bans=bans)
-        cls = HostileAllReduce if i == 3 else CountingAllReduce
-        ar = cls(t, "h", cfg, bans=bans)
-        await mm.start()
-        await ar.start()
-        peers.append((mm, ar, bans))
+    peers = await averaging_peers(hub, [f"peer{i}" for i in range(4)], "h", MatchmakingConfig(3.0, 0.5, 0.05), cfg,
+                                  ban_s=60.0, allreduce_class=lambda i: HostileAllReduce if i == 3 else CountingAllReduce)
     HostileAllReduce.mode = mode
     HostileAllReduce.fired = 0
     CountingAllReduce.bytes_read = Counter()
@@ -124,14 +115,14 @@ MODES = ["nan", "inf", "wrong_numel", "weight_huge", "weight_negative", "wrong_d
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_invalid_parts_are_excluded_and_the_sender_banned(mode):
+def test_invalid_parts_are_excluded_and_the_sender_banned(mode, averaging_peers):
     async def main():
         hub = Hub()
-        peers = await _swarm(hub, mode)
-        groups = await asyncio.gather(*[mm.form_group("r", {}, expected_size=4) for mm, _, _ in peers])
+        peers = await _swarm(averaging_peers, hub, mode)
+        groups = await asyncio.gather(*[mm.form_group("r", {}, expected_size=4) for mm, _ in peers])
         group = groups[0]
         xs = {m: torch.full((40,), float(i + 1)) for i, m in enumerate(group.members)}
-        by_id = {mm.peer_id: (ar, bans) for mm, ar, bans in peers}
+        by_id = {p.matchmaker.peer_id: (p.allreduce, p.bans) for p in peers}
         results = await asyncio.gather(*[by_id[m][0].run(group, xs[m], 1.0) for m in group.members])
         hostile = "peer3"
         honest = [m for m in group.members if m != hostile]
@@ -160,13 +151,13 @@ def test_invalid_parts_are_excluded_and_the_sender_banned(mode):
 
 
 @pytest.mark.parametrize("mode", ["stall", "stall_header"])
-def test_stalled_sender_does_not_hold_the_round_and_is_banned(mode):
+def test_stalled_sender_does_not_hold_the_round_and_is_banned(mode, averaging_peers):
     async def main():
         hub = Hub()
-        peers = await _swarm(hub, mode)
-        groups = await asyncio.gather(*[mm.form_group("r", {}, expected_size=4) for mm, _, _ in peers])
+        peers = await _swarm(averaging_peers, hub, mode)
+        groups = await asyncio.gather(*[mm.form_group("r", {}, expected_size=4) for mm, _ in peers])
         group = groups[0]
-        by_id = {mm.peer_id: (ar, bans) for mm, ar, bans in peers}
+        by_id = {p.matchmaker.peer_id: (p.allreduce, p.bans) for p in peers}
         honest = [m for m in group.members if m != "peer3"]
         started = time.monotonic()
         hostile_run = asyncio.ensure_future(by_id["peer3"][0].run(group, torch.zeros(40), 1.0))
@@ -188,7 +179,7 @@ def test_stalled_sender_does_not_hold_the_round_and_is_banned(mode):
         leader = min(group.members)
         if leader != "peer3":
             outcome = await asyncio.gather(
-                *[mm.form_group("r2", {}, expected_size=4) for mm, _, _ in peers], return_exceptions=True
+                *[mm.form_group("r2", {}, expected_size=4) for mm, _ in peers], return_exceptions=True
             )
             assert isinstance(outcome[3], AdmissionRefused)
 

@@ -13,7 +13,7 @@ from hivemind.utils import MSGPackSerializer
 from peerd.config import ConfigError
 from peerd.run_config import RunConfig, load_run_config
 from peerd.daemon import publish_run_config, resolve_run_config
-from peerd.localswarm import TINY
+from peerd.testing.localswarm import TINY
 from peerd.membership import (
     RunConfigConflict,
     choose,
@@ -32,7 +32,8 @@ def config_key(run_id: str) -> str:
 
 from peerd.transport.admission import AdmissionStreams, admit_only
 from peerd.transport.inprocess import Hub
-from peerd.transport.records import OwnerRecordValidator, SignedDiscovery, key_id
+from peerd.signing import key_id
+from peerd.transport.records import OwnerRecordValidator, SignedDiscovery
 from protocols.matchmaking import MatchmakingConfig, Matchmaker, MatchmakingFailed
 from protocols.wire import ProtocolViolation, read_frame, write_frame
 

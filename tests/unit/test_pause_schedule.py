@@ -5,8 +5,8 @@ from datetime import datetime, timedelta
 
 import pytest
 
-from peerd.pause import USER_REASON, PauseGate
-from peerd.schedule import SCHEDULE_REASON, ActiveHours, enforce_active_hours
+from peerd.service.pause import USER_REASON, PauseGate
+from peerd.service.schedule import SCHEDULE_REASON, ActiveHours, enforce_active_hours
 
 pytestmark = pytest.mark.timeout(30)
 

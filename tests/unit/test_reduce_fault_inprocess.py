@@ -1,21 +1,16 @@
-"""The ``reduce`` kill of peerd.faults on in-process peers: the reducer dies with its part sealed, before answering."""
+"""The ``reduce`` kill of peerd.testing.faults on in-process peers: the reducer dies with its part sealed, before answering."""
 
 import asyncio
 
 import pytest
 import torch
 
-from peerd.faults import Faults, FaultyTransport
+from peerd.testing.faults import Faults, FaultyTransport
 from peerd.transport.inprocess import Hub
-from protocols.allreduce import AllReduceConfig, AllReduceFailed, ButterflyAllReduce
-from protocols.matchmaking import MatchmakingConfig, Matchmaker
+from protocols.allreduce import AllReduceFailed
 from protocols.wire import write_frame
 
 pytestmark = pytest.mark.timeout(60)
-
-MM = MatchmakingConfig(matchmaking_timeout_s=3.0, request_timeout_s=1.0, poll_interval_s=0.05)
-AR = AllReduceConfig(compression="none", sender_timeout_s=1.0, reducer_timeout_s=2.0)
-
 
 class _Sink:
     def __init__(self):
@@ -57,7 +52,7 @@ def test_reduce_kill_fires_before_the_first_byte_of_an_answer_and_passes_refusal
 
 
 @pytest.mark.parametrize("victim", [0, 2])
-def test_dead_reducer_fails_the_attempt_for_everyone_and_the_retry_averages_the_survivors(victim):
+def test_dead_reducer_fails_the_attempt_for_everyone_and_the_retry_averages_the_survivors(victim, averaging_peers):
     n, numel = 4, 1000
     xs = [torch.randn(numel, generator=torch.Generator().manual_seed(i)) for i in range(n)]
 
@@ -66,15 +61,8 @@ def test_dead_reducer_fails_the_attempt_for_everyone_and_the_retry_averages_the_
         names = [f"peer{i:02d}" for i in range(n)]
         faults = Faults(on_kill=lambda: hub.disconnect(names[victim])).kill(at_round=1, phase="reduce")
         faults.round = 1
-        peers = []
-        for i, name in enumerate(names):
-            t = hub.transport(name)
-            if i == victim:
-                t = FaultyTransport.wrap(t, faults)
-            mm, ar = Matchmaker(t, "run", MM), ButterflyAllReduce(t, "run", AR)
-            await mm.start()
-            await ar.start()
-            peers.append((mm, ar))
+        peers = await averaging_peers(hub, names,
+                                      wrap=lambda i, t: FaultyTransport.wrap(t, faults) if i == victim else t)
 
         async def member(i):
             mm, ar = peers[i]

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from peerd.transport.inprocess import Hub
-from protocols.allreduce import AllReduceConfig, ButterflyAllReduce, PartReducer
-from protocols.matchmaking import MatchmakingConfig, Matchmaker
+from protocols.allreduce import AllReduceConfig, PartReducer
+from protocols.matchmaking import MatchmakingConfig
 from protocols.robust import centered_clip, weighted_coordinate_median
 
 pytestmark = pytest.mark.timeout(60)
@@ -54,24 +54,18 @@ def test_part_reducer_centered_clip_and_validation():
 
 
 @pytest.mark.parametrize("aggregation", ["mean", "centered_clip"])
-def test_byzantine_sender_in_the_all_reduce(aggregation):
+def test_byzantine_sender_in_the_all_reduce(aggregation, averaging_peers):
     """B1 in miniature: one of 4 peers sends its part flipped and scaled x-1000. The mean is wrecked (control);
     CenteredClip keeps every part near the honest mean."""
 
     async def main():
         hub = Hub()
-        peers = []
-        for i in range(4):
-            t = hub.transport(f"peer{i}")
-            mm = Matchmaker(t, "b", MatchmakingConfig(2.0, 0.5, 0.05))
-            ar = ButterflyAllReduce(t, "b", AllReduceConfig("none", 1.0, 2.0, aggregation=aggregation, clip_tau=1.0))
-            await mm.start()
-            await ar.start()
-            peers.append((mm, ar))
+        peers = await averaging_peers(hub, [f"peer{i}" for i in range(4)], "b", MatchmakingConfig(2.0, 0.5, 0.05),
+                                      AllReduceConfig("none", 1.0, 2.0, aggregation=aggregation, clip_tau=1.0))
         g = torch.Generator().manual_seed(2)
         center = torch.randn(400, generator=g)
         xs = [center + 0.05 * torch.randn(400, generator=g) for _ in range(4)]
-        attacker = peers[3][1]
+        attacker = peers[3].allreduce
         fired = []
 
         def evil(part):

@@ -24,7 +24,8 @@ from peerd.signing import (
 from peerd.namespace import RunNamespace
 from peerd.status import StatusFilter, make_status, status_problem
 from peerd.transport.inprocess import Hub
-from peerd.transport.records import OwnerRecordValidator, SignedDiscovery, key_id
+from peerd.signing import key_id
+from peerd.transport.records import OwnerRecordValidator, SignedDiscovery
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -212,3 +213,11 @@ def test_status_filter_drops_missing_fields_and_non_records():
     assert f({"a": good, "b": missing, "c": "hello", "d": None}) == {"a": good}
     assert f.dropped == 3
     assert RunNamespace.of("r").status_key == "peerd.r.status"
+
+
+def test_key_ids_equal_the_dht_ids_hivemind_computes():
+    from hivemind.dht.routing import DHTID
+
+    for key in ("peerd.r.status", "peerd.demo.config", "", "ключ", "x" * 300):
+        assert key_id(key) == DHTID.generate(source=key).to_bytes()
+    assert len(key_id("a")) == 20 and key_id("a") != key_id("b")

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from peerd.config import ConfigError, NodeConfig, load_node_config
-from peerd.limits import apply_cpu_threads, apply_gpu_memory_fraction
-from peerd.metrics import Metrics
-from peerd.systemd import Notifier, render_unit, systemd_quote, watchdog_interval_s, watchdog_loop
+from peerd.service.limits import apply_cpu_threads, apply_gpu_memory_fraction
+from peerd.service.metrics import Metrics
+from peerd.service.systemd import Notifier, render_unit, systemd_quote, watchdog_interval_s, watchdog_loop
 
 pytestmark = pytest.mark.timeout(30)
 

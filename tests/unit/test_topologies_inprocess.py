@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from peerd.transport.inprocess import Hub
-from protocols.allreduce import AllReduceConfig, ButterflyAllReduce
+from protocols.allreduce import AllReduceConfig
 from protocols.diloco import weighted_average
 from protocols.gossip import GossipAverager, GossipConfig, choose_partners, consensus_distance, pair_average
-from protocols.matchmaking import MatchmakingConfig, Matchmaker, MatchmakingFailed
+from protocols.matchmaking import MatchmakingConfig, MatchmakingFailed
 from protocols.moshpit import Grid, MoshpitAverager, assign, group_mates, round_to_join
 
 pytestmark = pytest.mark.timeout(60)
@@ -67,23 +67,17 @@ def test_pair_average_is_symmetric_and_preserves_mass():
     assert choose_partners(["a", "b", "c"], "a", 5, random.Random(0)) in (["b", "c"], ["c", "b"])
 
 
-async def _moshpit_peers(hub, n, target, min_group_size=1):
+async def _moshpit_peers(averaging_peers, hub, n, target, min_group_size=1):
     mm_cfg = MatchmakingConfig(matchmaking_timeout_s=2.0, request_timeout_s=0.5, poll_interval_s=0.05,
                                min_group_size=min_group_size)
-    out = []
-    for i in range(n):
-        t = hub.transport(f"peer{i:02d}")
-        mm, ar = Matchmaker(t, "m", mm_cfg), ButterflyAllReduce(t, "m", AllReduceConfig("none", 1.0, 2.0))
-        await mm.start()
-        await ar.start()
-        out.append(MoshpitAverager(mm, ar, target))
-    return out
+    peers = await averaging_peers(hub, n, "m", mm_cfg, AllReduceConfig("none", 1.0, 2.0))
+    return [MoshpitAverager(p.matchmaker, p.allreduce, target) for p in peers]
 
 
-def test_moshpit_4_peers_2x2_grid_exact_average_after_2_rounds():
+def test_moshpit_4_peers_2x2_grid_exact_average_after_2_rounds(averaging_peers):
     async def main():
         hub = Hub()
-        peers = await _moshpit_peers(hub, 4, 2)
+        peers = await _moshpit_peers(averaging_peers, hub, 4, 2)
         names = [f"peer{i:02d}" for i in range(4)]
         xs = [torch.randn(1000, generator=torch.Generator().manual_seed(i)) for i in range(4)]
         ws = [1.0, 2.0, 3.0, 4.0]
@@ -100,13 +94,13 @@ def test_moshpit_4_peers_2x2_grid_exact_average_after_2_rounds():
     asyncio.run(main())
 
 
-def test_moshpit_groups_come_from_the_rendezvous_not_from_each_peers_view():
+def test_moshpit_groups_come_from_the_rendezvous_not_from_each_peers_view(averaging_peers):
     """Views that disagree (a dead peer still listed by some, a live one missing from another) cannot split the grid:
     every survivor lands in the same 2 x 2 grid, built from the sealed rendezvous."""
 
     async def main():
         hub = Hub()
-        peers = await _moshpit_peers(hub, 4, 2)
+        peers = await _moshpit_peers(averaging_peers, hub, 4, 2)
         names = [f"peer{i:02d}" for i in range(4)]
         views = [names + ["peer99-dead"], names + ["peer99-dead"], names, names[1:]]
         xs = [torch.randn(1000, generator=torch.Generator().manual_seed(i)) for i in range(4)]
@@ -122,13 +116,13 @@ def test_moshpit_groups_come_from_the_rendezvous_not_from_each_peers_view():
     asyncio.run(main())
 
 
-def test_moshpit_lone_grid_peer_fails_its_round_under_min_group_size():
+def test_moshpit_lone_grid_peer_fails_its_round_under_min_group_size(averaging_peers):
     """5 peers on a 2 x 2 x 2 grid leave some peer alone along some dimension; with min_group_size = 2 that peer's
     round fails (MatchmakingFailed) while the others average in their groups."""
 
     async def main():
         hub = Hub()
-        peers = await _moshpit_peers(hub, 5, 2, min_group_size=2)
+        peers = await _moshpit_peers(averaging_peers, hub, 5, 2, min_group_size=2)
         names = [f"peer{i:02d}" for i in range(5)]
         lone = {r: [p for p in names if not group_mates(p, names, r, 2)] for r in range(3)}
         r = next(r for r, ps in lone.items() if ps)

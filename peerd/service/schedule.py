@@ -1,7 +1,7 @@
 """Active hours: the local-time windows in which a volunteer's peer trains.
 
 A pure core (:class:`ActiveHours`: parse, ``is_active``, ``seconds_until_change``; no clock of its own) and a small
-async enforcer that pauses and resumes a :class:`peerd.pause.PauseGate` on a clock it is handed, so tests drive it
+async enforcer that pauses and resumes a :class:`peerd.service.pause.PauseGate` on a clock it is handed, so tests drive it
 with a fake clock.
 """
 

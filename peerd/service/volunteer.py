@@ -17,11 +17,11 @@ import time
 from typing import Any, Mapping, Optional
 
 from peerd.config import NodeConfig
-from peerd.control import ControlServer
-from peerd.health import DaemonState, assess_health
-from peerd.pause import USER_REASON, PauseGate
-from peerd.schedule import ActiveHours, enforce_active_hours
-from peerd.systemd import Notifier, watchdog_interval_s, watchdog_loop
+from peerd.service.control import ControlServer
+from peerd.service.health import DaemonState, assess_health
+from peerd.service.pause import USER_REASON, PauseGate
+from peerd.service.schedule import ActiveHours, enforce_active_hours
+from peerd.service.systemd import Notifier, watchdog_interval_s, watchdog_loop
 from peerd.events import (
     Bandwidth,
     BandwidthCaps,
@@ -71,7 +71,7 @@ class VolunteerServices:
         self._stopping_sent = False
         self.events = EventBus(LogEvents(), self.state.observe, self._systemd_status)
         if node.metrics_port is not None:
-            from peerd.metrics import Metrics  # prometheus_client only when asked for
+            from peerd.service.metrics import Metrics  # prometheus_client only when asked for
 
             self.metrics = Metrics(lambda: self.streams.report() if self.streams else None)
             self.events.subscribe(self.metrics.observe)

@@ -3,7 +3,7 @@
 ``threads`` caps torch's intra-op (and, when still possible, inter-op) thread pools; ``gpu_memory_fraction`` caps
 this process's share of the GPU's memory through the CUDA caching allocator (an allocation past it raises an
 out-of-memory error instead of crowding out the volunteer's own programs). Bandwidth caps live in
-:mod:`peerd.transport.pacing`, active hours in :mod:`peerd.schedule`.
+:mod:`peerd.transport.pacing`, active hours in :mod:`peerd.service.schedule`.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from protocols.compression import (
+from protocols.codecs import (
     CODECS,
     Float16Compression,
     Int8Compression,
@@ -126,7 +126,7 @@ def test_get_codec_unknown_lists_valid_names():
 
 
 def test_all_finite_fast_path_and_exact_fallback():
-    from protocols.compression import all_finite
+    from protocols.codecs import all_finite
 
     x = torch.randn(10_000)
     assert all_finite(x) and all_finite(torch.empty(0))

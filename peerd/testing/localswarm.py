@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 
 import psutil
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LOCAL = ROOT / "node_configs" / "machines" / "local-test.toml"
 TINY = ROOT / "node_configs" / "runs" / "tiny-test.toml"
 

@@ -8,10 +8,10 @@ vector is saved next to it (``<out>.final.pt``). Gossip peers keep serving excha
 every peer is done (or ``--linger-s`` passes), so late partners are not left alone.
 
 With ``--attempts 2`` a failed all-reduce is retried once right away among the survivors under a fresh group key,
-as the DiLoCo worker does; a failed attempt changes nothing. ``PEERD_FAULTS`` (:mod:`peerd.faults`) makes this peer
+as the DiLoCo worker does; a failed attempt changes nothing. ``PEERD_FAULTS`` (:mod:`peerd.testing.faults`) makes this peer
 misbehave on schedule (round r of the schedule = this peer's r-th round); ``fault`` events go to stderr as JSON lines.
 
-Usage: ``python -m peerd.avgpeer --index 0 --expect 4 --topology moshpit --out /tmp/p0.jsonl [--initial-peers M]``
+Usage: ``python -m peerd.testing.avgpeer --index 0 --expect 4 --topology moshpit --out /tmp/p0.jsonl [--initial-peers M]``
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from peerd.faults import Faults, FaultyTransport
+from peerd.testing.faults import Faults, FaultyTransport
 from peerd.telemetry import JsonFormatter
 from peerd.transport.hivemind_backend import HivemindTransport
 from protocols.allreduce import AllReduceConfig, AllReduceFailed, ButterflyAllReduce

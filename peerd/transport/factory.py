@@ -1,0 +1,103 @@
+"""Building this peer's transport from its node config: the one place that names a backend.
+
+:func:`open_transport` holds the identity file (an advisory lock until ``shutdown()``), starts the DHT node and
+streams (today hivemind's DHT on p2pd, :mod:`peerd.transport.hivemind_backend`), signs what the peer stores and
+verifies what it reads (:mod:`peerd.transport.records`). :func:`start_data_plane` optionally moves peer streams
+onto the direct TCP data plane (:mod:`peerd.transport.direct`). :func:`open_reader` is a short-lived DHT client
+with no identity, for ``peerd status``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Optional
+
+from peerd.config import NodeConfig
+from peerd.identity import hold_identity, load_or_create_identity
+from peerd.signing import Signer
+from peerd.transport.hivemind_backend import HivemindTransport
+from peerd.transport.records import OwnerRecordValidator, SignedDiscovery
+
+logger = logging.getLogger(__name__)
+
+#: Where every daemon kept its identity before it moved into the checkpoint dir.
+LEGACY_IDENTITY = "~/.peerd/identity.key"
+
+
+async def open_transport(node: NodeConfig, role: str = "worker", client_mode: bool = False) -> HivemindTransport:
+    """The DHT node and streams of this peer (``role``: "worker" or "bootstrap", which picks the default identity
+    file, :meth:`NodeConfig.identity_path_for`). Its DHT node refuses forged owner records (OwnerRecordValidator),
+    and its discovery signs what this peer stores and returns only validly signed records (SignedDiscovery).
+
+    The identity file stays locked until ``transport.shutdown()``. Raises IdentityInUse if another daemon holds it,
+    IdentityError if it is unusable, ConnectionError if the DHT node cannot start."""
+    path = node.identity_path_for(role)
+    identity = str(path)
+    hold = hold_identity(path)
+    try:
+        peer_id = load_or_create_identity(identity)
+        signer = Signer.from_identity_file(identity)
+        logger.info("PeerID %s (identity %s)", peer_id, identity)
+        legacy = Path(LEGACY_IDENTITY).expanduser()
+        if node.identity is None and role == "worker" and legacy.exists() and legacy != path:
+            logger.warning("%s, the identity of earlier peerd versions, is no longer the default; pass --identity %s "
+                           "to keep its PeerID", LEGACY_IDENTITY, LEGACY_IDENTITY)
+        transport = await HivemindTransport.create(
+            initial_peers=node.initial_peers,
+            host_maddrs=node.host_maddrs,
+            announce_maddrs=node.announce_maddrs,
+            identity_path=identity,
+            nat_port_map=node.nat_port_map,
+            client_mode=client_mode,
+            record_validators=[OwnerRecordValidator()],
+        )
+    except BaseException:
+        hold.release()
+        raise
+    transport.on_shutdown.append(hold.release)
+    transport.discovery = SignedDiscovery(transport.discovery, signer)
+    return transport
+
+
+async def open_reader(node: NodeConfig) -> HivemindTransport:
+    """A DHT client (no identity of ours, listening on 127.0.0.1 only, serving nothing) whose discovery returns
+    only validly signed records. Call ``shutdown()`` when done."""
+    transport = await HivemindTransport.create(
+        initial_peers=node.initial_peers, host_maddrs=("/ip4/127.0.0.1/tcp/0",), client_mode=True,
+        record_validators=[OwnerRecordValidator()],
+    )
+    transport.discovery = SignedDiscovery(transport.discovery, signer=None)
+    return transport
+
+
+def _ip4(maddr: str) -> Optional[str]:
+    parts = maddr.split("/")
+    return parts[2] if len(parts) > 2 and parts[1] == "ip4" else None
+
+
+async def start_data_plane(node: NodeConfig, transport: HivemindTransport) -> Optional[HivemindTransport]:
+    """With ``data_plane = "direct"``: ``transport`` with its streams moved onto the direct TCP data plane
+    (:class:`peerd.transport.direct.DirectStreams`, listening on the host of ``host_maddrs`` at ``data_port`` and
+    announcing the host of ``announce_maddrs``, else the first non-loopback address we are visible at); None with
+    ``p2p``, or if no address to announce is known (then streams stay on p2pd, with a warning)."""
+    if node.data_plane != "direct":
+        return None
+    from peerd.transport.direct import DirectStreams
+
+    host = next(filter(None, map(_ip4, node.host_maddrs)), "0.0.0.0")
+    announce = next(filter(None, map(_ip4, node.announce_maddrs)), None)
+    if announce is None and host != "0.0.0.0":
+        announce = host
+    if announce is None:
+        visible = [ip for ip in map(_ip4, transport.visible_maddrs()) if ip and ip != "0.0.0.0"]
+        announce = next((ip for ip in visible if not ip.startswith("127.")), visible[0] if visible else None)
+    if announce is None:
+        logger.warning("data_plane = direct, but no IPv4 address to announce is known (set announce_maddrs): "
+                       "peer streams stay on p2p")
+        return None
+    discovery: SignedDiscovery = transport.discovery
+    streams = DirectStreams(transport.streams, discovery, discovery.signer, host, node.data_port, announce)
+    await streams.start()
+    return dataclasses.replace(transport, streams=streams)
