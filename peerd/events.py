@@ -22,10 +22,13 @@ class Event:
 
     name: ClassVar[str] = "event"
     level: ClassVar[int] = logging.INFO
+    message_only: ClassVar[tuple[str, ...]] = ()
+    """Fields that only the human-readable message uses (not part of the log line's extras)."""
 
     def fields(self) -> dict[str, Any]:
-        """``{"event": name, **every field}``: exactly the ``extra`` of the event's log line."""
-        return {"event": self.name, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}}
+        """``{"event": name, **every field but message_only}``: exactly the ``extra`` of the event's log line."""
+        return {"event": self.name, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                                       if f.name not in self.message_only}}
 
     def message(self) -> str:
         return self.name
@@ -42,16 +45,12 @@ class InnerProgress(Event):
     """A window of inner steps (every ``log_every_steps`` and at the end of a round's quota)."""
 
     name: ClassVar[str] = "inner"
+    message_only: ClassVar[tuple[str, ...]] = ("round_quota",)
     outer_round: int
     inner_step: int
     loss: float
     tokens_per_s: float
     round_quota: int = field(default=0, compare=False)
-
-    def fields(self) -> dict[str, Any]:
-        out = super().fields()
-        del out["round_quota"]
-        return out
 
     def message(self) -> str:
         return (f"round {self.outer_round + 1} step {self.inner_step}/{self.round_quota} loss {self.loss:.4f} "
@@ -104,15 +103,11 @@ class RoundFailed(Event):
 
     name: ClassVar[str] = "round_failed"
     level: ClassVar[int] = logging.WARNING
+    message_only: ClassVar[tuple[str, ...]] = ("consequence",)
     outer_round: int
     reason: str
     method: str
     consequence: str = field(default="", compare=False)
-
-    def fields(self) -> dict[str, Any]:
-        out = super().fields()
-        del out["consequence"]
-        return out
 
     def message(self) -> str:
         return f"round {self.outer_round + 1} failed: {self.reason}; {self.consequence}"
@@ -121,14 +116,10 @@ class RoundFailed(Event):
 @dataclass(frozen=True)
 class Paused(Event):
     name: ClassVar[str] = "paused"
+    message_only: ClassVar[tuple[str, ...]] = ("local_steps",)
     outer_round: int
     reasons: Mapping[str, str]
     local_steps: int = field(default=0, compare=False)
-
-    def fields(self) -> dict[str, Any]:
-        out = super().fields()
-        del out["local_steps"]
-        return out
 
     def message(self) -> str:
         return (f"paused ({'; '.join(self.reasons.values()) or 'running'}) at outer round {self.outer_round}, "
@@ -149,17 +140,13 @@ class StateDownloaded(Event):
     """This peer adopted the state of ``peer`` (``megabytes`` of payload; ``dropped_steps`` local steps lost)."""
 
     name: ClassVar[str] = "state_download"
+    message_only: ClassVar[tuple[str, ...]] = ("megabytes", "dropped_steps")
     outer_round: int
     peer: str
     digest: str
     seconds: float
     megabytes: float = field(default=0.0, compare=False)
     dropped_steps: int = field(default=0, compare=False)
-
-    def fields(self) -> dict[str, Any]:
-        out = super().fields()
-        del out["megabytes"], out["dropped_steps"]
-        return out
 
     def message(self) -> str:
         dropped = f"; dropped {self.dropped_steps} unsynchronized local steps" if self.dropped_steps else ""
@@ -172,15 +159,11 @@ class CheckpointResumed(Event):
     """The role resumed from its local checkpoint ``path``."""
 
     name: ClassVar[str] = "resume"
+    message_only: ClassVar[tuple[str, ...]] = ("path", "local_steps")
     outer_round: int
     digest: str
     path: str = field(default="", compare=False)
     local_steps: int = field(default=0, compare=False)
-
-    def fields(self) -> dict[str, Any]:
-        out = super().fields()
-        del out["path"], out["local_steps"]
-        return out
 
     def message(self) -> str:
         return (f"resumed from {self.path}: outer round {self.outer_round}, {self.local_steps} local steps since "
@@ -204,16 +187,12 @@ class Left(Event):
     """The role left run ``run_id`` (bytes in bytes)."""
 
     name: ClassVar[str] = "leave"
+    message_only: ClassVar[tuple[str, ...]] = ("run_id",)
     outer_round: int
     bytes_sent: int
     bytes_received: int
     rounds_failed: int
     run_id: str = field(default="", compare=False)
-
-    def fields(self) -> dict[str, Any]:
-        out = super().fields()
-        del out["run_id"]
-        return out
 
     def message(self) -> str:
         return (f"leaving run {self.run_id} after {self.outer_round} outer rounds ({self.rounds_failed} failed); "
