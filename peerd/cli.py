@@ -287,7 +287,11 @@ def _control(args: argparse.Namespace, payload: dict[str, Any]) -> dict[str, Any
     from peerd.service.control import request
 
     node = _node_config(args)
-    return request(node.control_socket_path, payload)
+    path = node.control_socket_path
+    if not node.control_socket and not path.exists():  # no worker here: a bootstrap node may be
+        bootstrap = node.control_socket_path_for("bootstrap")
+        path = bootstrap if bootstrap.exists() else path
+    return request(path, payload)
 
 
 def _cmd_pause_resume(args: argparse.Namespace) -> int:

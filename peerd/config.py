@@ -45,6 +45,9 @@ class ConfigError(ValueError):
 #: Identity file, inside ``checkpoint_dir``, of each kind of daemon when ``identity`` is not set: a bootstrap node
 #: and a worker on one machine (or two workers with their own checkpoint dirs) get PeerIDs of their own.
 DEFAULT_IDENTITY_FILES = {"worker": "identity.key", "bootstrap": "bootstrap.key"}
+#: Control socket file in ``checkpoint_dir`` per kind of daemon, so a bootstrap node and a worker sharing the default
+#: checkpoint dir each serve their own (``control_socket`` overrides both).
+DEFAULT_CONTROL_SOCKETS = {"worker": "peerd.sock", "bootstrap": "bootstrap.sock"}
 
 
 # --------------------------------------------------------------------------------------------------------- node config
@@ -178,9 +181,14 @@ class NodeConfig:
 
     @property
     def control_socket_path(self) -> Path:
+        """The worker's control socket (see :meth:`control_socket_path_for`)."""
+        return self.control_socket_path_for("worker")
+
+    def control_socket_path_for(self, role: str) -> Path:
+        """The control socket of a daemon of kind ``role`` (a key of :data:`DEFAULT_CONTROL_SOCKETS`)."""
         if self.control_socket:
             return Path(os.path.expanduser(self.control_socket))
-        return self.checkpoint_path / "peerd.sock"
+        return self.checkpoint_path / DEFAULT_CONTROL_SOCKETS[role]
 
 
 ENV_PREFIX = "PEERD_"

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from peerd.config import NodeConfig
+from peerd.identity import hold_identity
 from peerd.run_config import RunConfig
 from peerd.membership import (
     RUN_CREATOR_MIN_PREFIX,
@@ -182,10 +183,11 @@ async def join(run_id: RunRef | str, node: NodeConfig, local_run: Optional[RunCo
     run_id = ref.name
     stop = asyncio.Event()
     install_stop_handlers(stop)
+    hold = hold_identity(node.identity_path_for("worker"))  # before any service: a second daemon stops right here
     async with VolunteerServices(node, "diloco", stop, run_id=run_id) as services:
         apply_cpu_threads(node.threads)
         apply_gpu_memory_fraction(node.gpu_memory_fraction, pick_device(node.device))
-        transport = await open_transport(node)
+        transport = await open_transport(node, hold=hold)
         keeper = data_plane = None
         try:
             logger.info("listening on %s", " ".join(transport.visible_maddrs()))
@@ -220,8 +222,9 @@ async def bootstrap(node: NodeConfig, on_ready=print) -> None:
     """Run a DHT-only node until stopped; ``on_ready`` receives each visible multiaddr."""
     stop = asyncio.Event()
     install_stop_handlers(stop)
+    hold = hold_identity(node.identity_path_for("bootstrap"))
     async with VolunteerServices(node, "bootstrap", stop) as services:
-        transport = await open_transport(node, role="bootstrap")
+        transport = await open_transport(node, role="bootstrap", hold=hold)
         try:
             for maddr in transport.visible_maddrs():
                 on_ready(maddr)

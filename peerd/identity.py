@@ -39,8 +39,11 @@ class IdentityHold:
         self._fd = fd
 
     def release(self) -> None:
+        """Unlock (idempotent)."""
         from peerd import locks
 
+        if self._fd is None:
+            return
         locks.release(self._fd)
         self._fd = None
 

@@ -66,7 +66,8 @@ class VolunteerServices:
         self.metrics_port: Optional[int] = None
         self.peers_seen: Optional[int] = None
         self.control_path: Optional[str] = None
-        self._control = ControlServer(node.control_socket_path, self._handle)
+        self._kind = "bootstrap" if role == "bootstrap" else "worker"  # which default control socket it serves
+        self._control = ControlServer(node.control_socket_path_for(self._kind), self._handle)
         self._tasks: list[asyncio.Task] = []
         self._stopping_sent = False
         self.events = EventBus(LogEvents(), self.state.observe, self._systemd_status)
@@ -87,7 +88,7 @@ class VolunteerServices:
         return self
 
     async def _start(self) -> None:
-        path = self.node.control_socket_path
+        path = self.node.control_socket_path_for(self._kind)
         try:
             if await self._control.start():
                 self.control_path = str(path)

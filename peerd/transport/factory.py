@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from peerd.config import NodeConfig
-from peerd.identity import hold_identity, load_or_create_identity
+from peerd.identity import IdentityHold, hold_identity, load_or_create_identity
 from peerd.signing import Signer
 from peerd.transport.hivemind_backend import HivemindTransport
 from peerd.transport.records import OwnerRecordValidator, SignedDiscovery
@@ -26,16 +26,19 @@ logger = logging.getLogger(__name__)
 LEGACY_IDENTITY = "~/.peerd/identity.key"
 
 
-async def open_transport(node: NodeConfig, role: str = "worker", client_mode: bool = False) -> HivemindTransport:
+async def open_transport(node: NodeConfig, role: str = "worker", client_mode: bool = False,
+                         hold: Optional[IdentityHold] = None) -> HivemindTransport:
     """The DHT node and streams of this peer (``role``: "worker" or "bootstrap", which picks the default identity
     file, :meth:`NodeConfig.identity_path_for`). Its DHT node refuses forged owner records (OwnerRecordValidator),
     and its discovery signs what this peer stores and returns only validly signed records (SignedDiscovery).
 
-    The identity file stays locked until ``transport.shutdown()``. Raises IdentityInUse if another daemon holds it,
-    IdentityError if it is unusable, ConnectionError if the DHT node cannot start."""
+    The identity file stays locked until ``transport.shutdown()`` (``hold``: a lock the caller already took with
+    :func:`peerd.identity.hold_identity`, e.g. before anything else starts; it is released on failure and on
+    shutdown). Raises IdentityInUse if another daemon holds it, IdentityError if it is unusable, ConnectionError if
+    the DHT node cannot start."""
     path = node.identity_path_for(role)
     identity = str(path)
-    hold = hold_identity(path)
+    hold = hold if hold is not None else hold_identity(path)
     try:
         peer_id = load_or_create_identity(identity)
         signer = Signer.from_identity_file(identity)

@@ -448,3 +448,12 @@ def test_paths_of_the_wrong_kind_are_config_errors(tmp_path):
         NodeConfig(checkpoint_dir=str(tmp_path / "file"))
     with pytest.raises(ConfigError, match="identity.*is a folder"):
         NodeConfig(identity=str(tmp_path))
+
+
+def test_a_bootstrap_node_and_a_worker_sharing_the_default_checkpoint_dir_get_their_own_control_sockets():
+    node = NodeConfig(checkpoint_dir="/tmp/shared")
+    assert node.control_socket_path_for("worker") == node.control_socket_path == Path("/tmp/shared/peerd.sock")
+    assert node.control_socket_path_for("bootstrap") == Path("/tmp/shared/bootstrap.sock")
+    assert node.identity_path_for("worker") != node.identity_path_for("bootstrap")
+    pinned = NodeConfig(checkpoint_dir="/tmp/shared", control_socket="/tmp/x.sock")
+    assert pinned.control_socket_path_for("bootstrap") == pinned.control_socket_path_for("worker") == Path("/tmp/x.sock")
