@@ -221,6 +221,9 @@ class RunConfig:
         object.__setattr__(self, "allowlist", tuple(sorted(set(self.allowlist))))  # equal sets hash alike
         if self.parallelism not in PARALLELISMS:
             raise ConfigError(f"parallelism must be one of {PARALLELISMS}, got {self.parallelism!r}")
+        if self.diloco.overlap != "none" and self.averaging.method != "allreduce":
+            raise ConfigError(f"[diloco] overlap = {self.diloco.overlap!r} needs averaging.method = 'allreduce' "
+                              f"(the mixing methods have no shared outer step to delay), got {self.averaging.method!r}")
         if self.model not in MODEL_NAMES:
             raise ConfigError(f"model must be one of {MODEL_NAMES}, got {self.model!r}")
         if self.dataset not in ("shakespeare", "local"):

@@ -48,6 +48,9 @@ def _is_real(value: Any) -> bool:
 # ---------------------------------------------------------------------------------------------------------------
 # Hyperparameters
 
+#: How an outer round's all-reduce relates to the next round's inner steps (run config ``[diloco] overlap``).
+OVERLAPS = ("none", "delayed")
+
 
 @dataclass(frozen=True)
 class DiLoCoHyperparams:
@@ -91,6 +94,10 @@ class DiLoCoHyperparams:
     grad_clip_norm: float = 1.0
     """Max global L2 norm of inner gradients before each inner step (> 0), or 0 to disable clipping."""
 
+    overlap: str = "none"
+    """none: each round's all-reduce finishes before the next inner steps. delayed: it runs in the background during
+    the next round and its outer step is applied one round late (:class:`DelayedOuterStep`, arXiv 2502.12996)."""
+
     def __post_init__(self) -> None:
         def fail(field: str, requirement: str) -> None:
             raise ValueError(f"DiLoCoHyperparams.{field} must be {requirement}, got {getattr(self, field)!r}")
@@ -112,6 +119,8 @@ class DiLoCoHyperparams:
         object.__setattr__(self, "inner_betas", (float(betas[0]), float(betas[1])))
         if not isinstance(self.outer_nesterov, bool):
             fail("outer_nesterov", "a bool")
+        if self.overlap not in OVERLAPS:
+            fail("overlap", f"one of {OVERLAPS}")
 
         if self.inner_steps < 1:
             fail("inner_steps", ">= 1")
@@ -369,9 +378,6 @@ class OuterState:
 
 # ---------------------------------------------------------------------------------------------------------------
 # Overlapped outer rounds
-
-#: How an outer round's all-reduce relates to the next round's inner steps (run config ``[diloco] overlap``).
-OVERLAPS = ("none", "delayed")
 
 
 @dataclass(frozen=True)
