@@ -140,3 +140,11 @@ def test_workers_train_with_overlap_and_compression_until_max_rounds(compression
             assert all(float(w.sync.feedback.error.abs().sum()) > 0 for w in workers)
 
     asyncio.run(main())
+
+
+def test_sparse_codecs_are_refused_where_outer_states_are_averaged():
+    with pytest.raises(ConfigError, match="topk"):
+        RunConfig(averaging=AveragingConfig.from_flat(method="gossip", compression="topk"))
+    with pytest.raises(ConfigError, match="topk"):
+        RunConfig(averaging=AveragingConfig.from_flat(method="moshpit", compression="topk"))
+    assert RunConfig(averaging=AveragingConfig.from_flat(compression="topk")).averaging.allreduce().compression == "topk"
