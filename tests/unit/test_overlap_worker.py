@@ -147,4 +147,5 @@ def test_sparse_codecs_are_refused_where_outer_states_are_averaged():
         RunConfig(averaging=AveragingConfig.from_flat(method="gossip", compression="topk"))
     with pytest.raises(ConfigError, match="topk"):
         RunConfig(averaging=AveragingConfig.from_flat(method="moshpit", compression="topk"))
-    assert RunConfig(averaging=AveragingConfig.from_flat(compression="topk")).averaging.allreduce().compression == "topk"
+    run = RunConfig(averaging=AveragingConfig.from_flat(compression="topk"))
+    assert run.averaging.allreduce().compression == "topk"
