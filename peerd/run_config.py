@@ -17,6 +17,7 @@ from typing import Any, Mapping
 
 from peerd.config import ConfigError, build_config, read_toml
 from protocols.allreduce import AllReduceConfig
+from protocols.codecs import SPARSE_CODECS
 from protocols.diloco import DiLoCoHyperparams
 from protocols.gossip import GossipConfig
 from protocols.matchmaking import MatchmakingConfig
@@ -221,6 +222,15 @@ class RunConfig:
         object.__setattr__(self, "allowlist", tuple(sorted(set(self.allowlist))))  # equal sets hash alike
         if self.parallelism not in PARALLELISMS:
             raise ConfigError(f"parallelism must be one of {PARALLELISMS}, got {self.parallelism!r}")
+        if self.diloco.overlap != "none" and self.averaging.method != "allreduce":
+            raise ConfigError(f"[diloco] overlap = {self.diloco.overlap!r} needs averaging.method = 'allreduce' "
+                              f"(the mixing methods have no shared outer step to delay), got {self.averaging.method!r}")
+        sparse = {"allreduce": "moshpit", "gossip": "gossip"}  # these average outer *states*: no error feedback there
+        for table, method in sparse.items():
+            codec = self.averaging.protocol(table).compression
+            if self.averaging.method == method and codec in SPARSE_CODECS:
+                raise ConfigError(f"[averaging.{table}] compression = {codec!r} is for pseudo-gradients (method "
+                                  f"'allreduce'); averaging.method = {method!r} averages outer states")
         if self.model not in MODEL_NAMES:
             raise ConfigError(f"model must be one of {MODEL_NAMES}, got {self.model!r}")
         if self.dataset not in ("shakespeare", "local"):

@@ -6,6 +6,15 @@ part i: every member sends it part i (encoded by the run's codec), it computes t
 Every member, the reducer included, decodes those bytes: all members end with bit-identical averages, which is what
 lets DiLoCo peers keep bit-identical theta_outer. Each member sends and receives about 2 (N-1)/N of the vector.
 
+Sparse codecs (``compression = "topk"``, SparseLoCo, arXiv 2508.15706): members' top-k selections have different
+indices, so a reducer cannot average encoded parts, and the mean of N sparse parts (up to N k values, not 2-bit) is
+not representable in the sparse codec. SparseLoCo all-gathers the sparse tensors instead; peerd keeps the butterfly:
+each reducer decodes every member's sparse part densely, averages in fp32 as for any codec, and answers with the mean
+encoded by a *dense* codec (``result_compression``, fp16 by default). This keeps the reducer fault handling and the
+bit-identical guarantee unchanged (every member decodes the same answer bytes) and costs each member about (N-1)/N of
+the vector sparse up plus (N-1)/N dense down, independent of N, where a gather costs N-1 sparse vectors each way.
+The sender's error feedback needs what its own contribution decoded to: :attr:`AllReduceResult.sent`.
+
 Failure semantics:
 - a sender that does not deliver its part within ``sender_timeout_s`` is left out of that part's mean;
 - a sender whose part is invalid (wrong size or shape, non-finite values, weight out of range, malformed frame) is
@@ -115,7 +124,7 @@ class AllReduceConfig:
     """Wire format and timeouts (seconds) of one all-reduce."""
 
     compression: str = "fp16"
-    """Codec for parts and results on the wire: none | fp16 | int8."""
+    """Codec for parts (and, if dense, results) on the wire: none | fp16 | bf16 | int8 | fp4 | topk."""
     sender_timeout_s: float = 30.0
     """A reducer waits this long, from its own start, for the members' parts before averaging without them."""
     reducer_timeout_s: float = 60.0
@@ -124,9 +133,13 @@ class AllReduceConfig:
     """How a reducer combines its part: mean (weighted) or centered_clip (robust to a minority of bad senders)."""
     clip_tau: float = 1.0
     """CenteredClip radius, in the units of the averaged values (per part: each reducer clips its own part)."""
+    result_compression: str = "auto"
+    """Dense codec of the reducers' answers; auto: ``compression`` if it is dense, else fp16."""
 
     def __post_init__(self) -> None:
         get_codec(self.compression)
+        if self.result_compression != "auto" and get_codec(self.result_compression).sparse:
+            raise ValueError(f"result_compression must be a dense codec, got {self.result_compression!r}")
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
         if self.clip_tau <= 0:
@@ -157,6 +170,9 @@ class AllReduceResult:
     """How many members contributed to this peer's own part (its reducer view)."""
     excluded: dict[str, str] = field(default_factory=dict)
     """Members whose part this peer refused as reducer, with the reason."""
+    sent: Optional[torch.Tensor] = None
+    """(P,) fp32: what this member's contribution decoded to at the reducers; set for sparse codecs only (for
+    :class:`protocols.codecs.ErrorFeedback`)."""
 
 
 @dataclass
@@ -192,6 +208,10 @@ class ButterflyAllReduce(Service):
         self.request_timeout_s = config.sender_timeout_s  # a sender stalled inside its header is banned
         self.bans = bans if bans is not None else BanList()
         self.codec = get_codec(config.compression)
+        result = config.result_compression
+        if result == "auto":
+            result = "fp16" if self.codec.sparse else config.compression
+        self.result_codec = get_codec(result)
         self._sessions: dict[str, _ReduceSession] = {}
         self._session_ready: dict[str, asyncio.Event] = {}
 
@@ -235,7 +255,8 @@ class ButterflyAllReduce(Service):
         self._sessions[group.group_id] = session
         self._session_ready.setdefault(group.group_id, asyncio.Event()).set()
         own = tensor[offsets[my_index] : offsets[my_index] + sizes[my_index]]
-        session.reducer.add(me, self.codec.decode(self.codec.encode(own), own.numel()), weight)
+        own_sent = self.codec.decode(self.codec.encode(own), own.numel())
+        session.reducer.add(me, own_sent, weight)
         finisher = asyncio.ensure_future(self._finish_when_complete(session))
         averaged = torch.empty_like(tensor)
         try:
@@ -252,11 +273,16 @@ class ButterflyAllReduce(Service):
             others = iter(results[1:])
             for i, peer in enumerate(group.members):
                 if peer == me:
-                    part = self.codec.decode(session.result_bytes, sizes[i])
+                    part = self.result_codec.decode(session.result_bytes, sizes[i])
                 else:
                     part, b_sent, b_received = next(others)
                     sent, received = sent + b_sent, received + b_received
                 averaged[offsets[i] : offsets[i] + sizes[i]] = part
+            sent_parts = None
+            if self.codec.sparse:
+                sent_parts = torch.cat([own_sent if peer == me else self.codec.decode(
+                    self.codec.encode(tensor[offsets[i] : offsets[i] + sizes[i]]), sizes[i])
+                    for i, peer in enumerate(group.members)])
             await self._wait_answers_written(session)
             logger.info("all-reduce of group %s (%s) done: %d members", group.group_id, group.key, len(group.members),
                         extra={"event": "allreduce", "group_id": group.group_id, "key": group.key,
@@ -269,11 +295,12 @@ class ButterflyAllReduce(Service):
                 loop.time() - start,
                 len(session.reducer.contributors),
                 dict(session.excluded),
+                sent_parts,
             )
         finally:
             finisher.cancel()
             if session.result_bytes is None:  # we failed before our part was sealed: answer what we have
-                session.result_bytes = self.codec.encode(session.reducer.mean())
+                session.result_bytes = self.result_codec.encode(session.reducer.mean())
                 session.finished.set()
             asyncio.get_running_loop().call_later(
                 self.config.reducer_timeout_s, self._forget, group.group_id
@@ -307,7 +334,7 @@ class ButterflyAllReduce(Service):
             session.arrived.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(session.arrived.wait(), remaining)
-        session.result_bytes = self.codec.encode(session.reducer.mean())
+        session.result_bytes = self.result_codec.encode(session.reducer.mean())
         session.finished.set()
 
     async def _exchange(
@@ -319,7 +346,8 @@ class ButterflyAllReduce(Service):
         header = {"group_id": group.group_id, "numel": part.numel(), "weight": weight, "codec": self.codec.name}
         try:
             reply = await call(self.transport.streams, peer, self.prefix, "reduce", header, self._encode_part(part),
-                               timeout_s=max(timeout, 0.0), max_reply_bytes=self.codec.encoded_size(part.numel()))
+                               timeout_s=max(timeout, 0.0),
+                               max_reply_bytes=self.result_codec.encoded_size(part.numel()))
         except RpcTimeout:
             raise AllReduceFailed(f"reducer {peer} did not answer within reducer_timeout_s") from None
         except Refused as e:
@@ -327,7 +355,7 @@ class ButterflyAllReduce(Service):
         except RpcError as e:
             raise AllReduceFailed(f"reducer {peer} failed: {e!r}") from e
         try:
-            averaged = self.codec.decode(reply.payload, part.numel())
+            averaged = self.result_codec.decode(reply.payload, part.numel())
         except ValueError as e:  # wrong size or non-finite values: a faulty or hostile reducer
             self.bans.ban(peer, f"sent an invalid mean: {e}")
             raise AllReduceFailed(f"reducer {peer} failed: sent an invalid mean: {e}") from None

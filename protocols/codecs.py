@@ -20,6 +20,16 @@ Codecs (little-endian; ``n`` = number of values):
 - ``"int8"``: blockwise absmax quantization (as in INTELLECT-1's 8-bit pseudo-gradients, here signed and
   symmetric): per block of 256 values ``scale = absmax / 127`` and ``q = round(x / scale)`` in [-127, 127], computed
   in fp32. Layout: ``ceil(n / 256)`` fp32 scales, then ``n`` int8 values; ``n + 4 * ceil(n / 256)`` bytes.
+- ``"fp4"``: 4-bit floats e2m1 (sign, 2 exponent bits, 1 mantissa bit: magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6) with
+  one fp32 scale ``absmax / 6`` per block of 64 values, as the 4-bit pseudo-gradients of Streaming DiLoCo (Douillard
+  et al. 2025, arXiv 2501.18512, section 2.3). Layout: ``ceil(n / 64)`` fp32 scales, then ``ceil(n / 2)`` bytes of
+  codes (value ``2i`` in the low nibble, ``2i + 1`` in the high one); ``4 * ceil(n / 64) + ceil(n / 2)`` bytes.
+- ``"topk"`` (sparse, :data:`SPARSE_CODECS`): SparseLoCo's compressor (Sarfi et al. 2025, arXiv 2508.15706): per
+  chunk of 4096 values the ``ceil(0.02 * chunk)`` largest magnitudes, each sent as a chunk-local uint16 index and a
+  2-bit value (sign, and whether it is nearer the chunk's smallest or largest selected magnitude). Lossy by design:
+  pair it with :class:`ErrorFeedback` so what is not sent is sent in later rounds. The butterfly all-reduce averages
+  it densely (see :mod:`protocols.allreduce`). Not in :data:`CODECS`: :func:`decode_tensor` accepts it only when
+  asked to.
 
 A decoded tensor has the dtype and shape of the encoded one (a lossy codec's values converted back to that dtype).
 The 1-D fp32 interface of earlier releases (:meth:`Codec.encode` / :meth:`Codec.decode` with ``numel``, raising
@@ -39,11 +49,16 @@ import torch
 from protocols.wire import ProtocolViolation
 
 __all__ = [
-    "CODECS", "DTYPES", "Codec", "BFloat16Compression", "Float16Compression", "Int8Compression", "NoCompression",
-    "TensorHeader", "all_finite", "decode_tensor", "encode_tensor", "get_codec",
+    "CODECS", "DTYPES", "SPARSE_CODECS", "Codec", "BFloat16Compression", "ErrorFeedback", "Float16Compression",
+    "Fp4Compression", "Int8Compression", "NoCompression", "TensorHeader", "TopKCompression", "all_finite",
+    "decode_tensor", "encode_tensor", "get_codec",
 ]
 
-CODECS = ("none", "fp16", "bf16", "int8")
+#: Dense codecs: every value travels (approximately).
+CODECS = ("none", "fp16", "bf16", "int8", "fp4")
+#: Sparse codecs: only some values travel; the sender keeps the rest in an :class:`ErrorFeedback`.
+SPARSE_CODECS = ("topk",)
+_ALL_CODECS = CODECS + SPARSE_CODECS
 
 #: Dtypes a tensor codec accepts, by wire name.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -100,7 +115,7 @@ class TensorHeader:
         if not isinstance(value, dict):
             raise ProtocolViolation(f"tensor header must be a map, got {type(value).__name__}")
         codec, dtype, shape = value.get("codec"), value.get("dtype"), value.get("shape")
-        if codec not in CODECS:
+        if codec not in _ALL_CODECS:
             raise ProtocolViolation(f"unknown codec {codec!r}")
         if dtype not in DTYPES:
             raise ProtocolViolation(f"unsupported dtype {dtype!r}")
@@ -135,9 +150,11 @@ def _from_bytes(view: memoryview, dtype: torch.dtype, numel: int) -> torch.Tenso
 
 
 class Codec(abc.ABC):
-    """Encodes tensors to bytes and back. Subclasses set ``name`` (one of :data:`CODECS`)."""
+    """Encodes tensors to bytes and back. Subclasses set ``name`` (one of :data:`CODECS` or :data:`SPARSE_CODECS`)."""
 
     name: str
+    sparse: bool = False
+    """True if the codec drops values on purpose (a mean of such tensors is not representable in the codec)."""
 
     @abc.abstractmethod
     def encoded_size(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
@@ -307,14 +324,225 @@ class Int8Compression(Codec):
         return f"Int8Compression(block_size={self.block_size})"
 
 
+#: e2m1 magnitudes by 3-bit code; bit 3 of a code is the sign.
+_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)
+_E2M1_SIGNED = np.concatenate([_E2M1, -_E2M1])  # (16,) value of each 4-bit code
+#: Midpoints between neighbouring magnitudes: a value on a midpoint rounds toward zero.
+_E2M1_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+
+
+class Fp4Compression(Codec):
+    """``"fp4"``: e2m1 4-bit floats with one fp32 scale ``absmax / 6`` per block of ``block_size`` values (default 64).
+
+    Streaming DiLoCo (arXiv 2501.18512) sends its pseudo-gradients as e2m1 4-bit floats. Each value ``x`` of a block
+    with scale ``s`` becomes the e2m1 number nearest to ``x / s`` (computed in fp32; a value exactly between two
+    neighbours rounds toward zero; zero has no sign); it decodes to ``e2m1 * s`` in fp32, one IEEE multiply, so
+    the same bytes give the same bits everywhere. Error per value: at most ``s / 4`` where ``|x| <= 2 s``, ``s / 2``
+    where ``|x| <= 4 s`` and ``s`` above (the grid's half-gaps), plus fp32 rounding. Layout: ``ceil(n / block_size)``
+    little-endian fp32 scales, then ``ceil(n / 2)`` bytes of codes, value ``2i`` in the low nibble (a trailing
+    high nibble is 0). The wire name does not carry ``block_size``: peers must agree on it.
+    """
+
+    name = "fp4"
+
+    def __init__(self, block_size: int = 64) -> None:
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+        self.block_size = block_size
+
+    def _num_blocks(self, numel: int) -> int:
+        return -(-numel // self.block_size)
+
+    def encoded_size(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
+        return 4 * self._num_blocks(numel) + (numel + 1) // 2
+
+    def _encode_flat(self, flat: torch.Tensor) -> Buffer:
+        numel, nblocks = flat.numel(), self._num_blocks(flat.numel())
+        padded = torch.zeros(nblocks * self.block_size, dtype=torch.float32)
+        padded[:numel] = flat
+        blocks = padded.view(nblocks, self.block_size)  # (nblocks, block_size)
+        scales = blocks.abs().amax(dim=1) / 6.0  # (nblocks,)
+        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+        scaled = (blocks / safe[:, None]).view(-1)[:numel]  # (numel,) in [-6, 6] up to rounding
+        codes = torch.bucketize(scaled.abs(), _E2M1_MIDPOINTS).to(torch.uint8)  # (numel,) 0..7
+        codes |= ((scaled < 0) & (codes > 0)).to(torch.uint8) << 3
+        if numel % 2:
+            codes = torch.cat([codes, torch.zeros(1, dtype=torch.uint8)])
+        packed = codes[0::2] | (codes[1::2] << 4)
+        return scales.numpy().astype("<f4", copy=False).tobytes() + packed.numpy().tobytes()
+
+    def _decode_flat(self, view: memoryview, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        nblocks = self._num_blocks(numel)
+        scales = np.frombuffer(view, dtype="<f4", count=nblocks).astype(np.float32)
+        if not (np.isfinite(scales).all() and (scales >= 0).all()):
+            raise ValueError("fp4: scales must be finite and >= 0")
+        packed = np.frombuffer(view, dtype=np.uint8, count=(numel + 1) // 2, offset=4 * nblocks)
+        if numel % 2 and packed.size and packed[-1] >> 4:
+            raise ValueError("fp4: the padding nibble must be 0")
+        codes = np.empty(2 * packed.size, dtype=np.uint8)
+        codes[0::2], codes[1::2] = packed & 0x0F, packed >> 4
+        out = np.zeros(nblocks * self.block_size, dtype=np.float32)
+        out[:numel] = _E2M1_SIGNED[codes[:numel]]
+        out = out.reshape(nblocks, self.block_size)
+        with np.errstate(over="ignore"):  # a huge scale overflows to inf: refused by the finite check after decoding
+            out *= scales[:, None]
+        return torch.from_numpy(out.reshape(-1)[:numel].copy()).to(dtype)
+
+    def __repr__(self) -> str:
+        return f"Fp4Compression(block_size={self.block_size})"
+
+
+class TopKCompression(Codec):
+    """``"topk"``: SparseLoCo's top-k + 2-bit compressor (Sarfi et al. 2025, arXiv 2508.15706, section 3).
+
+    The values are cut into chunks of ``chunk_size`` (default 4096; the last may be short). From a chunk of ``m``
+    values the ``k = ceil(fraction * m)`` largest magnitudes are kept (default fraction 0.02; ties broken by the lower
+    index, so the choice is deterministic), with ``lo`` / ``hi`` the smallest / largest kept magnitude. A kept value
+    travels as its chunk-local index (uint16) and 2 bits: bit 0 = its magnitude is nearer ``hi`` than ``lo`` (a tie
+    goes to ``lo``), bit 1 = negative; it decodes to ``+-lo`` or ``+-hi`` (so the error on a kept value is at most
+    ``(hi - lo) / 2``); every other value decodes to 0.
+
+    Layout (little-endian): per chunk ``lo, hi`` as fp32 (``8 * n_chunks`` bytes), then all chunks' indices as uint16,
+    ascending within a chunk (``2 K`` bytes, ``K`` = total kept), then the 2-bit codes, four per byte from the low
+    bits up, unused bits 0 (``ceil(K / 4)`` bytes). The size depends only on ``n``, so it is exact before decoding.
+    A decoder refuses non-finite or negative magnitudes, ``lo > hi``, indices out of the chunk or not strictly
+    increasing, and non-zero padding bits. Peers must agree on ``fraction`` and ``chunk_size``.
+    """
+
+    name = "topk"
+    sparse = True
+
+    def __init__(self, fraction: float = 0.02, chunk_size: int = 4096) -> None:
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+            raise ValueError(f"fraction must be in (0, 1], got {fraction!r}")
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or not 1 <= chunk_size <= 65536:
+            raise ValueError(f"chunk_size must be an int in [1, 65536], got {chunk_size!r}")
+        self.fraction, self.chunk_size = float(fraction), chunk_size
+
+    def _chunks(self, numel: int) -> list[tuple[int, int, int]]:
+        """(start, length, k) per chunk; full chunks first, then a short last one."""
+        out = []
+        for start in range(0, numel, self.chunk_size):
+            m = min(self.chunk_size, numel - start)
+            out.append((start, m, min(m, math.ceil(self.fraction * m))))
+        return out
+
+    def kept(self, numel: int) -> int:
+        """K, how many of ``numel`` values travel."""
+        return sum(k for _, _, k in self._chunks(numel))
+
+    def encoded_size(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
+        nchunks, kept = -(-numel // self.chunk_size), self.kept(numel)
+        return 8 * nchunks + 2 * kept + (kept + 3) // 4
+
+    def _select(self, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Rows (c, m) fp32 -> ascending kept indices (c, k) uint16, magnitudes (lo, hi) (c,) and 2-bit codes (c, k)."""
+        order = np.argsort(-np.abs(rows), axis=1, kind="stable")[:, :k]
+        idx = np.sort(order, axis=1)
+        vals = np.take_along_axis(rows, idx, axis=1)
+        mags = np.abs(vals)
+        lo, hi = mags.min(axis=1), mags.max(axis=1)
+        nearer_hi = (hi[:, None] - mags) < (mags - lo[:, None])
+        codes = nearer_hi.astype(np.uint8) | ((vals < 0).astype(np.uint8) << 1)
+        return idx.astype("<u2"), np.stack([lo, hi], axis=1), codes
+
+    def _encode_flat(self, flat: torch.Tensor) -> Buffer:
+        x = flat.to(torch.float32).numpy()
+        numel, c = x.size, self.chunk_size
+        full = numel // c
+        parts = []
+        if full:
+            parts.append(self._select(x[: full * c].reshape(full, c), self._chunks(c)[0][2]))
+        if numel % c:
+            tail = x[full * c:].reshape(1, -1)
+            parts.append(self._select(tail, self._chunks(tail.size)[0][2]))
+        if not parts:
+            return b""
+        scales = np.concatenate([p[1].reshape(-1) for p in parts]).astype("<f4")
+        idx = np.concatenate([p[0].reshape(-1) for p in parts])
+        codes = np.concatenate([p[2].reshape(-1) for p in parts])
+        codes = np.concatenate([codes, np.zeros(-codes.size % 4, dtype=np.uint8)]).reshape(-1, 4)
+        packed = codes[:, 0] | (codes[:, 1] << 2) | (codes[:, 2] << 4) | (codes[:, 3] << 6)
+        return scales.tobytes() + idx.tobytes() + packed.astype(np.uint8).tobytes()
+
+    def _decode_flat(self, view: memoryview, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        chunks = self._chunks(numel)
+        kept = sum(k for _, _, k in chunks)
+        scales = np.frombuffer(view, dtype="<f4", count=2 * len(chunks)).astype(np.float32).reshape(-1, 2)
+        if not (np.isfinite(scales).all() and (scales >= 0).all() and (scales[:, 0] <= scales[:, 1]).all()):
+            raise ValueError("topk: magnitudes must be finite, >= 0 and lo <= hi")
+        idx = np.frombuffer(view, dtype="<u2", count=kept, offset=8 * len(chunks)).astype(np.int64)
+        packed = np.frombuffer(view, dtype=np.uint8, offset=8 * len(chunks) + 2 * kept)
+        codes = np.stack([(packed >> s) & 3 for s in (0, 2, 4, 6)], axis=1).reshape(-1)
+        if codes[kept:].any():
+            raise ValueError("topk: padding bits must be 0")
+        codes = codes[:kept]
+        lengths = np.repeat([m for _, m, _ in chunks], [k for _, _, k in chunks])
+        starts = np.repeat([s for s, _, _ in chunks], [k for _, _, k in chunks])
+        chunk_of = np.repeat(np.arange(len(chunks)), [k for _, _, k in chunks])
+        if (idx >= lengths).any():
+            raise ValueError("topk: index beyond its chunk")
+        same_chunk = chunk_of[1:] == chunk_of[:-1]
+        if (same_chunk & (idx[1:] <= idx[:-1])).any():
+            raise ValueError("topk: indices within a chunk must be strictly increasing")
+        mags = scales[chunk_of, (codes & 1).astype(np.int64)]
+        out = np.zeros(numel, dtype=np.float32)
+        out[starts + idx] = np.where(codes & 2, -mags, mags)
+        return torch.from_numpy(out).to(dtype)
+
+    def __repr__(self) -> str:
+        return f"TopKCompression(fraction={self.fraction}, chunk_size={self.chunk_size})"
+
+
+class ErrorFeedback:
+    """The part of a sparse codec's input that was not sent, kept locally and added to the next round's input.
+
+    SparseLoCo (arXiv 2508.15706, Algorithm 1): ``e <- decay * e + delta``; send ``C(e)``; ``e <- e - decode(C(e))``.
+    :meth:`compensate` gives the vector to send (``decay * e + delta``, fp32 (P,)); after the all-reduce,
+    :meth:`record` keeps ``compensated - sent`` where ``sent`` is what the codec actually delivered (the all-reduce
+    reports it: :attr:`protocols.allreduce.AllReduceResult.sent`). With ``decay = 1`` nothing is ever lost: the sum of
+    everything sent plus :attr:`error` equals the sum of the deltas. The state is this peer's alone (never sent).
+    """
+
+    def __init__(self, numel: int, decay: float = 1.0) -> None:
+        if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+            raise ValueError(f"numel must be an int >= 0, got {numel!r}")
+        if not 0.0 <= decay <= 1.0:
+            raise ValueError(f"decay must be in [0, 1], got {decay!r}")
+        self.decay = float(decay)
+        self.error = torch.zeros(numel, dtype=torch.float32)  # (P,)
+
+    def compensate(self, delta: torch.Tensor) -> torch.Tensor:
+        """A new fp32 (P,) tensor ``decay * error + delta``; the state is unchanged. ValueError on a wrong shape."""
+        if not isinstance(delta, torch.Tensor) or delta.shape != self.error.shape:
+            raise ValueError(f"delta must have shape {tuple(self.error.shape)}")
+        out = self.error * self.decay if self.decay != 1.0 else self.error.clone()
+        return out.add_(delta.detach().to("cpu", torch.float32))
+
+    def record(self, compensated: torch.Tensor, sent: torch.Tensor) -> None:
+        """Keep ``compensated - sent`` (both fp32 (P,)) as the error. ValueError on a wrong shape (state unchanged)."""
+        for name, t in (("compensated", compensated), ("sent", sent)):
+            if not isinstance(t, torch.Tensor) or t.shape != self.error.shape:
+                raise ValueError(f"{name} must have shape {tuple(self.error.shape)}")
+        self.error = compensated.detach().to("cpu", torch.float32) - sent.detach().to("cpu", torch.float32)
+
+    def send(self, delta: torch.Tensor, codec: Codec) -> bytes:
+        """Compensate ``delta``, encode it with ``codec`` (1-D fp32 interface), record what the bytes decode to."""
+        compensated = self.compensate(delta)
+        payload = codec.encode(compensated)
+        self.record(compensated, codec.decode(payload, compensated.numel()))
+        return payload
+
+
 _CODEC_TYPES = {"none": NoCompression, "fp16": Float16Compression, "bf16": BFloat16Compression,
-                "int8": Int8Compression}
+                "int8": Int8Compression, "fp4": Fp4Compression, "topk": TopKCompression}
 
 
 def get_codec(name: str) -> Codec:
-    """A codec by wire name (one of :data:`CODECS`), with default parameters. Raises ``ValueError`` otherwise."""
+    """A codec by wire name (one of :data:`CODECS` or :data:`SPARSE_CODECS`), with default parameters. Raises
+    ``ValueError`` otherwise."""
     if name not in _CODEC_TYPES:
-        raise ValueError(f"unknown codec {name!r}; valid codecs: {', '.join(CODECS)}")
+        raise ValueError(f"unknown codec {name!r}; valid codecs: {', '.join(_ALL_CODECS)}")
     return _CODEC_TYPES[name]()
 
 

@@ -24,6 +24,8 @@ import numpy as np
 import torch
 
 __all__ = [
+    "OVERLAPS",
+    "DelayedOuterStep",
     "DiLoCoHyperparams",
     "OuterState",
     "flatten_parameters",
@@ -45,6 +47,9 @@ def _is_real(value: Any) -> bool:
 
 # ---------------------------------------------------------------------------------------------------------------
 # Hyperparameters
+
+#: How an outer round's all-reduce relates to the next round's inner steps (run config ``[diloco] overlap``).
+OVERLAPS = ("none", "delayed")
 
 
 @dataclass(frozen=True)
@@ -89,6 +94,10 @@ class DiLoCoHyperparams:
     grad_clip_norm: float = 1.0
     """Max global L2 norm of inner gradients before each inner step (> 0), or 0 to disable clipping."""
 
+    overlap: str = "none"
+    """none: each round's all-reduce finishes before the next inner steps. delayed: it runs in the background during
+    the next round and its outer step is applied one round late (:class:`DelayedOuterStep`, arXiv 2502.12996)."""
+
     def __post_init__(self) -> None:
         def fail(field: str, requirement: str) -> None:
             raise ValueError(f"DiLoCoHyperparams.{field} must be {requirement}, got {getattr(self, field)!r}")
@@ -110,6 +119,8 @@ class DiLoCoHyperparams:
         object.__setattr__(self, "inner_betas", (float(betas[0]), float(betas[1])))
         if not isinstance(self.outer_nesterov, bool):
             fail("outer_nesterov", "a bool")
+        if self.overlap not in OVERLAPS:
+            fail("overlap", f"one of {OVERLAPS}")
 
         if self.inner_steps < 1:
             fail("inner_steps", ">= 1")
@@ -363,6 +374,63 @@ class OuterState:
 
     def __repr__(self) -> str:
         return f"OuterState(outer_round={self.outer_round}, numel={self.numel}, digest={self.digest()[:12]})"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Overlapped outer rounds
+
+
+@dataclass(frozen=True)
+class DelayedOuterStep:
+    """The outer step applied one round late, so that round r's all-reduce runs while round r+1 computes.
+
+    Kale et al. 2025, "Eager Updates for Overlapped Communication and Computation in DiLoCo", arXiv 2502.12996,
+    describe two ways to overlap one outer step:
+
+    - *delayed* (their naive one-outer-step overlap; ``overlap = "delayed"``, what this class implements): at the end
+      of round r a worker sends its pseudo-gradient ``delta_r = theta_start_r - theta_local_r`` to a background
+      all-reduce and immediately applies, instead, the average ``A_{r-1}`` of round r-1 (which ran in the background
+      during round r): ``theta_outer <- OuterOpt(theta_outer, A_{r-1})``. Round r+1 starts from that theta_outer. Every
+      peer applies the same bytes to the same state, so theta_outer stays bit-identical across peers, exactly as
+      with ``overlap = "none"``; each round's average is applied exactly once, one round late.
+    - *eager* (the paper's proposal): the worker's own stale term is replaced by its fresh local pseudo-gradient,
+      ``OuterOpt(theta_outer, (delta_{r,m} + sum_{k != m} delta_{r-1,k}) / M)``. It converges closer to
+      non-overlapped DiLoCo, but theta_outer then differs per worker (each uses its own delta), which breaks the
+      bit-identical outer state peerd relies on (state transfer, digests, checkpoint equality); not implemented.
+
+    ``overlap = "none"`` is today's DiLoCo: ``theta_outer <- OuterOpt(theta_outer, A_r)`` right after round r's own
+    all-reduce (:meth:`OuterState.apply`), with compute waiting for it.
+
+    A value, as :class:`OuterState`: :meth:`boundary` returns a new object. A background all-reduce that failed
+    (``finished_average=None``) leaves theta_outer (and momentum, and ``outer_round``) unchanged: that round's
+    pseudo-gradients are dropped, as a failed round is dropped today.
+
+    Attributes:
+        state: the outer state with every finished average applied; round r+1's inner steps start from
+            ``state.theta`` (fp32 (P,)).
+    """
+
+    state: OuterState
+
+    def boundary(self, theta_local: torch.Tensor, finished_average: torch.Tensor | None, hp: DiLoCoHyperparams
+                 ) -> tuple["DelayedOuterStep", torch.Tensor]:
+        """End of round r's inner steps: ``(next, delta_r)``.
+
+        ``delta_r = self.state.theta - theta_local`` (fp32 (P,)): round r started from ``self.state.theta``; send it
+        to the background all-reduce. ``next.state`` is ``self.state.apply(finished_average, hp)``, where
+        ``finished_average`` (fp32 (P,)) is the all-reduced pseudo-gradient of round r-1, or ``self.state`` itself if
+        it is None (round 0, or that all-reduce failed). Raises ValueError (nothing applied) on a wrong shape, dtype
+        or non-finite values.
+        """
+        delta = self.state.pseudo_gradient(theta_local)
+        return self.complete(finished_average, hp), delta
+
+    def complete(self, finished_average: torch.Tensor | None, hp: DiLoCoHyperparams) -> "DelayedOuterStep":
+        """Apply a finished background average (None: it failed; unchanged). Also drains the last round in flight
+        when training stops. Raises ValueError as :meth:`OuterState.apply`."""
+        if finished_average is None:
+            return self
+        return DelayedOuterStep(self.state.apply(finished_average, hp))
 
 
 # ---------------------------------------------------------------------------------------------------------------

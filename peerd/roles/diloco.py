@@ -18,6 +18,15 @@ before its next attempt, dropping its unsynchronized local steps. A leader that 
 theta_outer digest refuses it; the refused worker downloads the leader's state. So no two members of a group ever
 disagree on theta_outer.
 
+With ``[diloco] overlap = "delayed"`` (:class:`protocols.diloco.DelayedOuterStep`) the all-reduce of round r runs in
+the background while round r+1's inner steps proceed: at each round boundary the worker takes its pseudo-gradient,
+waits for the previous round's all-reduce (usually long finished), applies that average to theta_outer, launches
+the new all-reduce and restarts theta_local from theta_outer. Every peer applies the same averages to the same
+state, so theta_outer stays bit-identical. A background round that fails leaves theta_outer unchanged and its
+pseudo-gradient (and weight) is added to the next round's, so no local step is lost; a worker that adopts another
+peer's state drops both its round in flight and that carry. On stop the round in flight is finished (bounded) and
+applied before the final checkpoint.
+
 While it downloads, a worker's status says ``role = "syncing"``, and the all-reduce peers count it in their round's
 expected group size: they wait for it in matchmaking (bounded by ``matchmaking_timeout_s``) instead of sealing the
 round without it. Otherwise a peer whose download takes longer than a round would find the swarm a round further
@@ -54,7 +63,7 @@ from peerd.roles.fragments import FragmentState, whole_model
 from peerd.roles.outer_sync import Refused, RoundFailure, RoundResult, make_outer_sync
 from peerd.roles.state_sync import StateSync
 from protocols.codecs import all_finite
-from protocols.diloco import OuterState, inner_lr_at, make_inner_optimizer, set_lr
+from protocols.diloco import DelayedOuterStep, OuterState, inner_lr_at, make_inner_optimizer, set_lr
 from protocols.state_transfer import StateSnapshot
 from protocols.wire import ProtocolViolation
 
@@ -115,6 +124,9 @@ class DiLoCoRole:
         self.state_sync = StateSync(ctx.transport, fragment.scope, self._current_snapshot,
                                     run.averaging.state_transfer().download_timeout_s)
         self.components = (self.sync, self.state_sync)
+        self._in_flight: Optional[asyncio.Task] = None  # delayed overlap: the background all-reduce
+        self._landed: Optional[tuple] = None  # the RoundDone fields of the last applied background round
+        self._carry: Optional[tuple[torch.Tensor, float, int]] = None  # a failed background round's (delta, w, steps)
         ctx.status.set_source(self._status_fields)
 
     @property
@@ -145,6 +157,11 @@ class DiLoCoRole:
                     continue
                 await self._outer_round()
         finally:
+            if self._in_flight is not None:
+                with contextlib.suppress(Exception):
+                    if await self._land_in_flight() == "applied":
+                        self._restart_local()  # theta_outer moved under the local steps: they are dropped
+                        await self._publish_round_done()
             status_task.cancel()
             with contextlib.suppress(BaseException):
                 await status_task
@@ -205,6 +222,9 @@ class DiLoCoRole:
 
     async def _outer_round(self) -> None:
         """One outer round with the run's strategy; on success theta_local restarts from theta_outer."""
+        if self.hp.overlap == "delayed":
+            await self._delayed_round()
+            return
         records = await self._peer_records()
         live = _workers(records)
         margin = self.sync.catch_up_margin
@@ -253,6 +273,95 @@ class DiLoCoRole:
             self.outer.digest(), self.sync.method, eval_loss, self.stats.tokens,
         ))
         await self.ctx.status.publish()
+
+    # ------------------------------------------------------------------------------------------ delayed outer rounds
+
+    async def _delayed_round(self) -> None:
+        """Round boundary with the delayed overlap: land the previous round's all-reduce, launch this one's."""
+        r = self.outer.outer_round
+        local = self.part.fragment.flatten(self.model)  # (P,)
+        if not all_finite(local):
+            self._round_failed(r, "local pseudo-gradient is not finite (local training diverged)",
+                               f"dropping {self.steps_since_sync} local steps and the inner optimizer state, "
+                               "restarting from theta_outer")
+            self.optimizer = make_inner_optimizer(self.model.parameters(), self.hp)
+            self._restart_local()
+            return
+        delta = self.outer.pseudo_gradient(local)  # this round started from the current theta_outer
+        weight, steps = float(self.samples_since_sync), self.steps_since_sync
+        if self._in_flight is not None:
+            landed = await self._land_in_flight()
+            if landed == "adopted":  # we took another peer's state: this round's steps started from a stale one
+                return
+            if self._finished():  # the last round landed: launching another would overshoot max_outer_rounds
+                self._restart_local()
+                await self._publish_round_done()
+                return
+        if self._carry is not None:  # a failed round's pseudo-gradient: theta_outer did not move, so it still holds
+            carried, carried_weight, carried_steps = self._carry
+            delta.add_(carried)
+            weight, steps = weight + carried_weight, steps + carried_steps
+            self._carry = None
+        records = await self._peer_records()
+        live = _workers(records)
+        if await self._catch_up(live, self.sync.catch_up_margin or 1):
+            return
+        syncing = sum(1 for p, v in records.items() if p != self.peer_id and v.get("role") == SYNCING)
+        self._in_flight = asyncio.ensure_future(self._background_exchange(delta, weight, steps, live, syncing))
+        self._restart_local()
+        self._save_checkpoint()
+        await self._publish_round_done()
+        await self.ctx.status.publish()
+
+    async def _publish_round_done(self) -> None:
+        """RoundDone of the background round applied at this boundary, with the loss of the new theta_outer."""
+        if self._landed is None:
+            return
+        fields, self._landed = self._landed, None
+        self.ctx.events.publish(RoundDone(*fields[:13], await self._evaluate(), self.stats.tokens))
+
+    async def _background_exchange(self, delta: torch.Tensor, weight: float, steps: int, live: dict, syncing: int):
+        """All-reduce ``delta`` (P,) for the round after theta_outer; ``(outcome, delta, weight, steps, started)``.
+        Peers still at the previous round (not at their boundary yet) are expected too."""
+        started = time.perf_counter()
+        r = self.outer.outer_round
+        outcome = await self.sync.exchange(delta, weight, live, syncing, also_expect=(r - 1,))
+        return outcome, delta, weight, steps, started
+
+    async def _land_in_flight(self) -> str:
+        """Wait for the background all-reduce and apply its average: "applied", "failed" (theta_outer unchanged,
+        its pseudo-gradient carried into the next round's) or "adopted" (refused: we took the leader's state)."""
+        task, self._in_flight = self._in_flight, None
+        outcome, delta, weight, steps, started = await task
+        r = self.outer.outer_round
+        if isinstance(outcome, Refused):
+            logger.warning("round %d: %s; adopting the leader's state after its round", r + 1, outcome.reason)
+            await self._wait_for_round(outcome.leader, outcome.outer_round)
+            await self._download_from([outcome.leader])
+            return "adopted"
+        if not isinstance(outcome, tuple):  # a failure, or abandoned by a pause or stop
+            reason = outcome.reason if isinstance(outcome, RoundFailure) else "abandoned (pause or stop)"
+            self._round_failed(r, reason, f"theta_outer unchanged, carrying {steps} local steps into the next round")
+            self._carry = (delta, weight, steps)
+            return "failed"
+        result, attempts = outcome
+        self.outer = DelayedOuterStep(self.outer).complete(result.averaged, self.hp).state
+        self.stats.rounds_ok += 1
+        self.stats.bytes_sent += result.bytes_sent
+        self.stats.bytes_received += result.bytes_received
+        n = result.group_size
+        dp_bytes = int(steps * 2 * (n - 1) / n * 4 * self.outer.numel)
+        self._landed = (self.outer.outer_round, n, result.bytes_sent, result.bytes_received, round(result.seconds, 3),
+                        result.excluded, attempts, round(time.perf_counter() - started, 3), weight, steps, dp_bytes,
+                        self.outer.digest(), self.sync.method)
+        return "applied"
+
+    def _drop_in_flight(self) -> None:
+        """Another peer's state was adopted: the round in flight and any carry belong to the old state."""
+        self._carry = None
+        if self._in_flight is not None:
+            self._in_flight.cancel()
+            self._in_flight = None
 
     def _round_failed(self, r: int, reason: str, consequence: str) -> None:
         self.stats.rounds_failed += 1
@@ -342,6 +451,7 @@ class DiLoCoRole:
         if got is None:
             return False
         dropped = self.steps_since_sync
+        self._drop_in_flight()
         self._restart_local(got.state)
         self._syncing = False
         await self.ctx.status.publish()

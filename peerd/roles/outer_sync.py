@@ -27,7 +27,8 @@ import torch
 
 from peerd.roles.base import RunContext, bounded_on_stop, unless_stopped
 from peerd.roles.fragments import FragmentState
-from protocols.allreduce import AllReduceFailed, ButterflyAllReduce
+from protocols.allreduce import AllReduceFailed, AllReduceResult, ButterflyAllReduce
+from protocols.codecs import ErrorFeedback
 from protocols.diloco import OuterState
 from protocols.gossip import GossipAverager
 from protocols.matchmaking import AdmissionRefused, Matchmaker, MatchmakingFailed
@@ -125,6 +126,11 @@ class AllReduceSync(OuterSync):
     The group is sealed early once it has every live peer at our round plus the ``syncing`` peers (downloading the
     state to join this round); otherwise matchmaking waits out its timeout. If the all-reduce fails (a member died
     mid-round), the survivors retry once right away among themselves, under a fresh group key.
+
+    With a sparse codec (``compression = "topk"``, SparseLoCo) the pseudo-gradient is sent through this peer's
+    :class:`protocols.codecs.ErrorFeedback`: what the codec did not deliver in a completed round is added to the next
+    round's pseudo-gradient (a failed round records nothing: its steps stay in theta_local). The error is local
+    state and is not checkpointed: a restarted peer starts it from zero.
     """
 
     method = "allreduce"
@@ -136,13 +142,31 @@ class AllReduceSync(OuterSync):
         self.matchmaker = self._matchmaker()
         self.allreduce = self._allreduce()
         self.components = (self.matchmaker, self.allreduce)
+        self.feedback = ErrorFeedback(state.outer.numel) if self.allreduce.codec.sparse else None
 
     async def round(self, local, weight, live, syncing):
         outer = self.state.outer
+        exchanged = await self.exchange(outer.pseudo_gradient(local), weight, live, syncing)
+        if not isinstance(exchanged, tuple):
+            return exchanged
+        result, attempt = exchanged
+        self.state.outer = outer.apply(result.averaged, self.hp)
+        return RoundResult(result.group_size, result.bytes_sent, result.bytes_received, round(result.seconds, 3),
+                           result.excluded, attempt)
+
+    async def exchange(self, pseudo_gradient: torch.Tensor, weight: float, live: dict[str, dict], syncing: int,
+                       also_expect: tuple[int, ...] = ()) -> Union[tuple[AllReduceResult, int], RoundOutcome]:
+        """All-reduce ``pseudo_gradient`` ((P,) fp32) for the round after ``state.outer`` without applying it:
+        ``(result, attempts)``, or the :data:`RoundOutcome` that ended it (failure, refusal, None on stop).
+        ``also_expect``: other outer rounds whose live peers will join this one (the delayed overlap counts the
+        peers that have not reached the round boundary yet)."""
+        outer = self.state.outer
         r = outer.outer_round
         me = self.ctx.peer_id
-        expected = 1 + syncing + sum(1 for p, s in live.items() if p != me and s.get("outer_round") == r)
-        pseudo_gradient = outer.pseudo_gradient(local)  # (P,)
+        rounds = (r, *also_expect)
+        expected = 1 + syncing + sum(1 for p, s in live.items() if p != me and s.get("outer_round") in rounds)
+        if self.feedback is not None:
+            compensated = pseudo_gradient = self.feedback.compensate(pseudo_gradient)
         result = None
         for attempt in range(1, MAX_ROUND_ATTEMPTS + 1):
             key = f"round{r}" if attempt == 1 else f"round{r}.attempt{attempt}"
@@ -165,9 +189,9 @@ class AllReduceSync(OuterSync):
                 return RoundFailure(str(e))
         if result is None:
             return None
-        self.state.outer = outer.apply(result.averaged, self.hp)
-        return RoundResult(result.group_size, result.bytes_sent, result.bytes_received, round(result.seconds, 3),
-                           result.excluded, attempt)
+        if self.feedback is not None:
+            self.feedback.record(compensated, result.sent)
+        return result, attempt
 
 
 class _MixingSync(OuterSync):

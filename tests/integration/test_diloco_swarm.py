@@ -122,3 +122,25 @@ def test_diloco_with_moshpit_and_gossip_learns_and_peers_stay_close(swarm, tmp_p
     spread = max(float((t - mean).norm()) for t in thetas) / float((mean - start).norm())
     print(f"{method}: max ||theta_i - mean|| / ||mean - theta_0|| after 3 rounds = {spread:.3f}")
     assert spread < 0.5
+
+
+def test_three_peers_with_delayed_overlap_and_fp4_stay_bit_identical_and_learn(swarm, tmp_path):
+    """``[diloco] overlap = "delayed"`` and fp4 pseudo-gradients: each round's all-reduce runs during the next round's
+    inner steps; the last one is drained on exit. theta_outer stays bit-identical and the eval loss falls."""
+    config = tmp_path / "overlap-fp4.toml"
+    text = _config(tmp_path, "base.toml", max_outer_rounds=3).read_text()
+    text = text.replace("[diloco]\n", '[diloco]\noverlap = "delayed"\n', 1)
+    text = text.replace('[averaging.allreduce]        # protocols/allreduce.py AllReduceConfig\ncompression = "fp16"',
+                        '[averaging.allreduce]\ncompression = "fp4"', 1)
+    assert 'overlap = "delayed"' in text and 'compression = "fp4"' in text
+    config.write_text(text)
+    swarm.start_bootstrap()
+    peers = [swarm.start_peer(f"o{i}", "overlap", config) for i in range(3)]
+    for peer in peers:
+        assert swarm.wait_exit(peer, 180) == 0, swarm.tails()
+    _assert_bit_identical(peers, rounds=(1, 2, 3))
+    for peer in peers:
+        rounds = peer.of("outer_round")
+        assert [e["outer_round"] for e in rounds] == [1, 2, 3]
+        assert sum(e["group_size"] == 3 for e in rounds) >= 2, rounds
+        assert rounds[-1]["eval_nats_per_byte"] < peer.of("eval")[0]["eval_nats_per_byte"]
