@@ -350,6 +350,11 @@ class FaultyOuterSync:
         self.faults.round = self.inner.state.outer.outer_round + 1
         return await self.inner.round(local, weight, live, syncing)
 
+    async def exchange(self, pseudo_gradient, weight, live, syncing, also_expect=()):
+        # the delayed overlap calls exchange() directly (the outer step is applied a round later)
+        self.faults.round = self.inner.state.outer.outer_round + 1
+        return await self.inner.exchange(pseudo_gradient, weight, live, syncing, also_expect)
+
 
 class FaultyCheckpointStore:
     """A checkpoint store that passes the ``checkpoint`` phase between the durable temporary file and its rename."""

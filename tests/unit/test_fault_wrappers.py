@@ -66,3 +66,20 @@ def test_kill_at_the_checkpoint_phase_fires_between_write_and_rename(tmp_path):
     assert killed == [True] and faults.fired["kill"] == 1
     assert role.ctx.checkpoints.path.read_bytes() == before  # the new checkpoint was never renamed into place
     assert role.ctx.checkpoints.load().metadata["steps_since_sync"] == 0
+
+
+def test_the_sync_wrapper_tells_the_schedule_which_round_a_delayed_exchange_is():
+    from types import SimpleNamespace
+
+    from peerd.testing.faults import FaultyOuterSync
+
+    class Strategy:
+        state = SimpleNamespace(outer=SimpleNamespace(outer_round=4))
+
+        async def exchange(self, pseudo_gradient, weight, live, syncing, also_expect=()):
+            return ("exchanged", also_expect)
+
+    faults = Faults()
+    wrapped = FaultyOuterSync(Strategy(), faults)
+    assert asyncio.run(wrapped.exchange(None, 1.0, {}, 0, also_expect=(3,))) == ("exchanged", (3,))
+    assert faults.round == 5
