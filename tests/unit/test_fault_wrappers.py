@@ -3,6 +3,7 @@ through hooks in the role: an injected round failure rolls everyone back, a kill
 before the rename."""
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
@@ -69,10 +70,6 @@ def test_kill_at_the_checkpoint_phase_fires_between_write_and_rename(tmp_path):
 
 
 def test_the_sync_wrapper_tells_the_schedule_which_round_a_delayed_exchange_is():
-    from types import SimpleNamespace
-
-    from peerd.testing.faults import FaultyOuterSync
-
     class Strategy:
         state = SimpleNamespace(outer=SimpleNamespace(outer_round=4))
 
