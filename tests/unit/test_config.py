@@ -448,3 +448,16 @@ def test_paths_of_the_wrong_kind_are_config_errors(tmp_path):
         NodeConfig(checkpoint_dir=str(tmp_path / "file"))
     with pytest.raises(ConfigError, match="identity.*is a folder"):
         NodeConfig(identity=str(tmp_path))
+
+
+@pytest.mark.parametrize("table, match", [
+    ({"parallelism": "swarm", "model": "tiny", "swarm": {"stages": 5}}, "cannot exceed the 4 blocks"),
+    ({"swarm": {"stagez": 2}}, "unknown key 'stagez'"),
+    ({"swarm": {"codec": "zip"}}, "codec"),
+    ({"swarm": 3}, r"\[swarm\] must be a table"),
+])
+def test_bad_swarm_table_is_one_clear_error(table, match):
+    from peerd.run_config import RunConfig
+
+    with pytest.raises(ConfigError, match=match):
+        RunConfig.from_dict(table)
