@@ -113,6 +113,7 @@ class StageService(Service):
         self.backwards = 0
         self.steps = 0
         self.samples = 0
+        self.compute_s = 0.0
 
     # --- peer input -------------------------------------------------------------------------------------------
 
@@ -161,8 +162,10 @@ class StageService(Service):
         if key not in self._kept and len(self._kept) >= self.config.max_pending:
             raise Refused(f"{len(self._kept)} micro-batches pending", code="busy")
         x = self._input(request.header, await request.payload(self.config.max_tensor_bytes))
+        start = time.perf_counter()
         with torch.no_grad():
             y = self.stage(x.to(self.device))  # (B, T, C)
+        self.compute_s += time.perf_counter() - start
         self._kept[key] = _Kept(x, self.clock() + self.config.pending_timeout_s)
         header, payload = self._encode(y)
         return {"y": header}, payload
@@ -175,6 +178,7 @@ class StageService(Service):
         if kept is None:
             raise Refused(f"no kept input for micro-batch {mb!r} (expired or never sent)", code="unknown")
         grad = self._activations(request.header.get("g"), await request.payload(self.config.max_tensor_bytes))
+        start = time.perf_counter()
         x = kept.input.to(self.device)
         if not self.stage.first:
             x.requires_grad_(True)
@@ -183,6 +187,7 @@ class StageService(Service):
         if tuple(grad.shape) != tuple(y.shape):
             raise ProtocolViolation(f"gradient of shape {list(grad.shape)} for output {list(y.shape)}")
         y.backward(grad.to(self.device))
+        self.compute_s += time.perf_counter() - start
         del self._kept[(request.peer, mb)]
         self._after_backward(x.shape[0])
         if self.stage.first:
@@ -204,10 +209,12 @@ class StageService(Service):
         targets = decode_tokens(request.header.get("targets"), bytes(view[split:]), self.stage.config.vocab_size)
         if tuple(targets.shape) != tuple(x.shape[:2]):
             raise ProtocolViolation(f"targets {list(targets.shape)} for activations {list(x.shape)}")
+        start = time.perf_counter()
         x = x.to(self.device).requires_grad_(True)
         with torch.enable_grad():
             loss = self.stage(x, targets.to(self.device))
         loss.backward()
+        self.compute_s += time.perf_counter() - start
         self._after_backward(x.shape[0])
         header, out = self._encode(x.grad)
         return {"loss": float(loss.detach()), "g": header}, out
@@ -219,6 +226,11 @@ class StageService(Service):
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.steps += 1
+
+    @property
+    def throughput(self) -> Optional[float]:
+        """Samples per second of compute (forward + backward) so far, or None before the first backward."""
+        return self.samples / self.compute_s if self.samples and self.compute_s > 0 else None
 
     @property
     def pending(self) -> int:

@@ -24,7 +24,7 @@ from protocols.bans import BanList
 from protocols.codecs import CODECS
 
 __all__ = [
-    "NoServer", "StageBalancer", "SwarmConfig", "Wiring", "WiringStats", "bottleneck_stage", "choose_stage",
+    "NoServer", "StageAnnouncement", "StageBalancer", "SwarmConfig", "Wiring", "WiringStats", "bottleneck_stage", "choose_stage",
     "rebalance_delay_s", "should_move", "stage_throughputs",
 ]
 
@@ -208,6 +208,41 @@ class Wiring:
     def fail(self, stage: int, server: str, reason: str) -> None:
         self.stages[stage].fail(server, reason)
         self.stats.failures_by_server[server] = self.stats.failures_by_server.get(server, 0) + 1
+
+
+# --------------------------------------------------------------------------------------------------- announcements
+
+
+@dataclass(frozen=True)
+class StageAnnouncement:
+    """What a stage server publishes about itself (in the DHT, under its stage's key, subkey = its PeerID).
+
+    ``stage``: the stage it serves; ``throughput``: samples per second of compute it measured (None before its
+    first micro-batch); ``load``: micro-batches it holds inputs of.
+    """
+
+    stage: int
+    throughput: Optional[float] = None
+    load: int = 0
+
+    def to_dict(self) -> dict:
+        return {"stage": self.stage, "throughput": self.throughput, "load": self.load}
+
+    @classmethod
+    def parse(cls, value: object, num_stages: int) -> Optional["StageAnnouncement"]:
+        """A peer's announcement, or None if it is malformed or names a stage outside [0, num_stages) (peers'
+        records are untrusted: a bad one is ignored, never raised)."""
+        if not isinstance(value, dict):
+            return None
+        stage, throughput, load = value.get("stage"), value.get("throughput"), value.get("load", 0)
+        if not (isinstance(stage, int) and not isinstance(stage, bool) and 0 <= stage < num_stages):
+            return None
+        if throughput is not None and not (isinstance(throughput, (int, float)) and not isinstance(throughput, bool)
+                                           and 0 < throughput < float("inf")):
+            return None
+        if not (isinstance(load, int) and not isinstance(load, bool) and 0 <= load < 2**31):
+            return None
+        return cls(stage, None if throughput is None else float(throughput), load)
 
 
 # ----------------------------------------------------------------------------------------------------- rebalancing
