@@ -18,6 +18,9 @@ Methods of :class:`StageService` (on :mod:`protocols.rpc`; tensors encoded by :m
   payload = the activations then the targets; forward and backward at once; reply ``{"loss": float, "g": tensor
   header}`` + the gradient w.r.t. the activations.
 
+- ``state``: no payload; reply ``{"params": tensor header, "steps": int}`` + this stage's parameters, flattened
+  in ``named_parameters()`` order, fp32 without compression (a server that moves to this stage starts from them).
+
 Peer input is untrusted: sizes are checked before reading, shapes against the model, values must be finite (a NaN
 activation is a :class:`ProtocolViolation`), and the sender is banned. A trainer treats a server's non-finite
 reply the same way (ban, retry the micro-batch on another server of the stage).
@@ -39,7 +42,10 @@ from protocols.codecs import TensorHeader, decode_tensor, encode_tensor
 from protocols.rpc import ProtocolViolation, Refused, Request, RpcError, Service, call
 from protocols.swarm import NoServer, SwarmConfig, Wiring
 
-__all__ = ["PipelineTrainer", "StageService", "decode_tokens", "encode_tokens"]
+__all__ = [
+    "PipelineTrainer", "StageService", "decode_tokens", "download_stage_parameters", "encode_tokens",
+    "flat_parameters", "load_flat_parameters",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +71,34 @@ def decode_tokens(header: Any, payload: bytes, vocab_size: int) -> torch.Tensor:
     if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
         raise ProtocolViolation(f"token id out of [0, {vocab_size})")
     return torch.from_numpy(ids.astype(np.int64))
+
+
+def flat_parameters(module: nn.Module) -> torch.Tensor:
+    """The module's parameters as one (N,) fp32 CPU tensor, in ``named_parameters()`` order."""
+    return torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in module.parameters()])
+
+
+@torch.no_grad()
+def load_flat_parameters(module: nn.Module, flat: torch.Tensor) -> None:
+    """Copy a (N,) tensor from :func:`flat_parameters` of the same architecture into ``module``. Raises ValueError
+    on a length mismatch."""
+    params = list(module.parameters())
+    total = sum(p.numel() for p in params)
+    if flat.shape != (total,):
+        raise ValueError(f"{tuple(flat.shape)} values for {total} parameters")
+    offset = 0
+    for p in params:
+        p.copy_(flat[offset:offset + p.numel()].view_as(p))
+        offset += p.numel()
+
+
+async def download_stage_parameters(streams: Any, peer: str, service: str, numel: int,
+                                    timeout_s: float) -> torch.Tensor:
+    """Stage parameters (``numel``,) fp32 from ``peer``'s ``state`` method. Raises RpcError (ProtocolViolation for
+    a reply of another size or with non-finite values)."""
+    reply = await call(streams, peer, service, "state", {}, b"", timeout_s=timeout_s, max_reply_bytes=4 * numel)
+    return decode_tensor(reply.header.get("params"), reply.payload, shape=(numel,), dtype=torch.float32,
+                         codecs=("none",))
 
 
 def _mb_id(header: dict[str, Any]) -> str:
@@ -218,6 +252,11 @@ class StageService(Service):
         self._after_backward(x.shape[0])
         header, out = self._encode(x.grad)
         return {"loss": float(loss.detach()), "g": header}, out
+
+    async def rpc_state(self, request: Request) -> tuple[dict[str, Any], Any]:
+        self._admit(request)
+        header, payload = encode_tensor(flat_parameters(self.stage), "none")
+        return {"params": header, "steps": self.steps}, payload
 
     def _after_backward(self, samples: int) -> None:
         self.backwards += 1

@@ -218,15 +218,17 @@ class StageAnnouncement:
     """What a stage server publishes about itself (in the DHT, under its stage's key, subkey = its PeerID).
 
     ``stage``: the stage it serves; ``throughput``: samples per second of compute it measured (None before its
-    first micro-batch); ``load``: micro-batches it holds inputs of.
+    first micro-batch); ``load``: micro-batches it holds inputs of; ``seq``: increases with every announcement of
+    this server, so after a move (its old stage's record lives until it expires) readers keep the newest.
     """
 
     stage: int
     throughput: Optional[float] = None
     load: int = 0
+    seq: int = 0
 
     def to_dict(self) -> dict:
-        return {"stage": self.stage, "throughput": self.throughput, "load": self.load}
+        return {"stage": self.stage, "throughput": self.throughput, "load": self.load, "seq": self.seq}
 
     @classmethod
     def parse(cls, value: object, num_stages: int) -> Optional["StageAnnouncement"]:
@@ -235,6 +237,9 @@ class StageAnnouncement:
         if not isinstance(value, dict):
             return None
         stage, throughput, load = value.get("stage"), value.get("throughput"), value.get("load", 0)
+        seq = value.get("seq", 0)
+        if not (isinstance(seq, int) and not isinstance(seq, bool) and 0 <= seq < 2**63):
+            return None
         if not (isinstance(stage, int) and not isinstance(stage, bool) and 0 <= stage < num_stages):
             return None
         if throughput is not None and not (isinstance(throughput, (int, float)) and not isinstance(throughput, bool)
@@ -242,7 +247,7 @@ class StageAnnouncement:
             return None
         if not (isinstance(load, int) and not isinstance(load, bool) and 0 <= load < 2**31):
             return None
-        return cls(stage, None if throughput is None else float(throughput), load)
+        return cls(stage, None if throughput is None else float(throughput), load, seq)
 
 
 # ----------------------------------------------------------------------------------------------------- rebalancing

@@ -8,8 +8,11 @@ under ``ns.scoped(stage=k).prefix("swarm")``) and announces itself every ``statu
 every stage from those announcements and pushes micro-batches of the run's data through them
 (:class:`PipelineTrainer`: stochastic wiring, retries on replicas, counts).
 
-Not yet here: stage replicas averaging their stage's parameters, moving between stages (the rebalancing decision
-exists as :func:`protocols.swarm.should_move`), status-record fields for stages.
+Every ``rebalance_period_s`` (with jitter) a server checks Petals' rule (:func:`protocols.swarm.should_move`) on
+the announcements and, if told to, moves to the bottleneck stage, starting from the parameters of a live server
+there (``state`` method of the stage service).
+
+Not yet here: stage replicas averaging their stage's parameters, status-record fields for stages.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
 from typing import Optional
 
@@ -25,8 +29,11 @@ import torch
 from peerd.data import DataError, WindowSampler, load_corpus
 from peerd.models import build_stage
 from peerd.roles.base import RunContext
-from protocols.stage_service import PipelineTrainer, StageService
-from protocols.swarm import StageAnnouncement, Wiring, choose_stage
+from protocols.rpc import RpcError
+from protocols.stage_service import (
+    PipelineTrainer, StageService, download_stage_parameters, load_flat_parameters,
+)
+from protocols.swarm import StageAnnouncement, Wiring, choose_stage, rebalance_delay_s, should_move
 
 __all__ = ["SwarmRole", "read_stage_servers", "stage_key", "stage_service_name"]
 
@@ -57,7 +64,9 @@ async def read_stage_servers(ctx: RunContext) -> dict[str, StageAnnouncement]:
         with contextlib.suppress(Exception):  # an unreachable DHT this time: the next refresh may succeed
             for peer, record in (await ctx.transport.discovery.get(stage_key(ctx, k))).items():
                 announcement = StageAnnouncement.parse(record.value, num_stages)
-                if announcement is not None and announcement.stage == k and not ctx.bans.is_banned(peer):
+                if announcement is None or announcement.stage != k or ctx.bans.is_banned(peer):
+                    continue
+                if peer not in found or announcement.seq > found[peer].seq:  # a mover's old record may linger
                     found[peer] = announcement
     return found
 
@@ -86,6 +95,9 @@ class SwarmRole:
         self.service: Optional[StageService] = None
         self.wiring = Wiring(num_stages, ema_alpha=ctx.run.swarm.ema_alpha, ban_s=ctx.run.swarm.ban_s)
         self.losses: list[float] = []
+        self.moves: list[tuple[int, int]] = []
+        self._seq = 0
+        self._rng = random.Random(ctx.peer_id)
         if ctx.node.threads:
             torch.set_num_threads(ctx.node.threads)
 
@@ -111,7 +123,10 @@ class SwarmRole:
     async def announce(self) -> None:
         """Store this server's announcement now (a failed store is retried at the next period)."""
         assert self.service is not None and self.stage is not None
-        value = StageAnnouncement(self.stage, self.service.throughput, self.service.pending).to_dict()
+        # wall-clock milliseconds: newer than any record of this PeerID, a restarted process's included
+        seq = max(self._seq + 1, int(time.time() * 1000))
+        self._seq = seq
+        value = StageAnnouncement(self.stage, self.service.throughput, self.service.pending, seq).to_dict()
         discovery = self.ctx.transport.discovery
         with contextlib.suppress(Exception):
             await discovery.store(stage_key(self.ctx, self.stage), self.ctx.peer_id, value,
@@ -122,6 +137,66 @@ class SwarmRole:
             await self.announce()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.ctx.stop.wait(), self.ctx.node.status_interval_s)
+
+    # --- rebalancing ------------------------------------------------------------------------------------------
+
+    async def rebalance_once(self) -> Optional[int]:
+        """Check Petals' rule on the current announcements; move if it says so. Returns the new stage or None."""
+        view = await read_stage_servers(self.ctx)
+        view[self.ctx.peer_id] = StageAnnouncement(self.stage, self.service.throughput)
+        assignment = {peer: a.stage for peer, a in view.items()}
+        throughput = {peer: a.throughput or 1.0 for peer, a in view.items()}
+        target = should_move(self.ctx.peer_id, assignment, throughput, self.ctx.run.swarm.stages,
+                             self.ctx.run.swarm.balance_quality)
+        if target is None:
+            return None
+        sources = [peer for peer, a in view.items() if a.stage == target and peer != self.ctx.peer_id]
+        return target if await self._move(target, sources) else None
+
+    async def _still_wanted(self, target: int) -> bool:
+        """Re-check the rule on a fresh view: another server may have moved while this one downloaded."""
+        view = await read_stage_servers(self.ctx)
+        view[self.ctx.peer_id] = StageAnnouncement(self.stage, self.service.throughput)
+        return should_move(self.ctx.peer_id, {p: a.stage for p, a in view.items()},
+                           {p: a.throughput or 1.0 for p, a in view.items()}, self.ctx.run.swarm.stages,
+                           self.ctx.run.swarm.balance_quality) == target
+
+    async def _move(self, target: int, sources: list[str]) -> bool:
+        """Serve ``target`` instead, starting from the parameters of a live server there (or from the run's
+        initial weights if the stage is empty). False (and nothing changed) if no source answered."""
+        service = self._build_service(target)
+        if sources:
+            numel = sum(p.numel() for p in service.stage.parameters())
+            for peer in sources:
+                try:
+                    flat = await download_stage_parameters(
+                        self.ctx.transport.streams, peer, stage_service_name(self.ctx, target), numel,
+                        self.ctx.run.swarm.call_timeout_s)
+                except RpcError as e:
+                    logger.info("stage %d parameters from %s failed: %s", target, peer, e)
+                    continue
+                load_flat_parameters(service.stage, flat.to(self.ctx.device))
+                break
+            else:
+                return False
+        if not await self._still_wanted(target):
+            return False
+        old, old_service = self.stage, self.service
+        self.stage, self.service = target, service
+        await service.start(self.ctx.transport)
+        await self.announce()
+        await old_service.stop()  # trainers that call the old stage here now are refused and retry on a replica
+        self.moves.append((old, target))
+        logger.info("moved from stage %d to stage %d (the bottleneck)", old, target)
+        return True
+
+    async def _rebalance_loop(self) -> None:
+        period = self.ctx.run.swarm.rebalance_period_s
+        while not self.ctx.stop.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.ctx.stop.wait(), rebalance_delay_s(period, self._rng))
+            if not self.ctx.stop.is_set():
+                await self.rebalance_once()
 
     # --- training ---------------------------------------------------------------------------------------------
 
@@ -179,6 +254,7 @@ class SwarmRole:
         await self.service.start(ctx.transport)
         logger.info("serving stage %d of %d as %s", self.stage, ctx.run.swarm.stages, ctx.peer_id)
         announcer = asyncio.ensure_future(self._announce_loop())
+        rebalancer = asyncio.ensure_future(self._rebalance_loop())
         try:
             trains = self.trainer_wanted if self.trainer_wanted is not None else self.stage == 0
             if trains:
@@ -186,7 +262,8 @@ class SwarmRole:
             else:
                 await ctx.stop.wait()
         finally:
-            announcer.cancel()
-            with contextlib.suppress(BaseException):
-                await announcer
+            for task in (announcer, rebalancer):
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
             await self.service.stop()
