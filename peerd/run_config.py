@@ -22,11 +22,12 @@ from protocols.diloco import DiLoCoHyperparams
 from protocols.gossip import GossipConfig
 from protocols.matchmaking import MatchmakingConfig
 from protocols.state_transfer import StateTransferConfig
+from protocols.swarm import SwarmConfig
 
 MODEL_NAMES = ("tiny", "small")
 AVERAGING_METHODS = ("allreduce", "moshpit", "gossip")
-#: How peers of a run split the work. Only DiLoCo data parallelism exists; a registry of roles extends this.
-PARALLELISMS = ("diloco",)
+#: How peers of a run split the work (names of ``peerd.roles.base.ROLES``).
+PARALLELISMS = ("diloco", "swarm")
 
 #: ``[averaging.<table>]`` -> (attribute of AveragingConfig, the protocol's own config class). Each protocol
 #: documents its fields (protocols/matchmaking.py, allreduce.py, gossip.py, state_transfer.py).
@@ -210,8 +211,10 @@ class RunConfig:
     fetch state, or publish this run's config; the peer that creates the run must be on it
     (:mod:`peerd.membership`)."""
     parallelism: str = "diloco"
-    """How peers split the work: diloco (every peer trains the whole model, DiLoCo outer steps; the only one so
-    far, :data:`PARALLELISMS`)."""
+    """How peers split the work: diloco (every peer trains the whole model, DiLoCo outer steps) or swarm (the
+    model cut into ``[swarm] stages`` pipeline stages, SWARM parallelism); see :data:`PARALLELISMS`."""
+    swarm: SwarmConfig = field(default_factory=SwarmConfig)
+    """``[swarm]``: stages, activation codec, wiring and rebalancing (:class:`protocols.swarm.SwarmConfig`)."""
 
     def __post_init__(self) -> None:
         from peerd.signing import is_peer_id
@@ -233,6 +236,13 @@ class RunConfig:
                                   f"'allreduce'); averaging.method = {method!r} averages outer states")
         if self.model not in MODEL_NAMES:
             raise ConfigError(f"model must be one of {MODEL_NAMES}, got {self.model!r}")
+        if self.parallelism == "swarm":
+            from peerd.models import MODEL_SIZES
+
+            n_layers = MODEL_SIZES[self.model]["n_layers"]
+            if self.swarm.stages > n_layers:
+                raise ConfigError(f"[swarm] stages ({self.swarm.stages}) cannot exceed the {n_layers} blocks of "
+                                  f"model {self.model!r}: every stage holds at least one block")
         if self.dataset not in ("shakespeare", "local"):
             raise ConfigError(f"dataset must be 'shakespeare' or 'local', got {self.dataset!r}")
         for name in ("seq_len", "batch_size"):
@@ -244,9 +254,14 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Every field (what the creator publishes: a reader never fills a field from its own default), except an
-        empty allowlist (runs without one kept the fingerprints they had before allowlists existed)."""
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("diloco", "averaging")}
+        empty allowlist (runs without one kept the fingerprints they had before allowlists existed) and ``[swarm]``
+        in a run that is not a swarm and leaves it at its defaults."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)
+               if f.name not in ("diloco", "averaging", "swarm")}
         out["diloco"] = self.diloco.to_dict()
+        if self.parallelism == "swarm" or self.swarm != SwarmConfig():
+            # left out otherwise, so peers that predate [swarm] still read the configs of DiLoCo runs
+            out["swarm"] = dataclasses.asdict(self.swarm)
         out["averaging"] = self.averaging.to_dict()
         if not self.allowlist:
             del out["allowlist"]
@@ -262,7 +277,11 @@ class RunConfig:
         except (ValueError, TypeError) as e:
             raise ConfigError(f"{source}: [diloco]: {e}") from None
         averaging = AveragingConfig.from_dict(data.pop("averaging", {}), f"{source}: [averaging]")
-        return build_config(cls, data, source, diloco=diloco, averaging=averaging)
+        swarm_table = data.pop("swarm", {})
+        if not isinstance(swarm_table, Mapping):
+            raise ConfigError(f"{source}: [swarm] must be a table, got {type(swarm_table).__name__}")
+        swarm = build_config(SwarmConfig, swarm_table, f"{source}: [swarm]")
+        return build_config(cls, data, source, diloco=diloco, averaging=averaging, swarm=swarm)
 
     def fingerprint(self) -> str:
         """Short hash (16 hex digits of SHA-256) of the canonical JSON of :meth:`fingerprint_dict`: equal configs

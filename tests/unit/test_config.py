@@ -457,3 +457,16 @@ def test_a_bootstrap_node_and_a_worker_sharing_the_default_checkpoint_dir_get_th
     assert node.identity_path_for("worker") != node.identity_path_for("bootstrap")
     pinned = NodeConfig(checkpoint_dir="/tmp/shared", control_socket="/tmp/x.sock")
     assert pinned.control_socket_path_for("bootstrap") == pinned.control_socket_path_for("worker") == Path("/tmp/x.sock")
+
+
+@pytest.mark.parametrize("table, match", [
+    ({"parallelism": "swarm", "model": "tiny", "swarm": {"stages": 5}}, "cannot exceed the 4 blocks"),
+    ({"swarm": {"stagez": 2}}, "unknown key 'stagez'"),
+    ({"swarm": {"codec": "zip"}}, "codec"),
+    ({"swarm": 3}, r"\[swarm\] must be a table"),
+])
+def test_bad_swarm_table_is_one_clear_error(table, match):
+    from peerd.run_config import RunConfig
+
+    with pytest.raises(ConfigError, match=match):
+        RunConfig.from_dict(table)

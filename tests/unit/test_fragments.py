@@ -46,5 +46,5 @@ def test_role_registry_picks_the_runs_parallelism():
 
     assert parallelism(RunConfig(model="tiny")) == "diloco" and set(ROLES) >= {"diloco"}
     assert role_class("diloco") is DiLoCoRole
-    with pytest.raises(KeyError, match="unknown parallelism 'swarm'"):
-        role_class("swarm")
+    with pytest.raises(KeyError, match="unknown parallelism 'no-such-role'"):
+        role_class("no-such-role")

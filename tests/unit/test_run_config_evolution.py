@@ -147,3 +147,15 @@ def test_build_config_checks_typing_annotations():
         with pytest.raises(ConfigError, match=f"file.toml: .*{key}"):
             build_config(Sample, bad, "file.toml")
     assert typing.get_type_hints(AveragingConfig)["gossip_config"] is GossipConfig
+
+
+def test_swarm_table_round_trips_and_leaves_diloco_configs_unchanged():
+    from peerd.run_config import RunConfig
+
+    default = RunConfig()
+    assert "swarm" not in default.to_dict()
+    swarm = RunConfig.from_dict({"parallelism": "swarm", "model": "tiny", "swarm": {"stages": 2, "codec": "int8"}})
+    assert swarm.swarm.stages == 2 and swarm.swarm.codec == "int8"
+    assert swarm.to_dict()["swarm"]["stages"] == 2
+    assert RunConfig.from_dict(swarm.to_dict()) == swarm
+    assert swarm.fingerprint() != RunConfig(parallelism="swarm", model="tiny").fingerprint()

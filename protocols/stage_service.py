@@ -1,0 +1,414 @@
+"""A SWARM pipeline stage served to peers, and the trainer's side that pushes micro-batches through the stages.
+
+Source: SWARM parallelism (Ryabinin et al. 2023, arXiv 2301.11913): each stage is served by several peers; a
+trainer sends every micro-batch forward through one server per stage (chosen by :class:`protocols.swarm.Wiring`)
+and the activation gradients back through the same servers.
+
+Methods of :class:`StageService` (on :mod:`protocols.rpc`; tensors encoded by :mod:`protocols.codecs`):
+
+- ``forward`` (not on the last stage): header ``{"mb": id, "x": tensor header}`` (stage 0: ``"tokens"``: a
+  token header, see :func:`encode_tokens`), payload = the input; reply ``{"y": tensor header}`` + the output
+  activations (B, T, C). The server keeps the input for the micro-batch's backward (bounded: ``max_pending``
+  micro-batches, each for at most ``pending_timeout_s``; more are refused with code ``"busy"``: back-pressure).
+- ``backward``: header ``{"mb": id, "g": tensor header}``, payload = the gradient of the loss w.r.t. this stage's
+  output (B, T, C); the server recomputes its forward from the kept input (so it keeps one tensor per micro-batch,
+  not an autograd graph, and an optimizer step between forward and backward is harmless), accumulates its
+  parameters' gradients and replies ``{"g": tensor header}`` + the gradient w.r.t. its input (stage 0: nothing).
+- ``loss`` (last stage only): header ``{"mb": id, "x": tensor header, "x_bytes": n, "targets": token header}``,
+  payload = the activations then the targets; forward and backward at once; reply ``{"loss": float, "g": tensor
+  header}`` + the gradient w.r.t. the activations.
+
+- ``state``: no payload; reply ``{"params": tensor header, "steps": int}`` + this stage's parameters, flattened
+  in ``named_parameters()`` order, fp32 without compression (a server that moves to this stage starts from them).
+
+Peer input is untrusted: sizes are checked before reading, shapes against the model, values must be finite (a NaN
+activation is a :class:`ProtocolViolation`), and the sender is banned. A trainer treats a server's non-finite
+reply the same way (ban, retry the micro-batch on another server of the stage).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+from protocols.bans import BanList
+from protocols.codecs import TensorHeader, decode_tensor, encode_tensor
+from protocols.rpc import ProtocolViolation, Refused, Request, RpcError, Service, call
+from protocols.swarm import NoServer, SwarmConfig, Wiring
+
+__all__ = [
+    "PipelineTrainer", "StageService", "decode_tokens", "download_stage_parameters", "encode_tokens",
+    "flat_parameters", "load_flat_parameters",
+]
+
+logger = logging.getLogger(__name__)
+
+_MAX_MB_ID = 128
+
+
+def encode_tokens(tokens: torch.Tensor) -> tuple[dict[str, Any], bytes]:
+    """Token ids (B, T) int64 -> (``{"shape": [B, T]}``, int32 little-endian bytes). Raises ValueError."""
+    if tokens.dim() != 2 or tokens.dtype != torch.long:
+        raise ValueError(f"tokens must be int64 (B, T), got {tokens.dtype} {tuple(tokens.shape)}")
+    return {"shape": list(tokens.shape)}, tokens.to(torch.int32).numpy().astype("<i4").tobytes()
+
+
+def decode_tokens(header: Any, payload: bytes, vocab_size: int) -> torch.Tensor:
+    """A peer's token ids: (B, T) int64 with every id in [0, vocab_size). Raises ProtocolViolation."""
+    shape = header.get("shape") if isinstance(header, dict) else None
+    if (not isinstance(shape, list) or len(shape) != 2
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)):
+        raise ProtocolViolation(f"malformed token shape {shape!r}")
+    if len(payload) != 4 * shape[0] * shape[1]:
+        raise ProtocolViolation(f"{len(payload)} token bytes for shape {shape}")
+    ids = np.frombuffer(payload, dtype="<i4").reshape(shape)
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise ProtocolViolation(f"token id out of [0, {vocab_size})")
+    return torch.from_numpy(ids.astype(np.int64))
+
+
+def flat_parameters(module: nn.Module) -> torch.Tensor:
+    """The module's parameters as one (N,) fp32 CPU tensor, in ``named_parameters()`` order."""
+    return torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in module.parameters()])
+
+
+@torch.no_grad()
+def load_flat_parameters(module: nn.Module, flat: torch.Tensor) -> None:
+    """Copy a (N,) tensor from :func:`flat_parameters` of the same architecture into ``module``. Raises ValueError
+    on a length mismatch."""
+    params = list(module.parameters())
+    total = sum(p.numel() for p in params)
+    if flat.shape != (total,):
+        raise ValueError(f"{tuple(flat.shape)} values for {total} parameters")
+    offset = 0
+    for p in params:
+        p.copy_(flat[offset:offset + p.numel()].view_as(p))
+        offset += p.numel()
+
+
+async def download_stage_parameters(streams: Any, peer: str, service: str, numel: int,
+                                    timeout_s: float) -> torch.Tensor:
+    """Stage parameters (``numel``,) fp32 from ``peer``'s ``state`` method. Raises RpcError (ProtocolViolation for
+    a reply of another size or with non-finite values)."""
+    reply = await call(streams, peer, service, "state", {}, b"", timeout_s=timeout_s, max_reply_bytes=4 * numel)
+    return decode_tensor(reply.header.get("params"), reply.payload, shape=(numel,), dtype=torch.float32,
+                         codecs=("none",))
+
+
+def _mb_id(header: dict[str, Any]) -> str:
+    mb = header.get("mb")
+    if not isinstance(mb, str) or not 0 < len(mb) <= _MAX_MB_ID:
+        raise ProtocolViolation(f"malformed micro-batch id {mb!r}")
+    return mb
+
+
+@dataclass
+class _Kept:
+    input: torch.Tensor
+    deadline: float
+
+
+class StageService(Service):
+    """Serve one pipeline stage (``forward``, ``backward``, ``loss``; see the module docstring).
+
+    Args:
+        name: the service name (handler prefix), e.g. the namespace's prefix plus ``.stage<k>``.
+        stage: the stage module: ``first`` / ``last`` attributes, ``config.d_model``, ``config.seq_len``,
+            ``config.vocab_size``; called as ``stage(x)`` or (last) ``stage(x, targets)`` -> loss.
+        config: codec, size limits, ``max_pending`` and ``pending_timeout_s``.
+        optimizer: stepped (then gradients zeroed) after every ``step_every`` backward passes; None = the owner
+            steps (e.g. a role that averages gradients first).
+        bans: peers excluded for sending invalid data (a fresh list with ``config.ban_s`` by default).
+        device: where the stage's parameters live; tensors arrive and leave on the CPU.
+        clock: monotonic seconds (injectable for tests).
+
+    Compute runs in the event loop, one request at a time, so no step interleaves with a forward or backward.
+    """
+
+    def __init__(self, name: str, stage: nn.Module, config: SwarmConfig, *,
+                 optimizer: Optional[torch.optim.Optimizer] = None, step_every: int = 1,
+                 bans: Optional[BanList] = None, device: str | torch.device = "cpu",
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if step_every < 1:
+            raise ValueError(f"step_every must be >= 1, got {step_every}")
+        self.name = name
+        self.stage, self.config = stage, config
+        self.optimizer, self.step_every = optimizer, step_every
+        self.bans = bans if bans is not None else BanList(config.ban_s)
+        self.device = torch.device(device)
+        self.clock = clock
+        self._kept: dict[tuple[str, str], _Kept] = {}
+        self.backwards = 0
+        self.steps = 0
+        self.samples = 0
+        self.compute_s = 0.0
+
+    # --- peer input -------------------------------------------------------------------------------------------
+
+    def on_bad_request(self, peer: str, method: str, error: RpcError) -> None:
+        logger.warning("stage %s: banning %s for a bad %s request: %s", self.name, peer, method, error)
+        self.bans.ban(peer, f"bad {method} request: {error}")
+
+    def _admit(self, request: Request) -> None:
+        if self.bans.is_banned(request.peer):
+            raise Refused(f"{request.peer} is banned here", code="banned")
+
+    def _activations(self, header: Any, payload: bytes) -> torch.Tensor:
+        """Decode (B, T, C) activations, finite, with C = d_model and T <= seq_len."""
+        spec = TensorHeader.from_dict(header)
+        cfg = self.stage.config
+        if len(spec.shape) != 3 or spec.shape[2] != cfg.d_model or not 0 < spec.shape[1] <= cfg.seq_len:
+            raise ProtocolViolation(f"activations of shape {list(spec.shape)}, expected (B, T<={cfg.seq_len}, "
+                                    f"{cfg.d_model})")
+        return decode_tensor(spec, payload, codecs=(self.config.codec, "none"))
+
+    def _input(self, header: dict[str, Any], payload: bytes) -> torch.Tensor:
+        if self.stage.first:
+            tokens = decode_tokens(header.get("tokens"), payload, self.stage.config.vocab_size)
+            if tokens.shape[1] > self.stage.config.seq_len:
+                raise ProtocolViolation(f"{tokens.shape[1]} tokens exceed seq_len {self.stage.config.seq_len}")
+            return tokens
+        return self._activations(header.get("x"), payload)
+
+    def _encode(self, x: torch.Tensor) -> tuple[dict[str, Any], Any]:
+        return encode_tensor(x.detach().to("cpu", torch.float32).contiguous(), self.config.codec)
+
+    def _expire(self) -> None:
+        now = self.clock()
+        for key in [k for k, kept in self._kept.items() if kept.deadline <= now]:
+            del self._kept[key]
+
+    # --- methods ----------------------------------------------------------------------------------------------
+
+    async def rpc_forward(self, request: Request) -> tuple[dict[str, Any], Any]:
+        self._admit(request)
+        if self.stage.last:
+            raise Refused("the last stage serves 'loss', not 'forward'", code="unsupported")
+        mb = _mb_id(request.header)
+        self._expire()
+        key = (request.peer, mb)
+        if key not in self._kept and len(self._kept) >= self.config.max_pending:
+            raise Refused(f"{len(self._kept)} micro-batches pending", code="busy")
+        x = self._input(request.header, await request.payload(self.config.max_tensor_bytes))
+        start = time.perf_counter()
+        with torch.no_grad():
+            y = self.stage(x.to(self.device))  # (B, T, C)
+        self.compute_s += time.perf_counter() - start
+        self._kept[key] = _Kept(x, self.clock() + self.config.pending_timeout_s)
+        header, payload = self._encode(y)
+        return {"y": header}, payload
+
+    async def rpc_backward(self, request: Request) -> tuple[dict[str, Any], Any]:
+        self._admit(request)
+        mb = _mb_id(request.header)
+        self._expire()
+        kept = self._kept.get((request.peer, mb))
+        if kept is None:
+            raise Refused(f"no kept input for micro-batch {mb!r} (expired or never sent)", code="unknown")
+        grad = self._activations(request.header.get("g"), await request.payload(self.config.max_tensor_bytes))
+        start = time.perf_counter()
+        x = kept.input.to(self.device)
+        if not self.stage.first:
+            x.requires_grad_(True)
+        with torch.enable_grad():
+            y = self.stage(x)  # (B, T, C), recomputed from the kept input
+        if tuple(grad.shape) != tuple(y.shape):
+            raise ProtocolViolation(f"gradient of shape {list(grad.shape)} for output {list(y.shape)}")
+        y.backward(grad.to(self.device))
+        self.compute_s += time.perf_counter() - start
+        del self._kept[(request.peer, mb)]
+        self._after_backward(x.shape[0])
+        if self.stage.first:
+            return {}, b""
+        header, payload = self._encode(x.grad)
+        return {"g": header}, payload
+
+    async def rpc_loss(self, request: Request) -> tuple[dict[str, Any], Any]:
+        self._admit(request)
+        if not self.stage.last:
+            raise Refused("only the last stage serves 'loss'", code="unsupported")
+        _mb_id(request.header)
+        split = request.header.get("x_bytes")
+        payload = await request.payload(self.config.max_tensor_bytes)
+        if not isinstance(split, int) or isinstance(split, bool) or not 0 <= split <= len(payload):
+            raise ProtocolViolation(f"malformed x_bytes {split!r}")
+        view = memoryview(payload)
+        x = self._activations(request.header.get("x"), view[:split])
+        targets = decode_tokens(request.header.get("targets"), bytes(view[split:]), self.stage.config.vocab_size)
+        if tuple(targets.shape) != tuple(x.shape[:2]):
+            raise ProtocolViolation(f"targets {list(targets.shape)} for activations {list(x.shape)}")
+        start = time.perf_counter()
+        x = x.to(self.device).requires_grad_(True)
+        with torch.enable_grad():
+            loss = self.stage(x, targets.to(self.device))
+        loss.backward()
+        self.compute_s += time.perf_counter() - start
+        self._after_backward(x.shape[0])
+        header, out = self._encode(x.grad)
+        return {"loss": float(loss.detach()), "g": header}, out
+
+    async def rpc_state(self, request: Request) -> tuple[dict[str, Any], Any]:
+        self._admit(request)
+        header, payload = encode_tensor(flat_parameters(self.stage), "none")
+        return {"params": header, "steps": self.steps}, payload
+
+    def _after_backward(self, samples: int) -> None:
+        self.backwards += 1
+        self.samples += samples
+        if self.optimizer is not None and self.backwards % self.step_every == 0:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.steps += 1
+
+    @property
+    def throughput(self) -> Optional[float]:
+        """Samples per second of compute (forward + backward) so far, or None before the first backward."""
+        return self.samples / self.compute_s if self.samples and self.compute_s > 0 else None
+
+    @property
+    def pending(self) -> int:
+        """Micro-batches whose input is kept for a backward."""
+        return len(self._kept)
+
+
+# ------------------------------------------------------------------------------------------------------- trainer
+
+
+class PipelineTrainer:
+    """Push micro-batches forward and backward through the stages, one server per stage chosen by ``wiring``.
+
+    A failed call (timeout, unreachable, refusal, invalid reply) bans that server in the wiring and the call is
+    retried on another server of the same stage, up to ``config.max_retries`` times; a backward whose server failed
+    is redone on a replica as forward + backward from the input this trainer relayed. A micro-batch that runs out
+    of servers is dropped, logged and counted; ``wiring.stats`` accounts for every micro-batch sent.
+
+    Args:
+        streams: this peer's ``PeerStreams``.
+        service_of: stage index -> the stages' service name.
+        wiring: the stochastic wiring (its servers kept current by the owner).
+        config: codec, timeouts, retries, size limits.
+        d_model: width of the activations, to check replies.
+    """
+
+    def __init__(self, streams: Any, service_of: Callable[[int], str], wiring: Wiring, config: SwarmConfig,
+                 *, d_model: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.streams, self.service_of, self.wiring, self.config = streams, service_of, wiring, config
+        self.d_model = d_model
+        self.clock = clock
+        self._next_id = 0
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.wiring.stages)
+
+    def _reply_tensor(self, header: Any, payload: bytes, shape: tuple[int, ...]) -> torch.Tensor:
+        return decode_tensor(header, payload, shape=shape, dtype=torch.float32, codecs=(self.config.codec, "none"))
+
+    async def _on_some_server(self, stage: int, samples: int, what: str,
+                              attempt: Callable[[str], Any]) -> Any:
+        """Run ``await attempt(server)`` on a server of ``stage``, retrying on others; raises NoServer."""
+        tried: list[str] = []
+        for i in range(self.config.max_retries + 1):
+            server = self.wiring.stages[stage].choose(samples, exclude=tried)
+            tried.append(server)
+            if i > 0:
+                self.wiring.stats.retried += 1
+            start = self.clock()
+            try:
+                result = await attempt(server)
+            except (RpcError, ValueError) as e:  # ValueError: a reply that decodes to the wrong thing
+                logger.info("stage %d %s on %s failed (%s): trying another server", stage, what, server, e)
+                self.wiring.fail(stage, server, f"{what}: {type(e).__name__}: {e}")
+                continue
+            self.wiring.stages[stage].report(server, samples, self.clock() - start)
+            return server, result
+        raise NoServer(f"stage {stage} {what}: {len(tried)} servers failed")
+
+    async def _call(self, server: str, stage: int, method: str, header: dict[str, Any], payload: Any):
+        return await call(self.streams, server, self.service_of(stage), method, header, payload,
+                          timeout_s=self.config.call_timeout_s, max_reply_bytes=self.config.max_tensor_bytes)
+
+    async def _forward(self, stage: int, server: str, mb: str, x: torch.Tensor) -> torch.Tensor:
+        if stage == 0:
+            tokens_header, payload = encode_tokens(x)
+            header = {"mb": mb, "tokens": tokens_header}
+        else:
+            x_header, payload = encode_tensor(x, self.config.codec)
+            header = {"mb": mb, "x": x_header}
+        reply = await self._call(server, stage, "forward", header, payload)
+        B, T = x.shape[:2]
+        return self._reply_tensor(reply.header.get("y"), reply.payload, (B, T, self.d_model))
+
+    async def _backward(self, stage: int, server: str, mb: str, x: torch.Tensor, grad: torch.Tensor):
+        g_header, payload = encode_tensor(grad, self.config.codec)
+        reply = await self._call(server, stage, "backward", {"mb": mb, "g": g_header}, payload)
+        if stage == 0:
+            return None
+        return self._reply_tensor(reply.header.get("g"), reply.payload, tuple(x.shape))
+
+    async def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> Optional[float]:
+        """One micro-batch: forward through every stage, loss at the last, gradients back.
+
+        Args:
+            tokens, targets: int64 (B, T) on the CPU.
+
+        Returns:
+            The micro-batch's loss (mean nats per token), or None if it was dropped (counted in
+            ``wiring.stats.dropped``).
+        """
+        mb = f"{self._next_id}"
+        self._next_id += 1
+        stats = self.wiring.stats
+        stats.sent += 1
+        samples = tokens.shape[0]
+        inputs: list[torch.Tensor] = []
+        used: list[str] = []
+        try:
+            x = tokens
+            for k in range(self.num_stages - 1):
+                inputs.append(x)
+                server, x = await self._on_some_server(
+                    k, samples, "forward", lambda s, k=k, x=x: self._forward(k, s, mb, x))
+                used.append(server)
+            x_header, x_payload = encode_tensor(x, self.config.codec)
+            t_header, t_payload = encode_tokens(targets)
+            header = {"mb": mb, "x": x_header, "x_bytes": len(memoryview(x_payload).cast("B")),
+                      "targets": t_header}
+
+            async def loss_on(server: str) -> tuple[float, torch.Tensor]:
+                reply = await self._call(server, self.num_stages - 1, "loss", header, [x_payload, t_payload])
+                loss = reply.header.get("loss")
+                if not isinstance(loss, float) or not np.isfinite(loss):
+                    raise ProtocolViolation(f"malformed loss {loss!r}")
+                return loss, self._reply_tensor(reply.header.get("g"), reply.payload, tuple(x.shape))
+
+            _, (loss, grad) = await self._on_some_server(self.num_stages - 1, samples, "loss", loss_on)
+            for k in reversed(range(self.num_stages - 1)):
+                grad = await self._backward_with_retry(k, used[k], mb, inputs[k], grad)
+        except NoServer as e:
+            stats.dropped += 1
+            logger.warning("micro-batch %s dropped: %s", mb, e)
+            return None
+        stats.completed += 1
+        return loss
+
+    async def _backward_with_retry(self, stage: int, server: str, mb: str, x: torch.Tensor, grad: torch.Tensor):
+        try:
+            return await self._backward(stage, server, mb, x, grad)
+        except (RpcError, ValueError) as e:
+            logger.info("stage %d backward on %s failed (%s): redoing it on a replica", stage, server, e)
+            self.wiring.fail(stage, server, f"backward: {type(e).__name__}: {e}")
+            self.wiring.stats.retried += 1
+
+        async def redo(s: str):
+            await self._forward(stage, s, mb, x)
+            return await self._backward(stage, s, mb, x, grad)
+
+        _, result = await self._on_some_server(stage, x.shape[0], "backward", redo)
+        return result

@@ -1,0 +1,140 @@
+import random
+
+import pytest
+
+from protocols.swarm import (
+    NoServer, StageBalancer, SwarmConfig, Wiring, bottleneck_stage, choose_stage, rebalance_delay_s, should_move,
+    stage_throughputs,
+)
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def simulate(balancer: StageBalancer, speed: dict[str, float], steps: int, rng: random.Random) -> dict[str, int]:
+    work = {s: 0 for s in speed}
+    for _ in range(steps):
+        server = balancer.choose(1.0)
+        work[server] += 1
+        balancer.report(server, 1.0, rng.uniform(0.9, 1.1) / speed[server])
+    return work
+
+
+def test_half_speed_server_gets_a_third_of_its_stage():
+    rng = random.Random(0)
+    balancer = StageBalancer(ema_alpha=0.2)
+    balancer.set_servers(["fast", "slow"])
+    work = simulate(balancer, {"fast": 2.0, "slow": 1.0}, 600, rng)
+    share = work["slow"] / 600
+    assert abs(share - 1 / 3) <= 0.10, work
+    assert balancer.throughput("fast") == pytest.approx(2.0, rel=0.15)
+
+
+def test_equal_servers_share_equally_and_unmeasured_go_first():
+    balancer = StageBalancer()
+    balancer.set_servers(["a", "b", "c"])
+    first = [balancer.choose() for _ in range(3)]
+    assert sorted(first) == ["a", "b", "c"]  # nobody measured yet: each is tried once
+    for s in "abc":
+        balancer.report(s, 1.0, 1.0)
+    work = simulate(balancer, {"a": 1.0, "b": 1.0, "c": 1.0}, 300, random.Random(1))
+    assert all(90 <= n <= 110 for n in work.values()), work
+    balancer.set_servers(["a", "b", "c", "d"])
+    assert balancer.choose() == "d"  # a newcomer is measured first
+    balancer.report("d", 1.0, 1.0)
+    # the newcomer starts at the others' queue, not at zero: no burst of catch-up work
+    work = simulate(balancer, {s: 1.0 for s in "abcd"}, 40, random.Random(2))
+    assert work["d"] <= 15, work
+
+
+def test_failed_server_is_banned_for_a_while_then_returns():
+    clock = Clock()
+    balancer = StageBalancer(ban_s=10.0, clock=clock)
+    balancer.set_servers(["a", "b"])
+    for s in "ab":
+        balancer.report(s, 1.0, 1.0)
+    balancer.fail("a", "timeout")
+    assert {balancer.choose() for _ in range(10)} == {"b"}
+    with pytest.raises(NoServer):
+        balancer.choose(exclude=["b"])
+    clock.t = 11.0
+    assert "a" in {balancer.choose() for _ in range(4)}
+
+
+def test_servers_that_leave_are_forgotten():
+    balancer = StageBalancer()
+    balancer.set_servers(["a", "b"])
+    balancer.set_servers(["b"])
+    assert balancer.servers == ["b"] and balancer.choose() == "b"
+    balancer.report("a", 1.0, 1.0)  # a late report from a gone server is ignored
+    assert balancer.throughput("a") is None
+    wiring = Wiring(2)
+    wiring.set_servers({0: ["x"], 1: ["y"]})
+    wiring.fail(1, "y", "refused")
+    assert wiring.stats.failures_by_server == {"y": 1}
+    with pytest.raises(NoServer):
+        wiring.stages[1].choose()
+
+
+def rebalance(assignment: dict[str, int], throughput: dict[str, float], num_stages: int, periods: int) -> int:
+    moves = 0
+    for _ in range(periods):
+        for server in sorted(assignment):
+            target = should_move(server, assignment, throughput, num_stages)
+            if target is not None:
+                assignment[server] = target
+                moves += 1
+    return moves
+
+
+def test_three_plus_one_ends_at_two_plus_two_and_stays():
+    assignment = {"a": 0, "b": 0, "c": 0, "d": 1}
+    throughput = dict.fromkeys(assignment, 1.0)
+    assert bottleneck_stage(assignment, throughput, 2) == 1
+    moves = rebalance(assignment, throughput, 2, periods=5)
+    assert moves == 1
+    assert sorted(assignment.values()) == [0, 0, 1, 1]
+    assert stage_throughputs(assignment, throughput, 2) == [2.0, 2.0]
+
+
+def test_move_only_if_the_bottleneck_improves_enough():
+    # stage 0 = 2.2, stage 1 = 1.9; moving c gives min(2.0, 2.1) = 2.0: 1.9 / 2.0 = 0.95 >= 0.75 -> stay
+    assert should_move("c", {"a": 0, "b": 0, "c": 0, "d": 1}, {"a": 1.0, "b": 1.0, "c": 0.2, "d": 1.9}, 2) is None
+    # 3 vs 1 -> 2 vs 2: 1 / 2 = 0.5 < 0.75 -> move
+    assert should_move("a", {"a": 0, "b": 0, "c": 0, "d": 1}, {"a": 1.0, "b": 1.0, "c": 1.0, "d": 1.0}, 2) == 1
+    # gain too small: old min 1.8, new min(2.0, 2.8) = 2.0: 0.9 >= 0.75 -> stay
+    assert should_move("c", {"a": 0, "b": 0, "c": 0, "d": 1}, {"a": 1.0, "b": 1.0, "c": 1.0, "d": 1.8}, 2) is None
+
+
+def test_empty_stage_is_filled_and_no_stage_is_left_empty():
+    assignment = {"a": 0, "b": 0, "c": 1}
+    throughput = dict.fromkeys(assignment, 1.0)
+    assert choose_stage(assignment, throughput, 3) == 2
+    assert should_move("a", assignment, throughput, 3) == 2
+    assert should_move("c", assignment, throughput, 3) is None  # its stage would be empty
+    rebalance(assignment, throughput, 3, periods=3)
+    assert sorted(assignment.values()) == [0, 1, 2]
+
+
+def test_rebalance_delay_has_jitter_within_bounds():
+    rng = random.Random(0)
+    delays = [rebalance_delay_s(90.0, rng) for _ in range(200)]
+    assert all(60.0 <= d <= 120.0 for d in delays)
+    assert max(delays) - min(delays) > 30.0
+
+
+def test_config_validation_explains_itself():
+    assert SwarmConfig().codec == "fp16"
+    with pytest.raises(ValueError, match="codec"):
+        SwarmConfig(codec="zip")
+    with pytest.raises(ValueError, match="pending_timeout_s"):
+        SwarmConfig(call_timeout_s=60.0, pending_timeout_s=30.0)
+    with pytest.raises(ValueError, match="stages"):
+        SwarmConfig(stages=0)

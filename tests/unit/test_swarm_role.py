@@ -1,0 +1,136 @@
+"""The SWARM role in-process: joining servers fill the bottleneck stage, announce, and a trainer trains."""
+
+import asyncio
+
+import pytest
+
+from peerd.config import NodeConfig
+from peerd.roles.base import RunContext, role_class
+from peerd.roles.swarm import SwarmRole, read_stage_servers
+from peerd.run_config import RunConfig
+from peerd.transport.inprocess import Hub
+from protocols.diloco import DiLoCoHyperparams
+from protocols.swarm import StageAnnouncement, SwarmConfig
+
+pytestmark = pytest.mark.timeout(120)
+
+STEPS = 25
+
+
+def _run() -> RunConfig:
+    return RunConfig(model="tiny", seq_len=64, batch_size=8, eval_batches=0, parallelism="swarm",
+                     swarm=SwarmConfig(stages=2, call_timeout_s=10.0, pending_timeout_s=30.0),
+                     diloco=DiLoCoHyperparams(inner_lr=3e-3, inner_weight_decay=0.0))
+
+
+def test_swarm_role_is_registered():
+    assert role_class("swarm") is SwarmRole
+
+
+def test_announcements_from_peers_are_validated():
+    assert StageAnnouncement.parse({"stage": 1, "throughput": 2.5, "load": 3}, 2) == StageAnnouncement(1, 2.5, 3)
+    for bad in ({"stage": 2}, {"stage": True}, {"stage": 0, "throughput": float("nan")}, {"stage": 0, "load": -1},
+                {"stage": 0, "throughput": -1.0}, [0], None):
+        assert StageAnnouncement.parse(bad, 2) is None, bad
+
+
+def test_servers_join_the_bottleneck_and_the_trainers_train(tmp_path):
+    async def main():
+        hub = Hub()
+        run = _run()
+        stop = asyncio.Event()
+        roles, tasks = [], []
+        for i in range(4):
+            node = NodeConfig(checkpoint_dir=str(tmp_path / f"p{i}"), threads=1, device="cpu",
+                              status_interval_s=0.5, status_ttl_s=5.0)
+            ctx = RunContext.build("swarmunit", run, node, hub.transport(f"p{i}"), stop=stop)
+            role = SwarmRole(ctx, max_steps=STEPS)
+            roles.append(role)
+            tasks.append(asyncio.ensure_future(role.run(ctx)))
+            while role.service is None:  # joined and announced before the next peer looks
+                await asyncio.sleep(0.01)
+            await role.announce()
+        assert [r.stage for r in roles] == [0, 1, 0, 1]
+        view = await read_stage_servers(roles[0].ctx)
+        assert {p: a.stage for p, a in view.items()} == {"p0": 0, "p1": 1, "p2": 0, "p3": 1}
+        trainers = [tasks[0], tasks[2]]
+        await asyncio.wait_for(asyncio.gather(*trainers), 90)
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*tasks), 10)
+        return roles
+
+    roles = asyncio.run(main())
+    for trainer in (roles[0], roles[2]):
+        stats = trainer.wiring.stats
+        assert stats.completed == STEPS and stats.dropped == 0, stats
+        losses = trainer.losses
+        assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.3, losses
+    # both servers of the last stage took micro-batches from the trainers
+    assert all(r.service.backwards >= 5 for r in roles[1::2])
+
+
+async def _start_servers(hub, tmp_path, run, stages, stop):
+    roles, tasks = [], []
+    for i, stage in enumerate(stages):
+        node = NodeConfig(checkpoint_dir=str(tmp_path / f"p{i}"), threads=1, device="cpu",
+                          status_interval_s=0.5, status_ttl_s=5.0)
+        ctx = RunContext.build("swarmunit", run, node, hub.transport(f"p{i}"), stop=stop)
+        role = SwarmRole(ctx, stage=stage, trainer=False)
+        roles.append(role)
+        tasks.append(asyncio.ensure_future(role.run(ctx)))
+        while role.service is None:
+            await asyncio.sleep(0.01)
+        await role.announce()
+    return roles, tasks
+
+
+def test_three_plus_one_servers_rebalance_to_two_plus_two(tmp_path):
+    """A mover starts from the current parameters of a live server of its new stage."""
+    import dataclasses
+
+    import torch
+
+    from protocols.stage_service import flat_parameters
+
+    async def main():
+        hub, stop = Hub(), asyncio.Event()
+        run = dataclasses.replace(_run(), swarm=SwarmConfig(stages=2, rebalance_period_s=0.3))
+        roles, tasks = await _start_servers(hub, tmp_path, run, [0, 0, 0, 1], stop)
+        with torch.no_grad():  # stage 1 has trained: its parameters are no longer the initial ones
+            for p in roles[3].service.stage.parameters():
+                p.add_(0.01)
+        expected = flat_parameters(roles[3].service.stage)
+        for _ in range(60):
+            await asyncio.sleep(0.1)
+            if sorted(r.stage for r in roles) == [0, 0, 1, 1] and sum(len(r.moves) for r in roles) >= 1:
+                await asyncio.sleep(1.0)  # and it stays there
+                break
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*tasks), 10)
+        return roles, expected
+
+    roles, expected = asyncio.run(main())
+    assert sorted(r.stage for r in roles) == [0, 0, 1, 1]
+    movers = [r for r in roles if r.moves]
+    assert len(movers) == 1 and movers[0].moves == [(0, 1)], [r.moves for r in roles]
+    assert torch.equal(flat_parameters(movers[0].service.stage), expected)
+
+
+def test_an_empty_stage_is_filled(tmp_path):
+    import dataclasses
+
+    async def main():
+        hub, stop = Hub(), asyncio.Event()
+        run = dataclasses.replace(_run(), swarm=SwarmConfig(stages=3, rebalance_period_s=0.3))
+        roles, tasks = await _start_servers(hub, tmp_path, run, [0, 0, 1], stop)
+        for _ in range(50):
+            await asyncio.sleep(0.1)
+            if sorted(r.stage for r in roles) == [0, 1, 2]:
+                break
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*tasks), 10)
+        return roles
+
+    roles = asyncio.run(main())
+    assert sorted(r.stage for r in roles) == [0, 1, 2]
+    assert [r.moves for r in roles if r.moves] == [[(0, 2)]]
