@@ -20,12 +20,15 @@ from protocols.allreduce import AllReduceConfig
 from protocols.diloco import DiLoCoHyperparams
 from protocols.gossip import GossipConfig
 from protocols.matchmaking import MatchmakingConfig
+from protocols.spes import SpesConfig
 from protocols.state_transfer import StateTransferConfig
 
-MODEL_NAMES = ("tiny", "small")
+MODEL_NAMES = ("tiny", "small", "tiny-moe", "small-moe")
+#: Mixture-of-experts models (peerd/models/moe.py): the ones SPES trains; DiLoCo trains them whole.
+MOE_MODEL_NAMES = ("tiny-moe", "small-moe")
 AVERAGING_METHODS = ("allreduce", "moshpit", "gossip")
 #: How peers of a run split the work. Only DiLoCo data parallelism exists; a registry of roles extends this.
-PARALLELISMS = ("diloco",)
+PARALLELISMS = ("diloco", "spes")
 
 #: ``[averaging.<table>]`` -> (attribute of AveragingConfig, the protocol's own config class). Each protocol
 #: documents its fields (protocols/matchmaking.py, allreduce.py, gossip.py, state_transfer.py).
@@ -210,7 +213,10 @@ class RunConfig:
     (:mod:`peerd.membership`)."""
     parallelism: str = "diloco"
     """How peers split the work: diloco (every peer trains the whole model, DiLoCo outer steps; the only one so
-    far, :data:`PARALLELISMS`)."""
+    far, :data:`PARALLELISMS`) or spes (a mixture-of-experts model, each peer training the shared parameters and
+    its own experts, :mod:`protocols.spes`)."""
+    spes: SpesConfig = field(default_factory=SpesConfig)
+    """``[spes]``: sync interval, expert holders and merging warm-up (:class:`protocols.spes.SpesConfig`)."""
 
     def __post_init__(self) -> None:
         from peerd.signing import is_peer_id
@@ -223,6 +229,9 @@ class RunConfig:
             raise ConfigError(f"parallelism must be one of {PARALLELISMS}, got {self.parallelism!r}")
         if self.model not in MODEL_NAMES:
             raise ConfigError(f"model must be one of {MODEL_NAMES}, got {self.model!r}")
+        if self.parallelism == "spes" and self.model not in MOE_MODEL_NAMES:
+            raise ConfigError(f"parallelism 'spes' needs a mixture-of-experts model {MOE_MODEL_NAMES}, "
+                              f"got {self.model!r}")
         if self.dataset not in ("shakespeare", "local"):
             raise ConfigError(f"dataset must be 'shakespeare' or 'local', got {self.dataset!r}")
         for name in ("seq_len", "batch_size"):
@@ -235,9 +244,11 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         """Every field (what the creator publishes: a reader never fills a field from its own default), except an
         empty allowlist (runs without one kept the fingerprints they had before allowlists existed)."""
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("diloco", "averaging")}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("diloco", "averaging", "spes")}
         out["diloco"] = self.diloco.to_dict()
         out["averaging"] = self.averaging.to_dict()
+        if self.parallelism == "spes" or self.spes != SpesConfig():  # other runs publish what they always did
+            out["spes"] = dataclasses.asdict(self.spes)
         if not self.allowlist:
             del out["allowlist"]
         else:
@@ -252,7 +263,8 @@ class RunConfig:
         except (ValueError, TypeError) as e:
             raise ConfigError(f"{source}: [diloco]: {e}") from None
         averaging = AveragingConfig.from_dict(data.pop("averaging", {}), f"{source}: [averaging]")
-        return build_config(cls, data, source, diloco=diloco, averaging=averaging)
+        spes = build_config(SpesConfig, _table(data.pop("spes", {}), f"{source}: [spes]"), f"{source}: [spes]")
+        return build_config(cls, data, source, diloco=diloco, averaging=averaging, spes=spes)
 
     def fingerprint(self) -> str:
         """Short hash (16 hex digits of SHA-256) of the canonical JSON of :meth:`fingerprint_dict`: equal configs
@@ -284,6 +296,12 @@ FINGERPRINT_DILOCO_FIELDS = ("inner_steps", "inner_lr", "inner_betas", "inner_we
                              "lr_decay_steps", "min_lr_ratio", "grad_clip_norm", "outer_lr", "outer_momentum",
                              "outer_nesterov")
 _MISSING = object()
+
+
+def _table(value: Any, source: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{source}: expected a table of keys, got {type(value).__name__} {value!r}")
+    return value
 
 
 def load_run_config(path: str | os.PathLike) -> RunConfig:
