@@ -145,7 +145,8 @@ class MoETransformer(nn.Module):
     """Decoder-only MoE language model; the LM head reuses the token embedding matrix.
 
     ``forward(idx, targets)`` returns ``(logits, loss)`` like :class:`peerd.models.Transformer`; with targets, loss =
-    cross-entropy + ``aux_loss_coef`` * mean over blocks of the load-balancing loss. ``last_ce_loss`` and
+    cross-entropy + ``aux_loss_coef`` * mean over blocks of the load-balancing loss in training mode, the
+    cross-entropy alone in eval mode (so evaluation reports nats per token, comparable with the dense model). ``last_ce_loss`` and
     ``last_aux_loss`` hold the two terms of the latest forward (scalars, detached).
     """
 
@@ -187,7 +188,8 @@ class MoETransformer(nn.Module):
             targets: optional int64 next-token ids, (B, T).
 
         Returns:
-            ``(logits, loss)``: logits (B, T, V); loss = cross-entropy (nats/token) + aux_loss_coef * aux, or None.
+            ``(logits, loss)``: logits (B, T, V); loss = cross-entropy (nats/token), + aux_loss_coef * aux in training
+            mode; None without targets.
 
         Raises:
             ValueError: ``idx`` is not 2-D or T exceeds ``config.seq_len``.
@@ -208,7 +210,7 @@ class MoETransformer(nn.Module):
             return logits, None
         ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
         self.last_ce_loss = ce.detach()
-        return logits, ce + self.config.aux_loss_coef * aux
+        return logits, (ce + self.config.aux_loss_coef * aux) if self.training else ce
 
     def routing(self) -> list[torch.Tensor]:
         """The experts chosen in the latest forward, one (N, K) int64 tensor per block."""

@@ -24,6 +24,9 @@ def test_forward_shapes_loss_and_deterministic_init():
     assert logits.shape == (2, 32, 256) and loss.dim() == 0 and torch.isfinite(loss)
     torch.testing.assert_close(loss.detach(), model.last_ce_loss + model.config.aux_loss_coef * model.last_aux_loss)
     assert model(idx)[1] is None
+    model.eval()  # evaluation reports the cross-entropy alone
+    assert torch.equal(model(idx, idx)[1], model.last_ce_loss)
+    model.train()
     again = build_moe_model("tiny-moe", 32, seed=3)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
     assert MOE_SIZES["small-moe"]["n_experts"] == 16 and MOE_SIZES["small-moe"]["top_k"] == 2
