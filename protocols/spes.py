@@ -192,3 +192,25 @@ def merge_experts(theta: torch.Tensor, alpha: float, top_k: int,
     base = theta.double()
     pull = base[neighbours].mean(dim=1) - base  # (E, P)
     return (base + alpha * pull).to(theta.dtype)
+
+
+def claim_record(experts: Collection[int], capacity: int, outer_round: int) -> dict:
+    """What a peer publishes about its experts (msgpack-able)."""
+    return {"experts": sorted(int(e) for e in experts), "capacity": int(capacity), "outer_round": int(outer_round)}
+
+
+def parse_claim(value: object, n_experts: int) -> Optional[tuple[PeerClaim, int]]:
+    """A peer's published claim as ``(PeerClaim, outer_round)``, or None if it is malformed (expert ids out of range
+    or repeated, a capacity or round that is not a non-negative int): a bad record makes that peer invisible to
+    expert assignment, never a crash."""
+    if not isinstance(value, dict):
+        return None
+    experts, capacity, outer_round = value.get("experts"), value.get("capacity"), value.get("outer_round")
+
+    def count(v: object) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    if not (isinstance(experts, list) and all(count(e) and e < n_experts for e in experts)
+            and len(set(experts)) == len(experts) and count(capacity) and count(outer_round)):
+        return None
+    return PeerClaim(frozenset(experts), capacity), outer_round

@@ -31,7 +31,7 @@ from protocols.interfaces import Transport
 logger = logging.getLogger(__name__)
 
 #: Role name (the run config's ``parallelism``) -> "module:Class"; imported on use (roles import torch models).
-ROLES: dict[str, str] = {"diloco": "peerd.roles.diloco:DiLoCoRole"}
+ROLES: dict[str, str] = {"diloco": "peerd.roles.diloco:DiLoCoRole", "spes": "peerd.roles.spes:SpesRole"}
 
 
 class Role(Protocol):

@@ -142,3 +142,14 @@ def test_config_validation():
                 dict(alpha_0=float("nan")), dict(experts_per_peer=True)):
         with pytest.raises(ValueError):
             SpesConfig(**bad)
+
+
+def test_claim_records_round_trip_and_bad_ones_are_dropped():
+    from protocols.spes import claim_record, parse_claim
+
+    assert parse_claim(claim_record({3, 1}, 4, 7), 8) == (PeerClaim(frozenset({1, 3}), 4), 7)
+    for bad in (None, [], {"experts": [8], "capacity": 1, "outer_round": 0},
+                {"experts": [1, 1], "capacity": 1, "outer_round": 0}, {"experts": [1], "capacity": -1, "outer_round": 0},
+                {"experts": [True], "capacity": 1, "outer_round": 0}, {"experts": "1", "capacity": 1, "outer_round": 0},
+                {"experts": [1], "capacity": 1}):
+        assert parse_claim(bad, 8) is None, bad
