@@ -137,6 +137,31 @@ def claim_experts(
     return frozenset(order[:count])
 
 
+def rebalance(
+    n_experts: int,
+    claims: Mapping[str, PeerClaim],
+    min_holders: int = 1,
+    experts_per_peer: int = 0,
+    max_sweeps: int = 32,
+) -> dict[str, frozenset[int]]:
+    """Everyone's new claims from the same view: :func:`claim_experts` for each peer in PeerID order, repeated until
+    no claim changes (at most ``max_sweeps`` sweeps). Every peer of a sync round computes this from the claims
+    that round used and keeps its own entry, so peers that re-claim at the same moment agree instead of chasing
+    each other's stale claims. Returns PeerID -> experts."""
+    current = {p: frozenset(c.experts) for p, c in claims.items()}
+    capacity = {p: c.capacity for p, c in claims.items()}
+    for _ in range(max_sweeps):
+        changed = False
+        for me in sorted(current):
+            others = {p: PeerClaim(current[p], capacity[p]) for p in current if p != me}
+            mine = claim_experts(me, n_experts, others, capacity[me], min_holders, experts_per_peer, current[me])
+            changed |= mine != current[me]
+            current[me] = mine
+        if not changed:
+            break
+    return current
+
+
 def holders_of(claims: Mapping[str, Collection[int]], n_experts: int) -> list[list[str]]:
     """For each expert, the sorted PeerIDs that claim it."""
     out: list[list[str]] = [[] for _ in range(n_experts)]
@@ -194,16 +219,20 @@ def merge_experts(theta: torch.Tensor, alpha: float, top_k: int,
     return (base + alpha * pull).to(theta.dtype)
 
 
-def claim_record(experts: Collection[int], capacity: int, outer_round: int) -> dict:
-    """What a peer publishes about its experts (msgpack-able)."""
-    return {"experts": sorted(int(e) for e in experts), "capacity": int(capacity), "outer_round": int(outer_round)}
+def claim_record(experts: Collection[int], capacity: int, outer_round: int, left: bool = False) -> dict:
+    """What a peer publishes about its experts (msgpack-able). ``left``: the peer has left; its experts are free
+    at once instead of when the record expires."""
+    record = {"experts": sorted(int(e) for e in experts), "capacity": int(capacity), "outer_round": int(outer_round)}
+    if left:
+        record["left"] = True
+    return record
 
 
 def parse_claim(value: object, n_experts: int) -> Optional[tuple[PeerClaim, int]]:
     """A peer's published claim as ``(PeerClaim, outer_round)``, or None if it is malformed (expert ids out of range
     or repeated, a capacity or round that is not a non-negative int): a bad record makes that peer invisible to
-    expert assignment, never a crash."""
-    if not isinstance(value, dict):
+    expert assignment, never a crash. A peer that left is None too."""
+    if not isinstance(value, dict) or value.get("left") is True:
         return None
     experts, capacity, outer_round = value.get("experts"), value.get("capacity"), value.get("outer_round")
 

@@ -9,9 +9,10 @@ Life of a peer:
    them (the latest synced state).
 2. Loop: ``sync_steps`` AdamW steps on the shared parameters and its experts (the other experts frozen:
    :func:`peerd.models.local_experts.train_only_experts`), with the expert-merging warm-up every
-   ``merge_interval`` steps; then a sparse sync (:class:`peerd.roles.spes_sync.SparseSync`), evaluation, and a
-   re-claim from the fresh view (a leaver's experts have fewer holders and are claimed first, from their latest
-   synced copy, which every peer holds after the refresh).
+   ``merge_interval`` steps; then a sparse sync (:class:`peerd.roles.spes_sync.SparseSync`), a re-claim
+   (:func:`protocols.spes.rebalance` over the claims of the round's peers, so all of them agree), evaluation. A
+   leaver's experts have no holder in the next round's view and are claimed first, from their latest synced copy,
+   which every peer holds after the refresh.
 3. On stop: publish ``left``, stop serving.
 
 The inner optimizer keeps its state for parameters that stay trained across a re-claim; newly claimed experts start
@@ -40,7 +41,7 @@ from peerd.roles.spes_sync import SparseSync
 from peerd.roles.state_sync import StateSync
 from protocols.diloco import inner_lr_at, make_inner_optimizer, set_lr
 from protocols.spes import (PeerClaim, claim_experts, claim_record, expert_capacity, holders_of, merge_alpha,
-                            merge_due, merge_experts, parse_claim)
+                            merge_due, merge_experts, parse_claim, rebalance)
 from protocols.state_transfer import StateSnapshot
 from protocols.wire import ProtocolViolation
 
@@ -133,6 +134,7 @@ class SpesRole:
             with contextlib.suppress(BaseException):
                 await status_task
             await self.ctx.status.publish(role="left")
+            await self._publish_claim(left=True)
             for component in self.components:
                 with contextlib.suppress(Exception):
                     await component.stop()
@@ -192,11 +194,11 @@ class SpesRole:
         self.own = own
         self.sync.set_own(own)
 
-    async def _publish_claim(self) -> None:
+    async def _publish_claim(self, left: bool = False) -> None:
         discovery = self.ctx.transport.discovery
         with contextlib.suppress(Exception):
             await discovery.store(self.claims_key, self.peer_id,
-                                  claim_record(self.own, self.capacity, self.outer_round),
+                                  claim_record(self.own, self.capacity, self.outer_round, left),
                                   discovery.time() + self.ctx.node.status_ttl_s)
 
     async def _publish_loop(self) -> None:
@@ -267,8 +269,9 @@ class SpesRole:
         started = time.perf_counter()
         r = self.outer_round
         view = await self.claims_view()
-        claims = {p: claim.experts for p, (claim, rr) in view.items() if rr == r}
-        claims[self.peer_id] = self.own
+        round_claims = {p: claim for p, (claim, rr) in view.items() if rr == r}
+        round_claims[self.peer_id] = PeerClaim(self.own, self.capacity)
+        claims = {p: claim.experts for p, claim in round_claims.items()}
         report = await unless_stopped(
             self.ctx, self.sync.sync(r, holders_of(claims, self.n_experts), len(claims),
                                      float(max(1, self.samples_since_sync))), "sparse sync")
@@ -290,7 +293,9 @@ class SpesRole:
         self._model_snapshot = StateSnapshot.from_tensors(
             {"model": torch.cat([p.detach().reshape(-1).float().cpu() for p in self.model.parameters()])},
             {"outer_round": self.outer_round})
-        self._set_own(self._claim(await self.claims_view()))
+        # every member re-claims from the same claims (this round's): they agree on who trains what next
+        self._set_own(rebalance(self.n_experts, round_claims, self.cfg.min_holders,
+                                self.cfg.experts_per_peer)[self.peer_id])
         await self._publish_claim()
         eval_loss = await self._evaluate()
         total = sum(p.numel() for p in self.model.parameters())

@@ -148,8 +148,26 @@ def test_claim_records_round_trip_and_bad_ones_are_dropped():
     from protocols.spes import claim_record, parse_claim
 
     assert parse_claim(claim_record({3, 1}, 4, 7), 8) == (PeerClaim(frozenset({1, 3}), 4), 7)
+    assert parse_claim(claim_record({3, 1}, 4, 7, left=True), 8) is None
     for bad in (None, [], {"experts": [8], "capacity": 1, "outer_round": 0},
                 {"experts": [1, 1], "capacity": 1, "outer_round": 0}, {"experts": [1], "capacity": -1, "outer_round": 0},
                 {"experts": [True], "capacity": 1, "outer_round": 0}, {"experts": "1", "capacity": 1, "outer_round": 0},
                 {"experts": [1], "capacity": 1}):
         assert parse_claim(bad, 8) is None, bad
+
+
+@pytest.mark.parametrize("n_peers", range(1, 9))
+@pytest.mark.parametrize("min_holders", [1, 2])
+def test_rebalance_from_any_start_settles_covered_and_balanced(n_peers, min_holders):
+    from protocols.spes import rebalance
+
+    g = torch.Generator().manual_seed(n_peers * 10 + min_holders)
+    for trial in range(20):
+        start = {f"p{i}": PeerClaim(frozenset(int(e) for e in torch.randperm(16, generator=g)[:int(torch.randint(
+            0, 17, (1,), generator=g))]), BIG) for i in range(n_peers)}
+        out = rebalance(16, start, min_holders)
+        held = counts(out, 16)
+        assert min(held) == min(min_holders, n_peers) and max(held) - min(held) <= 1, (trial, out)
+        sizes = sorted(len(c) for c in out.values())
+        assert sizes[-1] - sizes[0] <= 1
+        assert rebalance(16, {p: PeerClaim(c, BIG) for p, c in out.items()}, min_holders) == out  # a fixed point

@@ -60,3 +60,28 @@ def test_three_peers_train_sync_and_end_with_one_model_and_covered_experts(tmp_p
     full = {peer: e for peer, e in done if e.outer_round == 1}
     assert all(last[p].bytes_sent < 0.7 * full[p].bytes_sent for p in last)
     assert all(e.eval_nats_per_byte is not None for _, e in done)
+
+
+def test_a_leavers_experts_are_reclaimed_and_training_continues(tmp_path):
+    async def main():
+        hub = Hub()
+        peers = [_peer(hub, f"peer{i}", _run(rounds=4), tmp_path) for i in range(3)]
+        leaver = peers[2]
+        left_with = []
+
+        def on_event(e):
+            if e.name == "outer_round" and e.outer_round == 2:
+                left_with.append(leaver.own)
+                leaver.ctx.stop.set()
+
+        leaver.ctx.events.subscribe(on_event)
+        await asyncio.gather(*[p.run() for p in peers])
+        return peers, left_with[0]
+
+    peers, left_with = asyncio.run(main())
+    stayers = peers[:2]
+    assert peers[2].outer_round == 2 and all(p.outer_round == 4 for p in stayers)
+    assert left_with and all(e in stayers[0].own | stayers[1].own for e in left_with)
+    assert sorted(len(p.own) for p in stayers) == [4, 4]
+    first = dict(stayers[0].model.named_parameters())
+    assert all(torch.equal(param, first[name]) for name, param in stayers[1].model.named_parameters())
