@@ -41,3 +41,10 @@ def test_build_model_builds_dense_and_moe_models():
     assert isinstance(build_model("tiny-moe", 32, 0), MoETransformer)
     with pytest.raises(ValueError, match="tiny-moe"):
         build_model("huge", 32, 0)
+
+
+def test_the_spes_preset_loads():
+    from pathlib import Path
+
+    run = load_run_config(Path(__file__).resolve().parents[2] / "node_configs" / "runs" / "spes-tiny.toml")
+    assert run.parallelism == "spes" and run.model == "tiny-moe" and run.spes.sync_steps == 20
