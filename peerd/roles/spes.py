@@ -180,7 +180,8 @@ class SpesRole:
         if own == self.own and self.optimizer is not None:
             return
         if own != self.own:
-            logger.info("training experts %s (was %s)", sorted(own), sorted(self.own))
+            logger.info("training experts %s (was %s)", sorted(own), sorted(self.own),
+                        extra={"experts": sorted(own), "outer_round": self.outer_round})
         old = self.optimizer
         trainable = train_only_experts(self.model, own)
         self.optimizer = make_inner_optimizer(trainable, self.hp)
