@@ -122,12 +122,11 @@ round with the real matchmaking and all-reduce). {n_experts} experts, {len(claim
 | training state total (MB) | {spes_mem['total'] / mb:.1f} | {full_mem['total'] / mb:.1f} | \
 {spes_mem['total'] / full_mem['total']:.2f} |
 | all-reduce bytes sent per round (MB) | {sent_s / mb:.2f} | {sent_d / mb:.2f} | {sent_s / sent_d:.2f} |
-| refresh of untrained experts received per round (MB, fp32) | {spes_bytes['refresh_received'] / mb:.2f} | 0 | |
+| refresh of untrained experts received per round (MB) | {spes_bytes['refresh_received'] / mb:.2f} | 0 | |
 | sent per round incl. refresh served (MB, mean over peers) | {(sent_s + spes_bytes['refresh_received']) / mb:.2f} | {sent_d / mb:.2f} | {(sent_s + spes_bytes['refresh_received']) / sent_d:.2f} |
 
-The all-reduce carries only trained parameters, but the refresh of the untrained copies (fp32, every expert a peer
-does not hold) dominates what a peer receives; serving it in the run's codec (fp16) would halve it. Not measured
-yet: eval loss reached (SPES vs DiLoCo vs single process, with and without merging), peak RSS / CUDA memory.
+The all-reduce carries only trained parameters; the refresh of the untrained copies (every expert a peer does not
+hold, in the all-reduce codec's dtype) is most of what a peer receives. Not measured yet: eval loss reached (SPES vs DiLoCo vs single process, with and without merging), peak RSS / CUDA memory.
 """
     if a.md:
         replace_section(a.md, SECTION_HEADING, section)

@@ -4,8 +4,9 @@ the all-reduce.
 
 The reference syncs through a central parameter server; here each fragment (``shared``, ``expert<e>``, from
 :func:`peerd.roles.fragments.fragment`) has its own group scope, matchmaker and butterfly all-reduce, and every peer
-serves its experts' synced values (a :class:`protocols.state_transfer.StateServer`) for the peers that do not train
-them. Averaging is of the parameters themselves, weighted by the samples each peer trained on since the last sync
+serves its experts' synced values (a :class:`protocols.state_transfer.StateServer`, in the all-reduce codec's
+dtype: fp16/bf16 results are exact in it, so a refreshed copy is bit-identical at half the bytes) for the peers that
+do not train them. Averaging is of the parameters themselves, weighted by the samples each peer trained on since the last sync
 (SPES's outer step is plain averaging: outer learning rate 1, no momentum).
 """
 
@@ -24,11 +25,16 @@ from peerd.namespace import RunNamespace
 from peerd.roles.fragments import Fragment, fragment
 from protocols.allreduce import AllReduceConfig, AllReduceFailed, ButterflyAllReduce
 from protocols.bans import BanList
+from protocols.codecs import get_codec
 from protocols.matchmaking import Matchmaker, MatchmakingConfig, MatchmakingFailed
 from protocols.state_transfer import StateServer, StateSnapshot, StateTransferFailed, download_state
 from protocols.wire import ProtocolViolation
 
 logger = logging.getLogger(__name__)
+
+#: all-reduce codec -> dtype of the served expert copies: the all-reduce's results are exactly representable in it,
+#: so refreshed copies stay bit-identical to the holders' at half the bytes.
+REFRESH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 @dataclass
@@ -76,6 +82,8 @@ class SparseSync:
         self.server = StateServer(transport, self.served_prefix, self._snapshot)
         self.own = frozenset(own)
         self._served: Optional[StateSnapshot] = None
+        self.codec = get_codec(allreduce.compression)
+        self.refresh_dtype = REFRESH_DTYPES.get(allreduce.compression, torch.float32)
 
     async def start(self) -> None:
         for mm, ar in self._services.values():
@@ -101,7 +109,9 @@ class SparseSync:
         return self.shared.numel(self.model) + sum(self.experts[e].numel(self.model) for e in self.own)
 
     async def _average(self, frag: Fragment, key: str, expected: int, weight: float, report: SparseSyncReport):
-        if expected <= 1:  # sole holder: its copy is the average
+        if expected <= 1:  # sole holder: its copy is the average, rounded as an all-reduce would round it
+            flat = frag.flatten(self.model)
+            frag.load_(self.model, self.codec.decode(self.codec.encode(flat), flat.numel()))
             report.group_sizes[frag.name] = 1
             return
         mm, ar = self._services[frag.name]
@@ -137,7 +147,7 @@ class SparseSync:
         jobs += [self._average(self.experts[e], key, len(holders[e]), weight, report) for e in sorted(self.own)]
         await asyncio.gather(*jobs)
         self._served = StateSnapshot.from_tensors(
-            {f"expert{e}": self.experts[e].flatten(self.model) for e in sorted(self.own)},
+            {f"expert{e}": self.experts[e].flatten(self.model).to(self.refresh_dtype) for e in sorted(self.own)},
             {"round": outer_round + 1, "experts": sorted(self.own)})
         missing = {e: [p for p in holders[e] if p != me] for e in range(self.n_experts) if e not in self.own}
         await self._refresh({e: hs for e, hs in missing.items() if hs}, outer_round + 1, report)
@@ -171,7 +181,7 @@ class SparseSync:
     async def _download(self, peer: str, want_round: int, deadline: float, report: SparseSyncReport
                         ) -> Optional[dict[int, torch.Tensor]]:
         # A holder serves its synced copy once its own averaging is done: poll until the round matches.
-        max_bytes = 4 * sum(frag.numel(self.model) for frag in self.experts) + 4096
+        max_bytes = self.refresh_dtype.itemsize * sum(frag.numel(self.model) for frag in self.experts) + 4096
         while time.monotonic() < deadline:
             try:
                 snapshot = await download_state(self.transport, self.served_prefix, peer, max_bytes,
@@ -184,7 +194,7 @@ class SparseSync:
                 if meta.get("round") != want_round:
                     await asyncio.sleep(0.05)
                     continue
-                tensors = snapshot.tensors({f"expert{e}": (torch.float32, self.experts[e].numel(self.model))
+                tensors = snapshot.tensors({f"expert{e}": (self.refresh_dtype, self.experts[e].numel(self.model))
                                             for e in experts})
             except StateTransferFailed as e:
                 if "no state to serve" in str(e):
@@ -198,5 +208,5 @@ class SparseSync:
                     self.bans.ban(peer, str(e))
                 return None
             report.refresh_bytes_received += len(snapshot.payload)
-            return {int(name.removeprefix("expert")): t for name, t in tensors.items()}
+            return {int(name.removeprefix("expert")): t.float() for name, t in tensors.items()}
         return None

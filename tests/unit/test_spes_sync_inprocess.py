@@ -84,7 +84,10 @@ def test_sparse_sync_averages_shared_with_all_and_each_expert_with_its_holders()
     asyncio.run(main())
 
 
-def test_a_sole_holder_keeps_its_copy_and_the_others_refresh_from_it():
+@pytest.mark.parametrize("compression", ["none", "fp16"])
+def test_a_sole_holder_keeps_its_copy_and_the_others_refresh_from_it(compression):
+    ar = AllReduceConfig(compression=compression, sender_timeout_s=2.0, reducer_timeout_s=4.0)
+
     async def main():
         hub = Hub()
         ns = RunNamespace(run=RunRef.parse("spes-test"))
@@ -95,13 +98,19 @@ def test_a_sole_holder_keeps_its_copy_and_the_others_refresh_from_it():
             with torch.no_grad():
                 for p in m.parameters():
                     p.add_(float(i))
-            syncs[name] = SparseSync(hub.transport(name), ns, "spes", m, own, MM, AR, refresh_timeout_s=10)
+            syncs[name] = SparseSync(hub.transport(name), ns, "spes", m, own, MM, ar, refresh_timeout_s=10)
             await syncs[name].start()
         a_experts = [syncs["a"].experts[e].flatten(syncs["a"].model) for e in range(8)]
         reports = await asyncio.gather(*[s.sync(3, holders_of(claims, 8), 2, 1.0) for s in syncs.values()])
         assert reports[0].group_sizes == {"shared": 2, **{f"expert{e}": 1 for e in range(8)}}
         assert sorted(reports[1].refreshed) == list(range(8)) and not reports[1].failed
+        expert_numel = sum(syncs["a"].experts[e].numel(syncs["a"].model) for e in range(8))
+        assert reports[1].refresh_bytes_received == (2 if compression == "fp16" else 4) * expert_numel
         for e in range(8):
+            if compression == "fp16":  # a sole holder's copy is rounded as an all-reduce would round it
+                torch.testing.assert_close(syncs["a"].experts[e].flatten(syncs["a"].model), a_experts[e],
+                                           rtol=2**-10, atol=1e-7)
+                a_experts[e] = syncs["a"].experts[e].flatten(syncs["a"].model)
             assert torch.equal(syncs["a"].experts[e].flatten(syncs["a"].model), a_experts[e])
             assert torch.equal(syncs["b"].experts[e].flatten(syncs["b"].model), a_experts[e])
         for s in syncs.values():
