@@ -85,3 +85,25 @@ def test_a_leavers_experts_are_reclaimed_and_training_continues(tmp_path):
     assert sorted(len(p.own) for p in stayers) == [4, 4]
     first = dict(stayers[0].model.named_parameters())
     assert all(torch.equal(param, first[name]) for name, param in stayers[1].model.named_parameters())
+
+
+def test_merging_moves_only_this_peers_experts_toward_their_neighbours(tmp_path):
+    from protocols.spes import merge_experts
+
+    peer = _peer(Hub(), "solo", _run(rounds=1), tmp_path)
+    peer._set_own(frozenset({0, 1}))
+    block = peer.model.blocks[0].moe
+    before = [torch.cat([p.detach().reshape(-1) for p in e.parameters()]) for e in block.experts]
+    w1 = torch.stack([e.gate.weight.detach().reshape(-1) for e in block.experts])
+    expected = merge_experts(torch.stack(before), 0.5, peer.cfg.merge_top_k, similarity_on=w1)
+    peer.merge_own_experts(0.5)
+    after = [torch.cat([p.detach().reshape(-1) for p in e.parameters()]) for e in block.experts]
+    for e in range(8):
+        if e in (0, 1):
+            torch.testing.assert_close(after[e], expected[e])
+            assert not torch.equal(after[e], before[e])
+        else:
+            assert torch.equal(after[e], before[e])
+    # only the peer's own experts (and the shared parameters) are trainable
+    trainable = {n for n, p in peer.model.named_parameters() if p.requires_grad}
+    assert any(".experts.0." in n for n in trainable) and not any(".experts.5." in n for n in trainable)
