@@ -21,13 +21,16 @@ from protocols.codecs import SPARSE_CODECS
 from protocols.diloco import DiLoCoHyperparams
 from protocols.gossip import GossipConfig
 from protocols.matchmaking import MatchmakingConfig
+from protocols.spes import SpesConfig
 from protocols.state_transfer import StateTransferConfig
 from protocols.swarm import SwarmConfig
 
-MODEL_NAMES = ("tiny", "small")
+MODEL_NAMES = ("tiny", "small", "tiny-moe", "small-moe")
+#: Mixture-of-experts models (peerd/models/moe.py): the ones SPES trains; DiLoCo trains them whole.
+MOE_MODEL_NAMES = ("tiny-moe", "small-moe")
 AVERAGING_METHODS = ("allreduce", "moshpit", "gossip")
 #: How peers of a run split the work (names of ``peerd.roles.base.ROLES``).
-PARALLELISMS = ("diloco", "swarm")
+PARALLELISMS = ("diloco", "swarm", "spes")
 
 #: ``[averaging.<table>]`` -> (attribute of AveragingConfig, the protocol's own config class). Each protocol
 #: documents its fields (protocols/matchmaking.py, allreduce.py, gossip.py, state_transfer.py).
@@ -211,10 +214,13 @@ class RunConfig:
     fetch state, or publish this run's config; the peer that creates the run must be on it
     (:mod:`peerd.membership`)."""
     parallelism: str = "diloco"
-    """How peers split the work: diloco (every peer trains the whole model, DiLoCo outer steps) or swarm (the
-    model cut into ``[swarm] stages`` pipeline stages, SWARM parallelism); see :data:`PARALLELISMS`."""
+    """How peers split the work (:data:`PARALLELISMS`): diloco (every peer trains the whole model, DiLoCo outer
+    steps), swarm (the model cut into ``[swarm] stages`` pipeline stages, SWARM parallelism) or spes (a
+    mixture-of-experts model, each peer training the shared parameters and its own experts, :mod:`protocols.spes`)."""
     swarm: SwarmConfig = field(default_factory=SwarmConfig)
     """``[swarm]``: stages, activation codec, wiring and rebalancing (:class:`protocols.swarm.SwarmConfig`)."""
+    spes: SpesConfig = field(default_factory=SpesConfig)
+    """``[spes]``: sync interval, expert holders and merging warm-up (:class:`protocols.spes.SpesConfig`)."""
 
     def __post_init__(self) -> None:
         from peerd.signing import is_peer_id
@@ -239,10 +245,15 @@ class RunConfig:
         if self.parallelism == "swarm":
             from peerd.models import MODEL_SIZES
 
+            if self.model not in MODEL_SIZES:
+                raise ConfigError(f"parallelism 'swarm' needs a dense model {tuple(MODEL_SIZES)}, got {self.model!r}")
             n_layers = MODEL_SIZES[self.model]["n_layers"]
             if self.swarm.stages > n_layers:
                 raise ConfigError(f"[swarm] stages ({self.swarm.stages}) cannot exceed the {n_layers} blocks of "
                                   f"model {self.model!r}: every stage holds at least one block")
+        if self.parallelism == "spes" and self.model not in MOE_MODEL_NAMES:
+            raise ConfigError(f"parallelism 'spes' needs a mixture-of-experts model {MOE_MODEL_NAMES}, "
+                              f"got {self.model!r}")
         if self.dataset not in ("shakespeare", "local"):
             raise ConfigError(f"dataset must be 'shakespeare' or 'local', got {self.dataset!r}")
         for name in ("seq_len", "batch_size"):
@@ -254,15 +265,17 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Every field (what the creator publishes: a reader never fills a field from its own default), except an
-        empty allowlist (runs without one kept the fingerprints they had before allowlists existed) and ``[swarm]``
-        in a run that is not a swarm and leaves it at its defaults."""
+        empty allowlist (runs without one kept the fingerprints they had before allowlists existed), and
+        ``[swarm]`` / ``[spes]`` in a run of another parallelism that leaves them at their defaults."""
         out = {f.name: getattr(self, f.name) for f in fields(self)
-               if f.name not in ("diloco", "averaging", "swarm")}
+               if f.name not in ("diloco", "averaging", "swarm", "spes")}
         out["diloco"] = self.diloco.to_dict()
         if self.parallelism == "swarm" or self.swarm != SwarmConfig():
             # left out otherwise, so peers that predate [swarm] still read the configs of DiLoCo runs
             out["swarm"] = dataclasses.asdict(self.swarm)
         out["averaging"] = self.averaging.to_dict()
+        if self.parallelism == "spes" or self.spes != SpesConfig():  # other runs publish what they always did
+            out["spes"] = dataclasses.asdict(self.spes)
         if not self.allowlist:
             del out["allowlist"]
         else:
@@ -277,11 +290,9 @@ class RunConfig:
         except (ValueError, TypeError) as e:
             raise ConfigError(f"{source}: [diloco]: {e}") from None
         averaging = AveragingConfig.from_dict(data.pop("averaging", {}), f"{source}: [averaging]")
-        swarm_table = data.pop("swarm", {})
-        if not isinstance(swarm_table, Mapping):
-            raise ConfigError(f"{source}: [swarm] must be a table, got {type(swarm_table).__name__}")
-        swarm = build_config(SwarmConfig, swarm_table, f"{source}: [swarm]")
-        return build_config(cls, data, source, diloco=diloco, averaging=averaging, swarm=swarm)
+        swarm = build_config(SwarmConfig, _table(data.pop("swarm", {}), f"{source}: [swarm]"), f"{source}: [swarm]")
+        spes = build_config(SpesConfig, _table(data.pop("spes", {}), f"{source}: [spes]"), f"{source}: [spes]")
+        return build_config(cls, data, source, diloco=diloco, averaging=averaging, swarm=swarm, spes=spes)
 
     def fingerprint(self) -> str:
         """Short hash (16 hex digits of SHA-256) of the canonical JSON of :meth:`fingerprint_dict`: equal configs
@@ -313,6 +324,12 @@ FINGERPRINT_DILOCO_FIELDS = ("inner_steps", "inner_lr", "inner_betas", "inner_we
                              "lr_decay_steps", "min_lr_ratio", "grad_clip_norm", "outer_lr", "outer_momentum",
                              "outer_nesterov")
 _MISSING = object()
+
+
+def _table(value: Any, source: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{source}: expected a table of keys, got {type(value).__name__} {value!r}")
+    return value
 
 
 def load_run_config(path: str | os.PathLike) -> RunConfig:

@@ -31,7 +31,11 @@ from protocols.interfaces import Transport
 logger = logging.getLogger(__name__)
 
 #: Role name (the run config's ``parallelism``) -> "module:Class"; imported on use (roles import torch models).
-ROLES: dict[str, str] = {"diloco": "peerd.roles.diloco:DiLoCoRole", "swarm": "peerd.roles.swarm:SwarmRole"}
+ROLES: dict[str, str] = {
+    "diloco": "peerd.roles.diloco:DiLoCoRole",
+    "swarm": "peerd.roles.swarm:SwarmRole",
+    "spes": "peerd.roles.spes:SpesRole",
+}
 
 
 class Role(Protocol):

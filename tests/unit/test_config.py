@@ -463,7 +463,7 @@ def test_a_bootstrap_node_and_a_worker_sharing_the_default_checkpoint_dir_get_th
     ({"parallelism": "swarm", "model": "tiny", "swarm": {"stages": 5}}, "cannot exceed the 4 blocks"),
     ({"swarm": {"stagez": 2}}, "unknown key 'stagez'"),
     ({"swarm": {"codec": "zip"}}, "codec"),
-    ({"swarm": 3}, r"\[swarm\] must be a table"),
+    ({"swarm": 3}, r"\[swarm\]: expected a table"),
 ])
 def test_bad_swarm_table_is_one_clear_error(table, match):
     from peerd.run_config import RunConfig

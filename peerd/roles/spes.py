@@ -1,0 +1,360 @@
+"""The SPES role (arXiv 2602.11543): train a mixture-of-experts model where each peer trains the shared parameters
+and its own experts only, synchronized peer to peer every ``[spes] sync_steps`` inner steps.
+
+Life of a peer:
+
+1. Read the live peers' expert claims from the DHT (key ``spes_claims`` of the run, one record per PeerID), claim
+   its own experts (:func:`protocols.spes.claim_experts`: fewest live holders first, fair share of its capacity) and
+   publish the claim. A peer that finds others already past round 0 first downloads the whole model from one of
+   them (the latest synced state).
+2. Loop: ``sync_steps`` AdamW steps on the shared parameters and its experts (the other experts frozen:
+   :func:`peerd.models.local_experts.train_only_experts`), with the expert-merging warm-up every
+   ``merge_interval`` steps; then a sparse sync (:class:`peerd.roles.spes_sync.SparseSync`), a re-claim
+   (:func:`protocols.spes.rebalance` over the claims of the round's peers, so all of them agree), evaluation. A
+   leaver's experts have no holder in the next round's view and are claimed first, from their latest synced copy,
+   which every peer holds after the refresh.
+3. On stop: publish ``left``, stop serving.
+
+The inner optimizer keeps its state for parameters that stay trained across a re-claim; newly claimed experts start
+with fresh AdamW moments.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import time
+from typing import Optional
+
+import torch
+
+from peerd.data import DataError, WindowSampler, evaluate, load_corpus
+from peerd.events import Evaluated, InnerProgress, Left, RoundDone, RoundFailed, StateDownloaded
+from peerd.models import build_model
+from peerd.models.local_experts import train_only_experts
+from peerd.models.moe import MoETransformer, expert_parameter_names, shared_parameter_names
+from peerd.roles.base import RunContext, unless_stopped
+from peerd.roles.diloco import RoundStats
+from peerd.roles.spes_sync import SparseSync
+from peerd.roles.state_sync import StateSync
+from protocols.diloco import inner_lr_at, make_inner_optimizer, set_lr
+from protocols.spes import (PeerClaim, claim_experts, claim_record, expert_capacity, holders_of, merge_alpha,
+                            merge_due, merge_experts, parse_claim, rebalance)
+from protocols.state_transfer import StateSnapshot
+from protocols.wire import ProtocolViolation
+
+logger = logging.getLogger(__name__)
+
+ROLE = "spes"
+#: DHT key (in the run's namespace) of the peers' expert claims; subkey = PeerID.
+CLAIMS_KEY = "spes_claims"
+#: fp32 gradient + AdamW's two moments, bytes per trained parameter.
+TRAINING_BYTES_PER_PARAMETER = 12
+
+
+class SpesRole:
+    """One peer's SPES training. ``run()`` returns when stopped or after ``max_outer_rounds`` syncs."""
+
+    name = ROLE
+
+    def __init__(self, ctx: RunContext):
+        self.ctx = ctx
+        run, node = ctx.run, ctx.node
+        self.run_cfg, self.cfg, self.hp = run, run.spes, run.diloco
+        self.peer_id = ctx.peer_id
+        self.device = ctx.device
+        if node.threads:
+            torch.set_num_threads(node.threads)
+        if run.dataset == "local" and not node.data:
+            raise DataError(f"run {ctx.run_id!r} trains on local data: pass --data PATH|GLOB")
+        corpus = load_corpus(node.data or "shakespeare")
+        self.eval_tokens = corpus.eval
+        self.sampler = WindowSampler(corpus.train, run.seq_len, run.batch_size, seed=self.peer_id)
+        model = build_model(run.model, run.seq_len, run.seed)
+        if not isinstance(model, MoETransformer):
+            raise ValueError(f"parallelism 'spes' needs a mixture-of-experts model, got {run.model!r}")
+        self.model = model.to(self.device)
+        self.n_experts = model.config.n_experts
+        self.capacity = self._capacity()
+        self.own: frozenset[int] = frozenset()
+        self.optimizer: Optional[torch.optim.Optimizer] = None
+        self.outer_round = 0
+        self.global_step = 0
+        self.steps_since_sync = 0
+        self.samples_since_sync = 0
+        self.stats = RoundStats()
+        self.claims_key = ctx.namespace.dht_key(CLAIMS_KEY)
+        averaging = run.averaging
+        self.sync = SparseSync(ctx.transport, ctx.namespace, ROLE, self.model, (), averaging.matchmaking(),
+                               averaging.allreduce(), bans=ctx.bans,
+                               refresh_timeout_s=averaging.state_transfer().download_timeout_s)
+        self._model_snapshot: Optional[StateSnapshot] = None
+        self.state_sync = StateSync(ctx.transport, ctx.namespace.scoped(fragment="model").prefix(ROLE),
+                                    lambda: self._model_snapshot, averaging.state_transfer().download_timeout_s)
+        self.components = (self.sync, self.state_sync)
+        ctx.status.set_source(self._status_fields)
+
+    def _capacity(self) -> int:
+        """Experts this peer can train: ``[spes] experts_per_peer`` if set, else all; on CUDA also what fits in 80%
+        of the free device memory next to the shared parameters' training state."""
+        cap = self.cfg.experts_per_peer or self.n_experts
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            shared = sum(self.model.get_parameter(n).numel() for n in shared_parameter_names(self.model))
+            expert = sum(self.model.get_parameter(n).numel() for n in expert_parameter_names(self.model, 0))
+            cap = min(cap, expert_capacity(int(0.8 * free), TRAINING_BYTES_PER_PARAMETER * shared,
+                                           TRAINING_BYTES_PER_PARAMETER * expert))
+        return cap
+
+    # ------------------------------------------------------------------------------------------------------ lifecycle
+
+    async def run(self, ctx: Optional[RunContext] = None) -> None:
+        """Train until stopped or ``max_outer_rounds`` syncs are done."""
+        for component in self.components:
+            await component.start()
+        status_task = asyncio.ensure_future(self._publish_loop())
+        try:
+            view = await self.claims_view()
+            await self._catch_up(view)
+            self._set_own(self._claim(await self.claims_view()))
+            await self._publish_claim()
+            await self._evaluate_and_publish()
+            while not self.ctx.stop.is_set() and not self._finished():
+                if self.ctx.gate.paused:
+                    await self._wait_running()
+                    continue
+                await self.train_steps(self.cfg.sync_steps - self.steps_since_sync)
+                if self.ctx.stop.is_set() or self.ctx.gate.paused:
+                    continue
+                await self.sync_round()
+        finally:
+            status_task.cancel()
+            with contextlib.suppress(BaseException):
+                await status_task
+            await self.ctx.status.publish(role="left")
+            await self._publish_claim(left=True)
+            for component in self.components:
+                with contextlib.suppress(Exception):
+                    await component.stop()
+        self.ctx.events.publish(Left(self.outer_round, self.stats.bytes_sent, self.stats.bytes_received,
+                                     self.stats.rounds_failed, self.ctx.run_id))
+
+    def _finished(self) -> bool:
+        limit = self.run_cfg.max_outer_rounds
+        return bool(limit) and self.outer_round >= limit
+
+    async def _wait_running(self) -> None:
+        stopper = asyncio.ensure_future(self.ctx.stop.wait())
+        resumed = asyncio.ensure_future(self.ctx.gate.wait_running())
+        try:
+            await asyncio.wait({stopper, resumed}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopper.cancel()
+            resumed.cancel()
+
+    # ------------------------------------------------------------------------------------------------- expert claims
+
+    async def claims_view(self) -> dict[str, tuple[PeerClaim, int]]:
+        """Live peers' claims (PeerID -> (claim, outer_round)), this peer excluded; malformed records dropped."""
+        try:
+            found = await self.ctx.transport.discovery.get(self.claims_key)
+        except Exception as e:  # a DHT hiccup: no view this time, the next sync reads again
+            logger.info("could not read expert claims: %s", e)
+            return {}
+        out = {}
+        for peer, record in found.items():
+            parsed = parse_claim(record.value, self.n_experts)
+            if peer != self.peer_id and parsed is not None and not self.ctx.bans.is_banned(peer):
+                out[peer] = parsed
+        return out
+
+    def _claim(self, view: dict[str, tuple[PeerClaim, int]]) -> frozenset[int]:
+        others = {p: claim for p, (claim, _) in view.items()}
+        return claim_experts(self.peer_id, self.n_experts, others, self.capacity, self.cfg.min_holders,
+                             self.cfg.experts_per_peer, self.own)
+
+    def _set_own(self, own: frozenset[int]) -> None:
+        """Train ``own`` from now on; AdamW state is kept for every parameter that stays trained."""
+        if own == self.own and self.optimizer is not None:
+            return
+        if own != self.own:
+            logger.info("training experts %s (was %s)", sorted(own), sorted(self.own),
+                        extra={"experts": sorted(own), "outer_round": self.outer_round})
+        old = self.optimizer
+        trainable = train_only_experts(self.model, own)
+        self.optimizer = make_inner_optimizer(trainable, self.hp)
+        if old is not None:
+            for p in trainable:
+                if p in old.state:
+                    self.optimizer.state[p] = old.state[p]
+        for p in self.model.parameters():
+            if not p.requires_grad:
+                p.grad = None
+        self.own = own
+        self.sync.set_own(own)
+
+    async def _publish_claim(self, left: bool = False) -> None:
+        discovery = self.ctx.transport.discovery
+        with contextlib.suppress(Exception):
+            await discovery.store(self.claims_key, self.peer_id,
+                                  claim_record(self.own, self.capacity, self.outer_round, left),
+                                  discovery.time() + self.ctx.node.status_ttl_s)
+
+    async def _publish_loop(self) -> None:
+        while True:
+            await self._publish_claim()
+            with contextlib.suppress(Exception):
+                await self.ctx.status.records()
+            await self.ctx.status.publish()
+            await asyncio.sleep(self.ctx.node.status_interval_s)
+
+    # ---------------------------------------------------------------------------------------------------- inner steps
+
+    def _inner_step(self) -> float:
+        set_lr(self.optimizer, inner_lr_at(self.global_step, self.hp))
+        x, y = self.sampler.next_batch()  # (B, T), (B, T)
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        _, loss = self.model(x, y)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.hp.grad_clip_norm:
+            torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad],
+                                           self.hp.grad_clip_norm)
+        self.optimizer.step()
+        self.global_step += 1
+        if merge_due(self.global_step, self.cfg):
+            self.merge_own_experts(merge_alpha(self.global_step, self.cfg.alpha_0, self.cfg.merge_decay_steps))
+        return float(loss.detach())
+
+    @torch.no_grad()
+    def merge_own_experts(self, alpha: float) -> None:
+        """The merging warm-up on this peer's experts (the others are refreshed from their holders at the sync):
+        per layer, similarity on each expert's gate matrix (w1)."""
+        for block in self.model.blocks:
+            experts = block.moe.experts
+            theta = torch.stack([torch.cat([p.reshape(-1) for p in e.parameters()]) for e in experts])  # (E, P)
+            w1 = torch.stack([e.gate.weight.reshape(-1) for e in experts])  # (E, Q)
+            merged = merge_experts(theta, alpha, self.cfg.merge_top_k, similarity_on=w1)
+            for i in self.own:
+                offset = 0
+                for p in experts[i].parameters():
+                    p.copy_(merged[i, offset:offset + p.numel()].view_as(p))
+                    offset += p.numel()
+
+    async def train_steps(self, steps: int) -> None:
+        loop = asyncio.get_running_loop()
+        tokens_per_step = self.run_cfg.batch_size * self.run_cfg.seq_len
+        window_start, window_steps = time.perf_counter(), 0
+        for _ in range(max(0, steps)):
+            if self.ctx.stop.is_set() or self.ctx.gate.paused:
+                return
+            loss = await loop.run_in_executor(None, self._inner_step)
+            self.steps_since_sync += 1
+            self.samples_since_sync += self.run_cfg.batch_size
+            self.stats.tokens += tokens_per_step
+            self.stats.last_loss = loss
+            window_steps += 1
+            if window_steps == self.ctx.node.log_every_steps or self.steps_since_sync == self.cfg.sync_steps:
+                self.stats.tokens_per_s = window_steps * tokens_per_step / max(time.perf_counter() - window_start,
+                                                                               1e-9)
+                self.ctx.events.publish(InnerProgress(self.outer_round, self.steps_since_sync, loss,
+                                                      self.stats.tokens_per_s, self.cfg.sync_steps))
+                window_start, window_steps = time.perf_counter(), 0
+
+    # --------------------------------------------------------------------------------------------------------- syncs
+
+    async def sync_round(self) -> None:
+        """Sparse sync of round ``outer_round`` with the peers whose claims show the same round; then re-claim."""
+        started = time.perf_counter()
+        r = self.outer_round
+        view = await self.claims_view()
+        round_claims = {p: claim for p, (claim, rr) in view.items() if rr == r}
+        round_claims[self.peer_id] = PeerClaim(self.own, self.capacity)
+        claims = {p: claim.experts for p, claim in round_claims.items()}
+        report = await unless_stopped(
+            self.ctx, self.sync.sync(r, holders_of(claims, self.n_experts), len(claims),
+                                     float(max(1, self.samples_since_sync))), "sparse sync")
+        if report is None:
+            return
+        if "shared" in report.failed:
+            self.stats.rounds_failed += 1
+            self.ctx.events.publish(RoundFailed(r, report.failed["shared"], ROLE,
+                                                f"keeping {self.steps_since_sync} local steps"))
+            return
+        for name, reason in report.failed.items():
+            logger.warning("round %d: %s not synced (%s); kept local values", r + 1, name, reason)
+        steps, weight = self.steps_since_sync, float(self.samples_since_sync)
+        self.outer_round += 1
+        self.steps_since_sync = self.samples_since_sync = 0
+        self.stats.rounds_ok += 1
+        self.stats.bytes_sent += report.allreduce_bytes_sent
+        self.stats.bytes_received += report.allreduce_bytes_received + report.refresh_bytes_received
+        self._model_snapshot = StateSnapshot.from_tensors(
+            {"model": torch.cat([p.detach().reshape(-1).float().cpu() for p in self.model.parameters()])},
+            {"outer_round": self.outer_round})
+        # every member re-claims from the same claims (this round's): they agree on who trains what next
+        self._set_own(rebalance(self.n_experts, round_claims, self.cfg.min_holders,
+                                self.cfg.experts_per_peer)[self.peer_id])
+        await self._publish_claim()
+        eval_loss = await self._evaluate()
+        total = sum(p.numel() for p in self.model.parameters())
+        dp_bytes = int(steps * 2 * 4 * total)
+        self.ctx.events.publish(RoundDone(
+            self.outer_round, report.group_sizes.get("shared", 1), report.allreduce_bytes_sent,
+            report.allreduce_bytes_received + report.refresh_bytes_received, report.seconds, {}, 1,
+            round(time.perf_counter() - started, 3), weight, steps, dp_bytes, self._digest(), ROLE, eval_loss,
+            self.stats.tokens))
+        await self.ctx.status.publish()
+
+    def _digest(self) -> str:
+        return hashlib.sha256(self.sync.shared.flatten(self.model).numpy().tobytes()).hexdigest()
+
+    async def _catch_up(self, view: dict[str, tuple[PeerClaim, int]]) -> None:
+        """Adopt the whole model of the most advanced live peer if one is past our round."""
+        ahead = sorted(((rr, p) for p, (_, rr) in view.items() if rr > self.outer_round), reverse=True)
+        if not ahead:
+            return
+        total = sum(p.numel() for p in self.model.parameters())
+
+        def validate(snapshot: StateSnapshot) -> tuple[torch.Tensor, int]:
+            flat = snapshot.tensors({"model": (torch.float32, total)})["model"]
+            outer_round = snapshot.metadata.get("outer_round")
+            if not isinstance(outer_round, int) or isinstance(outer_round, bool) or outer_round < 0:
+                raise ProtocolViolation(f"bad outer_round {outer_round!r}")
+            return flat, outer_round
+
+        got = await self.state_sync.download_first([p for _, p in ahead], 4 * total + 4096, validate)
+        if got is None:
+            return
+        flat, outer_round = got.state
+        offset = 0
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.copy_(flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+        self.outer_round = outer_round
+        self.global_step = outer_round * self.cfg.sync_steps
+        self.ctx.events.publish(StateDownloaded(outer_round, got.peer, self._digest(), got.seconds,
+                                                got.payload_bytes / 1e6, 0))
+
+    # ------------------------------------------------------------------------------------------ evaluation, status
+
+    async def _evaluate(self) -> Optional[float]:
+        if not self.run_cfg.eval_batches:
+            return None
+        run = self.run_cfg
+        result = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: evaluate(self.model, self.eval_tokens, run.seq_len, run.batch_size, run.eval_batches))
+        self.stats.last_eval = result.nats_per_byte
+        return result.nats_per_byte
+
+    async def _evaluate_and_publish(self) -> None:
+        self.ctx.events.publish(Evaluated(self.outer_round, await self._evaluate(), self.stats.tokens))
+
+    def _status_fields(self) -> dict:
+        role = "paused" if self.ctx.gate.paused else ROLE
+        return dict(role=role, outer_round=self.outer_round, inner_step=self.steps_since_sync,
+                    loss=self.stats.last_loss, tokens_per_s=self.stats.tokens_per_s,
+                    eval_nats_per_byte=self.stats.last_eval, digest=self._digest()[:16])

@@ -1,0 +1,109 @@
+"""The SPES role on the in-process transport: peers claim experts from each other's records, train, sync
+sparsely; after the last sync every peer holds the same model and every expert has a holder."""
+
+import asyncio
+
+import pytest
+import torch
+
+from peerd.config import NodeConfig
+from peerd.roles.base import RunContext, role_class
+from peerd.roles.spes import SpesRole
+from peerd.run_config import AveragingConfig, RunConfig
+from peerd.transport.inprocess import Hub
+from protocols.diloco import DiLoCoHyperparams
+from protocols.spes import SpesConfig, holders_of
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _run(rounds: int) -> RunConfig:
+    return RunConfig(
+        model="tiny-moe", parallelism="spes", seq_len=32, batch_size=4, eval_batches=2, max_outer_rounds=rounds,
+        diloco=DiLoCoHyperparams(inner_steps=3, warmup_steps=2, inner_lr=1e-3),
+        spes=SpesConfig(sync_steps=3, merge_interval=2, merge_decay_steps=100),
+        averaging=AveragingConfig.from_flat(compression="none", matchmaking_timeout_s=4.0, request_timeout_s=1.0,
+                                            sender_timeout_s=3.0, reducer_timeout_s=6.0),
+    )
+
+
+def _peer(hub, name, run, tmp_path) -> SpesRole:
+    node = NodeConfig(checkpoint_dir=str(tmp_path / name), threads=1, device="cpu", status_interval_s=0.2,
+                      status_ttl_s=5.0)
+    return SpesRole(RunContext.build("spes-unit", run, node, hub.transport(name)))
+
+
+def test_three_peers_train_sync_and_end_with_one_model_and_covered_experts(tmp_path):
+    assert role_class("spes") is SpesRole
+
+    async def main():
+        hub = Hub()
+        run = _run(rounds=3)
+        peers = [_peer(hub, f"peer{i}", run, tmp_path) for i in range(3)]
+        done = []
+        for p in peers:
+            p.ctx.events.subscribe(lambda e, p=p: done.append((p.peer_id, e)) if e.name == "outer_round" else None)
+        await asyncio.gather(*[p.run() for p in peers])
+        return peers, done
+
+    peers, done = asyncio.run(main())
+    assert all(p.outer_round == 3 and p.stats.rounds_ok == 3 for p in peers)
+    first = dict(peers[0].model.named_parameters())
+    for p in peers[1:]:
+        for name, param in p.model.named_parameters():
+            assert torch.equal(param, first[name]), (p.peer_id, name)
+    claims = {p.peer_id: p.own for p in peers}
+    assert all(holders_of(claims, 8))  # every expert has a holder
+    assert sorted(len(c) for c in claims.values()) == [2, 3, 3]  # spread out after the first sync
+    # after the claims spread, a peer sends less than it would with all experts
+    last = {peer: e for peer, e in done if e.outer_round == 3}
+    full = {peer: e for peer, e in done if e.outer_round == 1}
+    assert all(last[p].bytes_sent < 0.7 * full[p].bytes_sent for p in last)
+    assert all(e.eval_nats_per_byte is not None for _, e in done)
+
+
+def test_a_leavers_experts_are_reclaimed_and_training_continues(tmp_path):
+    async def main():
+        hub = Hub()
+        peers = [_peer(hub, f"peer{i}", _run(rounds=4), tmp_path) for i in range(3)]
+        leaver = peers[2]
+        left_with = []
+
+        def on_event(e):
+            if e.name == "outer_round" and e.outer_round == 2:
+                left_with.append(leaver.own)
+                leaver.ctx.stop.set()
+
+        leaver.ctx.events.subscribe(on_event)
+        await asyncio.gather(*[p.run() for p in peers])
+        return peers, left_with[0]
+
+    peers, left_with = asyncio.run(main())
+    stayers = peers[:2]
+    assert peers[2].outer_round == 2 and all(p.outer_round == 4 for p in stayers)
+    assert left_with and all(e in stayers[0].own | stayers[1].own for e in left_with)
+    assert sorted(len(p.own) for p in stayers) == [4, 4]
+    first = dict(stayers[0].model.named_parameters())
+    assert all(torch.equal(param, first[name]) for name, param in stayers[1].model.named_parameters())
+
+
+def test_merging_moves_only_this_peers_experts_toward_their_neighbours(tmp_path):
+    from protocols.spes import merge_experts
+
+    peer = _peer(Hub(), "solo", _run(rounds=1), tmp_path)
+    peer._set_own(frozenset({0, 1}))
+    block = peer.model.blocks[0].moe
+    before = [torch.cat([p.detach().reshape(-1) for p in e.parameters()]) for e in block.experts]
+    w1 = torch.stack([e.gate.weight.detach().reshape(-1) for e in block.experts])
+    expected = merge_experts(torch.stack(before), 0.5, peer.cfg.merge_top_k, similarity_on=w1)
+    peer.merge_own_experts(0.5)
+    after = [torch.cat([p.detach().reshape(-1) for p in e.parameters()]) for e in block.experts]
+    for e in range(8):
+        if e in (0, 1):
+            torch.testing.assert_close(after[e], expected[e])
+            assert not torch.equal(after[e], before[e])
+        else:
+            assert torch.equal(after[e], before[e])
+    # only the peer's own experts (and the shared parameters) are trainable
+    trainable = {n for n, p in peer.model.named_parameters() if p.requires_grad}
+    assert any(".experts.0." in n for n in trainable) and not any(".experts.5." in n for n in trainable)
