@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 # Measured with count_parameters (vocab 256, independent of seq_len since RoPE has no weights):
 #   tiny  =    885,888 parameters
@@ -156,6 +157,8 @@ class Transformer(nn.Module):
         # Non-persistent: derived from the config, so they stay out of checkpoints and averaged state.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.activation_checkpointing = False
+        """Recompute each block's activations during backward instead of keeping them (training only)."""
         self._init_weights(seed)
 
     @torch.no_grad()
@@ -195,8 +198,12 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence length {T} exceeds the model's seq_len {self.config.seq_len}")
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]  # (T, D/2)
         x = self.tok_emb(idx)  # (B, T, C)
+        recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for block in self.blocks:
-            x = block(x, cos, sin)  # (B, T, C)
+            if recompute:
+                x = checkpoint(block, x, cos, sin, use_reentrant=False)  # (B, T, C)
+            else:
+                x = block(x, cos, sin)  # (B, T, C)
         logits = F.linear(self.norm(x), self.tok_emb.weight)  # (B, T, V)
         if targets is None:
             return logits, None
