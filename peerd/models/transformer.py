@@ -17,12 +17,18 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-# Measured with count_parameters (vocab 256, independent of seq_len since RoPE has no weights):
+# Counted with count_parameters (vocab 256, independent of seq_len since RoPE has no weights); the table with memory
+# per preset is in README.md and tests/unit/test_model_registry.py checks the counts.
 #   tiny  =    885,888 parameters
 #   small = 10,720,128 parameters
+#   125m, 350m, 1.1b: Llama-style widths (SwiGLU hidden ~8/3 d_model rounded to a multiple of 256; 1.1b has
+#   TinyLlama's width, depth and MLP, with full multi-head attention)
 MODEL_SIZES: dict[str, dict] = {
     "tiny": dict(d_model=128, n_layers=4, n_heads=4, mlp_hidden=384),
     "small": dict(d_model=384, n_layers=6, n_heads=6, mlp_hidden=1024),
+    "125m": dict(d_model=768, n_layers=18, n_heads=12, mlp_hidden=2048),
+    "350m": dict(d_model=1024, n_layers=27, n_heads=16, mlp_hidden=2816),
+    "1.1b": dict(d_model=2048, n_layers=22, n_heads=32, mlp_hidden=5632),
 }
 
 INIT_STD = 0.02
