@@ -540,6 +540,7 @@ class DiLoCoRole:
             "outer_round": self.outer.outer_round, "steps_since_sync": self.steps_since_sync,
             "samples_since_sync": self.samples_since_sync, "round_quota": self.round_quota,
             "sampler": self.sampler.state_dict(), "tokens": self.stats.tokens,
+            "model": self.run_cfg.model, "seq_len": self.run_cfg.seq_len,  # what `peerd export` rebuilds
         }
         self.ctx.checkpoints.save(Checkpoint(tensors, metadata))
 
