@@ -190,10 +190,11 @@ class DiLoCoRole:
         self.precision = resolve_precision(node.precision, self.device)
         enable_tf32(self.device)
         if node.activation_checkpointing:
-            if not hasattr(self.model, "activation_checkpointing"):
-                raise ConfigError(f"activation_checkpointing: model {self.run_cfg.model!r} does not support it",
-                                  key="activation_checkpointing")
-            self.model.activation_checkpointing = True
+            if hasattr(self.model, "activation_checkpointing"):
+                self.model.activation_checkpointing = True
+            else:  # a node preset may ask for it whatever the run's model: train without it
+                logger.warning("activation_checkpointing: model %r does not support it; training without it",
+                               self.run_cfg.model)
         # The compiled module shares the parameters; everything else (flatten, checkpoints) uses self.model.
         self._forward = torch.compile(self.model) if node.compile else self.model
         self._warmup_steps = 1 if node.compile else 0  # the first call compiles: not counted in tokens/s
