@@ -65,3 +65,10 @@ def test_greedy_sampling_is_deterministic_and_top_k_one_is_greedy():
     assert torch.equal(top1, greedy)
     with pytest.raises(ValueError):
         sample(model, torch.tensor([], dtype=torch.long), 3)
+
+
+@pytest.mark.parametrize("command", ["export", "generate"])
+def test_help_describes_the_command(command):
+    result = _peerd(command, "--help")
+    assert result.returncode == 0, result.stderr
+    assert "--checkpoint-dir" in result.stdout and "--weights" in result.stdout

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from peerd.config import ConfigError, NodeConfig
+from peerd.export import find_checkpoint, load_checkpoint_model
 from peerd.inner_step import InnerStep, Precision, micro_batch_count, resolve_precision
 from peerd.models import build_model
 from peerd.roles.base import RunContext
@@ -140,6 +141,10 @@ def test_role_trains_in_micro_batches_and_bf16_with_the_run_batch(tmp_path):
         # A new optimizer (after a failed round) gets a step that drives it.
         mixed._new_optimizer()
         assert mixed.inner_step.optimizer is mixed.optimizer
+        # The role's checkpoint records what `peerd export` needs to rebuild its model.
+        mixed._save_checkpoint()
+        local = load_checkpoint_model(find_checkpoint(tmp_path / "b"), weights="local")
+        assert torch.equal(flatten_parameters(local), flatten_parameters(mixed.model))
 
     asyncio.run(main())
 
