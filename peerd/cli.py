@@ -98,6 +98,21 @@ def _control_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", metavar="LEVEL", help=argparse.SUPPRESS)
 
 
+def _model_source_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("which model")
+    g.add_argument("--checkpoint-dir", default="~/.peerd/checkpoints", metavar="DIR",
+                   help="a node's checkpoint folder, a run's folder in it, or a folder holding state.safetensors "
+                   "(default ~/.peerd/checkpoints)")
+    g.add_argument("--run-id", type=_run_id, help="the run whose checkpoint to read (needed if DIR holds several)")
+    g.add_argument("--weights", choices=("outer", "local"), default="outer",
+                   help="outer: the run's synced model (default); local: this peer's model with its inner steps "
+                   "since the last outer round")
+    g.add_argument("--model", metavar="NAME", help="the run's model, for checkpoints that do not record it")
+    g.add_argument("--seq-len", type=int, metavar="T", help="the run's seq_len, for checkpoints that do not record it")
+    p.add_argument("--log-format", choices=("text", "json"), default="text", help=argparse.SUPPRESS)
+    p.add_argument("--log-level", metavar="LEVEL", help=argparse.SUPPRESS)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="peerd",
@@ -171,6 +186,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--print", action="store_true", dest="print_only", help="print the unit instead of writing it")
     p.add_argument("--log-format", choices=("text", "json"), default="text", help=argparse.SUPPRESS)
     p.add_argument("--log-level", metavar="LEVEL", help=argparse.SUPPRESS)
+
+    p = sub.add_parser("export", help="write a checkpoint's model as a Hugging Face Llama (safetensors + config)",
+                       description="Write the model of a DiLoCo checkpoint to DIR as model.safetensors + config.json, "
+                       "which Hugging Face transformers loads with AutoModelForCausalLM.from_pretrained(DIR) "
+                       "(LlamaForCausalLM). Dense models only; the tokenizer is UTF-8 bytes (ids 0-255).")
+    _model_source_flags(p)
+    p.add_argument("--out", required=True, metavar="DIR", help="output folder (created)")
+
+    p = sub.add_parser("generate", help="sample text from a checkpoint's model",
+                       description="Load the model of a DiLoCo checkpoint and print PROMPT followed by sampled text "
+                       "(byte-level tokens; temperature and top-k sampling).")
+    _model_source_flags(p)
+    p.add_argument("--prompt", required=True, metavar="TEXT", help="text to continue")
+    p.add_argument("--max-tokens", type=int, default=200, metavar="N", help="bytes to sample (default 200)")
+    p.add_argument("--temperature", type=float, default=0.8, metavar="T",
+                   help="divide the logits by T; 0 = greedy (default 0.8)")
+    p.add_argument("--top-k", type=int, default=50, metavar="K",
+                   help="sample among the K most likely bytes; 0 = all (default 50)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the draws (default 0)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to run the model (default cpu)")
 
     p = sub.add_parser("config", help="inspect configuration")
     csub = p.add_subparsers(dest="config_command", metavar="ACTION", parser_class=_Parser)
@@ -397,9 +432,45 @@ def _own_executable() -> Optional[str]:
     return candidate if os.access(candidate, os.X_OK) else None
 
 
+def _checkpoint_model(args: argparse.Namespace):
+    from peerd.export import find_checkpoint, load_checkpoint_model
+
+    path = find_checkpoint(args.checkpoint_dir, args.run_id)
+    return path, load_checkpoint_model(path, args.weights, args.model, args.seq_len)
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from peerd.export import export_llama
+
+    path, model = _checkpoint_model(args)
+    files = export_llama(model, args.out)
+    print(f"exported {args.weights} weights of {path} ({model.config.n_layers} layers, d_model "
+          f"{model.config.d_model}) to {', '.join(str(f) for f in files)}")
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from peerd.generate import generate_text
+
+    for name in ("max_tokens", "top_k"):
+        if getattr(args, name) < 0:
+            raise UsageError(f"peerd generate: --{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if not args.temperature >= 0:
+        raise UsageError(f"peerd generate: --temperature must be >= 0, got {args.temperature}")
+    _, model = _checkpoint_model(args)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("peerd generate: --device cuda, but torch sees no CUDA device")
+        model = model.to("cuda")
+    print(generate_text(model, args.prompt, args.max_tokens, args.temperature, args.top_k, args.seed))
+    return 0
+
+
 COMMANDS = {"join": _cmd_join, "bootstrap": _cmd_bootstrap, "status": _cmd_status, "config": _cmd_config,
             "pause": _cmd_pause_resume, "resume": _cmd_pause_resume, "health": _cmd_health,
-            "install-service": _cmd_install_service}
+            "install-service": _cmd_install_service, "export": _cmd_export, "generate": _cmd_generate}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

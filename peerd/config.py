@@ -30,6 +30,10 @@ from peerd.service.schedule import ActiveHours
 MAX_UNIX_SOCKET_PATH = 107
 
 
+#: Values of ``NodeConfig.precision``.
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+
+
 class ConfigError(ValueError):
     """A configuration value is missing, unknown, of the wrong type or out of range.
 
@@ -85,7 +89,19 @@ class NodeConfig:
     nat_port_map: bool = False
     """Ask the home router for a port mapping (UPnP/NAT-PMP). Off by default: it probes the local gateway."""
     log_every_steps: int = 10
-    """Log a progress line every this many inner steps."""
+    """Log a progress line every this many inner steps; the loss is read back from the device only then."""
+    micro_batch_size: int = 0
+    """Sequences per forward/backward pass; 0 = the run's ``batch_size``. Must divide the run's ``batch_size``:
+    each inner step accumulates ``batch_size / micro_batch_size`` micro-batches, so the run's tokens per inner step
+    (and the science) are unchanged and only this machine's memory use is."""
+    precision: str = "auto"
+    """Inner-step arithmetic: ``fp32``; ``bf16`` (autocast, fp32 master weights); ``fp16`` (autocast + loss
+    scaling); ``auto`` = bf16 on a CUDA GPU that supports it, fp16 on an older one, fp32 on CPU. The outer state
+    and pseudo-gradients stay fp32 in every mode."""
+    compile: bool = False
+    """Compile the model with ``torch.compile`` (warm-up steps are left out of tokens/s)."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in the backward pass: less memory for a bigger micro-batch."""
     status_interval_s: float = 5.0
     """How often this peer refreshes its status record in the DHT."""
     status_ttl_s: float = 30.0
@@ -138,6 +154,10 @@ class NodeConfig:
             raise ConfigError(f"threads must be >= 0, got {self.threads}")
         if self.log_every_steps < 1:
             raise ConfigError(f"log_every_steps must be >= 1, got {self.log_every_steps}")
+        if self.micro_batch_size < 0:
+            raise ConfigError(f"micro_batch_size must be >= 0 (0 = the run's batch_size), got {self.micro_batch_size}")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.status_interval_s <= 0 or self.status_ttl_s <= self.status_interval_s:
             raise ConfigError(
                 f"status_ttl_s ({self.status_ttl_s}) must exceed status_interval_s ({self.status_interval_s}) > 0:"

@@ -25,7 +25,8 @@ from protocols.spes import SpesConfig
 from protocols.state_transfer import StateTransferConfig
 from protocols.swarm import SwarmConfig
 
-MODEL_NAMES = ("tiny", "small", "tiny-moe", "small-moe")
+#: Names in the model registry (peerd/models/registry.py; a test keeps the two equal without importing torch here).
+MODEL_NAMES = ("tiny", "small", "125m", "350m", "1.1b", "tiny-moe", "small-moe")
 #: Mixture-of-experts models (peerd/models/moe.py): the ones SPES trains; DiLoCo trains them whole.
 MOE_MODEL_NAMES = ("tiny-moe", "small-moe")
 AVERAGING_METHODS = ("allreduce", "moshpit", "gossip")

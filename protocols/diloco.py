@@ -164,13 +164,18 @@ class DiLoCoHyperparams:
 # Inner optimizer and learning-rate schedule
 
 
-def make_inner_optimizer(params: Iterable[torch.nn.Parameter] | Iterable[dict], hp: DiLoCoHyperparams
-                         ) -> torch.optim.AdamW:
+def make_inner_optimizer(params: Iterable[torch.nn.Parameter] | Iterable[dict], hp: DiLoCoHyperparams,
+                         device_type: str = "cpu") -> torch.optim.AdamW:
     """Inner AdamW with ``hp``'s betas and weight decay, lr initialized to ``hp.inner_lr``.
 
-    Contract: call ``set_lr(opt, inner_lr_at(step, hp))`` before every ``opt.step()`` so the schedule applies.
+    ``device_type`` is where the parameters live (``torch.device.type``): ``"cuda"`` selects the fused kernel (one
+    launch for all parameters); elsewhere torch's default implementation (foreach where it supports it), so the
+    CPU arithmetic is the same as before. Contract: call ``set_lr(opt, inner_lr_at(step, hp))`` before every
+    ``opt.step()`` so the schedule applies.
     """
-    return torch.optim.AdamW(params, lr=hp.inner_lr, betas=hp.inner_betas, weight_decay=hp.inner_weight_decay)
+    extra = {"fused": True} if device_type == "cuda" else {}
+    return torch.optim.AdamW(params, lr=hp.inner_lr, betas=hp.inner_betas, weight_decay=hp.inner_weight_decay,
+                             **extra)
 
 
 def inner_lr_at(step: int, hp: DiLoCoHyperparams) -> float:

@@ -15,13 +15,20 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
-# Measured with count_parameters (vocab 256, independent of seq_len since RoPE has no weights):
+# Counted with count_parameters (vocab 256, independent of seq_len since RoPE has no weights); the table with memory
+# per preset is in README.md and tests/unit/test_model_registry.py checks the counts.
 #   tiny  =    885,888 parameters
 #   small = 10,720,128 parameters
+#   125m, 350m, 1.1b: Llama-style widths (SwiGLU hidden ~8/3 d_model rounded to a multiple of 256; 1.1b has
+#   TinyLlama's width, depth and MLP, with full multi-head attention)
 MODEL_SIZES: dict[str, dict] = {
     "tiny": dict(d_model=128, n_layers=4, n_heads=4, mlp_hidden=384),
     "small": dict(d_model=384, n_layers=6, n_heads=6, mlp_hidden=1024),
+    "125m": dict(d_model=768, n_layers=18, n_heads=12, mlp_hidden=2048),
+    "350m": dict(d_model=1024, n_layers=27, n_heads=16, mlp_hidden=2816),
+    "1.1b": dict(d_model=2048, n_layers=22, n_heads=32, mlp_hidden=5632),
 }
 
 INIT_STD = 0.02
@@ -156,6 +163,8 @@ class Transformer(nn.Module):
         # Non-persistent: derived from the config, so they stay out of checkpoints and averaged state.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.activation_checkpointing = False
+        """Recompute each block's activations during backward instead of keeping them (training only)."""
         self._init_weights(seed)
 
     @torch.no_grad()
@@ -195,8 +204,12 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence length {T} exceeds the model's seq_len {self.config.seq_len}")
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]  # (T, D/2)
         x = self.tok_emb(idx)  # (B, T, C)
+        recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for block in self.blocks:
-            x = block(x, cos, sin)  # (B, T, C)
+            if recompute:
+                x = checkpoint(block, x, cos, sin, use_reentrant=False)  # (B, T, C)
+            else:
+                x = block(x, cos, sin)  # (B, T, C)
         logits = F.linear(self.norm(x), self.tok_emb.weight)  # (B, T, V)
         if targets is None:
             return logits, None

@@ -45,6 +45,7 @@ from typing import Optional
 import torch
 
 from peerd.checkpoint import Checkpoint, CheckpointError
+from peerd.config import ConfigError
 from peerd.data import DataError, WindowSampler, evaluate, load_corpus
 from peerd.events import (
     CheckpointResumed,
@@ -57,6 +58,7 @@ from peerd.events import (
     RoundFailed,
     StateDownloaded,
 )
+from peerd.inner_step import InnerStep, enable_tf32, micro_batch_count, resolve_precision
 from peerd.models import build_model
 from peerd.roles.base import RunContext
 from peerd.roles.fragments import FragmentState, whole_model
@@ -110,7 +112,7 @@ class DiLoCoRole:
         self.eval_tokens = corpus.eval
         self.sampler = WindowSampler(corpus.train, run.seq_len, run.batch_size, seed=self.peer_id)
         self.model = build_model(run.model, run.seq_len, run.seed).to(self.device)
-        self.optimizer = make_inner_optimizer(self.model.parameters(), self.hp)
+        self._setup_inner_step(node)
         self.steps_since_sync = 0
         self.samples_since_sync = 0
         self.round_quota = self.hp.inner_steps
@@ -179,19 +181,42 @@ class DiLoCoRole:
 
     # ---------------------------------------------------------------------------------------------------- inner steps
 
-    def _inner_step(self) -> float:
-        """One AdamW step on a fresh batch; runs in a worker thread. Returns the loss (nats/byte)."""
+    def _setup_inner_step(self, node) -> None:
+        """How this machine computes the run's inner step: micro-batches, precision, compile, checkpointing."""
+        try:
+            micro_batch_count(self.run_cfg.batch_size, node.micro_batch_size)
+        except ValueError as e:
+            raise ConfigError(f"micro_batch_size: {e}", key="micro_batch_size", reason=str(e)) from None
+        self.precision = resolve_precision(node.precision, self.device)
+        enable_tf32(self.device)
+        if node.activation_checkpointing:
+            if hasattr(self.model, "activation_checkpointing"):
+                self.model.activation_checkpointing = True
+            else:  # a node preset may ask for it whatever the run's model: train without it
+                logger.warning("activation_checkpointing: model %r does not support it; training without it",
+                               self.run_cfg.model)
+        # The compiled module shares the parameters; everything else (flatten, checkpoints) uses self.model.
+        self._forward = torch.compile(self.model) if node.compile else self.model
+        self._warmup_steps = 1 if node.compile else 0  # the first call compiles: not counted in tokens/s
+        self._new_optimizer()
+
+    def _new_optimizer(self) -> None:
+        """A fresh inner optimizer (and the step that drives it)."""
+        self.optimizer = make_inner_optimizer(self.model.parameters(), self.hp, torch.device(self.device).type)
+        self.inner_step = InnerStep(self.model, self.optimizer, batch_size=self.run_cfg.batch_size,
+                                    micro_batch_size=self.ctx.node.micro_batch_size, precision=self.precision,
+                                    grad_clip_norm=self.hp.grad_clip_norm, forward=self._forward)
+
+    def _inner_step(self) -> torch.Tensor:
+        """One inner step on a fresh batch of the run's size; runs in a worker thread. Returns the loss
+        (nats/byte) as a 0-d tensor on the device, so the host does not wait for the device every step."""
         global_step = self.outer.outer_round * self.hp.inner_steps + self.steps_since_sync
         set_lr(self.optimizer, inner_lr_at(global_step, self.hp))
         x, y = self.sampler.next_batch()  # (B, T), (B, T)
+        if torch.device(self.device).type == "cuda":
+            x, y = x.pin_memory(), y.pin_memory()  # lets the copies below overlap with queued kernels
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-        _, loss = self.model(x, y)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if self.hp.grad_clip_norm:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.hp.grad_clip_norm)
-        self.optimizer.step()
-        return float(loss.detach())
+        return self.inner_step(x, y)
 
     async def _train_until_quota(self) -> None:
         loop = asyncio.get_running_loop()
@@ -199,13 +224,19 @@ class DiLoCoRole:
         window_start, window_steps = time.perf_counter(), 0
         while (self.steps_since_sync < self.round_quota and not self.ctx.stop.is_set()
                and not self.ctx.gate.paused):
-            loss = await loop.run_in_executor(None, self._inner_step)
+            loss_on_device = await loop.run_in_executor(None, self._inner_step)
             self.steps_since_sync += 1
             self.samples_since_sync += self.run_cfg.batch_size
             self.stats.tokens += tokens_per_step
-            self.stats.last_loss = loss
+            if self._warmup_steps:
+                self._warmup_steps -= 1
+                float(loss_on_device)  # wait for the compilation step to finish before the clock restarts
+                window_start = time.perf_counter()
+                continue
             window_steps += 1
             if window_steps == self.ctx.node.log_every_steps or self.steps_since_sync == self.round_quota:
+                loss = float(loss_on_device)  # the only host-device sync of the window
+                self.stats.last_loss = loss
                 elapsed = time.perf_counter() - window_start
                 self.stats.tokens_per_s = window_steps * tokens_per_step / max(elapsed, 1e-9)
                 self.ctx.events.publish(InnerProgress(self.outer.outer_round, self.steps_since_sync, loss,
@@ -238,7 +269,7 @@ class DiLoCoRole:
             self._round_failed(r, "local pseudo-gradient is not finite (local training diverged)",
                                f"dropping {self.steps_since_sync} local steps and the inner optimizer state, "
                                "restarting from theta_outer")
-            self.optimizer = make_inner_optimizer(self.model.parameters(), self.hp)
+            self._new_optimizer()
             self._restart_local()
             return
         syncing = sum(1 for p, v in records.items() if p != self.peer_id and v.get("role") == SYNCING)
@@ -284,7 +315,7 @@ class DiLoCoRole:
             self._round_failed(r, "local pseudo-gradient is not finite (local training diverged)",
                                f"dropping {self.steps_since_sync} local steps and the inner optimizer state, "
                                "restarting from theta_outer")
-            self.optimizer = make_inner_optimizer(self.model.parameters(), self.hp)
+            self._new_optimizer()
             self._restart_local()
             return
         delta = self.outer.pseudo_gradient(local)  # this round started from the current theta_outer
@@ -510,6 +541,7 @@ class DiLoCoRole:
             "outer_round": self.outer.outer_round, "steps_since_sync": self.steps_since_sync,
             "samples_since_sync": self.samples_since_sync, "round_quota": self.round_quota,
             "sampler": self.sampler.state_dict(), "tokens": self.stats.tokens,
+            "model": self.run_cfg.model, "seq_len": self.run_cfg.seq_len,  # what `peerd export` rebuilds
         }
         self.ctx.checkpoints.save(Checkpoint(tensors, metadata))
 
