@@ -6,7 +6,6 @@ from peerd.models.registry import MODEL_PRESETS, ModelPreset, get_preset
 from peerd.models.moe import MOE_SIZES, MoEConfig, MoETransformer, build_moe_model
 from peerd.models.stages import PipelineStage, build_stage, split_model, stage_bounds
 from peerd.models.transformer import MODEL_SIZES, Transformer, TransformerConfig, count_parameters
-from peerd.models.transformer import build_model as build_dense_model
 
 
 def build_model(size: str, seq_len: int, seed: int) -> nn.Module:
@@ -16,6 +15,6 @@ def build_model(size: str, seq_len: int, seed: int) -> nn.Module:
     return get_preset(size).build(seq_len, seed)
 
 
-__all__ = ["MODEL_PRESETS", "MODEL_SIZES", "ModelPreset", "get_preset", "MOE_SIZES", "MoEConfig", "MoETransformer", "PipelineStage", "Transformer",
-           "TransformerConfig", "build_model", "build_moe_model", "build_stage", "count_parameters", "split_model",
-           "stage_bounds"]
+__all__ = ["MODEL_PRESETS", "MODEL_SIZES", "MOE_SIZES", "ModelPreset", "MoEConfig", "MoETransformer", "PipelineStage",
+           "Transformer", "TransformerConfig", "build_model", "build_moe_model", "build_stage", "count_parameters",
+           "get_preset", "split_model", "stage_bounds"]
