@@ -85,8 +85,9 @@ class SwarmRole:
 
     Args:
         ctx: the run context (``ctx.run.parallelism == "swarm"``; ``ctx.run.swarm`` holds S and the wire settings).
-        stage: the stage to serve (None: the swarm's bottleneck when joining).
-        trainer: push micro-batches through the swarm (None: if this peer serves stage 0).
+        stage: the stage to serve (None: ``ctx.node.stage``, else the swarm's bottleneck when joining).
+        trainer: push micro-batches through the swarm (None: ``ctx.node.swarm_role``; ``auto``: if this peer serves
+            stage 0).
         max_steps: a trainer leaves after this many micro-batches (0: until stopped).
     """
 
@@ -95,6 +96,11 @@ class SwarmRole:
     def __init__(self, ctx: RunContext, stage: Optional[int] = None, trainer: Optional[bool] = None,
                  max_steps: int = 0) -> None:
         num_stages = ctx.run.swarm.stages
+        node_role = getattr(ctx.node, "swarm_role", "auto")
+        if stage is None:
+            stage = getattr(ctx.node, "stage", None)
+        if trainer is None and node_role != "auto":
+            trainer = node_role == "trainer"
         if stage is not None and not 0 <= stage < num_stages:
             raise ValueError(f"stage must be in [0, {num_stages}), got {stage}")
         self.ctx = ctx
@@ -157,9 +163,22 @@ class SwarmRole:
             await discovery.store(stage_key(self.ctx, self.stage), self.ctx.peer_id, value,
                                   discovery.time() + self.ctx.node.status_ttl_s)
 
+    def _status_fields(self) -> dict:
+        service, state = self.service, self.sync_state
+        throughput = service.throughput if service is not None else None
+        return dict(role="paused" if self.ctx.gate.paused else ROLE,
+                    outer_round=state.outer.outer_round if state is not None else None,
+                    inner_step=service.steps if service is not None else None,
+                    loss=self.losses[-1] if self.losses else None,
+                    tokens_per_s=throughput * self.ctx.run.seq_len if throughput else None,
+                    digest=state.outer.digest()[:16] if state is not None else None, stage=self.stage)
+
     async def _announce_loop(self) -> None:
         while not self.ctx.stop.is_set():
             await self.announce()
+            with contextlib.suppress(Exception):  # reading first lets the board see a duplicate identity
+                await self.ctx.status.records()
+            await self.ctx.status.publish()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.ctx.stop.wait(), self.ctx.node.status_interval_s)
 
@@ -362,6 +381,7 @@ class SwarmRole:
         await self.outer_sync.start()
         await self.service.start(ctx.transport)
         logger.info("serving stage %d of %d as %s", self.stage, ctx.run.swarm.stages, ctx.peer_id)
+        ctx.status.set_source(self._status_fields)
         announcer = asyncio.ensure_future(self._announce_loop())
         rebalancer = asyncio.ensure_future(self._rebalance_loop())
         syncer = asyncio.ensure_future(self._sync_loop())
@@ -378,3 +398,5 @@ class SwarmRole:
                     await task
             await self.service.stop()
             await self.outer_sync.stop()
+            with contextlib.suppress(Exception):
+                await ctx.status.publish(role="left")
