@@ -32,6 +32,7 @@ from typing import Optional
 import torch
 
 from peerd.data import DataError, WindowSampler, load_corpus
+from peerd.events import StageRoundDone, SwarmProgress
 from peerd.models import build_stage
 from peerd.roles.base import RunContext
 from peerd.roles.fragments import FragmentState, fragment
@@ -302,8 +303,9 @@ class SwarmRole:
                 state.fragment.load_(service.stage, state.outer.theta + since)
                 state.round_start_theta = state.outer.theta
                 self._samples_at_round = samples
-                logger.info("stage %d: outer round %d with %d replicas", self.stage, state.outer.outer_round,
-                            outcome.group_size)
+                self.ctx.events.publish(StageRoundDone(
+                    self.stage, state.outer.outer_round, outcome.group_size, outcome.bytes_sent,
+                    outcome.bytes_received, weight, state.outer.digest()[:16]))
             elif isinstance(outcome, RoundRefused):
                 await self._adopt_outer(outcome.leader)
             elif isinstance(outcome, RoundFailure):
@@ -359,9 +361,10 @@ class SwarmRole:
             loss = await trainer.step(x.long(), y.long())
             if loss is not None:
                 self.losses.append(loss)
-            if node.log_every_steps and len(self.losses) % node.log_every_steps == 0 and loss is not None:
-                logger.info("swarm trainer: %d micro-batches, loss %.4f, %s", len(self.losses), loss,
-                            self.wiring.stats)
+            stats = self.wiring.stats
+            if node.log_every_steps and stats.sent % node.log_every_steps == 0:
+                self.ctx.events.publish(SwarmProgress(len(self.losses), loss, stats.sent, stats.completed,
+                                                      stats.retried, stats.dropped))
 
     async def _wait_running(self) -> None:
         """Return once the pause is lifted or a stop is requested (the server keeps serving meanwhile)."""
