@@ -334,6 +334,11 @@ class SwarmRole:
         by_stage: dict[int, list[str]] = {k: [] for k in range(self.ctx.run.swarm.stages)}
         for peer, announcement in (await read_stage_servers(self.ctx)).items():
             by_stage[announcement.stage].append(peer)
+        for servers in by_stage.values():
+            # libp2p refuses to dial its own host ("dial to self"): where the stage has another server, this
+            # peer's own stage serves the other trainers only
+            if self.ctx.peer_id in servers and len(servers) > 1:
+                servers.remove(self.ctx.peer_id)
         self.wiring.set_servers(by_stage)
         return all(by_stage.values())
 
@@ -361,6 +366,10 @@ class SwarmRole:
             loss = await trainer.step(x.long(), y.long())
             if loss is not None:
                 self.losses.append(loss)
+            else:  # dropped (no live server of a stage): wait for the view to change instead of dropping more
+                refreshed = float("-inf")
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.ctx.stop.wait(), REFRESH_S)
             stats = self.wiring.stats
             if node.log_every_steps and stats.sent % node.log_every_steps == 0:
                 self.ctx.events.publish(SwarmProgress(len(self.losses), loss, stats.sent, stats.completed,
