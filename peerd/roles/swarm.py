@@ -334,10 +334,11 @@ class SwarmRole:
         by_stage: dict[int, list[str]] = {k: [] for k in range(self.ctx.run.swarm.stages)}
         for peer, announcement in (await read_stage_servers(self.ctx)).items():
             by_stage[announcement.stage].append(peer)
+        own_failed = self.ctx.peer_id in self.wiring.stats.failures_by_server
         for servers in by_stage.values():
-            # libp2p refuses to dial its own host ("dial to self"): where the stage has another server, this
-            # peer's own stage serves the other trainers only
-            if self.ctx.peer_id in servers and len(servers) > 1:
+            # libp2p refuses to dial its own host ("dial to self"): once a call to ourselves failed, where the stage
+            # has another server, this peer's own stage serves the other trainers only
+            if own_failed and self.ctx.peer_id in servers and len(servers) > 1:
                 servers.remove(self.ctx.peer_id)
         self.wiring.set_servers(by_stage)
         return all(by_stage.values())
