@@ -74,6 +74,10 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--checkpoint-dir", metavar="DIR",
                    help="checkpoint folder, also holds the control socket (default ~/.peerd/checkpoints)")
     g.add_argument("--data", metavar="PATH|GLOB", help="train on this local UTF-8 text instead of the run's corpus")
+    g.add_argument("--stage", type=int, metavar="K", help="SWARM runs: serve pipeline stage K (default: the bottleneck)")
+    g.add_argument("--role", choices=("auto", "server", "trainer"), dest="swarm_role",
+                   help="SWARM runs: trainer (also push micro-batches), server (serve only); default auto "
+                        "(stage-0 servers train)")
     g = p.add_argument_group("volunteer limits and services")
     g.add_argument("--gpu-memory-fraction", type=float, metavar="F",
                    help="let this process allocate at most this share (0-1] of the GPU's memory (default no limit)")
@@ -232,11 +236,12 @@ def _node_config(args: argparse.Namespace) -> NodeConfig:
 
 #: Node config keys that commands may take as flags (besides the addresses and identity of every DHT command).
 NODE_FLAGS = ("device", "threads", "checkpoint_dir", "data", "gpu_memory_fraction", "upload_limit_mb_s",
-              "download_limit_mb_s", "active_hours", "metrics_port", "control_socket")
+              "download_limit_mb_s", "active_hours", "metrics_port", "control_socket", "stage", "swarm_role")
 
 
 #: Flags spelled differently from their node config key.
-FLAG_NAMES = {"upload_limit_mb_s": "--upload-limit", "download_limit_mb_s": "--download-limit"}
+FLAG_NAMES = {"upload_limit_mb_s": "--upload-limit", "download_limit_mb_s": "--download-limit",
+              "swarm_role": "--role"}
 
 
 def _node_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -259,6 +264,11 @@ def _cmd_join(args: argparse.Namespace) -> int:
     from peerd.run_config import load_run_config
 
     run = load_run_config(args.run_config) if args.run_config else None
+    if run is not None and node.stage is not None:
+        stages = run.swarm.stages if run.parallelism == "swarm" else 0
+        if node.stage >= stages:
+            what = f"stages 0-{stages - 1}" if stages else f"no stages (parallelism {run.parallelism!r})"
+            raise UsageError(f"peerd join: --stage {node.stage}: the run has {what}")
     _run_async(join(run_id, node, run))
     return 0
 
@@ -293,10 +303,37 @@ def _cmd_status(args: argparse.Namespace) -> int:
             _num(s.get("loss"), "{:.4f}"), _num(s.get("tokens_per_s"), "{:.0f}"),
             _num(s.get("eval_nats_per_byte"), "{:.4f}"), _num(now - s["time"] if s.get("time") else None, "{:.0f} s ago"),
         ))
+    if any(s.get("stage") is not None for s in live.values()):
+        header += ("stage",)
+        rows = [header] + [(*r, str(live[r[0]].get("stage") if live[r[0]].get("stage") is not None else "-"))
+                           for r in rows[1:]]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     for r in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
+    for line in _stage_lines(live, (config or {}).get("swarm", {}).get("stages")):
+        print(line)
     return 0
+
+
+def _stage_lines(live: dict[str, dict], num_stages: Any) -> list[str]:
+    """SWARM runs: per stage its servers and summed tokens/s, and the bottleneck (the stage with the least
+    throughput; an empty stage first). Nothing for a run without stage records."""
+    servers: dict[int, list[str]] = {}
+    for peer, s in live.items():
+        if isinstance(s.get("stage"), int):
+            servers.setdefault(s["stage"], []).append(peer)
+    if not servers:
+        return []
+    count = num_stages if isinstance(num_stages, int) and num_stages > 0 else max(servers) + 1
+    totals = {k: sum(live[p].get("tokens_per_s") or 0.0 for p in servers.get(k, [])) for k in range(count)}
+    lines = []
+    for k in range(count):
+        peers = sorted(servers.get(k, []))
+        lines.append(f"stage {k}: {len(peers)} server(s), {totals[k]:.0f} tokens/s" + (f": {', '.join(peers)}"
+                                                                                       if peers else ""))
+    bottleneck = min(range(count), key=lambda k: (bool(servers.get(k)), totals[k], k))
+    lines.append(f"bottleneck: stage {bottleneck}")
+    return lines
 
 
 def _num(value: Any, fmt: str) -> str:

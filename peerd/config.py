@@ -57,6 +57,9 @@ DEFAULT_CONTROL_SOCKETS = {"worker": "peerd.sock", "bootstrap": "bootstrap.sock"
 # --------------------------------------------------------------------------------------------------------- node config
 
 
+#: Values of the node config key ``swarm_role``.
+SWARM_ROLES = ("auto", "server", "trainer")
+
 @dataclass(frozen=True)
 class NodeConfig:
     """This machine's settings: where it listens, who it knows, what it may use."""
@@ -126,6 +129,12 @@ class NodeConfig:
     ``<checkpoint_dir>/peerd.sock``."""
     health_max_age_s: float = 1800.0
     """`peerd health` fails when this peer has neither completed nor joined a round for this many seconds."""
+    stage: Optional[int] = None
+    """SWARM runs: the pipeline stage this peer serves (0-based, below the run's ``[swarm] stages``); None = the
+    swarm's bottleneck stage when it joins."""
+    swarm_role: str = "auto"
+    """SWARM runs: ``trainer`` (serve a stage and push micro-batches through the swarm), ``server`` (serve only) or
+    ``auto`` (a stage-0 server trains)."""
 
     def __post_init__(self) -> None:
         from peerd.multiaddrs import check_multiaddr
@@ -176,6 +185,11 @@ class NodeConfig:
                 raise ConfigError(f"active_hours: {e}") from None
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port must be a TCP port 0-65535 (0 = any free port), got {self.metrics_port}")
+        if self.stage is not None and (isinstance(self.stage, bool) or not isinstance(self.stage, int)
+                                       or self.stage < 0):
+            raise ConfigError(f"stage must be an int >= 0 (a pipeline stage of a SWARM run), got {self.stage!r}")
+        if self.swarm_role not in SWARM_ROLES:
+            raise ConfigError(f"swarm_role must be one of {', '.join(SWARM_ROLES)}, got {self.swarm_role!r}")
         if not self.health_max_age_s > 0:
             raise ConfigError(f"health_max_age_s must be > 0, got {self.health_max_age_s}")
         if len(os.fsencode(self.control_socket_path)) > MAX_UNIX_SOCKET_PATH:

@@ -98,6 +98,44 @@ class RoundDone(Event):
 
 
 @dataclass(frozen=True)
+class StageRoundDone(Event):
+    """An outer round of a SWARM stage's replicas completed: the stage's theta_outer is now version
+    ``outer_round`` (``digest``: its first 16 hex digits, equal on every replica of the round). Bytes in bytes."""
+
+    name: ClassVar[str] = "stage_round"
+    stage: int
+    outer_round: int
+    group_size: int
+    bytes_sent: int
+    bytes_received: int
+    weight: float
+    digest: str
+
+    def message(self) -> str:
+        return (f"stage {self.stage} outer round {self.outer_round} done: group {self.group_size}, "
+                f"sent {self.bytes_sent / 1e6:.2f} MB")
+
+
+@dataclass(frozen=True)
+class SwarmProgress(Event):
+    """A SWARM trainer's micro-batch counts so far: every one ``sent`` ends ``completed`` or ``dropped``;
+    ``retried`` counts calls re-sent to a replica after a failure. ``loss``: the last micro-batch's (nats/token)."""
+
+    name: ClassVar[str] = "swarm_progress"
+    micro_batches: int
+    loss: Optional[float]
+    sent: int
+    completed: int
+    retried: int
+    dropped: int
+
+    def message(self) -> str:
+        loss = "-" if self.loss is None else f"{self.loss:.4f}"
+        return (f"swarm trainer: {self.micro_batches} micro-batches, loss {loss}, completed {self.completed}/"
+                f"{self.sent}, retried {self.retried}, dropped {self.dropped}")
+
+
+@dataclass(frozen=True)
 class RoundFailed(Event):
     """Outer round ``outer_round + 1`` failed; ``consequence`` says what the peer keeps."""
 

@@ -312,6 +312,10 @@ class RunConfig:
         out["diloco"] = {k: v for k, v in full["diloco"].items()
                          if k in FINGERPRINT_DILOCO_FIELDS or v != default_diloco.get(k, _MISSING)}
         out["averaging"] = self.averaging.fingerprint_dict()
+        if "swarm" in out:
+            default_swarm = dataclasses.asdict(SwarmConfig())
+            out["swarm"] = {k: v for k, v in out["swarm"].items()
+                            if k in FINGERPRINT_SWARM_FIELDS or v != default_swarm.get(k, _MISSING)}
         return out
 
 
@@ -324,6 +328,10 @@ FINGERPRINT_FIELDS = ("model", "seq_len", "batch_size", "dataset", "seed", "max_
 FINGERPRINT_DILOCO_FIELDS = ("inner_steps", "inner_lr", "inner_betas", "inner_weight_decay", "warmup_steps",
                              "lr_decay_steps", "min_lr_ratio", "grad_clip_norm", "outer_lr", "outer_momentum",
                              "outer_nesterov")
+#: The same for ``[swarm]``.
+FINGERPRINT_SWARM_FIELDS = ("stages", "codec", "ema_alpha", "ban_s", "max_retries", "call_timeout_s",
+                            "max_tensor_bytes", "max_pending", "pending_timeout_s", "rebalance_period_s",
+                            "balance_quality")
 _MISSING = object()
 
 

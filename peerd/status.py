@@ -28,8 +28,9 @@ STATUS_VERSION = 1
 #: Fields every status record carries (None where unknown).
 STATUS_FIELDS = ("role", "outer_round", "inner_step", "loss", "tokens_per_s", "eval_nats_per_byte", "digest")
 #: Known fields a record may lack (added after version 0): ``instance`` = a random id per daemon process (<= 64
-#: characters), which tells a restarted peer from its previous process.
-OPTIONAL_STATUS_FIELDS = ("instance",)
+#: characters), which tells a restarted peer from its previous process; ``stage`` = the pipeline stage a SWARM server
+#: serves (a non-negative integer).
+OPTIONAL_STATUS_FIELDS = ("instance", "stage")
 KNOWN_STATUS_FIELDS = STATUS_FIELDS + OPTIONAL_STATUS_FIELDS
 
 _MAX_ROUND = 2**40
@@ -72,6 +73,7 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "eval_nats_per_byte": (_finite(), "a finite number"),
     "digest": (lambda v: v is None or (isinstance(v, str) and len(v) <= 64), "a string of at most 64 characters"),
     "instance": (_short_str(64), "a string of 1-64 characters"),
+    "stage": (_count, "a non-negative integer"),
     "time": (_finite(nullable=False), "a finite number"),
     "v": (lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < _MAX_VERSION,
           "a non-negative integer"),

@@ -20,6 +20,9 @@ Methods of :class:`StageService` (on :mod:`protocols.rpc`; tensors encoded by :m
 
 - ``state``: no payload; reply ``{"params": tensor header, "steps": int}`` + this stage's parameters, flattened
   in ``named_parameters()`` order, fp32 without compression (a server that moves to this stage starts from them).
+- ``outer``: no payload; reply ``{"outer": tensor header, "outer_round": int}`` + the stage's outer state (2, N)
+  fp32 (theta_outer, outer momentum) of the replicas' outer rounds; refused (``no-outer``) by a server that does
+  not average (a mover or a replica that fell behind adopts it).
 
 Peer input is untrusted: sizes are checked before reading, shapes against the model, values must be finite (a NaN
 activation is a :class:`ProtocolViolation`), and the sender is banned. A trainer treats a server's non-finite
@@ -43,7 +46,8 @@ from protocols.rpc import ProtocolViolation, Refused, Request, RpcError, Service
 from protocols.swarm import NoServer, SwarmConfig, Wiring
 
 __all__ = [
-    "PipelineTrainer", "StageService", "decode_tokens", "download_stage_parameters", "encode_tokens",
+    "PipelineTrainer", "StageService", "decode_tokens", "download_outer_state", "download_stage_parameters",
+    "encode_tokens",
     "flat_parameters", "load_flat_parameters",
 ]
 
@@ -101,6 +105,22 @@ async def download_stage_parameters(streams: Any, peer: str, service: str, numel
                          codecs=("none",))
 
 
+async def download_outer_state(streams: Any, peer: str, service: str, numel: int,
+                               timeout_s: float) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(theta_outer (numel,), momentum (numel,), outer_round)`` of a stage from ``peer``'s ``outer`` method, fp32.
+    Raises RpcError (ProtocolViolation for a reply of another size, non-finite values or a bad round)."""
+    reply = await call(streams, peer, service, "outer", {}, b"", timeout_s=timeout_s,
+                       max_reply_bytes=8 * numel + 4096)
+    outer_round = reply.header.get("outer_round")
+    if not (isinstance(outer_round, int) and not isinstance(outer_round, bool) and 0 <= outer_round < 2**63):
+        raise ProtocolViolation(f"bad outer_round {outer_round!r}")
+    both = decode_tensor(reply.header.get("outer"), reply.payload, shape=(2, numel), dtype=torch.float32,
+                         codecs=("none",))
+    if not torch.isfinite(both).all():
+        raise ProtocolViolation("non-finite outer state")
+    return both[0].clone(), both[1].clone(), outer_round
+
+
 def _mb_id(header: dict[str, Any]) -> str:
     mb = header.get("mb")
     if not isinstance(mb, str) or not 0 < len(mb) <= _MAX_MB_ID:
@@ -126,6 +146,8 @@ class StageService(Service):
             steps (e.g. a role that averages gradients first).
         bans: peers excluded for sending invalid data (a fresh list with ``config.ban_s`` by default).
         device: where the stage's parameters live; tensors arrive and leave on the CPU.
+        outer_state: returns the stage's ``(theta_outer (N,), momentum (N,), outer_round)`` for the ``outer``
+            method, or None while there is none to serve (None: the method always refuses).
         clock: monotonic seconds (injectable for tests).
 
     Compute runs in the event loop, one request at a time, so no step interleaves with a forward or backward.
@@ -134,6 +156,7 @@ class StageService(Service):
     def __init__(self, name: str, stage: nn.Module, config: SwarmConfig, *,
                  optimizer: Optional[torch.optim.Optimizer] = None, step_every: int = 1,
                  bans: Optional[BanList] = None, device: str | torch.device = "cpu",
+                 outer_state: Optional[Callable[[], Optional[tuple[torch.Tensor, torch.Tensor, int]]]] = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if step_every < 1:
             raise ValueError(f"step_every must be >= 1, got {step_every}")
@@ -143,6 +166,7 @@ class StageService(Service):
         self.bans = bans if bans is not None else BanList(config.ban_s)
         self.device = torch.device(device)
         self.clock = clock
+        self.outer_state = outer_state
         self._kept: dict[tuple[str, str], _Kept] = {}
         self.backwards = 0
         self.steps = 0
@@ -257,6 +281,15 @@ class StageService(Service):
         self._admit(request)
         header, payload = encode_tensor(flat_parameters(self.stage), "none")
         return {"params": header, "steps": self.steps}, payload
+
+    async def rpc_outer(self, request: Request) -> tuple[dict[str, Any], Any]:
+        self._admit(request)
+        got = self.outer_state() if self.outer_state is not None else None
+        if got is None:
+            raise Refused("this server holds no outer state of its stage", code="no-outer")
+        theta, momentum, outer_round = got
+        header, payload = encode_tensor(torch.stack([theta, momentum]).to("cpu", torch.float32), "none")
+        return {"outer": header, "outer_round": outer_round}, payload
 
     def _after_backward(self, samples: int) -> None:
         self.backwards += 1

@@ -57,6 +57,9 @@ class SwarmConfig:
     """Mean time between two rebalancing checks, in seconds; each wait is drawn in [2/3, 4/3] of it."""
     balance_quality: float = 0.75
     """A server moves only if old / new bottleneck throughput falls below this, in (0, 1]."""
+    sync_interval_s: float = 60.0
+    """Time between two outer rounds of a stage's replicas on the stage's parameters, in seconds (rounds start at
+    wall-clock multiples of it, so replicas meet); 0: replicas never average."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.stages, int) or self.stages < 1:
@@ -67,6 +70,8 @@ class SwarmConfig:
             raise ValueError(f"swarm.ema_alpha must be in (0, 1], got {self.ema_alpha}")
         if not 0 < self.balance_quality <= 1:
             raise ValueError(f"swarm.balance_quality must be in (0, 1], got {self.balance_quality}")
+        if not self.sync_interval_s >= 0:
+            raise ValueError(f"swarm.sync_interval_s must be >= 0, got {self.sync_interval_s}")
         if not isinstance(self.max_retries, int) or self.max_retries < 0:
             raise ValueError(f"swarm.max_retries must be a non-negative int, got {self.max_retries!r}")
         if not isinstance(self.max_pending, int) or self.max_pending < 1:
@@ -220,15 +225,18 @@ class StageAnnouncement:
     ``stage``: the stage it serves; ``throughput``: samples per second of compute it measured (None before its
     first micro-batch); ``load``: micro-batches it holds inputs of; ``seq``: increases with every announcement of
     this server, so after a move (its old stage's record lives until it expires) readers keep the newest.
+    ``outer_round``: outer rounds its stage's parameters completed (replicas at the same round average together).
     """
 
     stage: int
     throughput: Optional[float] = None
     load: int = 0
     seq: int = 0
+    outer_round: int = 0
 
     def to_dict(self) -> dict:
-        return {"stage": self.stage, "throughput": self.throughput, "load": self.load, "seq": self.seq}
+        return {"stage": self.stage, "throughput": self.throughput, "load": self.load, "seq": self.seq,
+                "outer_round": self.outer_round}
 
     @classmethod
     def parse(cls, value: object, num_stages: int) -> Optional["StageAnnouncement"]:
@@ -237,7 +245,9 @@ class StageAnnouncement:
         if not isinstance(value, dict):
             return None
         stage, throughput, load = value.get("stage"), value.get("throughput"), value.get("load", 0)
-        seq = value.get("seq", 0)
+        seq, outer_round = value.get("seq", 0), value.get("outer_round", 0)
+        if not (isinstance(outer_round, int) and not isinstance(outer_round, bool) and 0 <= outer_round < 2**63):
+            return None
         if not (isinstance(seq, int) and not isinstance(seq, bool) and 0 <= seq < 2**63):
             return None
         if not (isinstance(stage, int) and not isinstance(stage, bool) and 0 <= stage < num_stages):
@@ -247,7 +257,7 @@ class StageAnnouncement:
             return None
         if not (isinstance(load, int) and not isinstance(load, bool) and 0 <= load < 2**31):
             return None
-        return cls(stage, None if throughput is None else float(throughput), load, seq)
+        return cls(stage, None if throughput is None else float(throughput), load, seq, outer_round)
 
 
 # ----------------------------------------------------------------------------------------------------- rebalancing

@@ -12,7 +12,12 @@ Every ``rebalance_period_s`` (with jitter) a server checks Petals' rule (:func:`
 the announcements and, if told to, moves to the bottleneck stage, starting from the parameters of a live server
 there (``state`` method of the stage service).
 
-Not yet here: stage replicas averaging their stage's parameters, status-record fields for stages.
+Stage replicas average (DiLoCo, Douillard et al. 2023, Alg. 1, per stage): the servers of stage k hold the stage's
+parameters as one fragment (``stage<k>``, group keys under ``ns.scoped(fragment="stage<k>")``) and, every
+``[swarm] sync_interval_s`` (at wall-clock multiples of it, so replicas meet), run an outer round on it with the
+run's outer-sync strategy (:func:`peerd.roles.outer_sync.make_outer_sync`), weighted by the samples each trained
+on since its last round. A server whose stage-mates are rounds ahead, or that a round's leader refuses, adopts a
+live mate's outer state (``outer`` method of the stage service); a mover adopts it with the parameters.
 """
 
 from __future__ import annotations
@@ -27,11 +32,16 @@ from typing import Optional
 import torch
 
 from peerd.data import DataError, WindowSampler, load_corpus
+from peerd.events import StageRoundDone, SwarmProgress
 from peerd.models import build_stage
 from peerd.roles.base import RunContext
+from peerd.roles.fragments import FragmentState, fragment
+from peerd.roles.outer_sync import OuterSync, RoundFailure, RoundOutcome, RoundResult, make_outer_sync
+from peerd.roles.outer_sync import Refused as RoundRefused
+from protocols.diloco import OuterState
 from protocols.rpc import RpcError
 from protocols.stage_service import (
-    PipelineTrainer, StageService, download_stage_parameters, load_flat_parameters,
+    PipelineTrainer, StageService, download_outer_state, download_stage_parameters, load_flat_parameters,
 )
 from protocols.swarm import StageAnnouncement, Wiring, choose_stage, rebalance_delay_s, should_move
 
@@ -76,8 +86,9 @@ class SwarmRole:
 
     Args:
         ctx: the run context (``ctx.run.parallelism == "swarm"``; ``ctx.run.swarm`` holds S and the wire settings).
-        stage: the stage to serve (None: the swarm's bottleneck when joining).
-        trainer: push micro-batches through the swarm (None: if this peer serves stage 0).
+        stage: the stage to serve (None: ``ctx.node.stage``, else the swarm's bottleneck when joining).
+        trainer: push micro-batches through the swarm (None: ``ctx.node.swarm_role``; ``auto``: if this peer serves
+            stage 0).
         max_steps: a trainer leaves after this many micro-batches (0: until stopped).
     """
 
@@ -86,6 +97,11 @@ class SwarmRole:
     def __init__(self, ctx: RunContext, stage: Optional[int] = None, trainer: Optional[bool] = None,
                  max_steps: int = 0) -> None:
         num_stages = ctx.run.swarm.stages
+        node_role = getattr(ctx.node, "swarm_role", "auto")
+        if stage is None:
+            stage = getattr(ctx.node, "stage", None)
+        if trainer is None and node_role != "auto":
+            trainer = node_role == "trainer"
         if stage is not None and not 0 <= stage < num_stages:
             raise ValueError(f"stage must be in [0, {num_stages}), got {stage}")
         self.ctx = ctx
@@ -93,6 +109,11 @@ class SwarmRole:
         self.trainer_wanted = trainer
         self.max_steps = max_steps
         self.service: Optional[StageService] = None
+        self.sync_state: Optional[FragmentState] = None
+        self.outer_sync: Optional[OuterSync] = None
+        self.rounds: list[RoundOutcome] = []
+        self._samples_at_round = 0
+        self._stage_lock = asyncio.Lock()  # a move and a stage round never interleave
         self.wiring = Wiring(num_stages, ema_alpha=ctx.run.swarm.ema_alpha, ban_s=ctx.run.swarm.ban_s)
         self.losses: list[float] = []
         self.moves: list[tuple[int, int]] = []
@@ -112,13 +133,22 @@ class SwarmRole:
         throughput = {peer: a.throughput or 1.0 for peer, a in view.items()}
         return choose_stage(assignment, throughput, self.ctx.run.swarm.stages)
 
-    def _build_service(self, stage: int) -> StageService:
+    def _build_service(self, stage: int) -> tuple[StageService, FragmentState, OuterSync]:
+        """The stage's service, its fragment's outer state (round 0 from the run's initial weights) and sync."""
         run, hp = self.ctx.run, self.ctx.run.diloco
         module = build_stage(run.model, run.seq_len, run.seed, stage, run.swarm.stages, device=self.ctx.device)
         optimizer = torch.optim.AdamW(module.parameters(), lr=hp.inner_lr, betas=hp.inner_betas,
                                       weight_decay=hp.inner_weight_decay)
-        return StageService(stage_service_name(self.ctx, stage), module, run.swarm, optimizer=optimizer,
-                            bans=self.ctx.bans, device=self.ctx.device)
+        frag = fragment(module, f"stage{stage}", tuple(n for n, _ in module.named_parameters()),
+                        self.ctx.namespace, ROLE)
+        state = FragmentState(frag, OuterState.initial(frag.flatten(module)), gossip_weight=1.0)
+
+        def outer_state() -> tuple[torch.Tensor, torch.Tensor, int]:
+            return state.outer.theta, state.outer.momentum, state.outer.outer_round
+
+        service = StageService(stage_service_name(self.ctx, stage), module, run.swarm, optimizer=optimizer,
+                               bans=self.ctx.bans, device=self.ctx.device, outer_state=outer_state)
+        return service, state, make_outer_sync(self.ctx, state)
 
     async def announce(self) -> None:
         """Store this server's announcement now (a failed store is retried at the next period)."""
@@ -126,15 +156,30 @@ class SwarmRole:
         # wall-clock milliseconds: newer than any record of this PeerID, a restarted process's included
         seq = max(self._seq + 1, int(time.time() * 1000))
         self._seq = seq
-        value = StageAnnouncement(self.stage, self.service.throughput, self.service.pending, seq).to_dict()
+        outer_round = self.sync_state.outer.outer_round if self.sync_state is not None else 0
+        value = StageAnnouncement(self.stage, self.service.throughput, self.service.pending, seq,
+                                  outer_round).to_dict()
         discovery = self.ctx.transport.discovery
         with contextlib.suppress(Exception):
             await discovery.store(stage_key(self.ctx, self.stage), self.ctx.peer_id, value,
                                   discovery.time() + self.ctx.node.status_ttl_s)
 
+    def _status_fields(self) -> dict:
+        service, state = self.service, self.sync_state
+        throughput = service.throughput if service is not None else None
+        return dict(role="paused" if self.ctx.gate.paused else ROLE,
+                    outer_round=state.outer.outer_round if state is not None else None,
+                    inner_step=service.steps if service is not None else None,
+                    loss=self.losses[-1] if self.losses else None,
+                    tokens_per_s=throughput * self.ctx.run.seq_len if throughput else None,
+                    digest=state.outer.digest()[:16] if state is not None else None, stage=self.stage)
+
     async def _announce_loop(self) -> None:
         while not self.ctx.stop.is_set():
             await self.announce()
+            with contextlib.suppress(Exception):  # reading first lets the board see a duplicate identity
+                await self.ctx.status.records()
+            await self.ctx.status.publish()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.ctx.stop.wait(), self.ctx.node.status_interval_s)
 
@@ -151,7 +196,8 @@ class SwarmRole:
         if target is None:
             return None
         sources = [peer for peer, a in view.items() if a.stage == target and peer != self.ctx.peer_id]
-        return target if await self._move(target, sources) else None
+        async with self._stage_lock:
+            return target if await self._move(target, sources) else None
 
     async def _still_wanted(self, target: int) -> bool:
         """Re-check the rule on a fresh view: another server may have moved while this one downloaded."""
@@ -164,28 +210,38 @@ class SwarmRole:
     async def _move(self, target: int, sources: list[str]) -> bool:
         """Serve ``target`` instead, starting from the parameters of a live server there (or from the run's
         initial weights if the stage is empty). False (and nothing changed) if no source answered."""
-        service = self._build_service(target)
+        service, state, sync = self._build_service(target)
         if sources:
             numel = sum(p.numel() for p in service.stage.parameters())
             for peer in sources:
+                name = stage_service_name(self.ctx, target)
                 try:
-                    flat = await download_stage_parameters(
-                        self.ctx.transport.streams, peer, stage_service_name(self.ctx, target), numel,
-                        self.ctx.run.swarm.call_timeout_s)
+                    flat = await download_stage_parameters(self.ctx.transport.streams, peer, name, numel,
+                                                           self.ctx.run.swarm.call_timeout_s)
                 except RpcError as e:
                     logger.info("stage %d parameters from %s failed: %s", target, peer, e)
                     continue
                 load_flat_parameters(service.stage, flat.to(self.ctx.device))
+                try:  # its outer state too: the mover's first stage round then shares its mates' theta_outer
+                    theta, momentum, outer_round = await download_outer_state(
+                        self.ctx.transport.streams, peer, name, numel, self.ctx.run.swarm.call_timeout_s)
+                    state.outer = OuterState(theta, momentum, outer_round)
+                    state.round_start_theta = theta
+                except RpcError as e:  # its first round's leader refuses it, and it adopts the leader's state then
+                    logger.info("stage %d outer state from %s failed: %s", target, peer, e)
                 break
             else:
                 return False
         if not await self._still_wanted(target):
             return False
-        old, old_service = self.stage, self.service
-        self.stage, self.service = target, service
+        old, old_service, old_sync = self.stage, self.service, self.outer_sync
+        self.stage, self.service, self.sync_state, self.outer_sync = target, service, state, sync
+        self._samples_at_round = 0  # what it trained on its old stage is no weight in the new stage's rounds
+        await sync.start()
         await service.start(self.ctx.transport)
         await self.announce()
         await old_service.stop()  # trainers that call the old stage here now are refused and retry on a replica
+        await old_sync.stop()
         self.moves.append((old, target))
         logger.info("moved from stage %d to stage %d (the bottleneck)", old, target)
         return True
@@ -198,6 +254,79 @@ class SwarmRole:
             if not self.ctx.stop.is_set():
                 await self.rebalance_once()
 
+    # --- stage rounds -----------------------------------------------------------------------------------------
+
+    async def _adopt_outer(self, peer: str, keep_local: bool = False) -> bool:
+        """Take ``peer``'s outer state of our stage; theta_local := its theta_outer unless ``keep_local``."""
+        state, module = self.sync_state, self.service.stage
+        try:
+            theta, momentum, outer_round = await download_outer_state(
+                self.ctx.transport.streams, peer, stage_service_name(self.ctx, self.stage),
+                state.fragment.numel(module), self.ctx.run.swarm.call_timeout_s)
+        except RpcError as e:
+            logger.info("stage %d outer state from %s failed: %s", self.stage, peer, e)
+            return False
+        outer = OuterState(theta, momentum, outer_round)
+        if keep_local:
+            state.outer, state.round_start_theta = outer, theta
+        else:
+            state.reset_to_outer(module, outer)
+        self._samples_at_round = self.service.samples
+        logger.info("stage %d: adopted the outer state of %s (round %d)", self.stage, peer, outer_round)
+        return True
+
+    async def sync_once(self) -> RoundOutcome:
+        """One outer round of this stage's replicas on the stage's parameters (see the module docstring).
+
+        Returns the strategy's outcome (:class:`RoundResult`: theta_local := the new theta_outer plus the local
+        steps taken while the round ran; :class:`RoundFailure`: nothing changed; :class:`Refused`: the leader's
+        state was adopted; None: stopped)."""
+        async with self._stage_lock:
+            state, service, me = self.sync_state, self.service, self.ctx.peer_id
+            mates = {p: a for p, a in (await read_stage_servers(self.ctx)).items()
+                     if a.stage == self.stage and p != me}
+            ahead = sorted((a.outer_round, p) for p, a in mates.items() if a.outer_round > state.outer.outer_round)
+            if ahead:  # we missed rounds (a restart, a lost round): start from where the stage is
+                await self._adopt_outer(ahead[-1][1])
+            live = {p: {"outer_round": a.outer_round} for p, a in mates.items()}
+            live[me] = {"outer_round": state.outer.outer_round}
+            local = state.fragment.flatten(service.stage)  # (P,)
+            weight = float(service.samples - self._samples_at_round)
+            samples = service.samples
+            # mates behind adopt our state first and then join this round: wait for them too
+            behind = sum(1 for a in mates.values() if a.outer_round < state.outer.outer_round)
+            outcome = await self.outer_sync.round(local, weight, live, behind)
+            if isinstance(outcome, RoundResult):
+                # steps taken while the round ran are kept on top of the new theta_outer (zero if none: then the
+                # replicas hold bit-identical parameters)
+                since = state.fragment.flatten(service.stage) - local
+                state.fragment.load_(service.stage, state.outer.theta + since)
+                state.round_start_theta = state.outer.theta
+                self._samples_at_round = samples
+                self.ctx.events.publish(StageRoundDone(
+                    self.stage, state.outer.outer_round, outcome.group_size, outcome.bytes_sent,
+                    outcome.bytes_received, weight, state.outer.digest()[:16]))
+            elif isinstance(outcome, RoundRefused):
+                await self._adopt_outer(outcome.leader)
+            elif isinstance(outcome, RoundFailure):
+                logger.warning("stage %d: outer round %d failed: %s", self.stage, state.outer.outer_round + 1,
+                               outcome.reason)
+            self.rounds.append(outcome)
+        await self.announce()
+        return outcome
+
+    async def _sync_loop(self) -> None:
+        interval = self.ctx.run.swarm.sync_interval_s
+        while interval and not self.ctx.stop.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.ctx.stop.wait(), interval - time.time() % interval)
+            if self.ctx.stop.is_set():
+                break
+            try:
+                await self.sync_once()
+            except Exception:  # one bad round must not end serving: the next one may succeed
+                logger.exception("stage %d: outer round failed", self.stage)
+
     # --- training ---------------------------------------------------------------------------------------------
 
     async def _refresh(self) -> bool:
@@ -205,6 +334,12 @@ class SwarmRole:
         by_stage: dict[int, list[str]] = {k: [] for k in range(self.ctx.run.swarm.stages)}
         for peer, announcement in (await read_stage_servers(self.ctx)).items():
             by_stage[announcement.stage].append(peer)
+        own_failed = self.ctx.peer_id in self.wiring.stats.failures_by_server
+        for servers in by_stage.values():
+            # libp2p refuses to dial its own host ("dial to self"): once a call to ourselves failed, where the stage
+            # has another server, this peer's own stage serves the other trainers only
+            if own_failed and self.ctx.peer_id in servers and len(servers) > 1:
+                servers.remove(self.ctx.peer_id)
         self.wiring.set_servers(by_stage)
         return all(by_stage.values())
 
@@ -232,9 +367,14 @@ class SwarmRole:
             loss = await trainer.step(x.long(), y.long())
             if loss is not None:
                 self.losses.append(loss)
-            if node.log_every_steps and len(self.losses) % node.log_every_steps == 0 and loss is not None:
-                logger.info("swarm trainer: %d micro-batches, loss %.4f, %s", len(self.losses), loss,
-                            self.wiring.stats)
+            else:  # dropped (no live server of a stage): wait for the view to change instead of dropping more
+                refreshed = float("-inf")
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.ctx.stop.wait(), REFRESH_S)
+            stats = self.wiring.stats
+            if node.log_every_steps and stats.sent % node.log_every_steps == 0:
+                self.ctx.events.publish(SwarmProgress(len(self.losses), loss, stats.sent, stats.completed,
+                                                      stats.retried, stats.dropped))
 
     async def _wait_running(self) -> None:
         """Return once the pause is lifted or a stop is requested (the server keeps serving meanwhile)."""
@@ -250,11 +390,14 @@ class SwarmRole:
     async def run(self, ctx: RunContext) -> None:
         """Serve (and train) until ``ctx.stop`` is set, or until ``max_steps`` micro-batches were trained."""
         self.stage = await self._join_stage()
-        self.service = self._build_service(self.stage)
+        self.service, self.sync_state, self.outer_sync = self._build_service(self.stage)
+        await self.outer_sync.start()
         await self.service.start(ctx.transport)
         logger.info("serving stage %d of %d as %s", self.stage, ctx.run.swarm.stages, ctx.peer_id)
+        ctx.status.set_source(self._status_fields)
         announcer = asyncio.ensure_future(self._announce_loop())
         rebalancer = asyncio.ensure_future(self._rebalance_loop())
+        syncer = asyncio.ensure_future(self._sync_loop())
         try:
             trains = self.trainer_wanted if self.trainer_wanted is not None else self.stage == 0
             if trains:
@@ -262,8 +405,11 @@ class SwarmRole:
             else:
                 await ctx.stop.wait()
         finally:
-            for task in (announcer, rebalancer):
+            for task in (announcer, rebalancer, syncer):
                 task.cancel()
                 with contextlib.suppress(BaseException):
                     await task
             await self.service.stop()
+            await self.outer_sync.stop()
+            with contextlib.suppress(Exception):
+                await ctx.status.publish(role="left")

@@ -31,6 +31,12 @@ def test_help_exits_zero_and_describes_the_command(command):
         (["join", "--run-id", "x", "--no-such-flag"], "--no-such-flag"),
         (["join", "--run-id", "bad id!"], "invalid run id"),
         (["join", "--run-id", "x", "--device", "tpu"], "--device"),
+        (["join", "--run-id", "x", "--role", "boss"], "--role"),
+        (["join", "--run-id", "x", "--stage", "-1"], "stage"),
+        (["join", "--run-id", "x", "--stage", "2", "--run-config", "node_configs/runs/swarm-tiny.toml"],
+         "--stage 2"),
+        (["join", "--run-id", "x", "--stage", "0", "--run-config", "node_configs/runs/tiny-test.toml"],
+         "--stage 0"),
         (["frobnicate"], "frobnicate"),
     ],
 )

@@ -24,8 +24,14 @@ def test_records_carry_a_version_and_the_known_optional_instance():
     record = make_status(role="diloco", outer_round=1, instance="3f9a0c")
     assert record["v"] == STATUS_VERSION >= 1 and record["instance"] == "3f9a0c"
     assert set(record) == set(KNOWN_STATUS_FIELDS) | {"time", "v"} and status_problem(record) is None
-    with pytest.raises(ValueError, match="stage"):
-        make_status(role="diloco", stage=1)  # a writer sends only fields it knows
+    with pytest.raises(ValueError, match="hardware"):
+        make_status(role="diloco", hardware="gpu")  # a writer sends only fields it knows
+
+
+def test_records_may_carry_the_stage_a_swarm_server_serves():
+    record = make_status(role="swarm", outer_round=0, stage=1)
+    assert status_problem(record) is None and StatusFilter()({"p": record})["p"]["stage"] == 1
+    assert StatusFilter()({"old": OLD})["old"]["stage"] is None  # records of peers that predate the field
 
 
 def test_an_old_record_without_version_is_read():
@@ -36,18 +42,18 @@ def test_an_old_record_without_version_is_read():
 
 
 def test_a_record_with_an_unknown_field_is_read_and_the_field_ignored():
-    newer = {**make_status(role="diloco", outer_round=2), "stage": 1, "v": STATUS_VERSION + 1,
+    newer = {**make_status(role="diloco", outer_round=2), "hardware": "gpu", "v": STATUS_VERSION + 1,
              "anything": {"nested": [1, 2]}}
     assert status_problem(newer) is None
     f = StatusFilter()
     kept = f({"new": newer})["new"]
-    assert "stage" not in kept and "anything" not in kept and kept["outer_round"] == 2
+    assert "hardware" not in kept and "anything" not in kept and kept["outer_round"] == 2
     assert f.dropped == 0
 
 
 @pytest.mark.parametrize("field, value", [
     ("role", 5), ("outer_round", "2"), ("inner_step", -1), ("loss", float("nan")), ("digest", 12),
-    ("instance", 12), ("instance", "x" * 65), ("time", "now"), ("v", 1.5), ("v", True),
+    ("instance", 12), ("instance", "x" * 65), ("stage", -1), ("stage", "0"), ("stage", True), ("time", "now"), ("v", 1.5), ("v", True),
 ])
 def test_a_record_with_a_wrong_typed_known_field_is_dropped(field, value):
     for base in (OLD, make_status(role="diloco")):
