@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 
 from peerd.data import DataError, WindowSampler, evaluate, load_corpus
-from peerd.events import Evaluated, InnerProgress, Left, RoundDone, RoundFailed, StateDownloaded
+from peerd.events import Evaluated, ExpertsClaimed, InnerProgress, Left, RoundDone, RoundFailed, StateDownloaded
 from peerd.models import build_model
 from peerd.models.local_experts import train_only_experts
 from peerd.models.moe import MoETransformer, expert_parameter_names, shared_parameter_names
@@ -85,6 +85,11 @@ class SpesRole:
         self.steps_since_sync = 0
         self.samples_since_sync = 0
         self.stats = RoundStats()
+        # refresh answers go out after a holder's own sync returns: each RoundDone counts those served since the last
+        self._served_at_last_round = 0
+        self.refresh_bytes_received = 0
+        #: the latest sync's :class:`peerd.roles.spes_sync.SparseSyncReport` (None before the first)
+        self.last_report = None
         self.claims_key = ctx.namespace.dht_key(CLAIMS_KEY)
         averaging = run.averaging
         self.sync = SparseSync(ctx.transport, ctx.namespace, ROLE, self.model, (), averaging.matchmaking(),
@@ -138,6 +143,9 @@ class SpesRole:
             for component in self.components:
                 with contextlib.suppress(Exception):
                     await component.stop()
+            # refresh answers served after the last RoundDone still count in the totals
+            self.stats.bytes_sent += self.sync.refresh_bytes_served - self._served_at_last_round
+            self._served_at_last_round = self.sync.refresh_bytes_served
         self.ctx.events.publish(Left(self.outer_round, self.stats.bytes_sent, self.stats.bytes_received,
                                      self.stats.rounds_failed, self.ctx.run_id))
 
@@ -180,8 +188,7 @@ class SpesRole:
         if own == self.own and self.optimizer is not None:
             return
         if own != self.own:
-            logger.info("training experts %s (was %s)", sorted(own), sorted(self.own),
-                        extra={"experts": sorted(own), "outer_round": self.outer_round})
+            self.ctx.events.publish(ExpertsClaimed(self.outer_round, tuple(sorted(own)), tuple(sorted(self.own))))
         old = self.optimizer
         trainable = train_only_experts(self.model, own)
         self.optimizer = make_inner_optimizer(trainable, self.hp)
@@ -278,6 +285,7 @@ class SpesRole:
                                      float(max(1, self.samples_since_sync))), "sparse sync")
         if report is None:
             return
+        self.last_report = report
         if "shared" in report.failed:
             self.stats.rounds_failed += 1
             self.ctx.events.publish(RoundFailed(r, report.failed["shared"], ROLE,
@@ -289,8 +297,12 @@ class SpesRole:
         self.outer_round += 1
         self.steps_since_sync = self.samples_since_sync = 0
         self.stats.rounds_ok += 1
-        self.stats.bytes_sent += report.allreduce_bytes_sent
+        served = self.sync.refresh_bytes_served - self._served_at_last_round
+        self._served_at_last_round += served
+        bytes_sent = report.allreduce_bytes_sent + served
+        self.stats.bytes_sent += bytes_sent
         self.stats.bytes_received += report.allreduce_bytes_received + report.refresh_bytes_received
+        self.refresh_bytes_received += report.refresh_bytes_received
         self._model_snapshot = StateSnapshot.from_tensors(
             {"model": torch.cat([p.detach().reshape(-1).float().cpu() for p in self.model.parameters()])},
             {"outer_round": self.outer_round})
@@ -302,7 +314,7 @@ class SpesRole:
         total = sum(p.numel() for p in self.model.parameters())
         dp_bytes = int(steps * 2 * 4 * total)
         self.ctx.events.publish(RoundDone(
-            self.outer_round, report.group_sizes.get("shared", 1), report.allreduce_bytes_sent,
+            self.outer_round, report.group_sizes.get("shared", 1), bytes_sent,
             report.allreduce_bytes_received + report.refresh_bytes_received, report.seconds, {}, 1,
             round(time.perf_counter() - started, 3), weight, steps, dp_bytes, self._digest(), ROLE, eval_loss,
             self.stats.tokens))
