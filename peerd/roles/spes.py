@@ -13,7 +13,13 @@ Life of a peer:
    (:func:`protocols.spes.rebalance` over the claims of the round's peers, so all of them agree), evaluation. A
    leaver's experts have no holder in the next round's view and are claimed first, from their latest synced copy,
    which every peer holds after the refresh.
-3. On stop: publish ``left``, stop serving.
+3. On stop: checkpoint, publish ``left``, stop serving.
+
+Checkpoints (the node's checkpoint file of the run, written after every sync and on stop): every parameter, this
+peer's AdamW state, its claim, outer round, step counters and sampler position. A restarted peer resumes from it
+(:class:`peerd.events.CheckpointResumed`), keeps its claim where the live claims allow, and still adopts a live
+peer's model if that peer is past its round. Claim changes are :class:`peerd.events.ExpertsClaimed` events;
+``RoundDone.bytes_sent`` is the all-reduce's bytes plus the expert refreshes served since the previous round.
 
 The inner optimizer keeps its state for parameters that stay trained across a re-claim; newly claimed experts start
 with fresh AdamW moments.
@@ -32,7 +38,8 @@ import torch
 
 from peerd.checkpoint import Checkpoint, CheckpointError
 from peerd.data import DataError, WindowSampler, evaluate, load_corpus
-from peerd.events import CheckpointResumed, Evaluated, ExpertsClaimed, InnerProgress, Left, RoundDone, RoundFailed, StateDownloaded
+from peerd.events import (CheckpointResumed, Evaluated, ExpertsClaimed, InnerProgress, Left, RoundDone, RoundFailed,
+                          StateDownloaded)
 from peerd.models import build_model
 from peerd.models.local_experts import train_only_experts
 from peerd.models.moe import MoETransformer, expert_parameter_names, shared_parameter_names
@@ -357,6 +364,7 @@ class SpesRole:
                 offset += p.numel()
         self.outer_round = outer_round
         self.global_step = outer_round * self.cfg.sync_steps
+        self.steps_since_sync = self.samples_since_sync = 0  # local steps of a resumed checkpoint are superseded
         self.ctx.events.publish(StateDownloaded(outer_round, got.peer, self._digest(), got.seconds,
                                                 got.payload_bytes / 1e6, 0))
 
