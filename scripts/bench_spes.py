@@ -132,16 +132,15 @@ def _loss_run_config(a, parallelism: str, merge: bool, rounds: int) -> RunConfig
                         merge_interval=a.merge_interval if merge else 0,
                         merge_decay_steps=a.sync_steps * rounds, alpha_0=a.alpha_0),
         averaging=AveragingConfig.from_flat(compression=a.compression, matchmaking_timeout_s=30.0,
-                                            request_timeout_s=10.0, sender_timeout_s=30.0, reducer_timeout_s=60.0,
-                                            download_timeout_s=60.0))
+                                            request_timeout_s=10.0, sender_timeout_s=30.0, reducer_timeout_s=60.0))
 
 
-async def _train_peers(a, run: RunConfig, tmp: str) -> dict:
+async def _train_peers(a, run: RunConfig, checkpoint_dir: str) -> dict:
     """``a.peers`` in-process peers of ``run`` on one Hub until ``max_outer_rounds``; final eval and bytes."""
     hub = Hub()
     roles = []
     for i in range(a.peers):
-        node = NodeConfig(checkpoint_dir=os.path.join(tmp, f"{run.parallelism}-{i}"), threads=1, device="cpu",
+        node = NodeConfig(checkpoint_dir=os.path.join(checkpoint_dir, f"peer{i}"), threads=1, device="cpu",
                           status_interval_s=0.5, status_ttl_s=30.0, log_every_steps=10 ** 6)
         roles.append(role_class(run.parallelism)(RunContext.build("bench-spes-loss", run, node,
                                                                   hub.transport(f"peer{i}"))))
@@ -189,7 +188,8 @@ def loss_comparison(a) -> dict:
                                                          a.batch_size, a.eval_batches).nats_per_byte}
         for label, parallelism, merge in (("spes_merge", "spes", True), ("spes_no_merge", "spes", False),
                                           ("diloco_full", "diloco", False)):
-            out[label] = asyncio.run(_train_peers(a, _loss_run_config(a, parallelism, merge, a.rounds), tmp))
+            out[label] = asyncio.run(_train_peers(a, _loss_run_config(a, parallelism, merge, a.rounds),
+                                                   os.path.join(tmp, label)))
             print(label, out[label], file=sys.stderr, flush=True)
         out["single"] = _train_single(a, _loss_run_config(a, "diloco", False, a.rounds))
         print("single", out["single"], file=sys.stderr, flush=True)
