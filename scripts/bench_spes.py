@@ -266,8 +266,9 @@ sync round with the real matchmaking and all-reduce ({a.compression}).
 {sent_d / mb:.2f} | {(sent_s + spes_bytes['refresh_received']) / sent_d:.2f} |
 
 The all-reduce carries only trained parameters; the refresh of the untrained copies (every expert a peer does not
-hold, in the all-reduce codec's dtype) is most of what a peer receives. Peak RSS includes the interpreter and torch
-(a few hundred MB): the growth column is the training's share.
+hold, in the all-reduce codec's dtype) is most of what a peer receives. Peak RSS includes the interpreter, torch and
+the model build; `ru_maxrss` cannot be reset, so where building the model peaked above training (a SPES peer of
+small-moe) the growth column reads 0: compare the peak RSS row.
 """
     if loss is not None:
         steps = a.rounds * a.sync_steps
@@ -291,7 +292,8 @@ between peers {max(loss[k]['eval_spread'] for k in ('spes_merge', 'spes_no_merge
 | single process, whole model | {loss['single']['eval_nats_per_byte']:.4f} | 0 | {loss['single']['seconds']:.0f} |
 
 Bytes sent per round here are `RoundDone.bytes_sent` (SPES: all-reduce plus the expert refreshes served), averaged
-over peers and rounds.
+over peers and rounds; SPES's first round is not sparse (peers that start together each claim every expert until the
+first sync's re-claim spreads them). Wall seconds are not comparable: 2 cores shared with other work (load 10-13).
 """
     if a.md:
         replace_section(a.md, SECTION_HEADING, section)
