@@ -209,6 +209,20 @@ class CheckpointResumed(Event):
 
 
 @dataclass(frozen=True)
+class ExpertsClaimed(Event):
+    """The SPES role trains ``experts`` (expert indices) from outer round ``outer_round`` on; ``previous``: the
+    experts it trained before (empty at the first claim)."""
+
+    name: ClassVar[str] = "experts_claimed"
+    outer_round: int
+    experts: tuple[int, ...]
+    previous: tuple[int, ...] = ()
+
+    def message(self) -> str:
+        return f"training experts {list(self.experts)} (was {list(self.previous)}) from outer round {self.outer_round}"
+
+
+@dataclass(frozen=True)
 class Banned(Event):
     name: ClassVar[str] = "ban"
     level: ClassVar[int] = logging.WARNING

@@ -13,7 +13,13 @@ Life of a peer:
    (:func:`protocols.spes.rebalance` over the claims of the round's peers, so all of them agree), evaluation. A
    leaver's experts have no holder in the next round's view and are claimed first, from their latest synced copy,
    which every peer holds after the refresh.
-3. On stop: publish ``left``, stop serving.
+3. On stop: checkpoint, publish ``left``, stop serving.
+
+Checkpoints (the node's checkpoint file of the run, written after every sync and on stop): every parameter, this
+peer's AdamW state, its claim, outer round, step counters and sampler position. A restarted peer resumes from it
+(:class:`peerd.events.CheckpointResumed`), keeps its claim where the live claims allow, and still adopts a live
+peer's model if that peer is past its round. Claim changes are :class:`peerd.events.ExpertsClaimed` events;
+``RoundDone.bytes_sent`` is the all-reduce's bytes plus the expert refreshes served since the previous round.
 
 The inner optimizer keeps its state for parameters that stay trained across a re-claim; newly claimed experts start
 with fresh AdamW moments.
@@ -30,8 +36,10 @@ from typing import Optional
 
 import torch
 
+from peerd.checkpoint import Checkpoint, CheckpointError
 from peerd.data import DataError, WindowSampler, evaluate, load_corpus
-from peerd.events import Evaluated, InnerProgress, Left, RoundDone, RoundFailed, StateDownloaded
+from peerd.events import (CheckpointResumed, Evaluated, ExpertsClaimed, InnerProgress, Left, RoundDone, RoundFailed,
+                          StateDownloaded)
 from peerd.models import build_model
 from peerd.models.local_experts import train_only_experts
 from peerd.models.moe import MoETransformer, expert_parameter_names, shared_parameter_names
@@ -85,6 +93,11 @@ class SpesRole:
         self.steps_since_sync = 0
         self.samples_since_sync = 0
         self.stats = RoundStats()
+        # refresh answers go out after a holder's own sync returns: each RoundDone counts those served since the last
+        self._served_at_last_round = 0
+        self.refresh_bytes_received = 0
+        #: the latest sync's :class:`peerd.roles.spes_sync.SparseSyncReport` (None before the first)
+        self.last_report = None
         self.claims_key = ctx.namespace.dht_key(CLAIMS_KEY)
         averaging = run.averaging
         self.sync = SparseSync(ctx.transport, ctx.namespace, ROLE, self.model, (), averaging.matchmaking(),
@@ -112,6 +125,7 @@ class SpesRole:
 
     async def run(self, ctx: Optional[RunContext] = None) -> None:
         """Train until stopped or ``max_outer_rounds`` syncs are done."""
+        self._resume()
         for component in self.components:
             await component.start()
         status_task = asyncio.ensure_future(self._publish_loop())
@@ -133,11 +147,16 @@ class SpesRole:
             status_task.cancel()
             with contextlib.suppress(BaseException):
                 await status_task
+            if self.optimizer is not None:  # None: stopped before it claimed anything (or resuming failed)
+                self._save_checkpoint()
             await self.ctx.status.publish(role="left")
             await self._publish_claim(left=True)
             for component in self.components:
                 with contextlib.suppress(Exception):
                     await component.stop()
+            # refresh answers served after the last RoundDone still count in the totals
+            self.stats.bytes_sent += self.sync.refresh_bytes_served - self._served_at_last_round
+            self._served_at_last_round = self.sync.refresh_bytes_served
         self.ctx.events.publish(Left(self.outer_round, self.stats.bytes_sent, self.stats.bytes_received,
                                      self.stats.rounds_failed, self.ctx.run_id))
 
@@ -180,8 +199,7 @@ class SpesRole:
         if own == self.own and self.optimizer is not None:
             return
         if own != self.own:
-            logger.info("training experts %s (was %s)", sorted(own), sorted(self.own),
-                        extra={"experts": sorted(own), "outer_round": self.outer_round})
+            self.ctx.events.publish(ExpertsClaimed(self.outer_round, tuple(sorted(own)), tuple(sorted(self.own))))
         old = self.optimizer
         trainable = train_only_experts(self.model, own)
         self.optimizer = make_inner_optimizer(trainable, self.hp)
@@ -278,6 +296,7 @@ class SpesRole:
                                      float(max(1, self.samples_since_sync))), "sparse sync")
         if report is None:
             return
+        self.last_report = report
         if "shared" in report.failed:
             self.stats.rounds_failed += 1
             self.ctx.events.publish(RoundFailed(r, report.failed["shared"], ROLE,
@@ -289,24 +308,33 @@ class SpesRole:
         self.outer_round += 1
         self.steps_since_sync = self.samples_since_sync = 0
         self.stats.rounds_ok += 1
-        self.stats.bytes_sent += report.allreduce_bytes_sent
+        served = self.sync.refresh_bytes_served - self._served_at_last_round
+        self._served_at_last_round += served
+        bytes_sent = report.allreduce_bytes_sent + served
+        self.stats.bytes_sent += bytes_sent
         self.stats.bytes_received += report.allreduce_bytes_received + report.refresh_bytes_received
-        self._model_snapshot = StateSnapshot.from_tensors(
-            {"model": torch.cat([p.detach().reshape(-1).float().cpu() for p in self.model.parameters()])},
-            {"outer_round": self.outer_round})
+        self.refresh_bytes_received += report.refresh_bytes_received
+        self._snapshot_model()
         # every member re-claims from the same claims (this round's): they agree on who trains what next
         self._set_own(rebalance(self.n_experts, round_claims, self.cfg.min_holders,
                                 self.cfg.experts_per_peer)[self.peer_id])
         await self._publish_claim()
+        self._save_checkpoint()
         eval_loss = await self._evaluate()
         total = sum(p.numel() for p in self.model.parameters())
         dp_bytes = int(steps * 2 * 4 * total)
         self.ctx.events.publish(RoundDone(
-            self.outer_round, report.group_sizes.get("shared", 1), report.allreduce_bytes_sent,
+            self.outer_round, report.group_sizes.get("shared", 1), bytes_sent,
             report.allreduce_bytes_received + report.refresh_bytes_received, report.seconds, {}, 1,
             round(time.perf_counter() - started, 3), weight, steps, dp_bytes, self._digest(), ROLE, eval_loss,
             self.stats.tokens))
         await self.ctx.status.publish()
+
+    def _snapshot_model(self) -> None:
+        """The whole model as of the latest sync (fp32, flat), served to joining peers."""
+        self._model_snapshot = StateSnapshot.from_tensors(
+            {"model": torch.cat([p.detach().reshape(-1).float().cpu() for p in self.model.parameters()])},
+            {"outer_round": self.outer_round})
 
     def _digest(self) -> str:
         return hashlib.sha256(self.sync.shared.flatten(self.model).numpy().tobytes()).hexdigest()
@@ -336,8 +364,64 @@ class SpesRole:
                 offset += p.numel()
         self.outer_round = outer_round
         self.global_step = outer_round * self.cfg.sync_steps
+        self.steps_since_sync = self.samples_since_sync = 0  # local steps of a resumed checkpoint are superseded
         self.ctx.events.publish(StateDownloaded(outer_round, got.peer, self._digest(), got.seconds,
                                                 got.payload_bytes / 1e6, 0))
+
+    # ----------------------------------------------------------------------------------------------------- checkpoint
+
+    def _save_checkpoint(self) -> None:
+        """Model (every parameter, by name), this peer's AdamW state (by index among its trained parameters), its
+        claim, outer round, step counters and sampler position."""
+        tensors = {f"model.{name}": p.detach() for name, p in self.model.named_parameters()}
+        for index, state in self.optimizer.state_dict()["state"].items():
+            for name, value in state.items():
+                tensors[f"inner.{index}.{name}"] = torch.as_tensor(value).detach().cpu()
+        metadata = {
+            "run_id": self.ctx.run_id, "run_fingerprint": self.run_cfg.fingerprint(), "role": ROLE,
+            "outer_round": self.outer_round, "global_step": self.global_step,
+            "steps_since_sync": self.steps_since_sync, "samples_since_sync": self.samples_since_sync,
+            "experts": sorted(self.own), "sampler": self.sampler.state_dict(), "tokens": self.stats.tokens,
+        }
+        self.ctx.checkpoints.save(Checkpoint(tensors, metadata))
+
+    def _resume(self) -> None:
+        """Continue from the local checkpoint if there is one. Raises :class:`peerd.checkpoint.CheckpointError` if
+        it was written under another configuration of the run or does not fit the model."""
+        path = self.ctx.checkpoints.path
+        checkpoint = self.ctx.checkpoints.load()
+        if checkpoint is None:
+            return
+        meta, t = checkpoint.metadata, checkpoint.tensors
+        if meta.get("run_fingerprint") != self.run_cfg.fingerprint() or meta.get("role") != ROLE:
+            raise CheckpointError(f"checkpoint {path} was written under another configuration of run "
+                                  f"{self.ctx.run_id!r}; move it away or use another --checkpoint-dir")
+        try:
+            experts = frozenset(int(e) for e in meta["experts"])
+            if not all(0 <= e < self.n_experts for e in experts):
+                raise ValueError(f"expert indices {sorted(experts)} out of range")
+            with torch.no_grad():
+                for name, p in self.model.named_parameters():
+                    p.copy_(t[f"model.{name}"])
+            self._set_own(experts)
+            state = self.optimizer.state_dict()
+            inner: dict[int, dict[str, torch.Tensor]] = {}
+            for name, value in t.items():
+                if name.startswith("inner."):
+                    _, index, key = name.split(".", 2)
+                    inner.setdefault(int(index), {})[key] = value.to(self.device) if key != "step" else value
+            state["state"] = inner
+            self.optimizer.load_state_dict(state)
+            self.sampler.load_state_dict(meta["sampler"])
+            self.outer_round, self.global_step = int(meta["outer_round"]), int(meta["global_step"])
+            self.steps_since_sync = int(meta["steps_since_sync"])
+            self.samples_since_sync = int(meta["samples_since_sync"])
+            self.stats.tokens = int(meta.get("tokens", 0))
+        except (KeyError, ValueError, TypeError, RuntimeError) as e:
+            raise CheckpointError(f"checkpoint {path} is incomplete or mismatched: {e}") from None
+        if self.steps_since_sync == 0:  # the synced model of outer_round: serve it to joiners
+            self._snapshot_model()
+        self.ctx.events.publish(CheckpointResumed(self.outer_round, self._digest(), str(path), self.steps_since_sync))
 
     # ------------------------------------------------------------------------------------------ evaluation, status
 

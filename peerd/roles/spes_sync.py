@@ -37,6 +37,20 @@ logger = logging.getLogger(__name__)
 REFRESH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
+class _CountingStateServer(StateServer):
+    """A :class:`StateServer` that also counts the payload bytes of the answers it sent."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.bytes_served = 0
+
+    async def rpc_state(self, request) -> None:
+        before, snapshot = self.served, self.get_snapshot()
+        await super().rpc_state(request)
+        if self.served > before and snapshot is not None:
+            self.bytes_served += len(snapshot.payload)
+
+
 @dataclass
 class SparseSyncReport:
     """One sync of one peer (bytes in bytes). ``group_sizes``: fragment -> members of its all-reduce (1: this peer
@@ -79,7 +93,7 @@ class SparseSync:
                         ButterflyAllReduce(transport, frag.scope, allreduce, **extra))
             for frag in [self.shared, *self.experts]}
         self.served_prefix = ns.scoped(fragment="experts-served").prefix(role)
-        self.server = StateServer(transport, self.served_prefix, self._snapshot)
+        self.server = _CountingStateServer(transport, self.served_prefix, self._snapshot)
         self.own = frozenset(own)
         self._served: Optional[StateSnapshot] = None
         self.codec = get_codec(allreduce.compression)
@@ -103,6 +117,11 @@ class SparseSync:
 
     def _snapshot(self) -> Optional[StateSnapshot]:
         return self._served
+
+    @property
+    def refresh_bytes_served(self) -> int:
+        """Payload bytes of the synced expert copies this peer has served to others, since :meth:`start`."""
+        return self.server.bytes_served
 
     def trained_numel(self) -> int:
         """Parameters this peer trains and all-reduces: shared + its own experts."""
@@ -143,6 +162,8 @@ class SparseSync:
         report = SparseSyncReport()
         key = f"round{outer_round}"
         me = self.transport.streams.peer_id
+        # nothing to serve while averaging: a refresher polling early gets a cheap refusal, not last round's copy
+        self._served = None
         jobs = [self._average(self.shared, key, live, weight, report)]
         jobs += [self._average(self.experts[e], key, len(holders[e]), weight, report) for e in sorted(self.own)]
         await asyncio.gather(*jobs)

@@ -58,8 +58,8 @@ def test_three_spes_peers_end_each_round_with_the_same_shared_parameters_and_lea
 
 
 def _experts(peer):
-    """The experts ``peer`` trains, from its latest claim change (a structured field of its log)."""
-    claims = [e for e in peer.poll_events() if e.get("logger") == "peerd.roles.spes" and "experts" in e]
+    """The experts ``peer`` trains, from its latest ``experts_claimed`` event."""
+    claims = peer.of("experts_claimed")
     return set(claims[-1]["experts"]) if claims else set()
 
 

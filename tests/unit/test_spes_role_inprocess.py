@@ -41,12 +41,29 @@ def test_three_peers_train_sync_and_end_with_one_model_and_covered_experts(tmp_p
         run = _run(rounds=3)
         peers = [_peer(hub, f"peer{i}", run, tmp_path) for i in range(3)]
         done = []
+        claimed, left, allreduce_sent = [], [], {}
         for p in peers:
             p.ctx.events.subscribe(lambda e, p=p: done.append((p.peer_id, e)) if e.name == "outer_round" else None)
+            p.ctx.events.subscribe(lambda e, p=p: allreduce_sent.__setitem__((p.peer_id, e.outer_round),
+                                                                             p.last_report.allreduce_bytes_sent)
+                                   if e.name == "outer_round" else None)
+            p.ctx.events.subscribe(lambda e, p=p: claimed.append((p.peer_id, e)) if e.name == "experts_claimed"
+                                   else None)
+            p.ctx.events.subscribe(lambda e: left.append(e) if e.name == "leave" else None)
         await asyncio.gather(*[p.run() for p in peers])
-        return peers, done
+        return peers, done, claimed, left, allreduce_sent
 
-    peers, done = asyncio.run(main())
+    peers, done, claimed, left, allreduce_sent = asyncio.run(main())
+    # claim changes are typed events; the latest one of each peer names what it trains now
+    latest = {peer: e for peer, e in claimed}
+    assert set(latest) == {p.peer_id for p in peers}
+    assert all(set(latest[p.peer_id].experts) == p.own for p in peers)
+    assert all(e.previous == () for peer, e in claimed if e.outer_round == 0)
+    # bytes sent count the refresh answers served: everything one peer received as a refresh, another served
+    served = sum(p.sync.refresh_bytes_served for p in peers)
+    assert served > 0 and served == sum(p.refresh_bytes_received for p in peers)
+    assert sum(e.bytes_sent for e in left) >= sum(e.bytes_sent for _, e in done)
+    assert sum(e.bytes_sent for e in left) > served
     assert all(p.outer_round == 3 and p.stats.rounds_ok == 3 for p in peers)
     first = dict(peers[0].model.named_parameters())
     for p in peers[1:]:
@@ -55,10 +72,13 @@ def test_three_peers_train_sync_and_end_with_one_model_and_covered_experts(tmp_p
     claims = {p.peer_id: p.own for p in peers}
     assert all(holders_of(claims, 8))  # every expert has a holder
     assert sorted(len(c) for c in claims.values()) == [2, 3, 3]  # spread out after the first sync
-    # after the claims spread, a peer sends less than it would with all experts
-    last = {peer: e for peer, e in done if e.outer_round == 3}
-    full = {peer: e for peer, e in done if e.outer_round == 1}
-    assert all(last[p].bytes_sent < 0.7 * full[p].bytes_sent for p in last)
+    # after the claims spread, a peer all-reduces less than it would with all experts
+    last = {peer: allreduce_sent[peer, 3] for peer in claims}
+    full = {peer: allreduce_sent[peer, 1] for peer in claims}
+    assert all(last[p] < 0.7 * full[p] for p in last)
+    # RoundDone.bytes_sent = the all-reduce's bytes + the refresh answers served since the previous round
+    assert all(e.bytes_sent >= allreduce_sent[peer, e.outer_round] for peer, e in done)
+    assert sum(e.bytes_sent for _, e in done) > sum(allreduce_sent.values())
     assert all(e.eval_nats_per_byte is not None for _, e in done)
 
 
