@@ -1,7 +1,6 @@
 """Stage replicas average their stage's parameters in outer rounds (in-process transports)."""
 
 import asyncio
-import dataclasses
 
 import pytest
 import torch
