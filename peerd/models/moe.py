@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from peerd.models.transformer import INIT_STD, SwiGLU, TransformerConfig, _apply_rope, _rms_norm, _rope_tables
+from peerd.models.transformer import SwiGLU, TransformerConfig, _apply_rope, _rms_norm, _rope_tables, init_weights
 
 # Measured with count_parameters (vocab 256):
 #   tiny-moe  =  2,659,712 parameters (expert MLPs 2,359,296 of them)
@@ -164,19 +164,10 @@ class MoETransformer(nn.Module):
         self.last_aux_loss: torch.Tensor | None = None
         self._init_weights(seed)
 
-    @torch.no_grad()
     def _init_weights(self, seed: int) -> None:
-        # Same scheme as the dense model: residual-branch outputs get std / sqrt(2 * n_layers). Each expert draws its
-        # own weights, so experts start distinct (identical experts would receive identical updates forever).
-        generator = torch.Generator(device="cpu").manual_seed(seed)
-        residual_std = INIT_STD / math.sqrt(2 * self.config.n_layers)
-        for name, param in self.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            elif name.endswith("proj.weight"):
-                param.copy_(torch.normal(0.0, residual_std, param.shape, generator=generator))
-            else:
-                param.copy_(torch.normal(0.0, INIT_STD, param.shape, generator=generator))
+        # the dense model's scheme; each expert draws its own weights, so experts start distinct (identical experts
+        # would receive identical updates forever)
+        init_weights(self, self.config.n_layers, seed)
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None

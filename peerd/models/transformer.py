@@ -145,6 +145,23 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))  # (B, T, C)
 
 
+@torch.no_grad()
+def init_weights(model: nn.Module, n_layers: int, seed: int) -> None:
+    """GPT-2 initialisation, deterministic for ``seed``: norms 1, residual-branch outputs (``*proj.weight``) normal
+    with std INIT_STD / sqrt(2 * n_layers) so the residual stream's variance does not grow with depth, everything
+    else normal with std INIT_STD. Draw order is ``named_parameters()`` order, fixed by the architecture (each MoE
+    expert draws its own weights, so experts start distinct)."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    residual_std = INIT_STD / math.sqrt(2 * n_layers)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        elif name.endswith("proj.weight"):
+            param.copy_(torch.normal(0.0, residual_std, param.shape, generator=generator))
+        else:
+            param.copy_(torch.normal(0.0, INIT_STD, param.shape, generator=generator))
+
+
 class Transformer(nn.Module):
     """Decoder-only language model; the LM head reuses the token embedding matrix.
 
@@ -167,19 +184,8 @@ class Transformer(nn.Module):
         """Recompute each block's activations during backward instead of keeping them (training only)."""
         self._init_weights(seed)
 
-    @torch.no_grad()
     def _init_weights(self, seed: int) -> None:
-        # GPT-2: residual-branch outputs get std / sqrt(2 * n_layers) so the residual stream's variance does not
-        # grow with depth. Draw order is named_parameters() order, fixed by the architecture.
-        generator = torch.Generator(device="cpu").manual_seed(seed)
-        residual_std = INIT_STD / math.sqrt(2 * self.config.n_layers)
-        for name, param in self.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            elif name.endswith("proj.weight"):
-                param.copy_(torch.normal(0.0, residual_std, param.shape, generator=generator))
-            else:
-                param.copy_(torch.normal(0.0, INIT_STD, param.shape, generator=generator))
+        init_weights(self, self.config.n_layers, seed)
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None
