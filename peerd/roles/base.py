@@ -131,6 +131,18 @@ class RunContext:
                    CheckpointStore(checkpoint_path(node.checkpoint_path, run_id)), events, pick_device(node.device))
 
 
+async def held_out_loss(model: torch.nn.Module, eval_tokens: Any, run: RunConfig) -> Optional[float]:
+    """Held-out loss of ``model`` in nats per byte over the run's ``eval_batches`` batches, computed off the event
+    loop (where the model is); None if the run's ``eval_batches`` is 0."""
+    if not run.eval_batches:
+        return None
+    from peerd.data import evaluate
+
+    result = await asyncio.get_running_loop().run_in_executor(
+        None, lambda: evaluate(model, eval_tokens, run.seq_len, run.batch_size, run.eval_batches))
+    return result.nats_per_byte
+
+
 async def unless_stopped(ctx: RunContext, coro, what: str = "matchmaking") -> Any:
     """Run ``coro`` but abandon it (returning None) as soon as a stop or a pause is requested."""
     task = asyncio.ensure_future(coro)

@@ -46,7 +46,7 @@ import torch
 
 from peerd.checkpoint import Checkpoint, CheckpointError
 from peerd.config import ConfigError
-from peerd.data import DataError, WindowSampler, evaluate, load_corpus
+from peerd.data import DataError, WindowSampler, load_corpus
 from peerd.events import (
     CheckpointResumed,
     Evaluated,
@@ -60,7 +60,7 @@ from peerd.events import (
 )
 from peerd.inner_step import InnerStep, enable_tf32, micro_batch_count, resolve_precision
 from peerd.models import build_model
-from peerd.roles.base import RunContext
+from peerd.roles.base import RunContext, held_out_loss
 from peerd.roles.fragments import FragmentState, whole_model
 from peerd.roles.outer_sync import Refused, RoundFailure, RoundResult, make_outer_sync
 from peerd.roles.state_sync import StateSync
@@ -264,13 +264,7 @@ class DiLoCoRole:
         started = time.perf_counter()
         r = self.outer.outer_round
         local = self.part.fragment.flatten(self.model)  # (P,)
-        if not all_finite(local):
-            # nobody can use our contribution (and the all-reduce would refuse it): sit the round out
-            self._round_failed(r, "local pseudo-gradient is not finite (local training diverged)",
-                               f"dropping {self.steps_since_sync} local steps and the inner optimizer state, "
-                               "restarting from theta_outer")
-            self._new_optimizer()
-            self._restart_local()
+        if self._sat_out_diverged(r, local):
             return
         syncing = sum(1 for p, v in records.items() if p != self.peer_id and v.get("role") == SYNCING)
         weight = float(self.samples_since_sync)
@@ -305,18 +299,25 @@ class DiLoCoRole:
         ))
         await self.ctx.status.publish()
 
+    def _sat_out_diverged(self, r: int, local: torch.Tensor) -> bool:
+        """If theta_local ((P,)) is not finite, sit round ``r + 1`` out: nobody can use our contribution (and the
+        all-reduce would refuse it); restart from theta_outer with a fresh inner optimizer. True if it did."""
+        if all_finite(local):
+            return False
+        self._round_failed(r, "local pseudo-gradient is not finite (local training diverged)",
+                           f"dropping {self.steps_since_sync} local steps and the inner optimizer state, "
+                           "restarting from theta_outer")
+        self._new_optimizer()
+        self._restart_local()
+        return True
+
     # ------------------------------------------------------------------------------------------ delayed outer rounds
 
     async def _delayed_round(self) -> None:
         """Round boundary with the delayed overlap: land the previous round's all-reduce, launch this one's."""
         r = self.outer.outer_round
         local = self.part.fragment.flatten(self.model)  # (P,)
-        if not all_finite(local):
-            self._round_failed(r, "local pseudo-gradient is not finite (local training diverged)",
-                               f"dropping {self.steps_since_sync} local steps and the inner optimizer state, "
-                               "restarting from theta_outer")
-            self._new_optimizer()
-            self._restart_local()
+        if self._sat_out_diverged(r, local):
             return
         delta = self.outer.pseudo_gradient(local)  # this round started from the current theta_outer
         weight, steps = float(self.samples_since_sync), self.steps_since_sync
@@ -506,13 +507,10 @@ class DiLoCoRole:
 
     async def _evaluate(self) -> Optional[float]:
         """Held-out loss (nats/byte) of theta_local; None if the run's ``eval_batches`` is 0."""
-        if not self.run_cfg.eval_batches:
-            return None
-        run = self.run_cfg
-        result = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: evaluate(self.model, self.eval_tokens, run.seq_len, run.batch_size, run.eval_batches))
-        self.stats.last_eval = result.nats_per_byte
-        return result.nats_per_byte
+        loss = await held_out_loss(self.model, self.eval_tokens, self.run_cfg)
+        if loss is not None:
+            self.stats.last_eval = loss
+        return loss
 
     async def _evaluate_and_publish(self) -> None:
         eval_loss = await self._evaluate()

@@ -37,13 +37,13 @@ from typing import Optional
 import torch
 
 from peerd.checkpoint import Checkpoint, CheckpointError
-from peerd.data import DataError, WindowSampler, evaluate, load_corpus
+from peerd.data import DataError, WindowSampler, load_corpus
 from peerd.events import (CheckpointResumed, Evaluated, ExpertsClaimed, InnerProgress, Left, RoundDone, RoundFailed,
                           StateDownloaded)
 from peerd.models import build_model
 from peerd.models.local_experts import train_only_experts
 from peerd.models.moe import MoETransformer, expert_parameter_names, shared_parameter_names
-from peerd.roles.base import RunContext, unless_stopped
+from peerd.roles.base import RunContext, held_out_loss, unless_stopped
 from peerd.roles.diloco import RoundStats
 from peerd.roles.spes_sync import SparseSync
 from peerd.roles.state_sync import StateSync
@@ -426,13 +426,10 @@ class SpesRole:
     # ------------------------------------------------------------------------------------------ evaluation, status
 
     async def _evaluate(self) -> Optional[float]:
-        if not self.run_cfg.eval_batches:
-            return None
-        run = self.run_cfg
-        result = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: evaluate(self.model, self.eval_tokens, run.seq_len, run.batch_size, run.eval_batches))
-        self.stats.last_eval = result.nats_per_byte
-        return result.nats_per_byte
+        loss = await held_out_loss(self.model, self.eval_tokens, self.run_cfg)
+        if loss is not None:
+            self.stats.last_eval = loss
+        return loss
 
     async def _evaluate_and_publish(self) -> None:
         self.ctx.events.publish(Evaluated(self.outer_round, await self._evaluate(), self.stats.tokens))
