@@ -275,7 +275,19 @@ class BFloat16Compression(Codec):
         return _from_bytes(view, torch.bfloat16, numel).to(dtype)
 
 
-class Int8Compression(Codec):
+class _BlockwiseCodec(Codec):
+    """A codec with one fp32 scale per block of ``block_size`` consecutive values (the last block may be short)."""
+
+    def __init__(self, block_size: int) -> None:
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+        self.block_size = block_size
+
+    def _num_blocks(self, numel: int) -> int:
+        return -(-numel // self.block_size)
+
+
+class Int8Compression(_BlockwiseCodec):
     """``"int8"``: blockwise absmax quantization; ``block_size`` values share one fp32 scale (default 256).
 
     Layout: ``ceil(numel / block_size)`` little-endian fp32 scales ``absmax / 127`` (0 for an all-zero block), then
@@ -287,12 +299,7 @@ class Int8Compression(Codec):
     name = "int8"
 
     def __init__(self, block_size: int = 256) -> None:
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
-        self.block_size = block_size
-
-    def _num_blocks(self, numel: int) -> int:
-        return -(-numel // self.block_size)
+        super().__init__(block_size)
 
     def encoded_size(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
         return 4 * self._num_blocks(numel) + numel
@@ -331,7 +338,7 @@ _E2M1_SIGNED = np.concatenate([_E2M1, -_E2M1])  # (16,) value of each 4-bit code
 _E2M1_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
 
 
-class Fp4Compression(Codec):
+class Fp4Compression(_BlockwiseCodec):
     """``"fp4"``: e2m1 4-bit floats with one fp32 scale ``absmax / 6`` per block of ``block_size`` values (default 64).
 
     Streaming DiLoCo (arXiv 2501.18512) sends its pseudo-gradients as e2m1 4-bit floats. Each value ``x`` of a block
@@ -346,12 +353,7 @@ class Fp4Compression(Codec):
     name = "fp4"
 
     def __init__(self, block_size: int = 64) -> None:
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
-        self.block_size = block_size
-
-    def _num_blocks(self, numel: int) -> int:
-        return -(-numel // self.block_size)
+        super().__init__(block_size)
 
     def encoded_size(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
         return 4 * self._num_blocks(numel) + (numel + 1) // 2
