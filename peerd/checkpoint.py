@@ -88,3 +88,29 @@ def load_checkpoint(path: str | os.PathLike) -> Optional[Checkpoint]:
     except (SafetensorError, ValueError, KeyError, OSError) as e:
         raise CheckpointError(f"checkpoint {path} is unreadable: {e}") from None
     return Checkpoint(tensors, metadata)
+
+
+#: Prefix of an optimizer's per-parameter state tensors in a checkpoint: ``inner.<param index>.<state key>``.
+OPTIMIZER_PREFIX = "inner."
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """The per-parameter state of ``optimizer`` (e.g. AdamW's ``step``, ``exp_avg``, ``exp_avg_sq``) as CPU tensors
+    named ``inner.<index>.<key>``, for :func:`save_checkpoint`."""
+    return {f"{OPTIMIZER_PREFIX}{index}.{key}": torch.as_tensor(value).detach().cpu()
+            for index, state in optimizer.state_dict()["state"].items() for key, value in state.items()}
+
+
+def load_optimizer_tensors(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor],
+                           device: torch.device) -> None:
+    """Restore what :func:`optimizer_tensors` saved (moments onto ``device``; ``step`` stays where the optimizer
+    keeps it). Raises ValueError/KeyError/RuntimeError if the tensors do not fit the optimizer's parameters."""
+    state = optimizer.state_dict()
+    inner: dict[int, dict[str, torch.Tensor]] = {}
+    for name, value in tensors.items():
+        if name.startswith(OPTIMIZER_PREFIX):
+            _, index, key = name.split(".", 2)
+            inner.setdefault(int(index), {})[key] = value.to(device) if key != "step" else value
+    state["state"] = inner
+    optimizer.load_state_dict(state)
+

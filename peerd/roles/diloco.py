@@ -44,7 +44,7 @@ from typing import Optional
 
 import torch
 
-from peerd.checkpoint import Checkpoint, CheckpointError
+from peerd.checkpoint import Checkpoint, CheckpointError, load_optimizer_tensors, optimizer_tensors
 from peerd.config import ConfigError
 from peerd.data import DataError, WindowSampler, load_corpus
 from peerd.events import (
@@ -530,10 +530,7 @@ class DiLoCoRole:
     def _save_checkpoint(self) -> None:
         tensors = {"theta_outer": self.outer.theta, "momentum": self.outer.momentum,
                    "theta_local": self.part.fragment.flatten(self.model)}
-        inner_state = self.optimizer.state_dict()["state"]
-        for index, state in inner_state.items():
-            for name, value in state.items():
-                tensors[f"inner.{index}.{name}"] = torch.as_tensor(value).detach().cpu()
+        tensors.update(optimizer_tensors(self.optimizer))
         metadata = {
             "run_id": self.ctx.run_id, "run_fingerprint": self.run_cfg.fingerprint(),
             "outer_round": self.outer.outer_round, "steps_since_sync": self.steps_since_sync,
@@ -559,14 +556,7 @@ class DiLoCoRole:
             self.outer = OuterState(t["theta_outer"].clone(), t["momentum"].clone(), int(meta["outer_round"]))
             self.part.round_start_theta = self.outer.theta
             self.part.fragment.load_(self.model, t["theta_local"])
-            state = self.optimizer.state_dict()
-            inner: dict[int, dict[str, torch.Tensor]] = {}
-            for name, value in t.items():
-                if name.startswith("inner."):
-                    _, index, key = name.split(".", 2)
-                    inner.setdefault(int(index), {})[key] = value.to(self.device) if key != "step" else value
-            state["state"] = inner
-            self.optimizer.load_state_dict(state)
+            load_optimizer_tensors(self.optimizer, t, self.device)
             self.sampler.load_state_dict(meta["sampler"])
         except (KeyError, ValueError, RuntimeError) as e:
             raise CheckpointError(f"checkpoint {path} is incomplete or mismatched: {e}") from None

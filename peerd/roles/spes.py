@@ -36,7 +36,7 @@ from typing import Optional
 
 import torch
 
-from peerd.checkpoint import Checkpoint, CheckpointError
+from peerd.checkpoint import Checkpoint, CheckpointError, load_optimizer_tensors, optimizer_tensors
 from peerd.data import DataError, WindowSampler, load_corpus
 from peerd.events import (CheckpointResumed, Evaluated, ExpertsClaimed, InnerProgress, Left, RoundDone, RoundFailed,
                           StateDownloaded)
@@ -374,9 +374,7 @@ class SpesRole:
         """Model (every parameter, by name), this peer's AdamW state (by index among its trained parameters), its
         claim, outer round, step counters and sampler position."""
         tensors = {f"model.{name}": p.detach() for name, p in self.model.named_parameters()}
-        for index, state in self.optimizer.state_dict()["state"].items():
-            for name, value in state.items():
-                tensors[f"inner.{index}.{name}"] = torch.as_tensor(value).detach().cpu()
+        tensors.update(optimizer_tensors(self.optimizer))
         metadata = {
             "run_id": self.ctx.run_id, "run_fingerprint": self.run_cfg.fingerprint(), "role": ROLE,
             "outer_round": self.outer_round, "global_step": self.global_step,
@@ -404,14 +402,7 @@ class SpesRole:
                 for name, p in self.model.named_parameters():
                     p.copy_(t[f"model.{name}"])
             self._set_own(experts)
-            state = self.optimizer.state_dict()
-            inner: dict[int, dict[str, torch.Tensor]] = {}
-            for name, value in t.items():
-                if name.startswith("inner."):
-                    _, index, key = name.split(".", 2)
-                    inner.setdefault(int(index), {})[key] = value.to(self.device) if key != "step" else value
-            state["state"] = inner
-            self.optimizer.load_state_dict(state)
+            load_optimizer_tensors(self.optimizer, t, self.device)
             self.sampler.load_state_dict(meta["sampler"])
             self.outer_round, self.global_step = int(meta["outer_round"]), int(meta["global_step"])
             self.steps_since_sync = int(meta["steps_since_sync"])
