@@ -14,20 +14,11 @@ import time
 import psutil
 import pytest
 
-from peerd.testing.localswarm import LOCAL, TINY, Swarm, peerd_cmd
+from peerd.testing.localswarm import LOCAL, TINY, peerd_cmd
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 RUN = "lifecycle"
-
-
-@pytest.fixture
-def swarm(tmp_path):
-    s = Swarm(tmp_path)
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 def test_a13_a_second_daemon_on_a_held_identity_exits_1_naming_the_file_and_the_holder(swarm, tmp_path):

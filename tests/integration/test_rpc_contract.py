@@ -16,26 +16,11 @@ import torch
 from peerd.transport.inprocess import Hub
 from protocols.rpc import ProtocolViolation, Refused, RpcTimeout, Service, Unreachable, call, open_stream
 from protocols.state_transfer import StateServer, StateSnapshot, download_state
+from tests.streams import CountingReader
 
 pytestmark = pytest.mark.timeout(180)
 
 SMALL_CHUNK = 4096
-
-
-class _CountingReader:
-    """Counts every byte the RPC layer consumed from a stream."""
-
-    def __init__(self, inner):
-        self.inner, self.n = inner, 0
-
-    async def readexactly(self, n):
-        try:
-            data = await self.inner.readexactly(n)
-        except asyncio.IncompleteReadError as e:
-            self.n += len(e.partial)
-            raise
-        self.n += len(data)
-        return data
 
 
 class _CountingStreams:
@@ -54,7 +39,7 @@ class _CountingStreams:
 
     async def open(self, peer_id, name):
         reader, writer = await self.inner.open(peer_id, name)
-        self.readers.append(_CountingReader(reader))
+        self.readers.append(CountingReader(reader))
         return self.readers[-1], writer
 
 

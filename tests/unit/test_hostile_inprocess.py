@@ -17,6 +17,7 @@ import torch
 from peerd.transport.inprocess import Hub
 from protocols.allreduce import AllReduceConfig, ButterflyAllReduce
 from protocols.matchmaking import AdmissionRefused, MatchmakingConfig
+from tests.streams import CountingReader
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -69,22 +70,6 @@ class HostileAllReduce(ButterflyAllReduce):
         return torch.zeros(n), 0, 0
 
 
-class _CountingReader:
-    """Counts the bytes a handler consumed from the stream (a partial read that hit EOF included)."""
-
-    def __init__(self, inner):
-        self.inner, self.n = inner, 0
-
-    async def readexactly(self, n):
-        try:
-            data = await self.inner.readexactly(n)
-        except asyncio.IncompleteReadError as e:
-            self.n += len(e.partial)
-            raise
-        self.n += len(data)
-        return data
-
-
 class CountingAllReduce(ButterflyAllReduce):
     """Honest; records how many bytes of the hostile member's stream its reducer read (RELIABILITY B3 figure)."""
 
@@ -93,7 +78,7 @@ class CountingAllReduce(ButterflyAllReduce):
     async def _handle_part(self, peer, reader, writer):
         if peer != "peer3":
             return await super()._handle_part(peer, reader, writer)
-        counted = _CountingReader(reader)
+        counted = CountingReader(reader)
         try:
             return await super()._handle_part(peer, counted, writer)
         finally:
