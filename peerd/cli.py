@@ -78,6 +78,17 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--role", choices=("auto", "server", "trainer"), dest="swarm_role",
                    help="SWARM runs: trainer (also push micro-batches), server (serve only); default auto "
                         "(stage-0 servers train)")
+    g = p.add_argument_group("using the GPU well (node options: the run's tokens per inner step stay the same)")
+    g.add_argument("--micro-batch-size", type=int, metavar="M",
+                   help="sequences per forward/backward; the run's batch_size is reached by accumulating "
+                   "batch_size/M micro-batches (must divide it; default 0 = the whole batch at once)")
+    g.add_argument("--precision", choices=("auto", "fp32", "bf16", "fp16"),
+                   help="auto (default): bf16 autocast on GPUs that support it, fp16 + loss scaling on older "
+                   "ones, fp32 on CPU; master weights and the outer state stay fp32")
+    g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile the model with torch.compile (warm-up left out of tokens/s; default off)")
+    g.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=None,
+                   help="recompute activations in the backward pass to fit bigger micro-batches (default off)")
     g = p.add_argument_group("volunteer limits and services")
     g.add_argument("--gpu-memory-fraction", type=float, metavar="F",
                    help="let this process allocate at most this share (0-1] of the GPU's memory (default no limit)")
@@ -236,7 +247,8 @@ def _node_config(args: argparse.Namespace) -> NodeConfig:
 
 #: Node config keys that commands may take as flags (besides the addresses and identity of every DHT command).
 NODE_FLAGS = ("device", "threads", "checkpoint_dir", "data", "gpu_memory_fraction", "upload_limit_mb_s",
-              "download_limit_mb_s", "active_hours", "metrics_port", "control_socket", "stage", "swarm_role")
+              "download_limit_mb_s", "active_hours", "metrics_port", "control_socket", "stage", "swarm_role",
+              "micro_batch_size", "precision", "compile", "activation_checkpointing")
 
 
 #: Flags spelled differently from their node config key.
