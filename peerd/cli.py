@@ -501,17 +501,18 @@ def _own_executable() -> Optional[str]:
 
 
 def _checkpoint_model(args: argparse.Namespace):
-    from peerd.export import find_checkpoint, load_checkpoint_model
+    """(checkpoint file, its model, the tokenizer its run trained with)."""
+    from peerd.export import checkpoint_tokenizer, find_checkpoint, load_checkpoint_model
 
     path = find_checkpoint(args.checkpoint_dir, args.run_id)
-    return path, load_checkpoint_model(path, args.weights, args.model, args.seq_len)
+    return path, load_checkpoint_model(path, args.weights, args.model, args.seq_len), checkpoint_tokenizer(path)
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
     from peerd.export import export_llama
 
-    path, model = _checkpoint_model(args)
-    files = export_llama(model, args.out)
+    path, model, tokenizer = _checkpoint_model(args)
+    files = export_llama(model, args.out, tokenizer)
     print(f"exported {args.weights} weights of {path} ({model.config.n_layers} layers, d_model "
           f"{model.config.d_model}) to {', '.join(str(f) for f in files)}")
     return 0
@@ -525,14 +526,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             raise UsageError(f"peerd generate: --{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if not args.temperature >= 0:
         raise UsageError(f"peerd generate: --temperature must be >= 0, got {args.temperature}")
-    _, model = _checkpoint_model(args)
+    _, model, tokenizer = _checkpoint_model(args)
     if args.device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
             raise UsageError("peerd generate: --device cuda, but torch sees no CUDA device")
         model = model.to("cuda")
-    print(generate_text(model, args.prompt, args.max_tokens, args.temperature, args.top_k, args.seed))
+    print(generate_text(model, args.prompt, args.max_tokens, args.temperature, args.top_k, args.seed, tokenizer))
     return 0
 
 

@@ -535,6 +535,7 @@ class DiLoCoRole:
             "samples_since_sync": self.samples_since_sync, "round_quota": self.round_quota,
             "sampler": self.sampler.state_dict(), "tokens": self.stats.tokens,
             "model": self.run_cfg.model, "seq_len": self.run_cfg.seq_len,  # what `peerd export` rebuilds
+            "tokenizer": self.run_cfg.tokenizer,
         }
         self.ctx.checkpoints.save(Checkpoint(tensors, metadata))
 

@@ -11,6 +11,8 @@ import torch
 import peerd.data
 from peerd.config import ConfigError, NodeConfig
 from peerd.data import DataError, load_corpus, tokenize_corpus
+from peerd.export import checkpoint_tokenizer, export_llama, find_checkpoint, load_checkpoint_model
+from peerd.generate import generate_text
 from peerd.namespace import RunNamespace, RunRef
 from peerd.roles.base import RunContext
 from peerd.roles.diloco import DiLoCoRole
@@ -159,3 +161,19 @@ def test_a_diloco_peer_trains_on_bpe_tokens(tmp_path, bpe):
 
     asyncio.run(main())
     assert role.steps_since_sync == 2
+
+    # what the run produced is usable with its tokenizer: generate, and export with tokenizer.json
+    TokenizerCache(tmp_path / "node" / "tokenizers").put(bpe)  # the daemon's cache, as resolve_tokenizer leaves it
+    role._save_checkpoint()
+    path = find_checkpoint(tmp_path / "node")
+    assert checkpoint_tokenizer(path).digest == bpe.digest
+    model = load_checkpoint_model(path, weights="local")
+    assert torch.equal(model.tok_emb.weight, role.model.tok_emb.weight.detach())
+    text = generate_text(model, "To be", max_new_tokens=5, tokenizer=bpe)
+    assert text.startswith("To be") and len(bpe.encode(text)) >= len(bpe.encode("To be"))
+    files = export_llama(model, tmp_path / "hf", checkpoint_tokenizer(path))
+    assert [f.name for f in files] == ["model.safetensors", "config.json", "tokenizer.json"]
+    import transformers  # the test extra installs it
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(files[2]))
+    assert hf.encode("To be, or not to be") == bpe.encode("To be, or not to be").tolist()
+    assert json.loads(files[1].read_text())["vocab_size"] == bpe.vocab_size
