@@ -98,6 +98,10 @@ class BpeTokenizer:
         flat = np.fromiter((t for part in parts for t in part), dtype=np.int32)
         return torch.from_numpy(flat)
 
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Ids of each text (encoded in parallel)."""
+        return [enc.ids for enc in self._tok.encode_batch(texts)]
+
     def decode(self, tokens: Union[torch.Tensor, Sequence[int]]) -> str:
         """Text of token ids (any 1-D int tensor or sequence); ids out of range raise ValueError."""
         import torch

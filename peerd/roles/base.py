@@ -26,7 +26,7 @@ from peerd.namespace import RunNamespace, RunRef, as_run_ref
 from peerd.service.pause import PauseGate
 from peerd.roles.status_board import StatusBoard
 from peerd.run_config import RunConfig
-from peerd.tokenizer import tokenizer_dir
+from peerd.corpus_store import corpus_cache_dir
 from protocols.bans import BanList
 from protocols.interfaces import Transport
 
@@ -113,12 +113,12 @@ class RunContext:
     ``vocab_size`` sizes the model, :meth:`training_corpus` encodes the corpus with it."""
 
     def training_corpus(self):
-        """The node's corpus (``--data`` or Shakespeare) in the run's tokens; BPE ids are cached per machine in
-        ``<checkpoint_dir>/tokenizers``. Raises DataError (a local-data run without ``--data``, unreadable text)."""
+        """The node's corpus (``--data`` or Shakespeare) in the run's tokens; a local corpus's bytes and BPE ids are
+        cached per machine in ``<checkpoint_dir>/corpus-cache`` (memory-mapped: any size trains). Raises DataError (a local-data run without ``--data``, unreadable text)."""
         if self.run.dataset == "local" and not self.node.data:
             raise DataError(f"run {self.run_id!r} trains on local data: pass --data PATH|GLOB")
-        corpus = load_corpus(self.node.data or "shakespeare")
-        return tokenize_corpus(corpus, self.tokenizer, tokenizer_dir(self.node))
+        cache = corpus_cache_dir(self.node)
+        return tokenize_corpus(load_corpus(self.node.data or "shakespeare", cache), self.tokenizer, cache)
 
     @property
     def peer_id(self) -> str:

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+import peerd.corpus_store
 import peerd.data
 from peerd.config import ConfigError, NodeConfig
 from peerd.data import DataError, load_corpus, tokenize_corpus
@@ -71,23 +72,35 @@ def test_cache_hands_out_only_files_with_the_right_digest(tmp_path, bpe):
     assert cache.get(bpe.digest) is None and not path.exists()
 
 
-def test_tokenized_corpus_is_cached_and_memory_mapped(tmp_path, bpe, monkeypatch):
-    text = tmp_path / "corpus.txt"
-    text.write_text("\n\n".join(DOCS))
-    corpus = load_corpus(str(text))
+def test_local_corpus_streamed_into_memory_mapped_caches(tmp_path, bpe, monkeypatch):
+    """A local corpus (text with CRLF and multi-byte characters, and jsonl) is streamed in pieces smaller than a
+    document into a byte cache and an id cache; both equal the in-memory path exactly, and a second start reads them
+    memory-mapped without reading or tokenizing again."""
+    (tmp_path / "a.txt").write_bytes("\r\n\r\n".join(DOCS[:120]).encode() + "\n\n\n É 漢字 ✓\r\n".encode())
+    (tmp_path / "b.jsonl").write_text("\n".join(json.dumps({"text": d + " ✓"}) for d in DOCS[120:]) + "\n")
+    spec = str(tmp_path / "*.*")
+    monkeypatch.setattr(peerd.corpus_store, "PIECE_BYTES", 61)
+    monkeypatch.setattr(peerd.data, "PIECE_BYTES", 61)
+    in_memory = load_corpus(spec)
     cache = tmp_path / "cache"
-    first = tokenize_corpus(corpus, bpe, cache)
-    assert first.train.dtype == torch.int32 and int(first.train.max()) < bpe.vocab_size
-    assert bpe.decode(first.train[:40]) == "\n\n".join(DOCS)[: len(bpe.decode(first.train[:40]))]
-    files = sorted(p.name for p in cache.iterdir())
-    assert len(files) == 2 and all(name.endswith(".npy") for name in files)
-    loads, real_load = [], np.load
-    monkeypatch.setattr(peerd.data, "_encode_split", lambda *a: pytest.fail("tokenized twice"))
-    monkeypatch.setattr(np, "load", lambda *a, **k: loads.append(k) or real_load(*a, **k))
-    second = tokenize_corpus(corpus, bpe, cache)
-    assert torch.equal(first.train, second.train) and torch.equal(first.eval, second.eval)
-    assert loads == [{"mmap_mode": "c"}] * 2  # memory-mapped, copy-on-write
-    assert tokenize_corpus(corpus, peerd.data.ByteTokenizer) is corpus  # bytes: the corpus is its own ids
+    streamed = load_corpus(spec, cache)
+    assert torch.equal(streamed.train, in_memory.train) and torch.equal(streamed.eval, in_memory.eval)
+    assert streamed.eval_files == in_memory.eval_files and streamed.key
+    ids = tokenize_corpus(streamed, bpe, cache)
+    whole = tokenize_corpus(in_memory, bpe)  # one pass over the whole text, no cache
+    assert ids.train.dtype == torch.int32 and torch.equal(ids.train, whole.train) and torch.equal(ids.eval, whole.eval)
+    assert int(ids.train.max()) >= 256 and int(ids.train.max()) < bpe.vocab_size
+    assert sorted(p.suffix for p in cache.iterdir()) == [".i32", ".i32", ".json", ".u8"]
+
+    monkeypatch.setattr(peerd.data, "_file_pieces", lambda *a: pytest.fail("read the files again"))
+    monkeypatch.setattr(peerd.corpus_store, "encode_bytes", lambda *a: pytest.fail("tokenized again"))
+    maps = []
+    real_memmap = np.memmap
+    monkeypatch.setattr(np, "memmap", lambda *a, **k: maps.append(k["mode"]) or real_memmap(*a, **k))
+    again = tokenize_corpus(load_corpus(spec, cache), bpe, cache)
+    assert torch.equal(again.train, ids.train) and torch.equal(again.eval, ids.eval)
+    assert maps == ["c"] * 3  # bytes, train ids, eval ids: memory-mapped copy-on-write
+    assert tokenize_corpus(in_memory, peerd.data.ByteTokenizer) is in_memory  # bytes: the corpus is its own ids
 
 
 def test_jsonl_corpus_reads_the_text_field(tmp_path):
@@ -154,7 +167,7 @@ def test_a_diloco_peer_trains_on_bpe_tokens(tmp_path, bpe):
     assert role.model.config.vocab_size == bpe.vocab_size
     x, _ = role.sampler.next_batch()
     assert int(x.max()) >= 256  # merged tokens, not bytes
-    assert (tmp_path / "node" / "tokenizers").is_dir()  # ids cached for the next start
+    assert len(list((tmp_path / "node" / "corpus-cache").glob("*.i32"))) == 2  # ids cached for the next start
 
     async def main():
         await role._train_until_quota()
