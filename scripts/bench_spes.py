@@ -50,7 +50,7 @@ from peerd.roles.spes_sync import SparseSync  # noqa: E402
 from peerd.transport.inprocess import Hub  # noqa: E402
 from protocols.allreduce import AllReduceConfig  # noqa: E402
 from protocols.matchmaking import MatchmakingConfig  # noqa: E402
-from protocols.spes import PeerClaim, SpesConfig, holders_of, rebalance  # noqa: E402
+from protocols.spes import PeerClaim, SpesConfig, rebalance  # noqa: E402
 
 from benchlib import replace_section  # noqa: E402
 
@@ -80,9 +80,7 @@ async def sync_bytes(model_name: str, seq_len: int, claims: dict, compression: s
                        refresh_timeout_s=60.0)
         await s.start()
         syncs[name] = s
-    n_experts = next(iter(syncs.values())).n_experts
-    reports = await asyncio.gather(*[s.sync(0, holders_of(claims, n_experts), len(syncs), 1.0)
-                                     for s in syncs.values()])
+    reports = await asyncio.gather(*[s.sync(0, len(syncs), 1.0) for s in syncs.values()])
     for s in syncs.values():
         await s.stop()
     failed = {n: r.failed for n, r in zip(syncs, reports) if r.failed}
@@ -97,13 +95,26 @@ async def sync_bytes(model_name: str, seq_len: int, claims: dict, compression: s
 RSS_STEPS = 3
 
 
+def _status_kib(field: str) -> int:
+    """A ``/proc/self/status`` memory field (``VmRSS``, ``VmHWM``) in KiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
 def _rss_probe(model_name: str, seq_len: int, experts: list[int]) -> dict:
-    """Run in a fresh process (``--rss-probe``): peak RSS of RSS_STEPS training steps of a peer training ``experts``."""
+    """Run in a fresh process (``--rss-probe``): peak RSS of RSS_STEPS training steps of a peer training ``experts``.
+    ``growth``: the peak during training over the RSS right after building the model (the kernel's peak counter,
+    VmHWM, is reset after the build by writing 5 to /proc/self/clear_refs; ``ru_maxrss`` cannot be reset)."""
     import resource
 
     torch.set_num_threads(1)
     model = build_moe_model(model_name, seq_len, seed=0)
-    built = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    built = _status_kib("VmRSS") * 1024
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
     optimizer = torch.optim.AdamW(train_only_experts(model, experts), lr=1e-3)
     idx = torch.randint(0, 256, (8, seq_len), generator=torch.Generator().manual_seed(0))
     for _ in range(RSS_STEPS):
@@ -112,7 +123,8 @@ def _rss_probe(model_name: str, seq_len: int, experts: list[int]) -> dict:
         loss.backward()
         optimizer.step()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"peak_rss": peak, "after_build_rss": built, "growth": peak - built}
+    training_peak = _status_kib("VmHWM") * 1024
+    return {"peak_rss": peak, "after_build_rss": built, "growth": training_peak - built}
 
 
 def peak_rss(model_name: str, seq_len: int, experts) -> dict:
@@ -267,8 +279,8 @@ sync round with the real matchmaking and all-reduce ({a.compression}).
 
 The all-reduce carries only trained parameters; the refresh of the untrained copies (every expert a peer does not
 hold, in the all-reduce codec's dtype) is most of what a peer receives. Peak RSS includes the interpreter, torch and
-the model build; `ru_maxrss` cannot be reset, so where building the model peaked above training (a SPES peer of
-small-moe) the growth column reads 0: compare the peak RSS row.
+the model build (which may peak above training); the growth row is the peak during training (the kernel's peak
+counter reset after the build) over the RSS after the build: the training state and activations.
 """
     if loss is not None:
         steps = a.rounds * a.sync_steps
