@@ -227,11 +227,10 @@ class SpesRole:
                 out[peer] = parsed
         return out, left
 
-    async def _round_peers(self, r: int) -> set[str]:
+    def _round_peers(self, r: int, view: dict[str, tuple[PeerClaim, int]], left: set[str]) -> set[str]:
         """Who should sync the shared parameters in round ``r``, this peer included: the peers whose published claim
         is at round ``r``, and the members of our previous round that have not left and are not elsewhere (their
         new claim may not be readable yet; counting them keeps the group from sealing without them)."""
-        view, left = await self._read_claims()
         peers = {p for p, (_, rr) in view.items() if rr == r}
         peers |= {p for p in self._round_members if p not in left and (p not in view or view[p][1] in (r - 1, r))}
         peers.discard(self.peer_id)
@@ -335,9 +334,17 @@ class SpesRole:
         carried (:attr:`SparseSyncReport.claims`), the same on all of them."""
         started = time.perf_counter()
         r = self.outer_round
+        view, left = await self._read_claims()
+        if any(rr > r for _, rr in view.values()):
+            # the others synced round r without us (our round failed): their model, not ours, is round r's result
+            await self._catch_up(view)
+            if self.outer_round > r:
+                self._set_own(self._claim(await self.claims_view()))
+                await self._publish_claim()
+                return
         report = await unless_stopped(
-            self.ctx, self.sync.sync(r, len(await self._round_peers(r)), float(max(1, self.samples_since_sync)),
-                                     self.capacity), "sparse sync")
+            self.ctx, self.sync.sync(r, len(self._round_peers(r, view, left)),
+                                     float(max(1, self.samples_since_sync)), self.capacity), "sparse sync")
         if report is None:
             return
         self.last_report = report
@@ -410,6 +417,7 @@ class SpesRole:
                 p.copy_(flat[offset:offset + p.numel()].view_as(p))
                 offset += p.numel()
         self.outer_round = outer_round
+        self._round_members = frozenset()  # we were in none of the rounds we skipped
         self.global_step = outer_round * self.cfg.sync_steps
         self.steps_since_sync = self.samples_since_sync = 0  # local steps of a resumed checkpoint are superseded
         self.ctx.events.publish(StateDownloaded(outer_round, got.peer, self._digest(), got.seconds,
