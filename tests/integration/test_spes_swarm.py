@@ -10,7 +10,7 @@ parallelism = "spes"
 seq_len = 64
 batch_size = 8
 dataset = "shakespeare"
-max_outer_rounds = 4
+max_outer_rounds = 3
 eval_batches = 4
 
 [diloco]
@@ -67,14 +67,14 @@ def test_four_spes_peers_learn_and_a_killed_peers_experts_are_reclaimed(swarm, t
     assert victim_experts, swarm.tails()
     for peer in survivors:
         rounds = peer.of("outer_round")
-        assert [e["outer_round"] for e in rounds] == [1, 2, 3, 4], swarm.tails()
+        assert [e["outer_round"] for e in rounds] == [1, 2, 3], swarm.tails()
         assert all(e["method"] == "spes" and e["bytes_sent"] > 0 for e in rounds)
         assert rounds[-1]["group_size"] == 3
         start = peer.of("eval")[0]["eval_nats_per_byte"]
         assert rounds[-1]["eval_nats_per_byte"] < rounds[0]["eval_nats_per_byte"] < start, (start, rounds)
     owned = [_experts(p) for p in survivors]
     assert victim_experts <= set().union(*owned) and set().union(*owned) == set(range(8))
-    for r in (2, 3, 4):  # digest of the shared parameters after the sync of round r
+    for r in (2, 3):  # digest of the shared parameters after the sync of round r
         digests = {p.digests().get(r) for p in survivors}
         assert len(digests) == 1 and None not in digests, f"round {r}: {digests}"
     # the last round's eval is the same model on every survivor
