@@ -119,3 +119,23 @@ def test_a_sole_holder_keeps_its_copy_and_the_others_refresh_from_it(compression
             await s.stop()
 
     asyncio.run(main())
+
+
+def test_refresh_plan_asks_the_holder_with_most_missing_experts_first():
+    from peerd.roles.spes_sync import refresh_plan
+
+    assert refresh_plan({0: ["b", "c"], 1: ["c"], 2: ["a"], 3: []}) == ["c", "a"]
+    assert refresh_plan({0: ["b"], 1: ["a"]}) == ["a", "b"]  # equals: lowest PeerID first
+    assert refresh_plan({}) == []
+
+
+def test_a_member_that_joined_with_a_malformed_claim_syncs_no_expert():
+    from protocols.matchmaking import Group
+    from protocols.spes import claim_record
+
+    s = SparseSync(Hub().transport("a"), RunNamespace(run=RunRef.parse("spes-test")), "spes", model(), {0}, MM, AR)
+    group = Group("g", "round0", "a", ("a", "b", "c"),
+                  {"a": claim_record({0}, 2, 0), "b": {"experts": [0, 99], "capacity": 2, "outer_round": 0},
+                   "c": "not a claim"})
+    assert s._member_claims(group) == {"a": PeerClaim(frozenset({0}), 2), "b": PeerClaim(frozenset(), 0),
+                                       "c": PeerClaim(frozenset(), 0)}
