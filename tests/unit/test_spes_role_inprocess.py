@@ -190,3 +190,36 @@ def test_a_pause_stops_training_inside_the_round_and_frees_the_claim_until_resum
     assert names.index("paused") < names.index("resumed") < names.index("outer_round")
     # the round resumed where it stopped: 5 steps in all, one sync
     assert peer.global_step == 5 and peer.outer_round == 1
+
+
+def test_a_peer_whose_round_went_on_without_it_adopts_the_others_model_instead_of_syncing_alone(tmp_path):
+    async def main():
+        hub = Hub()
+        run = _run(rounds=5)
+        ahead, behind = _peer(hub, "ahead", run, tmp_path), _peer(hub, "behind", run, tmp_path)
+        for peer in (ahead, behind):
+            for component in peer.components:
+                await component.start()
+            peer._set_own(frozenset(range(8)))
+        with torch.no_grad():
+            for p in ahead.model.parameters():
+                p.add_(0.5)
+        ahead.outer_round = 2  # it synced round 1 without `behind`, whose matchmaking for it failed
+        ahead._snapshot_model()
+        await ahead._publish_claim()
+        behind.outer_round, behind.steps_since_sync = 1, 3
+        events = []
+        behind.ctx.events.subscribe(events.append)
+        await behind.sync_round()
+        for peer in (ahead, behind):
+            for component in peer.components:
+                await component.stop()
+        return ahead, behind, events
+
+    ahead, behind, events = asyncio.run(main())
+    # adopted the model, re-claimed next to the peer ahead (which trains every expert); no sync of its own
+    assert [e.name for e in events] == ["state_download", "experts_claimed"]
+    assert behind.own != frozenset(range(8))
+    assert behind.outer_round == 2 and behind.steps_since_sync == 0
+    first = dict(ahead.model.named_parameters())
+    assert all(torch.equal(param, first[name]) for name, param in behind.model.named_parameters())
