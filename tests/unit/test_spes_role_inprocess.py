@@ -75,7 +75,7 @@ def test_three_peers_train_sync_and_end_with_one_model_and_covered_experts(tmp_p
         return peers, done, claimed, left, failed, allreduce_sent, reports
 
     peers, done, claimed, left, failed, allreduce_sent, reports = asyncio.run(main())
-    assert not failed
+    assert not failed, failed
     # every round: one shared group of all three, every fragment synced, the same claims read by every member
     for (peer, r), report in reports.items():
         assert report.group_sizes["shared"] == 3 and not report.failed, (peer, r, report)
