@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import subprocess
@@ -50,7 +51,7 @@ from peerd.roles.spes_sync import SparseSync  # noqa: E402
 from peerd.transport.inprocess import Hub  # noqa: E402
 from protocols.allreduce import AllReduceConfig  # noqa: E402
 from protocols.matchmaking import MatchmakingConfig  # noqa: E402
-from protocols.spes import PeerClaim, SpesConfig, holders_of, rebalance  # noqa: E402
+from protocols.spes import PeerClaim, SpesConfig, rebalance  # noqa: E402
 
 from benchlib import replace_section  # noqa: E402
 
@@ -80,9 +81,7 @@ async def sync_bytes(model_name: str, seq_len: int, claims: dict, compression: s
                        refresh_timeout_s=60.0)
         await s.start()
         syncs[name] = s
-    n_experts = next(iter(syncs.values())).n_experts
-    reports = await asyncio.gather(*[s.sync(0, holders_of(claims, n_experts), len(syncs), 1.0)
-                                     for s in syncs.values()])
+    reports = await asyncio.gather(*[s.sync(0, len(syncs), 1.0) for s in syncs.values()])
     for s in syncs.values():
         await s.stop()
     failed = {n: r.failed for n, r in zip(syncs, reports) if r.failed}
@@ -97,13 +96,26 @@ async def sync_bytes(model_name: str, seq_len: int, claims: dict, compression: s
 RSS_STEPS = 3
 
 
+def _status_kib(field: str) -> int:
+    """A ``/proc/self/status`` memory field (``VmRSS``, ``VmHWM``) in KiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
 def _rss_probe(model_name: str, seq_len: int, experts: list[int]) -> dict:
-    """Run in a fresh process (``--rss-probe``): peak RSS of RSS_STEPS training steps of a peer training ``experts``."""
+    """Run in a fresh process (``--rss-probe``): peak RSS of RSS_STEPS training steps of a peer training ``experts``.
+    ``growth``: the peak during training over the RSS right after building the model (the kernel's peak counter,
+    VmHWM, is reset after the build by writing 5 to /proc/self/clear_refs; ``ru_maxrss`` cannot be reset)."""
     import resource
 
     torch.set_num_threads(1)
     model = build_moe_model(model_name, seq_len, seed=0)
-    built = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    built = _status_kib("VmRSS") * 1024
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
     optimizer = torch.optim.AdamW(train_only_experts(model, experts), lr=1e-3)
     idx = torch.randint(0, 256, (8, seq_len), generator=torch.Generator().manual_seed(0))
     for _ in range(RSS_STEPS):
@@ -112,7 +124,8 @@ def _rss_probe(model_name: str, seq_len: int, experts: list[int]) -> dict:
         loss.backward()
         optimizer.step()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"peak_rss": peak, "after_build_rss": built, "growth": peak - built}
+    training_peak = _status_kib("VmHWM") * 1024
+    return {"peak_rss": peak, "after_build_rss": built, "growth": training_peak - built}
 
 
 def peak_rss(model_name: str, seq_len: int, experts) -> dict:
@@ -123,12 +136,18 @@ def peak_rss(model_name: str, seq_len: int, experts) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _loss_run_config(a, parallelism: str, merge: bool, rounds: int) -> RunConfig:
+def _loss_run_config(a, parallelism: str, merge: bool, rounds: int, min_holders: int = 0,
+                     plain_outer: bool = False) -> RunConfig:
+    """The loss part's run; ``min_holders`` 0 = ``--min-holders``; ``plain_outer``: DiLoCo's outer step as plain
+    averaging (outer lr 1, no momentum), SPES's outer step."""
+    hp = DiLoCoHyperparams(inner_steps=a.sync_steps, warmup_steps=a.warmup_steps, inner_lr=a.inner_lr)
+    if plain_outer:
+        hp = dataclasses.replace(hp, outer_lr=1.0, outer_momentum=0.0, outer_nesterov=False)
     return RunConfig(
         model=a.loss_model, parallelism=parallelism, seq_len=a.seq_len, batch_size=a.batch_size,
         eval_batches=a.eval_batches, max_outer_rounds=rounds,
-        diloco=DiLoCoHyperparams(inner_steps=a.sync_steps, warmup_steps=a.warmup_steps, inner_lr=a.inner_lr),
-        spes=SpesConfig(sync_steps=a.sync_steps, min_holders=a.min_holders,
+        diloco=hp,
+        spes=SpesConfig(sync_steps=a.sync_steps, min_holders=min_holders or a.min_holders,
                         merge_interval=a.merge_interval if merge else 0,
                         merge_decay_steps=a.sync_steps * rounds, alpha_0=a.alpha_0),
         averaging=AveragingConfig.from_flat(compression=a.compression, matchmaking_timeout_s=30.0,
@@ -186,10 +205,15 @@ def loss_comparison(a) -> dict:
         initial = build_model(a.loss_model, a.seq_len, 0)
         out["initial"] = {"eval_nats_per_byte": evaluate(initial, load_corpus("shakespeare").eval, a.seq_len,
                                                          a.batch_size, a.eval_batches).nats_per_byte}
-        for label, parallelism, merge in (("spes_merge", "spes", True), ("spes_no_merge", "spes", False),
-                                          ("diloco_full", "diloco", False)):
-            out[label] = asyncio.run(_train_peers(a, _loss_run_config(a, parallelism, merge, a.rounds),
-                                                   os.path.join(tmp, label)))
+        runs = [("spes_merge", _loss_run_config(a, "spes", True, a.rounds)),
+                ("spes_no_merge", _loss_run_config(a, "spes", False, a.rounds)),
+                ("diloco_full", _loss_run_config(a, "diloco", False, a.rounds))]
+        if a.gap_rows:  # where SPES's gap to DiLoCo comes from: experts split over peers, or the outer step
+            runs += [(f"spes_holders_{k}", _loss_run_config(a, "spes", False, a.rounds, min_holders=k))
+                     for k in sorted({min(2, a.peers), a.peers}) if k != a.min_holders]
+            runs.append(("diloco_plain", _loss_run_config(a, "diloco", False, a.rounds, plain_outer=True)))
+        for label, run in runs:
+            out[label] = asyncio.run(_train_peers(a, run, os.path.join(tmp, label)))
             print(label, out[label], file=sys.stderr, flush=True)
         out["single"] = _train_single(a, _loss_run_config(a, "diloco", False, a.rounds))
         print("single", out["single"], file=sys.stderr, flush=True)
@@ -213,6 +237,9 @@ def main(argv=None) -> int:
     parser.add_argument("--min-holders", type=int, default=1)
     parser.add_argument("--compression", default="fp16")
     parser.add_argument("--skip-loss", action="store_true", help="memory and bytes only")
+    parser.add_argument("--gap-rows", action="store_true",
+                        help="loss part: also SPES with every expert on 2 and on all peers, and DiLoCo with a plain "
+                             "averaging outer step")
     parser.add_argument("--md", default=None, help="write the section into this markdown file")
     parser.add_argument("--rss-probe", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--probe-experts", default="", help=argparse.SUPPRESS)
@@ -267,14 +294,19 @@ sync round with the real matchmaking and all-reduce ({a.compression}).
 
 The all-reduce carries only trained parameters; the refresh of the untrained copies (every expert a peer does not
 hold, in the all-reduce codec's dtype) is most of what a peer receives. Peak RSS includes the interpreter, torch and
-the model build; `ru_maxrss` cannot be reset, so where building the model peaked above training (a SPES peer of
-small-moe) the growth column reads 0: compare the peak RSS row.
+the model build (which may peak above training); the growth row is the peak during training (the kernel's peak
+counter reset after the build) over the RSS after the build: the training state and activations.
 """
     if loss is not None:
         steps = a.rounds * a.sync_steps
         rows = [("SPES, merging warm-up (alpha_0 {}, every {} steps)".format(a.alpha_0, a.merge_interval),
-                 loss["spes_merge"]), ("SPES, no merging", loss["spes_no_merge"]),
-                ("DiLoCo on the full MoE (every peer trains every expert)", loss["diloco_full"])]
+                 loss["spes_merge"]), ("SPES, no merging", loss["spes_no_merge"])]
+        rows += [(f"SPES, no merging, every expert trained by {label.rsplit('_', 1)[1]} peers (min_holders)", r)
+                 for label, r in loss.items() if label.startswith("spes_holders_")]
+        rows.append(("DiLoCo on the full MoE (every peer trains every expert)", loss["diloco_full"]))
+        if "diloco_plain" in loss:
+            rows.append(("DiLoCo on the full MoE, outer step = plain averaging (lr 1, no momentum)",
+                         loss["diloco_plain"]))
         table = "\n".join(f"| {label} | {r['eval_nats_per_byte']:.4f} | {r['bytes_sent_per_peer_round'] / mb:.2f} | "
                           f"{r['seconds']:.0f} |" for label, r in rows)
         section += f"""
@@ -283,7 +315,7 @@ all-reduce; not separate processes), {a.rounds} rounds of {a.sync_steps} inner s
 {a.seq_len} bytes per step per peer, inner AdamW lr {a.inner_lr} ({a.warmup_steps} warm-up steps), Shakespeare.
 Single process: the whole model, {steps} steps of {a.peers * a.batch_size} windows (the same tokens). Eval: nats per
 byte on the first {a.eval_batches} eval batches, after the last round (every peer holds the same model; largest spread
-between peers {max(loss[k]['eval_spread'] for k in ('spes_merge', 'spes_no_merge', 'diloco_full')):.1e}).
+between peers {max(r['eval_spread'] for k, r in loss.items() if k not in ('initial', 'single')):.1e}).
 
 | training | eval nats/byte | bytes sent per peer per round (MB) | wall s |
 |---|---|---|---|
@@ -293,7 +325,8 @@ between peers {max(loss[k]['eval_spread'] for k in ('spes_merge', 'spes_no_merge
 
 Bytes sent per round here are `RoundDone.bytes_sent` (SPES: all-reduce plus the expert refreshes served), averaged
 over peers and rounds; SPES's first round is not sparse (peers that start together each claim every expert until the
-first sync's re-claim spreads them). Wall seconds are not comparable: 2 cores shared with other work (load 10-13).
+first sync's re-claim spreads them). Wall seconds are not comparable: 2 cores shared with other work (load average
+{os.getloadavg()[0]:.0f} at the end).
 """
     if a.md:
         replace_section(a.md, SECTION_HEADING, section)

@@ -19,7 +19,7 @@ Checkpoints (the node's checkpoint file of the run, written after every sync and
 peer's AdamW state, its claim, outer round, step counters and sampler position. A restarted peer resumes from it
 (:class:`peerd.events.CheckpointResumed`), keeps its claim where the live claims allow, and still adopts a live
 peer's model if that peer is past its round. Claim changes are :class:`peerd.events.ExpertsClaimed` events;
-``RoundDone.bytes_sent`` is the all-reduce's bytes plus the expert refreshes served since the previous round.
+``RoundDone.bytes_sent`` is the all-reduce's bytes plus the expert refreshes served to the round's members.
 
 The inner optimizer keeps its state for parameters that stay trained across a re-claim; newly claimed experts start
 with fresh AdamW moments.
@@ -37,9 +37,11 @@ from typing import Optional
 import torch
 
 from peerd.checkpoint import Checkpoint, CheckpointError, load_optimizer_tensors, optimizer_tensors
+from peerd.config import ConfigError
 from peerd.data import WindowSampler
-from peerd.events import (CheckpointResumed, Evaluated, ExpertsClaimed, InnerProgress, Left, RoundDone, RoundFailed,
-                          StateDownloaded)
+from peerd.events import (CheckpointResumed, Evaluated, ExpertsClaimed, InnerProgress, Left, Paused, Resumed,
+                          RoundDone, RoundFailed, StateDownloaded)
+from peerd.inner_step import InnerStep, enable_tf32, micro_batch_count, resolve_precision
 from peerd.models import build_model
 from peerd.models.local_experts import train_only_experts
 from peerd.models.moe import MoETransformer, expert_parameter_names, shared_parameter_names
@@ -48,7 +50,7 @@ from peerd.roles.diloco import RoundStats
 from peerd.roles.spes_sync import SparseSync
 from peerd.roles.state_sync import StateSync
 from protocols.diloco import inner_lr_at, make_inner_optimizer, set_lr
-from protocols.spes import (PeerClaim, claim_experts, claim_record, expert_capacity, holders_of, merge_alpha,
+from protocols.spes import (PeerClaim, claim_experts, claim_record, expert_capacity, merge_alpha,
                             merge_due, merge_experts, parse_claim, rebalance)
 from protocols.state_transfer import StateSnapshot
 from protocols.wire import ProtocolViolation
@@ -58,6 +60,9 @@ logger = logging.getLogger(__name__)
 ROLE = "spes"
 #: DHT key (in the run's namespace) of the peers' expert claims; subkey = PeerID.
 CLAIMS_KEY = "spes_claims"
+#: Longest a peer waits after its round for the members refreshing from it to download, so that the round's
+#: ``RoundDone.bytes_sent`` includes those answers (seconds; a download that comes later counts only in the totals).
+REFRESH_ACCOUNTING_WAIT_S = 5.0
 #: fp32 gradient + AdamW's two moments, bytes per trained parameter.
 TRAINING_BYTES_PER_PARAMETER = 12
 
@@ -83,6 +88,13 @@ class SpesRole:
             raise ValueError(f"parallelism 'spes' needs a mixture-of-experts model, got {run.model!r}")
         self.model = model.to(self.device)
         self.n_experts = model.config.n_experts
+        try:  # how this machine computes the run's inner step (:mod:`peerd.inner_step`)
+            micro_batch_count(run.batch_size, node.micro_batch_size)
+        except ValueError as e:
+            raise ConfigError(f"micro_batch_size: {e}", key="micro_batch_size", reason=str(e)) from None
+        self.precision = resolve_precision(node.precision, self.device)
+        enable_tf32(self.device)
+        self.inner_step: Optional[InnerStep] = None
         self.capacity = self._capacity()
         self.own: frozenset[int] = frozenset()
         self.optimizer: Optional[torch.optim.Optimizer] = None
@@ -91,11 +103,14 @@ class SpesRole:
         self.steps_since_sync = 0
         self.samples_since_sync = 0
         self.stats = RoundStats()
-        # refresh answers go out after a holder's own sync returns: each RoundDone counts those served since the last
-        self._served_at_last_round = 0
+        # refresh answers go out after a holder's own sync returns: each RoundDone counts those of its round; the
+        # total of those, to add the stragglers to the totals on leaving
+        self._served_counted = 0
         self.refresh_bytes_received = 0
         #: the latest sync's :class:`peerd.roles.spes_sync.SparseSyncReport` (None before the first)
         self.last_report = None
+        #: the members of the latest round this peer synced (PeerIDs)
+        self._round_members: frozenset[str] = frozenset()
         self.claims_key = ctx.namespace.dht_key(CLAIMS_KEY)
         averaging = run.averaging
         self.sync = SparseSync(ctx.transport, ctx.namespace, ROLE, self.model, (), averaging.matchmaking(),
@@ -153,8 +168,8 @@ class SpesRole:
                 with contextlib.suppress(Exception):
                     await component.stop()
             # refresh answers served after the last RoundDone still count in the totals
-            self.stats.bytes_sent += self.sync.refresh_bytes_served - self._served_at_last_round
-            self._served_at_last_round = self.sync.refresh_bytes_served
+            self.stats.bytes_sent += self.sync.refresh_bytes_served - self._served_counted
+            self._served_counted = self.sync.refresh_bytes_served
         self.ctx.events.publish(Left(self.outer_round, self.stats.bytes_sent, self.stats.bytes_received,
                                      self.stats.rounds_failed, self.ctx.run_id))
 
@@ -163,29 +178,61 @@ class SpesRole:
         return bool(limit) and self.outer_round >= limit
 
     async def _wait_running(self) -> None:
-        stopper = asyncio.ensure_future(self.ctx.stop.wait())
-        resumed = asyncio.ensure_future(self.ctx.gate.wait_running())
+        """While the gate is paused: publish the claim as left (the others neither wait for this peer nor count it
+        as a holder), wait, then rejoin: adopt the model of a peer that went past our round, re-claim, publish.
+        Training stops at the inner step during which the pause came (:meth:`train_steps`)."""
+        gate, stop = self.ctx.gate, self.ctx.stop
+        if not gate.paused or stop.is_set():
+            return
+        self.ctx.events.publish(Paused(self.outer_round, gate.reasons, self.steps_since_sync))
+        await self._publish_claim()
+        await self.ctx.status.publish()
+        stopper = asyncio.ensure_future(stop.wait())
+        resumed = asyncio.ensure_future(gate.wait_running())
         try:
             await asyncio.wait({stopper, resumed}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             stopper.cancel()
             resumed.cancel()
+        if stop.is_set():
+            return
+        self.ctx.events.publish(Resumed(self.outer_round))
+        await self._catch_up(await self.claims_view())
+        self._set_own(self._claim(await self.claims_view()))
+        await self._publish_claim()
+        await self.ctx.status.publish()
 
     # ------------------------------------------------------------------------------------------------- expert claims
 
     async def claims_view(self) -> dict[str, tuple[PeerClaim, int]]:
         """Live peers' claims (PeerID -> (claim, outer_round)), this peer excluded; malformed records dropped."""
+        return (await self._read_claims())[0]
+
+    async def _read_claims(self) -> tuple[dict[str, tuple[PeerClaim, int]], set[str]]:
+        """:meth:`claims_view` and the PeerIDs whose record says they left."""
         try:
             found = await self.ctx.transport.discovery.get(self.claims_key)
         except Exception as e:  # a DHT hiccup: no view this time, the next sync reads again
             logger.info("could not read expert claims: %s", e)
-            return {}
-        out = {}
+            return {}, set()
+        out, left = {}, set()
         for peer, record in found.items():
+            if isinstance(record.value, dict) and record.value.get("left") is True:
+                left.add(peer)
+                continue
             parsed = parse_claim(record.value, self.n_experts)
             if peer != self.peer_id and parsed is not None and not self.ctx.bans.is_banned(peer):
                 out[peer] = parsed
-        return out
+        return out, left
+
+    def _round_peers(self, r: int, view: dict[str, tuple[PeerClaim, int]], left: set[str]) -> set[str]:
+        """Who should sync the shared parameters in round ``r``, this peer included: the peers whose published claim
+        is at round ``r``, and the members of our previous round that have not left and are not elsewhere (their
+        new claim may not be readable yet; counting them keeps the group from sealing without them)."""
+        peers = {p for p, (_, rr) in view.items() if rr == r}
+        peers |= {p for p in self._round_members if p not in left and (p not in view or view[p][1] in (r - 1, r))}
+        peers.discard(self.peer_id)
+        return peers | {self.peer_id}
 
     def _claim(self, view: dict[str, tuple[PeerClaim, int]]) -> frozenset[int]:
         others = {p: claim for p, (claim, _) in view.items()}
@@ -201,6 +248,9 @@ class SpesRole:
         old = self.optimizer
         trainable = train_only_experts(self.model, own)
         self.optimizer = make_inner_optimizer(trainable, self.hp)
+        self.inner_step = InnerStep(self.model, self.optimizer, batch_size=self.run_cfg.batch_size,
+                                    micro_batch_size=self.ctx.node.micro_batch_size, precision=self.precision,
+                                    grad_clip_norm=self.hp.grad_clip_norm)
         if old is not None:
             for p in trainable:
                 if p in old.state:
@@ -212,6 +262,8 @@ class SpesRole:
         self.sync.set_own(own)
 
     async def _publish_claim(self, left: bool = False) -> None:
+        """Publish this peer's claim; as left when ``left`` or while paused."""
+        left = left or self.ctx.gate.paused
         discovery = self.ctx.transport.discovery
         with contextlib.suppress(Exception):
             await discovery.store(self.claims_key, self.peer_id,
@@ -232,13 +284,7 @@ class SpesRole:
         set_lr(self.optimizer, inner_lr_at(self.global_step, self.hp))
         x, y = self.sampler.next_batch()  # (B, T), (B, T)
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-        _, loss = self.model(x, y)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if self.hp.grad_clip_norm:
-            torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad],
-                                           self.hp.grad_clip_norm)
-        self.optimizer.step()
+        loss = self.inner_step(x, y)  # frozen experts have no gradient: clipping and the step skip them
         self.global_step += 1
         if merge_due(self.global_step, self.cfg):
             self.merge_own_experts(merge_alpha(self.global_step, self.cfg.alpha_0, self.cfg.merge_decay_steps))
@@ -282,16 +328,21 @@ class SpesRole:
     # --------------------------------------------------------------------------------------------------------- syncs
 
     async def sync_round(self) -> None:
-        """Sparse sync of round ``outer_round`` with the peers whose claims show the same round; then re-claim."""
+        """Sparse sync of round ``outer_round``; then every member re-claims from the claims the round's group
+        carried (:attr:`SparseSyncReport.claims`), the same on all of them."""
         started = time.perf_counter()
         r = self.outer_round
-        view = await self.claims_view()
-        round_claims = {p: claim for p, (claim, rr) in view.items() if rr == r}
-        round_claims[self.peer_id] = PeerClaim(self.own, self.capacity)
-        claims = {p: claim.experts for p, claim in round_claims.items()}
+        view, left = await self._read_claims()
+        if any(rr > r for _, rr in view.values()):
+            # the others synced round r without us (our round failed): their model, not ours, is round r's result
+            await self._catch_up(view)
+            if self.outer_round > r:
+                self._set_own(self._claim(await self.claims_view()))
+                await self._publish_claim()
+                return
         report = await unless_stopped(
-            self.ctx, self.sync.sync(r, holders_of(claims, self.n_experts), len(claims),
-                                     float(max(1, self.samples_since_sync))), "sparse sync")
+            self.ctx, self.sync.sync(r, len(self._round_peers(r, view, left)),
+                                     float(max(1, self.samples_since_sync)), self.capacity), "sparse sync")
         if report is None:
             return
         self.last_report = report
@@ -306,19 +357,22 @@ class SpesRole:
         self.outer_round += 1
         self.steps_since_sync = self.samples_since_sync = 0
         self.stats.rounds_ok += 1
-        served = self.sync.refresh_bytes_served - self._served_at_last_round
-        self._served_at_last_round += served
-        bytes_sent = report.allreduce_bytes_sent + served
-        self.stats.bytes_sent += bytes_sent
         self.stats.bytes_received += report.allreduce_bytes_received + report.refresh_bytes_received
         self.refresh_bytes_received += report.refresh_bytes_received
         self._snapshot_model()
         # every member re-claims from the same claims (this round's): they agree on who trains what next
-        self._set_own(rebalance(self.n_experts, round_claims, self.cfg.min_holders,
+        self._round_members = frozenset(report.claims)
+        self._set_own(rebalance(self.n_experts, report.claims, self.cfg.min_holders,
                                 self.cfg.experts_per_peer)[self.peer_id])
         await self._publish_claim()
         self._save_checkpoint()
         eval_loss = await self._evaluate()
+        # the members refreshing from us download after our sync returned: count their answers in this round
+        await self.sync.wait_served(r, report.downloaders, REFRESH_ACCOUNTING_WAIT_S)
+        served = self.sync.refresh_bytes_served_in(r)
+        self._served_counted += served
+        bytes_sent = report.allreduce_bytes_sent + served
+        self.stats.bytes_sent += bytes_sent
         total = sum(p.numel() for p in self.model.parameters())
         dp_bytes = int(steps * 2 * 4 * total)
         self.ctx.events.publish(RoundDone(
@@ -361,6 +415,7 @@ class SpesRole:
                 p.copy_(flat[offset:offset + p.numel()].view_as(p))
                 offset += p.numel()
         self.outer_round = outer_round
+        self._round_members = frozenset()  # we were in none of the rounds we skipped
         self.global_step = outer_round * self.cfg.sync_steps
         self.steps_since_sync = self.samples_since_sync = 0  # local steps of a resumed checkpoint are superseded
         self.ctx.events.publish(StateDownloaded(outer_round, got.peer, self._digest(), got.seconds,

@@ -14,7 +14,7 @@ from peerd.transport.inprocess import Hub
 from protocols.allreduce import AllReduceConfig
 from protocols.bans import BanList
 from protocols.matchmaking import MatchmakingConfig
-from protocols.spes import holders_of
+from protocols.spes import PeerClaim, holders_of
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -47,10 +47,12 @@ def test_sparse_sync_averages_shared_with_all_and_each_expert_with_its_holders()
                   for n, s in syncs.items()}
         holders = holders_of(CLAIMS, 8)
         reports = dict(zip(syncs, await asyncio.gather(
-            *[s.sync(0, holders, len(syncs), WEIGHTS[n]) for n, s in syncs.items()])))
+            *[s.sync(0, len(syncs), WEIGHTS[n], capacity=5) for n, s in syncs.items()])))
         for n, r in reports.items():
             assert not r.failed, (n, r.failed)
             assert sorted(r.refreshed) == sorted(set(range(8)) - CLAIMS[n])
+            # every member read the same claims from the shared group
+            assert r.claims == {m: PeerClaim(frozenset(c), 5) for m, c in CLAIMS.items()}
 
         total = sum(WEIGHTS.values())
         shared = sum(WEIGHTS[n] * before[n]["shared"] for n in syncs) / total
@@ -101,7 +103,7 @@ def test_a_sole_holder_keeps_its_copy_and_the_others_refresh_from_it(compression
             syncs[name] = SparseSync(hub.transport(name), ns, "spes", m, own, MM, ar, refresh_timeout_s=10)
             await syncs[name].start()
         a_experts = [syncs["a"].experts[e].flatten(syncs["a"].model) for e in range(8)]
-        reports = await asyncio.gather(*[s.sync(3, holders_of(claims, 8), 2, 1.0) for s in syncs.values()])
+        reports = await asyncio.gather(*[s.sync(3, 2, 1.0) for s in syncs.values()])
         assert reports[0].group_sizes == {"shared": 2, **{f"expert{e}": 1 for e in range(8)}}
         assert sorted(reports[1].refreshed) == list(range(8)) and not reports[1].failed
         expert_numel = sum(syncs["a"].experts[e].numel(syncs["a"].model) for e in range(8))
@@ -117,3 +119,23 @@ def test_a_sole_holder_keeps_its_copy_and_the_others_refresh_from_it(compression
             await s.stop()
 
     asyncio.run(main())
+
+
+def test_refresh_plan_asks_the_holder_with_most_missing_experts_first():
+    from peerd.roles.spes_sync import refresh_plan
+
+    assert refresh_plan({0: ["b", "c"], 1: ["c"], 2: ["a"], 3: []}) == ["c", "a"]
+    assert refresh_plan({0: ["b"], 1: ["a"]}) == ["a", "b"]  # equals: lowest PeerID first
+    assert refresh_plan({}) == []
+
+
+def test_a_member_that_joined_with_a_malformed_claim_syncs_no_expert():
+    from protocols.matchmaking import Group
+    from protocols.spes import claim_record
+
+    s = SparseSync(Hub().transport("a"), RunNamespace(run=RunRef.parse("spes-test")), "spes", model(), {0}, MM, AR)
+    group = Group("g", "round0", "a", ("a", "b", "c"),
+                  {"a": claim_record({0}, 2, 0), "b": {"experts": [0, 99], "capacity": 2, "outer_round": 0},
+                   "c": "not a claim"})
+    assert s._member_claims(group) == {"a": PeerClaim(frozenset({0}), 2), "b": PeerClaim(frozenset(), 0),
+                                       "c": PeerClaim(frozenset(), 0)}
