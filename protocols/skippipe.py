@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping, Optional, Sequence
 
 __all__ = [
-    "Booking", "NoPath", "Schedule", "best_assignment_schedule", "default_min_share", "generate_paths",
+    "Booking", "NoPath", "Schedule", "SkipPlanner", "best_assignment_schedule", "default_min_share", "generate_paths",
     "schedule", "skip_counts", "skips_per_path",
 ]
 
@@ -285,3 +285,58 @@ def best_assignment_schedule(paths: Sequence[Path], servers: Mapping[int, Mappin
             best = got
     assert best is not None
     return best
+
+
+# ------------------------------------------------------------------------------------------------- a live planner
+
+
+class SkipPlanner:
+    """A trainer's live SkipPipe plan: a path and a server per visited stage for each of its micro-batches.
+
+    Plans ``window`` micro-batches at a time from what the trainer's wiring knows now (each stage's usable servers,
+    i.e. announced and not banned, and their measured throughputs): :func:`generate_paths` then :func:`schedule`.
+    The plan is recomputed when it is used up or as soon as the usable servers change (a server joined, left or
+    was banned after a failure); slowdowns enter with the next window through the throughputs.
+
+    Args:
+        num_stages: S; skip_ratio: k in [0, 1); window: micro-batches planned at once (> 0).
+        min_share: see :func:`generate_paths`; seed: of the tie-breaks (each window draws anew from it).
+        backward_factor: backward / forward time, for the schedule.
+    """
+
+    def __init__(self, num_stages: int, skip_ratio: float, *, window: int = 16, min_share: Optional[float] = None,
+                 seed: int | str = 0, backward_factor: float = 2.0) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        skips_per_path(num_stages, skip_ratio)  # validates
+        self.num_stages, self.skip_ratio, self.window = num_stages, skip_ratio, window
+        self.min_share, self.seed, self.backward_factor = min_share, seed, backward_factor
+        self.plans = 0
+        self._queue: list[tuple[Path, dict[int, str]]] = []
+        self._view: Optional[frozenset] = None
+
+    @staticmethod
+    def view(wiring) -> dict[int, dict[str, float]]:
+        """Stage -> {usable server: seconds per sample} from a :class:`protocols.swarm.Wiring` (an unmeasured
+        server counts as the median measured one, or 1 s if none is measured)."""
+        usable = {k: [s for s in b.servers if not b.bans.is_banned(s)] for k, b in enumerate(wiring.stages)}
+        measured = sorted(1 / t for k, b in enumerate(wiring.stages) for s in usable[k]
+                          if (t := b.throughput(s)))
+        fallback = measured[len(measured) // 2] if measured else 1.0
+        return {k: {s: (1 / t if (t := wiring.stages[k].throughput(s)) else fallback) for s in servers}
+                for k, servers in usable.items() if servers}
+
+    def next(self, wiring) -> tuple[Path, dict[int, str]]:
+        """The next micro-batch's path and stage -> server. Raises :class:`NoPath` while the first or the last
+        stage has no usable server."""
+        view = self.view(wiring)
+        key = frozenset((k, s) for k, servers in view.items() for s in servers)
+        if not self._queue or key != self._view:
+            seconds = {k: 1 / sum(1 / v for v in servers.values()) for k, servers in view.items()}
+            paths = generate_paths(self.num_stages, self.skip_ratio, self.window, seconds=seconds, available=view,
+                                   min_share=self.min_share, seed=f"{self.seed}:{self.plans}")
+            plan = schedule(paths, view, self.backward_factor)
+            self._queue = [(p, plan.server_of(i)) for i, p in enumerate(paths)]
+            self._view = key
+            self.plans += 1
+        return self._queue.pop(0)

@@ -1,0 +1,73 @@
+"""Inference through a swarm with stages missing: the loss through the reachable stages (a missing stage is the
+identity), the skipped stages named, nothing changed on the servers; generation the same way."""
+
+import asyncio
+import math
+
+import pytest
+import torch
+
+from peerd.data import load_corpus
+from peerd.models import build_model, split_model
+from peerd.swarm_infer import evaluate_swarm, generate_swarm
+from peerd.transport.inprocess import Hub
+from protocols.skippipe import NoPath
+from protocols.stage_service import PipelineTrainer, StageService, flat_parameters
+from protocols.swarm import SwarmConfig, Wiring
+
+pytestmark = pytest.mark.timeout(60)
+
+SEQ_LEN = 32
+
+
+def service_name(k: int) -> str:
+    return f"run.swarm.stage{k}"
+
+
+def reference_loss(stages, keep, x, y):
+    """The split model run locally through the stages in ``keep`` only."""
+    with torch.no_grad():
+        h = x
+        for k in keep[:-1]:
+            h = stages[k](h)
+        return stages[keep[-1]](h, y).item()
+
+
+def test_eval_with_half_the_middle_stages_missing_names_them_and_matches_the_model_without_them():
+    async def main():
+        torch.manual_seed(0)
+        stages = split_model(build_model("tiny", seq_len=SEQ_LEN, seed=0), 4)
+        before = [flat_parameters(s) for s in stages]
+        config = SwarmConfig(stages=4, codec="none")
+        hub = Hub()
+        for k in range(4):
+            await StageService(service_name(k), stages[k], config).start(hub.transport(f"s{k}"))
+        wiring = Wiring(4)
+        wiring.set_servers({k: [f"s{k}"] for k in range(4)})
+        trainer = PipelineTrainer(hub.transport("reader").streams, service_name, wiring, config, d_model=128)
+        tokens = load_corpus("shakespeare").eval
+        full = await evaluate_swarm(trainer, tokens, SEQ_LEN, 4, 2)
+        hub.disconnect("s2")  # stage 2's only server is gone: found out on the first call, then skipped
+        half = await evaluate_swarm(trainer, tokens, SEQ_LEN, 4, 2)
+        text, skipped = await generate_swarm(trainer, "ROMEO:", 5, temperature=0.0, seq_len=SEQ_LEN)
+        hub.disconnect("s3")
+        with pytest.raises(NoPath):
+            await evaluate_swarm(trainer, tokens, SEQ_LEN, 4, 1)
+        return stages, before, tokens, full, half, text, skipped
+
+    stages, before, tokens, full, half, text, skipped = asyncio.run(main())
+    starts = torch.arange(8) * SEQ_LEN
+    idx = starts[:, None] + torch.arange(SEQ_LEN + 1)
+    x, y = tokens[idx[:, :-1]].long(), tokens[idx[:, 1:]].long()
+    assert full.skipped == () and full.path == (0, 1, 2, 3) and full.tokens == 8 * SEQ_LEN
+    ref = (reference_loss(stages, [0, 1, 2, 3], x[:4], y[:4]) + reference_loss(stages, [0, 1, 2, 3], x[4:], y[4:])) / 2
+    assert full.nats_per_byte == pytest.approx(ref, abs=1e-5)
+    assert half.skipped == (2,) and half.path == (0, 1, 3)
+    ref_half = (reference_loss(stages, [0, 1, 3], x[:4], y[:4]) + reference_loss(stages, [0, 1, 3], x[4:], y[4:])) / 2
+    assert half.nats_per_byte == pytest.approx(ref_half, abs=1e-5)
+    assert math.isfinite(half.perplexity) and half.nats_per_byte != full.nats_per_byte
+    assert skipped == (2,) and text.startswith("ROMEO:") and len(text.encode()) >= len("ROMEO:") + 1
+    # forward only: no server kept an input or changed a parameter
+    for stage, flat in zip(stages, before):
+        assert torch.equal(flat_parameters(stage), flat)
+        assert all(p.grad is None for p in stage.parameters())
