@@ -254,19 +254,20 @@ def _simulate(paths: Sequence[Path], servers: Mapping[int, Mapping[str, float]],
 
 
 def schedule(paths: Sequence[Path], servers: Mapping[int, Mapping[str, float]],
-             backward_factor: float = 2.0) -> Schedule:
+             backward_factor: float = 2.0, assignment: Optional[Mapping[tuple[int, int], str]] = None) -> Schedule:
     """Book every visit of ``paths`` on a server of its stage (see the module docstring).
 
     Args:
         paths: micro-batch paths (e.g. from :func:`generate_paths`); micro-batch ids are their indices.
         servers: stage -> {server: seconds of one forward of one micro-batch}; stages no path visits may be absent.
         backward_factor: backward time / forward time (2 for a transformer block).
+        assignment: (micro-batch, stage) -> server, to time a fixed assignment instead of choosing (baselines).
 
     Returns:
         A :class:`Schedule` in which no server holds two visits at once and every backward runs on the server of
         its forward. Raises :class:`NoPath` if a visited stage has no server.
     """
-    return _simulate(paths, servers, backward_factor, None)
+    return _simulate(paths, servers, backward_factor, assignment)
 
 
 def best_assignment_schedule(paths: Sequence[Path], servers: Mapping[int, Mapping[str, float]],
