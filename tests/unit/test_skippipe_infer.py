@@ -15,7 +15,7 @@ from protocols.skippipe import NoPath
 from protocols.stage_service import PipelineTrainer, StageService, flat_parameters
 from protocols.swarm import SwarmConfig, Wiring
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(150)
 
 SEQ_LEN = 32
 
@@ -71,3 +71,40 @@ def test_eval_with_half_the_middle_stages_missing_names_them_and_matches_the_mod
     for stage, flat in zip(stages, before):
         assert torch.equal(flat_parameters(stage), flat)
         assert all(p.grad is None for p in stage.parameters())
+
+
+def test_peerd_eval_and_generate_print_the_loss_and_the_skipped_stages(monkeypatch, capsys):
+    """The commands over an in-process swarm (the DHT client replaced): one line naming the skipped stage; exit 1
+    in one line when the last stage is unreachable."""
+    import contextlib
+
+    import peerd.swarm_infer as swarm_infer
+    from peerd.cli import main
+    from peerd.run_config import RunConfig
+
+    run = RunConfig(model="tiny", seq_len=SEQ_LEN, batch_size=2, eval_batches=1, parallelism="swarm",
+                    swarm=SwarmConfig(stages=3, codec="none"))
+    stages = split_model(build_model("tiny", seq_len=SEQ_LEN, seed=0), 3)
+    live = {0: "s0", 2: "s2"}  # stage 1 has no server
+
+    @contextlib.asynccontextmanager
+    async def fake_client(node, run_id):
+        assert list(node.initial_peers) == ["/ip4/127.0.0.1/tcp/1/p2p/12D3KooWDptq23arqsipaxkBVToiQZPCgYnmBUo2eYGMRa9FzXeq"] and run_id == "skiprun"
+        hub = Hub()
+        for k, name in live.items():
+            await StageService(service_name(k), stages[k], run.swarm).start(hub.transport(name))
+        wiring = Wiring(3)
+        wiring.set_servers({k: [name] for k, name in live.items()})
+        yield PipelineTrainer(hub.transport("cli").streams, service_name, wiring, run.swarm, d_model=128), run
+
+    monkeypatch.setattr(swarm_infer, "open_swarm_client", fake_client)
+    peers = ["--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWDptq23arqsipaxkBVToiQZPCgYnmBUo2eYGMRa9FzXeq"]
+    assert main(["eval", "--run-id", "skiprun", *peers]) == 0
+    out = capsys.readouterr().out
+    assert "through stages 0, 2; skipped: 1" in out and "nats/byte" in out, out
+    assert main(["generate", "--run-id", "skiprun", "--prompt", "To be", "--max-tokens", "2", *peers]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("To be") and "skipped stages: 1" in captured.err
+    live.pop(2)
+    assert main(["eval", "--run-id", "skiprun", "--json", *peers]) == 1
+    assert "stage 2 has no reachable server" in capsys.readouterr().err
