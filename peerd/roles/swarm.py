@@ -18,6 +18,10 @@ parameters as one fragment (``stage<k>``, group keys under ``ns.scoped(fragment=
 run's outer-sync strategy (:func:`peerd.roles.outer_sync.make_outer_sync`), weighted by the samples each trained
 on since its last round. A server whose stage-mates are rounds ahead, or that a round's leader refuses, adopts a
 live mate's outer state (``outer`` method of the stage service); a mover adopts it with the parameters.
+
+With ``[swarm] skip_ratio > 0`` (SkipPipe, Blagoev et al. 2025, arXiv 2502.19913) a trainer sends each micro-batch
+along the path and to the servers :class:`protocols.skippipe.SkipPlanner` plans from its wiring; a middle stage
+without a server is skipped instead of stopping training.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """SkipPipe's pure decisions: micro-batch paths (skip fraction, convergence share, slow stages first) and the
 collision-aware schedule (no double booking, slow servers get less, rescheduling after a server leaves)."""
 
-import itertools
 import random
 
 import pytest
