@@ -20,6 +20,15 @@ pytestmark = pytest.mark.timeout(150)
 SEQ_LEN = 32
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors: one torch thread (several spin against each other on a loaded machine, 30x slower here)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def service_name(k: int) -> str:
     return f"run.swarm.stage{k}"
 
