@@ -442,16 +442,19 @@ class PipelineTrainer:
             prefer: stage -> the server to try first there (e.g. from :func:`protocols.skippipe.schedule`); the
                 wiring chooses where none is given or it is banned.
 
+        Raises:
+            ValueError: ``path`` does not increase from 0 to S - 1 (nothing is sent then).
+
         Returns:
             The micro-batch's loss (mean nats per token), or None if it was dropped (counted in
             ``wiring.stats.dropped``).
         """
+        visits = self._path(path)  # a bad path raises before the micro-batch counts as sent
         mb = f"{self._next_id}"
         self._next_id += 1
         stats = self.wiring.stats
         stats.sent += 1
         samples = tokens.shape[0]
-        visits = self._path(path)
         prefer = prefer or {}
         inputs: list[torch.Tensor] = []
         used: list[str] = []

@@ -117,3 +117,37 @@ def test_peerd_eval_and_generate_print_the_loss_and_the_skipped_stages(monkeypat
     live.pop(2)
     assert main(["eval", "--run-id", "skiprun", "--json", *peers]) == 1
     assert "stage 2 has no reachable server" in capsys.readouterr().err
+
+
+def test_a_skipped_stage_is_the_identity_in_training_too():
+    """codec "none": a micro-batch on path (0, 1, 3) has the loss and every gradient of the model without stage 2,
+    and stage 2 gets no gradient; a bad path is refused before anything is sent."""
+    import copy
+
+    async def main():
+        stages = split_model(build_model("tiny", seq_len=SEQ_LEN, seed=0), 4)
+        local = copy.deepcopy(stages)
+        config = SwarmConfig(stages=4, codec="none")
+        hub = Hub()
+        for k in range(4):
+            await StageService(service_name(k), stages[k], config).start(hub.transport(f"s{k}"))
+        wiring = Wiring(4)
+        wiring.set_servers({k: [f"s{k}"] for k in range(4)})
+        trainer = PipelineTrainer(hub.transport("t").streams, service_name, wiring, config, d_model=128)
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randint(0, 256, (2, SEQ_LEN), generator=g), torch.randint(0, 256, (2, SEQ_LEN), generator=g)
+        for bad in ((0, 2, 1, 3), (1, 3), (0, 1, 2)):
+            with pytest.raises(ValueError):
+                await trainer.step(x, y, path=bad)
+        loss = await trainer.step(x, y, path=(0, 1, 3), prefer={1: "s1", 3: "nobody"})
+        return stages, local, x, y, loss, wiring
+
+    stages, local, x, y, loss, wiring = asyncio.run(main())
+    ref = local[3](local[1](local[0](x)), y)
+    ref.backward()
+    assert loss == pytest.approx(ref.item(), abs=1e-6)
+    assert all(p.grad is None for p in stages[2].parameters())
+    for k in (0, 1, 3):
+        for (name, p), q in zip(stages[k].named_parameters(), local[k].parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=f"stage {k} {name}")
+    assert wiring.stats.sent == wiring.stats.completed == 1
