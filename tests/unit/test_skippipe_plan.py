@@ -146,3 +146,27 @@ def test_greedy_schedule_is_close_to_the_best_assignment_on_small_instances():
         assert best.makespan <= greedy.makespan + 1e-9
         ratios.append(greedy.makespan / best.makespan)
     assert max(ratios) <= 1.35 and sum(ratios) / len(ratios) <= 1.1, ratios
+
+
+def test_the_live_planner_follows_the_wiring():
+    """Measured throughputs steer paths and servers; a banned server is planned around at once."""
+    from protocols.skippipe import SkipPlanner
+    from protocols.swarm import Wiring
+
+    now = [0.0]
+    wiring = Wiring(4, ban_s=10.0, clock=lambda: now[0])
+    wiring.set_servers({0: ["a0"], 1: ["a1", "slow1"], 2: ["a2"], 3: ["a3"]})
+    for stage, server, rate in ((0, "a0", 8.0), (1, "a1", 8.0), (1, "slow1", 8 / 3), (2, "a2", 8.0), (3, "a3", 8.0)):
+        wiring.stages[stage].report(server, 8, 8 / rate)
+    planner = SkipPlanner(4, 0.25, window=12, seed="t")
+    plans = [planner.next(wiring) for _ in range(12)]
+    assert planner.plans == 1
+    assert all(p == (0, 1, 3) or p == (0, 2, 3) for p, _ in plans)
+    by_server = [prefer[1] for p, prefer in plans if 1 in p]
+    assert by_server.count("slow1") < by_server.count("a1")
+    wiring.fail(2, "a2", "gone")  # stage 2's only server: every next path skips stage 2
+    path, prefer = planner.next(wiring)
+    assert planner.plans == 2 and path == (0, 1, 3) and set(prefer) == {0, 1, 3}
+    wiring.fail(0, "a0", "gone")
+    with pytest.raises(NoPath):
+        planner.next(wiring)
