@@ -168,6 +168,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     _node_flags(p)
 
+    p = sub.add_parser("eval", help="held-out loss of a SWARM run's model through its live stage servers",
+                       description="Run the held-out batches of RUN_ID (a SWARM run) through the stage servers "
+                       "announced in the DHT, forward only. Middle stages with no reachable server are skipped "
+                       "(the identity, as SkipPipe trains them) and named; the first and the last stage are needed.")
+    p.add_argument("--run-id", type=_run_id, default=os.environ.get("PEERD_RUN_ID"),
+                   help="name of the run (default $PEERD_RUN_ID)")
+    p.add_argument("--batches", type=int, metavar="N",
+                   help="eval batches of the run's batch_size (default: the run's eval_batches, else 4)")
+    p.add_argument("--data", metavar="PATH|GLOB", help="the run's local text (runs with dataset = \"local\")")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a line")
+    _node_flags(p)
+
     p = sub.add_parser("pause", help="pause the local daemon: it leaves rounds cleanly and stops training",
                        description="Ask the daemon running on this machine (through its control socket) to pause: "
                        "it abandons matchmaking, lets a running all-reduce finish, then trains no more and shows "
@@ -221,6 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sample among the K most likely bytes; 0 = all (default 50)")
     p.add_argument("--seed", type=int, default=0, help="seed of the draws (default 0)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to run the model (default cpu)")
+    p.add_argument("--initial-peers", nargs="+", metavar="MADDR",
+                   help="sample through the live stage servers of SWARM run --run-id instead of a checkpoint "
+                   "(middle stages without a server are skipped), via any peer of the run")
 
     p = sub.add_parser("tokenizer", help="train the subword tokenizer of a new run",
                        description="Tokenizers of runs (`tokenizer = \"bpe:<sha256>\"` in a run config).")
@@ -526,6 +541,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             raise UsageError(f"peerd generate: --{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if not args.temperature >= 0:
         raise UsageError(f"peerd generate: --temperature must be >= 0, got {args.temperature}")
+    if args.initial_peers:
+        return _generate_through_swarm(args)
     _, model, tokenizer = _checkpoint_model(args)
     if args.device == "cuda":
         import torch
@@ -562,10 +579,71 @@ def _cmd_tokenizer(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate_through_swarm(args: argparse.Namespace) -> int:
+    from peerd.swarm_infer import generate_swarm, open_swarm_client
+    from protocols.skippipe import NoPath
+
+    run_id = _require_run_id(args)
+    node = load_node_config(None, overrides={"initial_peers": args.initial_peers})
+
+    async def go() -> tuple[str, tuple[int, ...]]:
+        async with open_swarm_client(node, run_id) as (trainer, run):
+            if run.tokenizer != "bytes":
+                raise UsageError(f"peerd generate: run {run_id!r} uses tokenizer {run.tokenizer[:20]}...; sampling "
+                                 "through a swarm supports byte-level runs only")
+            try:
+                return await generate_swarm(trainer, args.prompt, args.max_tokens, args.temperature, args.top_k,
+                                            args.seed, seq_len=run.seq_len)
+            except NoPath as e:
+                raise ConnectionError(f"run {run_id}: {e}") from None
+
+    text, skipped = _run_async(go())
+    print(text)
+    print(f"skipped stages: {', '.join(map(str, skipped)) or 'none'}", file=sys.stderr)
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from peerd.data import load_corpus
+    from peerd.swarm_infer import evaluate_swarm, open_swarm_client
+    from protocols.skippipe import NoPath
+
+    run_id = _require_run_id(args)
+    if args.batches is not None and args.batches < 1:
+        raise UsageError(f"peerd eval: --batches must be >= 1, got {args.batches}")
+    node = _node_config(args)
+    if not node.initial_peers:
+        raise UsageError("peerd eval: --initial-peers is required (any peer of the run)")
+
+    async def go():
+        async with open_swarm_client(node, run_id) as (trainer, run):
+            if run.dataset == "local" and not args.data:
+                raise UsageError(f"peerd eval: run {run_id!r} trains on local data: pass --data PATH|GLOB")
+            if run.tokenizer != "bytes":
+                raise UsageError(f"peerd eval: run {run_id!r} uses tokenizer {run.tokenizer[:20]}...; evaluation "
+                                 "through a swarm supports byte-level runs only")
+            tokens = load_corpus(args.data or "shakespeare").eval
+            batches = args.batches or run.eval_batches or 4
+            try:
+                return await evaluate_swarm(trainer, tokens, run.seq_len, run.batch_size, batches)
+            except NoPath as e:  # the first or the last stage is unreachable: a runtime failure, one line
+                raise ConnectionError(f"run {run_id}: {e}") from None
+
+    result = _run_async(go())
+    if args.json:
+        print(json.dumps({"run_id": run_id, "nats_per_byte": result.nats_per_byte, "perplexity": result.perplexity,
+                          "tokens": result.tokens, "path": list(result.path), "skipped": list(result.skipped)}))
+    else:
+        print(f"run {run_id}: eval {result.nats_per_byte:.4f} nats/byte (perplexity {result.perplexity:.2f}) over "
+              f"{result.tokens} bytes through stages {', '.join(map(str, result.path))}; skipped: "
+              f"{', '.join(map(str, result.skipped)) or 'none'}")
+    return 0
+
+
 COMMANDS = {"join": _cmd_join, "bootstrap": _cmd_bootstrap, "status": _cmd_status, "config": _cmd_config,
             "pause": _cmd_pause_resume, "resume": _cmd_pause_resume, "health": _cmd_health,
             "install-service": _cmd_install_service, "export": _cmd_export, "generate": _cmd_generate,
-            "tokenizer": _cmd_tokenizer}
+            "eval": _cmd_eval, "tokenizer": _cmd_tokenizer}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

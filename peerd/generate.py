@@ -45,19 +45,25 @@ def sample(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, temperat
         for _ in range(max_new_tokens):
             context = ids[-seq_len:].to(device)[None]  # (1, T)
             logits, _ = model(context)
-            logits = logits[0, -1].float().cpu()  # (V,)
-            if temperature == 0:
-                token = logits.argmax()
-            else:
-                logits = logits / temperature
-                if top_k and top_k < logits.numel():
-                    kth = torch.topk(logits, top_k).values[-1]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                token = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)[0]
+            token = next_token(logits[0, -1], temperature, top_k, generator)
             ids = torch.cat((ids, token.view(1)))
     finally:
         model.train(was_training)
     return ids
+
+
+def next_token(logits: torch.Tensor, temperature: float, top_k: int,
+               generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Draw one token id (0-dim int64, CPU) from next-token ``logits`` (V,): greedy at temperature 0, else from
+    the softmax of ``logits / temperature`` over the ``top_k`` most likely (0: all)."""
+    logits = logits.float().cpu()
+    if temperature == 0:
+        return logits.argmax()
+    logits = logits / temperature
+    if top_k and top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)[0]
 
 
 def generate_text(model: nn.Module, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,

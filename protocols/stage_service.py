@@ -18,6 +18,11 @@ Methods of :class:`StageService` (on :mod:`protocols.rpc`; tensors encoded by :m
   payload = the activations then the targets; forward and backward at once; reply ``{"loss": float, "g": tensor
   header}`` + the gradient w.r.t. the activations.
 
+- ``infer``: forward only, nothing kept and no gradient (evaluation, generation): header as ``forward`` (not on
+  the last stage), reply ``{"y": tensor header}`` + the output activations; on the last stage header ``{"mb": id,
+  "x": tensor header, "x_bytes": n}`` plus ``"targets": token header`` (payload = activations then targets) for a
+  reply ``{"loss": float}``, or without targets (payload = activations) for a reply ``{"logits": tensor header}`` +
+  the next-token logits at the last position (B, V).
 - ``state``: no payload; reply ``{"params": tensor header, "steps": int}`` + this stage's parameters, flattened
   in ``named_parameters()`` order, fp32 without compression (a server that moves to this stage starts from them).
 - ``outer``: no payload; reply ``{"outer": tensor header, "outer_round": int}`` + the stage's outer state (2, N)
@@ -34,7 +39,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -277,6 +282,33 @@ class StageService(Service):
         header, out = self._encode(x.grad)
         return {"loss": float(loss.detach()), "g": header}, out
 
+    async def rpc_infer(self, request: Request) -> tuple[dict[str, Any], Any]:
+        self._admit(request)
+        _mb_id(request.header)
+        payload = await request.payload(self.config.max_tensor_bytes)
+        if not self.stage.last:
+            x = self._input(request.header, payload)
+            with torch.no_grad():
+                header, out = self._encode(self.stage(x.to(self.device)))  # (B, T, C)
+            return {"y": header}, out
+        split = request.header.get("x_bytes")
+        if not isinstance(split, int) or isinstance(split, bool) or not 0 <= split <= len(payload):
+            raise ProtocolViolation(f"malformed x_bytes {split!r}")
+        view = memoryview(payload)
+        x = self._activations(request.header.get("x"), view[:split])
+        with torch.no_grad():
+            if request.header.get("targets") is None:
+                if split != len(payload):
+                    raise ProtocolViolation(f"{len(payload) - split} bytes after the activations, no targets")
+                logits = self.stage(x.to(self.device))[:, -1]  # (B, V)
+                header, out = encode_tensor(logits.to("cpu", torch.float32).contiguous(), "none")
+                return {"logits": header}, out
+            targets = decode_tokens(request.header.get("targets"), bytes(view[split:]), self.stage.config.vocab_size)
+            if tuple(targets.shape) != tuple(x.shape[:2]):
+                raise ProtocolViolation(f"targets {list(targets.shape)} for activations {list(x.shape)}")
+            loss = self.stage(x.to(self.device), targets.to(self.device))
+        return {"loss": float(loss)}, b""
+
     async def rpc_state(self, request: Request) -> tuple[dict[str, Any], Any]:
         self._admit(request)
         header, payload = encode_tensor(flat_parameters(self.stage), "none")
@@ -344,11 +376,16 @@ class PipelineTrainer:
         return decode_tensor(header, payload, shape=shape, dtype=torch.float32, codecs=(self.config.codec, "none"))
 
     async def _on_some_server(self, stage: int, samples: int, what: str,
-                              attempt: Callable[[str], Any]) -> Any:
-        """Run ``await attempt(server)`` on a server of ``stage``, retrying on others; raises NoServer."""
+                              attempt: Callable[[str], Any], prefer: Optional[str] = None) -> Any:
+        """Run ``await attempt(server)`` on a server of ``stage`` (``prefer`` first if it is usable), retrying on
+        others; raises NoServer."""
         tried: list[str] = []
+        balancer = self.wiring.stages[stage]
         for i in range(self.config.max_retries + 1):
-            server = self.wiring.stages[stage].choose(samples, exclude=tried)
+            if i == 0 and prefer in balancer.servers and not balancer.bans.is_banned(prefer):
+                server = prefer
+            else:
+                server = balancer.choose(samples, exclude=tried)
             tried.append(server)
             if i > 0:
                 self.wiring.stats.retried += 1
@@ -385,29 +422,48 @@ class PipelineTrainer:
             return None
         return self._reply_tensor(reply.header.get("g"), reply.payload, tuple(x.shape))
 
-    async def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> Optional[float]:
-        """One micro-batch: forward through every stage, loss at the last, gradients back.
+    def _path(self, path: Optional[Sequence[int]]) -> list[int]:
+        last = self.num_stages - 1
+        if path is None:
+            return list(range(self.num_stages))
+        path = list(path)
+        if not path or path[0] != 0 or path[-1] != last or any(a >= b for a, b in zip(path, path[1:])):
+            raise ValueError(f"a path must increase from stage 0 to stage {last}, got {path}")
+        return path
+
+    async def step(self, tokens: torch.Tensor, targets: torch.Tensor, path: Optional[Sequence[int]] = None,
+                   prefer: Optional[Mapping[int, str]] = None) -> Optional[float]:
+        """One micro-batch: forward through the stages of ``path``, loss at the last, gradients back.
 
         Args:
             tokens, targets: int64 (B, T) on the CPU.
+            path: the stages to visit, increasing from 0 to S - 1 (None: all). A stage left out is the identity
+                (SkipPipe, arXiv 2502.19913): its input goes on unchanged and gets no gradient.
+            prefer: stage -> the server to try first there (e.g. from :func:`protocols.skippipe.schedule`); the
+                wiring chooses where none is given or it is banned.
+
+        Raises:
+            ValueError: ``path`` does not increase from 0 to S - 1 (nothing is sent then).
 
         Returns:
             The micro-batch's loss (mean nats per token), or None if it was dropped (counted in
             ``wiring.stats.dropped``).
         """
+        visits = self._path(path)  # a bad path raises before the micro-batch counts as sent
         mb = f"{self._next_id}"
         self._next_id += 1
         stats = self.wiring.stats
         stats.sent += 1
         samples = tokens.shape[0]
+        prefer = prefer or {}
         inputs: list[torch.Tensor] = []
         used: list[str] = []
         try:
             x = tokens
-            for k in range(self.num_stages - 1):
+            for k in visits[:-1]:
                 inputs.append(x)
                 server, x = await self._on_some_server(
-                    k, samples, "forward", lambda s, k=k, x=x: self._forward(k, s, mb, x))
+                    k, samples, "forward", lambda s, k=k, x=x: self._forward(k, s, mb, x), prefer.get(k))
                 used.append(server)
             x_header, x_payload = encode_tensor(x, self.config.codec)
             t_header, t_payload = encode_tokens(targets)
@@ -421,15 +477,68 @@ class PipelineTrainer:
                     raise ProtocolViolation(f"malformed loss {loss!r}")
                 return loss, self._reply_tensor(reply.header.get("g"), reply.payload, tuple(x.shape))
 
-            _, (loss, grad) = await self._on_some_server(self.num_stages - 1, samples, "loss", loss_on)
-            for k in reversed(range(self.num_stages - 1)):
-                grad = await self._backward_with_retry(k, used[k], mb, inputs[k], grad)
+            _, (loss, grad) = await self._on_some_server(self.num_stages - 1, samples, "loss", loss_on,
+                                                         prefer.get(self.num_stages - 1))
+            for i in reversed(range(len(visits) - 1)):
+                grad = await self._backward_with_retry(visits[i], used[i], mb, inputs[i], grad)
         except NoServer as e:
             stats.dropped += 1
             logger.warning("micro-batch %s dropped: %s", mb, e)
             return None
         stats.completed += 1
         return loss
+
+    async def infer(self, tokens: torch.Tensor, targets: Optional[torch.Tensor] = None,
+                    path: Optional[Sequence[int]] = None) -> float | torch.Tensor:
+        """Forward only (no server keeps anything, no parameter changes) through the stages of ``path`` (None:
+        all; a stage left out is the identity).
+
+        Args:
+            tokens: int64 (B, T) on the CPU; targets: int64 (B, T) or None.
+
+        Returns:
+            The loss (mean nats per token) with targets; the next-token logits at the last position (B, V)
+            without. Raises :class:`NoServer` if a visited stage has no server left to try.
+        """
+        visits = self._path(path)
+        mb = f"i{self._next_id}"
+        self._next_id += 1
+        samples = tokens.shape[0]
+        x = tokens
+        for k in visits[:-1]:
+            async def forward(server: str, k: int = k, x: torch.Tensor = x) -> torch.Tensor:
+                if k == 0:
+                    header, payload = encode_tokens(x)
+                    header = {"mb": mb, "tokens": header}
+                else:
+                    x_header, payload = encode_tensor(x, self.config.codec)
+                    header = {"mb": mb, "x": x_header}
+                reply = await self._call(server, k, "infer", header, payload)
+                return self._reply_tensor(reply.header.get("y"), reply.payload, (*tokens.shape, self.d_model))
+
+            _, x = await self._on_some_server(k, samples, "infer", forward)
+        x_header, x_payload = encode_tensor(x, self.config.codec)
+        header: dict[str, Any] = {"mb": mb, "x": x_header, "x_bytes": len(memoryview(x_payload).cast("B"))}
+        parts: list[Any] = [x_payload]
+        if targets is not None:
+            header["targets"], t_payload = encode_tokens(targets)
+            parts.append(t_payload)
+
+        async def last(server: str) -> float | torch.Tensor:
+            reply = await self._call(server, self.num_stages - 1, "infer", header, parts)
+            if targets is None:
+                logits = decode_tensor(reply.header.get("logits"), reply.payload, dtype=torch.float32,
+                                       codecs=("none",))
+                if logits.dim() != 2 or logits.shape[0] != samples or not torch.isfinite(logits).all():
+                    raise ProtocolViolation(f"malformed logits of shape {list(logits.shape)}")
+                return logits
+            loss = reply.header.get("loss")
+            if not isinstance(loss, float) or not np.isfinite(loss):
+                raise ProtocolViolation(f"malformed loss {loss!r}")
+            return loss
+
+        _, out = await self._on_some_server(self.num_stages - 1, samples, "infer", last)
+        return out
 
     async def _backward_with_retry(self, stage: int, server: str, mb: str, x: torch.Tensor, grad: torch.Tensor):
         try:

@@ -60,6 +60,10 @@ class SwarmConfig:
     sync_interval_s: float = 60.0
     """Time between two outer rounds of a stage's replicas on the stage's parameters, in seconds (rounds start at
     wall-clock multiples of it, so replicas meet); 0: replicas never average."""
+    skip_ratio: float = 0.0
+    """SkipPipe (Blagoev et al. 2025): each micro-batch skips up to this fraction of the S stages (middle stages
+    only; a skipped stage is the identity), in [0, 1); 0: every micro-batch visits every stage
+    (:mod:`protocols.skippipe`)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.stages, int) or self.stages < 1:
@@ -70,6 +74,9 @@ class SwarmConfig:
             raise ValueError(f"swarm.ema_alpha must be in (0, 1], got {self.ema_alpha}")
         if not 0 < self.balance_quality <= 1:
             raise ValueError(f"swarm.balance_quality must be in (0, 1], got {self.balance_quality}")
+        if isinstance(self.skip_ratio, bool) or not isinstance(self.skip_ratio, (int, float)) \
+                or not 0 <= self.skip_ratio < 1:
+            raise ValueError(f"swarm.skip_ratio must be in [0, 1), got {self.skip_ratio!r}")
         if not self.sync_interval_s >= 0:
             raise ValueError(f"swarm.sync_interval_s must be >= 0, got {self.sync_interval_s}")
         if not isinstance(self.max_retries, int) or self.max_retries < 0:

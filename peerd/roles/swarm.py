@@ -18,6 +18,10 @@ parameters as one fragment (``stage<k>``, group keys under ``ns.scoped(fragment=
 run's outer-sync strategy (:func:`peerd.roles.outer_sync.make_outer_sync`), weighted by the samples each trained
 on since its last round. A server whose stage-mates are rounds ahead, or that a round's leader refuses, adopts a
 live mate's outer state (``outer`` method of the stage service); a mover adopts it with the parameters.
+
+With ``[swarm] skip_ratio > 0`` (SkipPipe, Blagoev et al. 2025, arXiv 2502.19913) a trainer sends each micro-batch
+along the path and to the servers :class:`protocols.skippipe.SkipPlanner` plans from its wiring; a middle stage
+without a server is skipped instead of stopping training.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from peerd.roles.outer_sync import OuterSync, RoundFailure, RoundOutcome, RoundR
 from peerd.roles.outer_sync import Refused as RoundRefused
 from protocols.diloco import OuterState
 from protocols.rpc import RpcError
+from protocols.skippipe import NoPath, SkipPlanner
 from protocols.stage_service import (
     PipelineTrainer, StageService, download_outer_state, download_stage_parameters, load_flat_parameters,
 )
@@ -116,6 +121,7 @@ class SwarmRole:
         self._stage_lock = asyncio.Lock()  # a move and a stage round never interleave
         self.wiring = Wiring(num_stages, ema_alpha=ctx.run.swarm.ema_alpha, ban_s=ctx.run.swarm.ban_s)
         self.losses: list[float] = []
+        self.paths: list[tuple[int, ...]] = []  # SkipPipe: the path of every micro-batch sent
         self.moves: list[tuple[int, int]] = []
         self._seq = 0
         self._rng = random.Random(ctx.peer_id)
@@ -331,7 +337,8 @@ class SwarmRole:
     # --- training ---------------------------------------------------------------------------------------------
 
     async def _refresh(self) -> bool:
-        """Update the wiring from the announcements; True if every stage has a server."""
+        """Update the wiring from the announcements; True if every stage has a server (with SkipPipe, the first
+        and the last: middle stages without one are skipped)."""
         by_stage: dict[int, list[str]] = {k: [] for k in range(self.ctx.run.swarm.stages)}
         for peer, announcement in (await read_stage_servers(self.ctx)).items():
             by_stage[announcement.stage].append(peer)
@@ -342,6 +349,8 @@ class SwarmRole:
             if own_failed and self.ctx.peer_id in servers and len(servers) > 1:
                 servers.remove(self.ctx.peer_id)
         self.wiring.set_servers(by_stage)
+        if self.ctx.run.swarm.skip_ratio > 0:
+            return bool(by_stage[0]) and bool(by_stage[self.ctx.run.swarm.stages - 1])
         return all(by_stage.values())
 
     async def _train(self) -> None:
@@ -350,6 +359,8 @@ class SwarmRole:
         sampler = WindowSampler(corpus.train, run.seq_len, run.batch_size, seed=self.ctx.peer_id)
         trainer = PipelineTrainer(self.ctx.transport.streams, lambda k: stage_service_name(self.ctx, k),
                                   self.wiring, run.swarm, d_model=self.service.stage.config.d_model)
+        planner = (SkipPlanner(run.swarm.stages, run.swarm.skip_ratio, seed=self.ctx.peer_id)
+                   if run.swarm.skip_ratio > 0 else None)
         refreshed = float("-inf")
         while not self.ctx.stop.is_set() and (not self.max_steps or len(self.losses) < self.max_steps):
             if time.monotonic() - refreshed >= REFRESH_S:
@@ -362,8 +373,18 @@ class SwarmRole:
             if self.ctx.gate.paused:
                 await self._wait_running()
                 continue
+            path, prefer = None, None
+            if planner is not None:
+                try:
+                    path, prefer = planner.next(self.wiring)
+                except NoPath:  # the first or the last stage's servers are all banned: wait for a new view
+                    refreshed = float("-inf")
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self.ctx.stop.wait(), 0.5)
+                    continue
+                self.paths.append(path)
             x, y = sampler.next_batch()
-            loss = await trainer.step(x.long(), y.long())
+            loss = await trainer.step(x.long(), y.long(), path=path, prefer=prefer)
             if loss is not None:
                 self.losses.append(loss)
             else:  # dropped (no live server of a stage): wait for the view to change instead of dropping more
