@@ -163,6 +163,10 @@ class _Libp2pPool:
     def close(self):
         for t in self.transports:
             self.run(t.shutdown())
+        leftover = asyncio.all_tasks(self.loop)  # handlers of killed peers' streams, stalls of test_timeout
+        for task in leftover:
+            task.cancel()
+        self.run(asyncio.gather(*leftover, return_exceptions=True))
         self.loop.close()
 
 
