@@ -313,9 +313,7 @@ class Daemon:
             try:
                 peer_id = ID(request.streamOpen.peer)
                 stream = await self.new_stream(peer_id, list(request.streamOpen.proto))
-            except BaseException as e:  # noqa: BLE001 - any dial failure is the caller's ControlFailure
-                if not isinstance(e, Exception) and not isinstance(e, trio.TooSlowError):
-                    raise
+            except Exception as e:  # noqa: BLE001 - any dial failure (TooSlowError included) is a ControlFailure
                 await self._error(sock, f"cannot open stream: {type(e).__name__}: {e}")
                 return
             info = pb.StreamInfo(peer=peer_id.to_bytes(), addr=_remote_maddr(stream), proto=stream.get_protocol())
@@ -493,7 +491,7 @@ class Daemon:
             await stream.write(_delimited(request))
             answer = await _Reader(lambda n: _stream_receive(stream, n)).message(pb.PersistentConnectionRequest())
             response.callUnaryResponse.CopyFrom(answer.unaryResponse)
-        except (Exception, trio.TooSlowError) as e:  # noqa: BLE001 - reported to the caller as a daemon error
+        except Exception as e:  # noqa: BLE001 - reported to the caller as a daemon error (TooSlowError included)
             response = pb.PersistentConnectionResponse(callId=call_id)
             response.daemonError.message = f"{type(e).__name__}: {e}"
         finally:
@@ -581,7 +579,7 @@ async def run(args: argparse.Namespace) -> None:
                     with trio.fail_after(DIAL_TIMEOUT_S):
                         await host.connect(info)
                     await dht.add_peer(info.peer_id, skip_server_mode_check=True)
-                except (Exception, trio.TooSlowError) as e:  # noqa: BLE001 - the parent decides whether that is fatal
+                except Exception as e:  # noqa: BLE001 - the parent's DHT decides whether that is fatal
                     logger.warning("bootstrap peer %s unreachable: %s", maddr, e)
             await nursery.start(_serve_unix, args.control, daemon.serve_control)
             print(READY_LINE, flush=True)

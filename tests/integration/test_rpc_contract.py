@@ -151,6 +151,10 @@ class _Libp2pPool:
         async def kill(i):
             dead.append(transports[i])
             await transports[i].shutdown()
+            p2p = transports[i].streams.p2p  # nothing left behind: daemon process, its socket, the DHT process
+            assert p2p._child.returncode is not None
+            assert not os.path.exists(p2p.daemon_listen_maddr["unix"])
+            assert not transports[i].dht.is_alive()
 
         try:
             yield transports, kill
