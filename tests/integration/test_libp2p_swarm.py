@@ -47,7 +47,7 @@ def test_mixed_swarm_of_p2pd_and_libp2p_peers_trains_bit_identically(swarm, tmp_
     """2 peers on p2pd + 2 on py-libp2p (bootstrap on p2pd): they find each other through the DHT and end both
     DiLoCo outer rounds with bit-identical theta_outer."""
     config = _run_config(tmp_path, 4)
-    swarm.start_bootstrap()
+    swarm.start_bootstrap(120.0)  # (a loaded machine takes long to start a process)
     peers = [swarm.start_peer(f"go{i}", "mixed", config, "--transport", "p2pd") for i in range(2)]
     peers += [swarm.start_peer(f"py{i}", "mixed", config, "--transport", "libp2p") for i in range(2)]
     _assert_trained_together(swarm, peers, 4)
@@ -59,7 +59,7 @@ def test_pure_libp2p_swarm_without_p2pd_trains_and_is_listed(swarm, tmp_path):
     train together, and ``peerd status`` (on py-libp2p too) lists all three by the PeerIDs of their identity files.
     The run is open-ended (the peers are stopped with SIGTERM), so that they are still there when asked."""
     config = _run_config(tmp_path, 3, rounds=100)
-    swarm.start_bootstrap(60.0, "--transport", "auto", env=NOWHERE)
+    swarm.start_bootstrap(120.0, "--transport", "auto", env=NOWHERE)
     peers = [swarm.start_peer(f"py{i}", "pure", config, "--transport", "auto", env=NOWHERE) for i in range(3)]
     swarm.wait_for(lambda: all(p.of("inner") for p in peers), 150, "all three peers training")
     status = subprocess.run(peerd_cmd("status", "--run-id", "pure", "--initial-peers", swarm.bootstrap_maddr,
