@@ -62,6 +62,9 @@ def _node_flags(p: argparse.ArgumentParser, listen_default: Optional[str] = None
                    "<checkpoint-dir>/identity.key; bootstrap: <checkpoint-dir>/bootstrap.key)")
     g.add_argument("--nat-port-map", action=argparse.BooleanOptionalAction, default=None,
                    help="ask the router for a port mapping via UPnP/NAT-PMP (default off)")
+    g.add_argument("--transport", choices=("p2pd", "libp2p", "auto"),
+                   help="libp2p implementation: p2pd (hivemind's Go daemon), libp2p (py-libp2p, pure Python) or "
+                   "auto (p2pd where its binary runs, else py-libp2p; the default)")
     p.add_argument("--log-format", choices=("text", "json"), default="text",
                    help="text for people, json (one object per line) for log shippers")
     p.add_argument("--log-level", metavar="LEVEL", help="DEBUG, INFO, WARNING... (default: $PEERD_LOGLEVEL or INFO)")
@@ -291,7 +294,7 @@ FLAG_NAMES = {"upload_limit_mb_s": "--upload-limit", "download_limit_mb_s": "--d
 
 
 def _node_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    names = ("initial_peers", "host_maddrs", "announce_maddrs", "identity", "nat_port_map") + NODE_FLAGS
+    names = ("initial_peers", "host_maddrs", "announce_maddrs", "identity", "nat_port_map", "transport") + NODE_FLAGS
     return {name: getattr(args, name, None) for name in names}
 
 

@@ -57,6 +57,9 @@ DEFAULT_CONTROL_SOCKETS = {"worker": "peerd.sock", "bootstrap": "bootstrap.sock"
 # --------------------------------------------------------------------------------------------------------- node config
 
 
+#: Values of the node config key ``transport``.
+TRANSPORTS = ("p2pd", "libp2p", "auto")
+
 #: Values of the node config key ``swarm_role``.
 SWARM_ROLES = ("auto", "server", "trainer")
 
@@ -89,6 +92,10 @@ class NodeConfig:
     :mod:`peerd.transport.direct`)."""
     data_port: int = 0
     """TCP port of the direct data plane (0 = any free port); forward it too behind a router."""
+    transport: str = "auto"
+    """libp2p implementation: ``p2pd`` = hivemind's Go daemon; ``libp2p`` = py-libp2p in a Python process (no Go
+    binary: any machine that runs Python); ``auto`` = p2pd where its binary runs, else py-libp2p (one log line says
+    which and why). Both speak the same protocols: one swarm may hold peers of both kinds."""
     nat_port_map: bool = False
     """Ask the home router for a port mapping (UPnP/NAT-PMP). Off by default: it probes the local gateway."""
     log_every_steps: int = 10
@@ -155,6 +162,8 @@ class NodeConfig:
                                   reason=f"{str(path)!r} is a folder, not a key file")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.transport not in TRANSPORTS:
+            raise ConfigError(f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
         if self.data_plane not in ("p2p", "direct"):
             raise ConfigError(f"data_plane must be p2p or direct, got {self.data_plane!r}")
         if not 0 <= self.data_port <= 65535:

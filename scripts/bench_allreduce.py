@@ -53,8 +53,9 @@ from peerd.testing.localswarm import ProcessSet, kill_tree  # noqa: E402
 
 SECTION = "## All-reduce on a virtual WAN: peerd vs hivemind vs gloo (scripts/bench_allreduce.py)"
 CODECS = ("none", "fp16", "int8")
-#: peerd-direct = peerd with its streams on the direct TCP data plane (peerd/transport/direct.py).
-IMPLS = ("peerd", "peerd-direct", "hivemind", "gloo")
+#: peerd-direct = peerd with its streams on the direct TCP data plane (peerd/transport/direct.py);
+#: peerd-libp2p = peerd on the py-libp2p transport (peerd/transport/libp2p_backend.py) instead of p2pd.
+IMPLS = ("peerd", "peerd-direct", "peerd-libp2p", "hivemind", "gloo")
 GLOO_CODECS = ("none", "fp16")  # gloo sums in the tensor's dtype: no int8 all-reduce
 WIRE_BYTES_PER_VALUE = {"none": 4.0, "fp16": 2.0, "int8": 1.0 + 4.0 / 256}
 
@@ -92,7 +93,8 @@ def cpu_tree() -> dict[str, float]:
         _CPU_PROCS.append(("main", me))
         for child in me.children(recursive=True):
             with contextlib.suppress(psutil.NoSuchProcess):
-                _CPU_PROCS.append(("p2pd" if "p2pd" in child.name() else "helpers", child))
+                daemon = "p2pd" in child.name() or "libp2p_daemon" in " ".join(child.cmdline())
+                _CPU_PROCS.append(("p2pd" if daemon else "helpers", child))
     out = {"main": 0.0, "p2pd": 0.0, "helpers": 0.0}
     for kind, proc in _CPU_PROCS:
         with contextlib.suppress(psutil.NoSuchProcess):
@@ -149,8 +151,11 @@ async def worker_peerd(a: argparse.Namespace) -> None:
 
         identity_path = os.path.join(tempfile.mkdtemp(prefix="bench_identity_"), "peer.key")
         load_or_create_identity(identity_path)
-    network = await HivemindTransport.create(initial_peers=a.initial_peers, host_maddrs=[f"/ip4/{a.host}/tcp/0"],
-                                             identity_path=identity_path, nat_port_map=False)
+    transport_class = HivemindTransport
+    if a.impl == "peerd-libp2p":
+        from peerd.transport.libp2p_backend import LibP2PTransport as transport_class
+    network = await transport_class.create(initial_peers=a.initial_peers, host_maddrs=[f"/ip4/{a.host}/tcp/0"],
+                                           identity_path=identity_path, nat_port_map=False)
     transport = network
     if identity_path is not None:
         from peerd.signing import Signer
@@ -292,7 +297,7 @@ def worker_gloo(a: argparse.Namespace) -> None:
 
 def worker_main(a: argparse.Namespace) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    if a.impl in ("peerd", "peerd-direct"):
+    if a.impl in ("peerd", "peerd-direct", "peerd-libp2p"):
         import uvloop
 
         uvloop.run(worker_peerd(a))
@@ -522,7 +527,8 @@ def render(rows: list[Row], scenarios: dict[str, Scenario], args, meta: dict) ->
            "`scripts/wan_testbed` (tbf per peer, both directions, no added delay); loopback = all peers in one "
            "namespace on 127.0.0.1, unshaped. peerd = `Matchmaker` + `ButterflyAllReduce` on `HivemindTransport` "
            "(uvloop); peerd-direct = the same with its streams on the direct TCP data plane (`DirectStreams`, "
-           "p2pd only as fallback); hivemind = `DecentralizedAverager` (defaults, part_size 512 KB, "
+           "p2pd only as fallback); peerd-libp2p = the same on the py-libp2p transport (its Python libp2p daemon "
+           "process counts as p2pd below); hivemind = `DecentralizedAverager` (defaults, part_size 512 KB, "
            "min_matchmaking_time 2 s); "
            "gloo = "
            "`torch.distributed.all_reduce` (fp16 = a half tensor; gloo has no int8 all-reduce). Time = median of "

@@ -71,13 +71,14 @@ class Swarm:
         self._bootstrap: Optional[subprocess.Popen] = None
         self.children = ProcessSet()
 
-    def start_bootstrap(self, timeout_s: float = 30.0) -> str:
+    def start_bootstrap(self, timeout_s: float = 30.0, *extra: str, env: Optional[dict] = None) -> str:
+        """Start ``peerd bootstrap`` (extra flags appended, ``env`` entries added); returns its multiaddr."""
         out = self.workdir / "bootstrap.out"
         with open(out, "w") as stdout, open(self.workdir / "bootstrap.err", "w") as stderr:
             self._bootstrap = self.children.start(
                 peerd_cmd("bootstrap", "--config", str(LOCAL), "--identity", str(self.workdir / "bootstrap.key"),
-                          "--checkpoint-dir", str(self.workdir / "bootstrap-state")),
-                stdout=stdout, stderr=stderr,
+                          "--checkpoint-dir", str(self.workdir / "bootstrap-state"), *extra),
+                stdout=stdout, stderr=stderr, env={**os.environ, **(env or {})},
             )
         deadline = time.time() + timeout_s
         while time.time() < deadline:

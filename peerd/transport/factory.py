@@ -1,7 +1,8 @@
 """Building this peer's transport from its node config: the one place that names a backend.
 
 :func:`open_transport` holds the identity file (an advisory lock until ``shutdown()``), starts the DHT node and
-streams (today hivemind's DHT on p2pd, :mod:`peerd.transport.hivemind_backend`), signs what the peer stores and
+streams (hivemind's DHT on p2pd, :mod:`peerd.transport.hivemind_backend`, or on py-libp2p,
+:mod:`peerd.transport.libp2p_backend`, by the node config's ``transport``), signs what the peer stores and
 verifies what it reads (:mod:`peerd.transport.records`). :func:`start_data_plane` optionally moves peer streams
 onto the direct TCP data plane (:mod:`peerd.transport.direct`). :func:`open_reader` is a short-lived DHT client
 with no identity, for ``peerd status``.
@@ -26,6 +27,17 @@ logger = logging.getLogger(__name__)
 LEGACY_IDENTITY = "~/.peerd/identity.key"
 
 
+def transport_class(node: NodeConfig) -> type[HivemindTransport]:
+    """The transport class the node config's ``transport`` picks (``auto`` decides here and logs why, once per
+    call). Raises ConnectionError if ``auto`` finds no usable backend."""
+    from peerd.transport.libp2p_backend import LibP2PTransport, choose_backend
+
+    backend, why = choose_backend(node.transport)
+    if node.transport == "auto":
+        logger.info("transport %s (%s)", backend, why)
+    return LibP2PTransport if backend == "libp2p" else HivemindTransport
+
+
 async def open_transport(node: NodeConfig, role: str = "worker", client_mode: bool = False,
                          hold: Optional[IdentityHold] = None) -> HivemindTransport:
     """The DHT node and streams of this peer (``role``: "worker" or "bootstrap", which picks the default identity
@@ -47,7 +59,7 @@ async def open_transport(node: NodeConfig, role: str = "worker", client_mode: bo
         if node.identity is None and role == "worker" and legacy.exists() and legacy != path:
             logger.warning("%s, the identity of earlier peerd versions, is no longer the default; pass --identity %s "
                            "to keep its PeerID", LEGACY_IDENTITY, LEGACY_IDENTITY)
-        transport = await HivemindTransport.create(
+        transport = await transport_class(node).create(
             initial_peers=node.initial_peers,
             host_maddrs=node.host_maddrs,
             announce_maddrs=node.announce_maddrs,
@@ -67,7 +79,7 @@ async def open_transport(node: NodeConfig, role: str = "worker", client_mode: bo
 async def open_reader(node: NodeConfig) -> HivemindTransport:
     """A DHT client (no identity of ours, listening on 127.0.0.1 only, serving nothing) whose discovery returns
     only validly signed records. Call ``shutdown()`` when done."""
-    transport = await HivemindTransport.create(
+    transport = await transport_class(node).create(
         initial_peers=node.initial_peers, host_maddrs=("/ip4/127.0.0.1/tcp/0",), client_mode=True,
         record_validators=[OwnerRecordValidator()],
     )

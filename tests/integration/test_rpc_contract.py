@@ -1,14 +1,17 @@
-"""The RPC contract (protocols.rpc), run on the in-process transport and on real p2pd streams (hivemind backend).
+"""The RPC contract (protocols.rpc) and the transport contract (large streams, records with expiration), run on the
+in-process transport, on real p2pd streams (hivemind backend) and on real py-libp2p streams (libp2p backend).
 
-Network: the hivemind variant starts DHT nodes and p2pd on 127.0.0.1 only; run the module inside a loopback-only
-namespace (``unshare -n``).
+Network: the hivemind and libp2p variants start DHT nodes and daemons on 127.0.0.1 only; run the module inside a
+loopback-only namespace (``unshare -n``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import os
+import random
 
 import pytest
 import torch
@@ -61,6 +64,13 @@ class Echo(Service):
         await request.stream.send({"i": request.header["i"]}, bytes(first)[::-1])
         while (message := await request.stream.recv(1 << 24, timeout_s=30)) is not None:
             await request.stream.send({"i": message.header["i"]}, bytes(message.payload)[::-1])
+
+    async def rpc_digest(self, request):
+        """sha256 of a payload of any size (``header["n"]`` bytes expected), and ``header["back"]`` seeded random
+        bytes sent back."""
+        payload = await request.payload(request.header["n"], timeout_s=120)
+        back = random.Random(7).randbytes(request.header["back"])
+        return {"sha": hashlib.sha256(payload).hexdigest()}, back
 
     async def rpc_big(self, request):
         return {}, bytes(4 << 20)
@@ -116,14 +126,80 @@ async def _hivemind(n):
                 await t.shutdown()
 
 
-@pytest.fixture(params=["inprocess", "hivemind"])
+class _Libp2pPool:
+    """Real py-libp2p peers shared by every test of this module (each takes seconds to start): they live on one
+    event loop for the whole module; a peer a test kills is replaced by a fresh one for the next test, and the
+    handlers a test served are removed after it."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.transports = []
+
+    def run(self, coro):
+        return self.loop.run_until_complete(coro)
+
+    @contextlib.asynccontextmanager
+    async def peers(self, n):
+        from peerd.transport.libp2p_backend import LibP2PTransport
+
+        while len(self.transports) < n:
+            initial = self.transports[0].visible_maddrs() if self.transports else ()
+            self.transports.append(await LibP2PTransport.create(initial_peers=initial))
+        transports = self.transports[:n]
+        dead = []
+
+        async def kill(i):
+            dead.append(transports[i])
+            await transports[i].shutdown()
+            p2p = transports[i].streams.p2p  # nothing left behind: daemon process, its socket, the DHT process
+            assert p2p._child.returncode is not None
+            assert not os.path.exists(p2p.daemon_listen_maddr["unix"])
+            assert not transports[i].dht.is_alive()
+
+        try:
+            yield transports, kill
+        finally:
+            self.transports = [t for t in self.transports if t not in dead]
+            for t in self.transports:
+                for name in list(t.streams._served):
+                    await t.streams.remove_handler(name)
+
+    def close(self):
+        for t in self.transports:
+            self.run(t.shutdown())
+        leftover = asyncio.all_tasks(self.loop)  # handlers of killed peers' streams, stalls of test_timeout
+        for task in leftover:
+            task.cancel()
+        self.run(asyncio.gather(*leftover, return_exceptions=True))
+        self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def libp2p_pool():
+    pool = _Libp2pPool()
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
+class _Kind:
+    """``peers(n)``: an async context manager yielding ``(transports, kill)`` for n peers of one transport kind;
+    ``peers.run(coroutine)`` runs a test's body where those peers live."""
+
+    def __init__(self, factory, runner):
+        self.factory, self.run = factory, runner
+
+    def __call__(self, n):
+        return self.factory(n)
+
+
+@pytest.fixture(params=["inprocess", "hivemind", "libp2p"])
 def peers(request):
-    """``peers(n)``: an async context manager yielding ``(transports, kill)`` for n peers of one transport kind."""
-    return _inprocess if request.param == "inprocess" else _hivemind
-
-
-def run(coro):
-    return asyncio.run(coro)
+    if request.param == "libp2p":
+        pool = request.getfixturevalue("libp2p_pool")
+        return _Kind(pool.peers, pool.run)
+    return _Kind(_inprocess if request.param == "inprocess" else _hivemind, asyncio.run)
 
 
 def test_call_round_trip_single_and_multi_chunk(peers):
@@ -139,7 +215,7 @@ def test_call_round_trip_single_and_multi_chunk(peers):
                 assert bytes(reply.payload) == payload
                 assert reply.bytes_sent >= size and reply.nbytes >= size
 
-    run(main())
+    peers.run(main())
 
 
 def test_stream_with_multi_chunk_messages_both_ways(peers):
@@ -159,7 +235,7 @@ def test_stream_with_multi_chunk_messages_both_ways(peers):
             assert [bytes(m.payload) for m in got] == [m[::-1] for m in messages]
             assert stream.bytes_sent > sum(map(len, messages)) and stream.bytes_received > sum(map(len, messages))
 
-    run(main())
+    peers.run(main())
 
 
 def test_timeout(peers):
@@ -172,7 +248,7 @@ def test_timeout(peers):
                 await call(ts[0].streams, ts[1].streams.peer_id, "t", "stall", timeout_s=0.5)
             return loop.time() - started
 
-    assert run(main()) < 3.0
+    assert peers.run(main()) < 3.0
 
 
 def test_unreachable_peer(peers):
@@ -186,7 +262,7 @@ def test_unreachable_peer(peers):
             with pytest.raises(Unreachable):  # a live peer that does not serve the method
                 await call(ts[0].streams, ts[1].streams.peer_id, "t", "nothing", timeout_s=30)
 
-    run(main())
+    peers.run(main())
 
 
 def test_oversized_reply_is_refused_on_its_header_before_any_payload_byte(peers):
@@ -198,7 +274,7 @@ def test_oversized_reply_is_refused_on_its_header_before_any_payload_byte(peers)
                 await call(counting, ts[1].streams.peer_id, "t", "big", timeout_s=30, max_reply_bytes=1000)
             return counting.readers[0].n
 
-    consumed = run(main())
+    consumed = peers.run(main())
     assert 0 < consumed < 64  # the 8-byte prefix and the small header of a 4 MiB chunked reply, nothing more
 
 
@@ -213,7 +289,7 @@ def test_handler_errors_become_typed_refusals(peers):
                 await call(ts[0].streams, server, "t", "busy", timeout_s=30)
             return internal.value, busy.value
 
-    internal, busy = run(main())
+    internal, busy = peers.run(main())
     assert internal.code == "internal" and "handler bug" in internal.reason
     assert busy.code == "busy" and busy.reason == "try later"
 
@@ -233,7 +309,7 @@ def test_peer_gone_mid_stream_raises_promptly(peers):
                     await stream.recv(1000, timeout_s=30)
                 return loop.time() - started
 
-    assert run(main()) < 10.0
+    assert peers.run(main()) < 10.0
 
 
 def test_garbage_request_is_a_violation_on_the_reading_side(peers):
@@ -248,7 +324,7 @@ def test_garbage_request_is_a_violation_on_the_reading_side(peers):
             writer.close()
             return service.seen_violations, refusal
 
-    violations, refusal = run(main())
+    violations, refusal = peers.run(main())
     assert [(method, kind) for _, method, kind in violations] == [("echo", "ProtocolViolation")]
     assert len(refusal) == 8
 
@@ -265,8 +341,54 @@ def test_state_larger_than_one_frame_arrives_bit_identical(peers):
             got = await download_state(ts[0], "run", ts[1].streams.peer_id, max_bytes=1 << 20, timeout_s=60)
             return got.tensors({"theta": (torch.float32, 50_000), "momentum": (torch.bfloat16, 50_000)}), got
 
-    tensors, got = run(main())
+    tensors, got = peers.run(main())
     assert got.metadata == {"outer_round": 7}
     assert bytes(got.payload) == snapshot.payload
     assert torch.equal(tensors["theta"].view(torch.int32), theta.view(torch.int32))
     assert torch.equal(tensors["momentum"].view(torch.int16), momentum.view(torch.int16))
+
+
+@pytest.fixture(params=["hivemind", "libp2p"])
+def real_peers(request):
+    """``peers`` on the real transports only (the in-process one copies Python objects, no bytes to lose)."""
+    if request.param == "libp2p":
+        pool = request.getfixturevalue("libp2p_pool")
+        return _Kind(pool.peers, pool.run)
+    return _Kind(_hivemind, asyncio.run)
+
+
+def test_large_stream_arrives_intact(real_peers):
+    """64 MiB + 5 bytes to a handler in the default (64 MiB) chunks, i.e. two frames; 1 MiB + 3 bytes back."""
+    peers = real_peers
+    up = random.Random(3).randbytes((64 << 20) + 5)
+    back = (1 << 20) + 3
+
+    async def main():
+        async with peers(2) as (ts, _):
+            await Echo().start(ts[1])
+            return await call(ts[0].streams, ts[1].streams.peer_id, "t", "digest", {"n": len(up), "back": back},
+                              up, timeout_s=120, max_reply_bytes=back)
+
+    reply = peers.run(main())
+    assert reply.header["sha"] == hashlib.sha256(up).hexdigest()
+    assert len(reply.payload) == back
+    assert hashlib.sha256(reply.payload).digest() == hashlib.sha256(random.Random(7).randbytes(back)).digest()
+
+
+def test_records_expire(peers):
+    """A record stored by one peer is read by another until its expiration time, then no longer."""
+
+    async def main():
+        async with peers(2) as (ts, _):
+            if not hasattr(ts[0], "discovery"):
+                pytest.fail("every transport kind has a discovery")
+            now = ts[0].discovery.time()
+            assert await ts[0].discovery.store("contract-key", "a", b"soon", now + 3.0)
+            assert await ts[0].discovery.store("contract-key", "b", b"later", now + 60.0)
+            seen = await ts[1].discovery.get("contract-key")
+            await asyncio.sleep(max(0.0, now + 3.5 - ts[0].discovery.time()))
+            return seen, await ts[1].discovery.get("contract-key")
+
+    before, after = peers.run(main())
+    assert {k: r.value for k, r in before.items()} == {"a": b"soon", "b": b"later"}
+    assert {k: r.value for k, r in after.items()} == {"b": b"later"}
