@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from peerd.service import control
 from peerd.testing.localswarm import TINY, Swarm, peerd_cmd
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -46,12 +47,16 @@ def run(tmp_path_factory):
         a = swarm.start_peer("a", RUN, config, "--dashboard-port", "0")
         b = swarm.start_peer("b", RUN, config)
         c = swarm.start_peer("c", RUN, config)
+        # `peerd dashboard`, a separate process reading the DHT, starts while the peers warm up
+        dash = swarm.start_process("dashboard", peerd_cmd(
+            "dashboard", "--run-id", RUN, "--initial-peers", swarm.bootstrap_maddr, "--dashboard-port", "0",
+            "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--checkpoint-dir", str(tmp / "ckpt-a"), "--log-format", "json"))
         swarm.wait_for(lambda: _dashboard_url(a), 120, "A's dashboard address in its log")
         url = _dashboard_url(a)
         # every peer has finished an outer round: losses, evals and rounds in every history
         swarm.wait_for(lambda: all(p.of("outer_round") for p in (a, b, c)), 180, "an outer round on every peer")
         swarm.wait_for(lambda: len(_get(url + "api/peers")["peers"]) == 3, 60, "3 peers on A's dashboard")
-        yield SimpleNamespace(swarm=swarm, a=a, b=b, c=c, url=url, tmp=tmp)
+        yield SimpleNamespace(swarm=swarm, a=a, b=b, c=c, url=url, tmp=tmp, dash=dash)
     finally:
         swarm.close()
 
@@ -114,22 +119,14 @@ def test_browser_shows_peers_and_curves_and_pauses(run):
         browser.quit()
 
 
-def _pause(run, peer) -> None:
-    out = subprocess.run(peerd_cmd("pause", "--checkpoint-dir", str(run.tmp / f"ckpt-{peer.name}")),
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-
-
 def test_api_matches_peerd_status(run):
     bootstrap = run.swarm.bootstrap_maddr
-    dash = run.swarm.start_process("dashboard", peerd_cmd(
-        "dashboard", "--run-id", RUN, "--initial-peers", bootstrap, "--dashboard-port", "0",
-        "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--checkpoint-dir", str(run.tmp / "ckpt-a"), "--log-format", "json"))
     # freeze every peer's fields (only `time` keeps moving): the two readers must then agree exactly
     for peer in (run.a, run.b, run.c):
-        _pause(run, peer)
-    run.swarm.wait_for(lambda: _dashboard_url(dash), 90, "`peerd dashboard` serving")
-    url = _dashboard_url(dash)
+        reply = control.request(run.tmp / f"ckpt-{peer.name}" / "peerd.sock", {"cmd": "pause"})
+        assert reply["ok"] and reply["paused"], reply
+    run.swarm.wait_for(lambda: _dashboard_url(run.dash), 90, "`peerd dashboard` serving")
+    url = _dashboard_url(run.dash)
     assert url.startswith("http://127.0.0.1:")
 
     def all_paused() -> bool:
