@@ -413,6 +413,8 @@ def _cmd_config(args: argparse.Namespace) -> int:
     node, sources = load_node_config_with_sources(args.config, overrides=_node_overrides(args), flag_names=FLAG_NAMES)
     out: dict[str, Any] = {"node": dataclasses.asdict(node), "sources": sources}
     out["node"]["identity"] = str(node.identity_path)  # the default follows checkpoint_dir: show where it lands
+    if node.dashboard_token:
+        out["node"]["dashboard_token"] = "(set, not shown)"  # a secret: never in logs or pasted configs
     if args.run_config:
         from peerd.run_config import load_run_config
 
