@@ -283,10 +283,10 @@ def _require_run_id(args: argparse.Namespace) -> str:
 
 
 def _cmd_join(args: argparse.Namespace) -> int:
+    run_id = _require_run_id(args)
+    node = _node_config(args)  # a bad flag fails before the heavy imports below
     from peerd.daemon import join
 
-    run_id = _require_run_id(args)
-    node = _node_config(args)
     from peerd.run_config import load_run_config
 
     run = load_run_config(args.run_config) if args.run_config else None

@@ -76,6 +76,8 @@ class Dashboard:
         self.run_samples: collections.deque = collections.deque(maxlen=MAX_SAMPLES)
         self.rounds: collections.deque = collections.deque(maxlen=200)
         """This machine's outer rounds (fed by the daemon's events when the dashboard runs inside it)."""
+        self.bans: collections.deque = collections.deque(maxlen=100)
+        """Peers this machine banned (time, peer, reason), newest last."""
         self.host = "127.0.0.1"
         self.port: Optional[int] = None
         self._runner: Optional[web.AppRunner] = None
@@ -113,7 +115,7 @@ class Dashboard:
             await asyncio.sleep(self.poll_s)
 
     def observe(self, event: Any) -> None:
-        """Event-bus subscriber (inside a daemon): keeps this machine's rounds (bytes per round, failures)."""
+        """Event-bus subscriber (inside a daemon): keeps this machine's rounds (bytes per round, failures) and bans."""
         from peerd.events import event_fields
 
         f = event_fields(event)
@@ -122,6 +124,8 @@ class Dashboard:
             self.rounds.append({"time": round(self.clock(), 1), "outer_round": f.get("outer_round"), "ok": True,
                                 "group_size": f.get("group_size"), "bytes_sent": f.get("bytes_sent"),
                                 "bytes_received": f.get("bytes_received"), "round_s": f.get("round_s")})
+        elif kind == "ban":
+            self.bans.append({"time": round(self.clock(), 1), "peer": f.get("peer"), "reason": f.get("reason")})
         elif kind == "round_failed":
             self.rounds.append({"time": round(self.clock(), 1), "outer_round": f.get("outer_round"), "ok": False,
                                 "reason": f.get("reason")})
@@ -193,7 +197,7 @@ class Dashboard:
         except Exception as e:
             return web.json_response({"available": False, "error": str(e)})
         return web.json_response({"available": bool(status.get("ok")), "status": status, "health": health,
-                                  "rounds": list(self.rounds)})
+                                  "rounds": list(self.rounds), "bans": list(self.bans)})
 
     async def _command(self, request: web.Request) -> web.Response:
         cmd = request.match_info["cmd"]

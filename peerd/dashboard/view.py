@@ -15,7 +15,7 @@ IDLE_ROLES = ("left", "paused", "starting", "syncing")
 
 def peer_state(record: dict, now: float, ttl_s: float) -> str:
     """``left``, ``paused``, ``joining`` (starting or downloading state), ``stale`` (no record refresh for more
-    than half its lifetime) or ``online``."""
+    than 3/4 of its lifetime: about to drop out of the run's view) or ``online``."""
     role = record.get("role")
     if role == "left":
         return "left"
@@ -23,7 +23,7 @@ def peer_state(record: dict, now: float, ttl_s: float) -> str:
         return "paused"
     if role in ("starting", "syncing"):
         return "joining"
-    if now - record.get("time", now) > ttl_s / 2:
+    if now - record.get("time", now) > 0.75 * ttl_s:
         return "stale"
     return "online"
 

@@ -41,7 +41,8 @@ def test_views_of_the_run():
     assert view["live_peers"] == 2 and view["training_peers"] == 1 and view["outer_round"] == 4
     assert view["tokens_per_s"] == 1000.0 and view["best_eval_nats_per_byte"] == 3.2
     assert view["config"]["fingerprint"] == "f00d" and view["stages"] is None
-    assert peer_state({"role": "diloco", "time": NOW - 4}, NOW, 6.0) == "stale"
+    assert peer_state({"role": "diloco", "time": NOW - 5}, NOW, 6.0) == "stale"
+    assert peer_state({"role": "diloco", "time": NOW - 4}, NOW, 6.0) == "online"
     assert peer_state({"role": "syncing", "time": NOW}, NOW, 6.0) == "joining"
     # history from the record where it has one; else what the dashboard sampled itself
     hist = history_view(PEERS, {"12D3KooWB": [[NOW - 5, None, 3.3, 800.0, None], [NOW - 4, None, 3.2, 810.0, 3.3]]},
@@ -108,8 +109,15 @@ def test_api_serves_the_run_and_acts_on_the_node():
                 assert peers["peers"][0]["loss"] == 3.1
                 status, hist = await get("/api/history")
                 assert hist["peers"]["12D3KooWA"]["eval"] == [[NOW - 20, 150, 3.4]]
+                from peerd.events import Banned, RoundFailed
+
+                dash.observe(Banned("12D3KooWX", "wrong part size", 60.0))
+                dash.observe(RoundFailed(4, "group too small", "allreduce"))
                 status, node_view = await get("/api/node")
                 assert node_view["available"] and node_view["health"]["healthy"]
+                assert node_view["bans"] == [{"time": NOW, "peer": "12D3KooWX", "reason": "wrong part size"}]
+                assert node_view["rounds"] == [{"time": NOW, "outer_round": 4, "ok": False,
+                                                "reason": "group too small"}]
                 # an action without the header (what a cross-site form sends) does nothing
                 assert (await post("/api/node/pause"))[0] == 403 and not node.paused
                 act = {security.ACTION_HEADER: "1"}

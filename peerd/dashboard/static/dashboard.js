@@ -126,7 +126,7 @@ function renderNode(node) {
   const rows = [
     ["run", s.run_id], ["outer round", s.state.outer_round ?? "-"],
     ["rounds done / failed", `${s.state.rounds_completed} / ${s.state.rounds_failed}`],
-    ["peers seen", s.peers_seen ?? "-"], ["device", s.limits.device], ["threads", s.limits.threads || "torch default"],
+    ["peers seen", s.peers_seen ?? "-"], ["peers banned", (node.bans || []).length], ["device", s.limits.device], ["threads", s.limits.threads || "torch default"],
     ["GPU memory share", s.limits.gpu_memory_fraction || "no limit"],
     ["upload", bw(s.bandwidth && s.bandwidth.upload, s.limits.upload_limit_mb_s)],
     ["download", bw(s.bandwidth && s.bandwidth.download, s.limits.download_limit_mb_s)],
