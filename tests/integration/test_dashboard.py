@@ -53,8 +53,8 @@ def run(tmp_path_factory):
             "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--checkpoint-dir", str(tmp / "ckpt-a"), "--log-format", "json"))
         swarm.wait_for(lambda: _dashboard_url(a), 120, "A's dashboard address in its log")
         url = _dashboard_url(a)
-        # every peer has finished an outer round: losses, evals and rounds in every history
-        swarm.wait_for(lambda: all(p.of("outer_round") for p in (a, b, c)), 180, "an outer round on every peer")
+        # every peer has trained a window of inner steps: a loss (and its first eval) in every history
+        swarm.wait_for(lambda: all(p.of("inner") for p in (a, b, c)), 180, "inner steps on every peer")
         swarm.wait_for(lambda: len(_get(url + "api/peers")["peers"]) == 3, 60, "3 peers on A's dashboard")
         yield SimpleNamespace(swarm=swarm, a=a, b=b, c=c, url=url, tmp=tmp, dash=dash)
     finally:
