@@ -139,7 +139,8 @@ def test_api_matches_peerd_status(run):
                                    "/ip4/127.0.0.1/tcp/0", "--json"), capture_output=True, text=True, timeout=90)
     assert out.returncode == 0, out.stderr
     status = json.loads(out.stdout)
-    time.sleep(2.5)  # the dashboard's next read
+    read = time.time()
+    run.swarm.wait_for(lambda: (_get(url + "api/run")["read_at"] or 0) > read, 30, "the dashboard's next read")
     peers = {r["peer"]: r for r in _get(url + "api/peers")["peers"]}
     history = _get(url + "api/history")["peers"]
     view = _get(url + "api/run")
