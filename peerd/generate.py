@@ -1,5 +1,5 @@
 """Sampling text from a trained model: temperature and top-k sampling (Fan et al. 2018, "Hierarchical Neural
-Story Generation", section 5.4), byte-level tokens."""
+Story Generation", section 5.4), in the run's tokens (bytes, or its BPE)."""
 
 from __future__ import annotations
 
@@ -61,9 +61,9 @@ def sample(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, temperat
 
 
 def generate_text(model: nn.Module, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,
-                  top_k: int = 50, seed: int = 0) -> str:
-    """``prompt`` followed by ``max_new_tokens`` sampled bytes, decoded as UTF-8 (invalid bytes become U+FFFD).
-    Same arguments and model -> same text. Raises ``ValueError`` as :func:`sample`."""
+                  top_k: int = 50, seed: int = 0, tokenizer=ByteTokenizer) -> str:
+    """``prompt`` followed by ``max_new_tokens`` sampled tokens of ``tokenizer`` (default bytes), decoded as UTF-8
+    (invalid bytes become U+FFFD). Same arguments and model -> same text. Raises ``ValueError`` as :func:`sample`."""
     generator = torch.Generator().manual_seed(seed)
-    ids = sample(model, ByteTokenizer.encode(prompt).long(), max_new_tokens, temperature, top_k, generator)
-    return ByteTokenizer.decode(ids)
+    ids = sample(model, tokenizer.encode(prompt).long(), max_new_tokens, temperature, top_k, generator)
+    return tokenizer.decode(ids)

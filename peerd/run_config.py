@@ -202,6 +202,10 @@ class RunConfig:
     """Sequences per inner step on each peer."""
     dataset: str = "shakespeare"
     """Training text: shakespeare (the default corpus) or local (each peer passes --data)."""
+    tokenizer: str = "bytes"
+    """``bytes`` (UTF-8 bytes, vocab 256) or ``bpe:<sha256 of the tokenizer file>``: a byte-level BPE trained by
+    the run's creator (``peerd tokenizer train``); peers without the file fetch it from live peers of the run and
+    check its digest (:mod:`peerd.tokenizer`)."""
     seed: int = 0
     """Seed of the initial model (every peer that starts a run from scratch builds the same weights)."""
     max_outer_rounds: int = 0
@@ -255,6 +259,12 @@ class RunConfig:
         if self.parallelism == "spes" and self.model not in MOE_MODEL_NAMES:
             raise ConfigError(f"parallelism 'spes' needs a mixture-of-experts model {MOE_MODEL_NAMES}, "
                               f"got {self.model!r}")
+        try:
+            from peerd.tokenizer import parse_spec
+
+            parse_spec(self.tokenizer)
+        except ValueError as e:
+            raise ConfigError(str(e), key="tokenizer", reason=str(e)) from None
         if self.dataset not in ("shakespeare", "local"):
             raise ConfigError(f"dataset must be 'shakespeare' or 'local', got {self.dataset!r}")
         for name in ("seq_len", "batch_size"):

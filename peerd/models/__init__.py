@@ -8,11 +8,12 @@ from peerd.models.stages import PipelineStage, build_stage, split_model, stage_b
 from peerd.models.transformer import MODEL_SIZES, Transformer, TransformerConfig, count_parameters
 
 
-def build_model(size: str, seq_len: int, seed: int) -> nn.Module:
+def build_model(size: str, seq_len: int, seed: int, vocab_size: int = 256) -> nn.Module:
     """The model of a run config's ``model`` name (a key of :data:`MODEL_PRESETS`): a dense :class:`Transformer`
     (``MODEL_SIZES``) or a :class:`MoETransformer` (``MOE_SIZES``), deterministically initialised; both return
-    ``(logits, loss)``. Raises ``ValueError`` for an unknown name or an invalid ``seq_len``."""
-    return get_preset(size).build(seq_len, seed)
+    ``(logits, loss)``. ``vocab_size``: the run's tokenizer's (256 = bytes). Raises ``ValueError`` for an unknown
+    name or an invalid ``seq_len``."""
+    return get_preset(size).build(seq_len, seed, vocab_size)
 
 
 __all__ = ["MODEL_PRESETS", "MODEL_SIZES", "MOE_SIZES", "ModelPreset", "MoEConfig", "MoETransformer", "PipelineStage",

@@ -126,8 +126,9 @@ def split_model(model: Transformer, num_stages: int) -> list[PipelineStage]:
 
 
 def build_stage(size: str, seq_len: int, seed: int, index: int, num_stages: int,
-                device: str | torch.device = "cpu") -> PipelineStage:
-    """Stage ``index`` of ``num_stages`` of :func:`build_model` ``(size, seq_len, seed)`` on ``device``.
+                device: str | torch.device = "cpu", vocab_size: int = 256) -> PipelineStage:
+    """Stage ``index`` of ``num_stages`` of :func:`build_model` ``(size, seq_len, seed, vocab_size)`` on
+    ``device``.
 
     Every peer that builds the same stage with the same arguments holds bit-identical parameters. (The whole model
     is built on the CPU first so the initial draws do not depend on the split; fine for the preset sizes.)
@@ -135,6 +136,6 @@ def build_stage(size: str, seq_len: int, seed: int, index: int, num_stages: int,
     """
     if not isinstance(index, int) or not 0 <= index < num_stages:
         raise ValueError(f"stage index must be in [0, {num_stages}), got {index!r}")
-    model = build_model(size, seq_len=seq_len, seed=seed)
+    model = build_model(size, seq_len=seq_len, seed=seed, vocab_size=vocab_size)
     stage_bounds(model.config.n_layers, num_stages)
     return PipelineStage(model, index, num_stages).to(device)

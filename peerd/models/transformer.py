@@ -223,15 +223,16 @@ class Transformer(nn.Module):
         return logits, loss
 
 
-def build_model(size: str, seq_len: int, seed: int) -> Transformer:
-    """A :class:`Transformer` of preset ``size`` (a key of ``MODEL_SIZES``), deterministically initialised.
+def build_model(size: str, seq_len: int, seed: int, vocab_size: int = 256) -> Transformer:
+    """A :class:`Transformer` of preset ``size`` (a key of ``MODEL_SIZES``) over ``vocab_size`` tokens (256 =
+    bytes), deterministically initialised.
 
-    Same ``(size, seq_len, seed)`` -> bit-identical parameters in any process. Raises ``ValueError`` for an
-    unknown size or an invalid ``seq_len``.
+    Same ``(size, seq_len, seed, vocab_size)`` -> bit-identical parameters in any process. Raises ``ValueError``
+    for an unknown size or an invalid ``seq_len``.
     """
     if size not in MODEL_SIZES:
         raise ValueError(f"unknown model size {size!r}; valid sizes: {', '.join(sorted(MODEL_SIZES))}")
-    return Transformer(TransformerConfig(seq_len=seq_len, **MODEL_SIZES[size]), seed=seed)
+    return Transformer(TransformerConfig(seq_len=seq_len, vocab_size=vocab_size, **MODEL_SIZES[size]), seed=seed)
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -20,11 +20,13 @@ import torch
 
 from peerd.checkpoint import Checkpoint, checkpoint_path, load_checkpoint, save_checkpoint
 from peerd.config import NodeConfig
+from peerd.data import ByteTokenizer, DataError, load_corpus, tokenize_corpus
 from peerd.events import Banned, EventBus
 from peerd.namespace import RunNamespace, RunRef, as_run_ref
 from peerd.service.pause import PauseGate
 from peerd.roles.status_board import StatusBoard
 from peerd.run_config import RunConfig
+from peerd.corpus_store import corpus_cache_dir
 from protocols.bans import BanList
 from protocols.interfaces import Transport
 
@@ -106,6 +108,17 @@ class RunContext:
     events: EventBus
     device: torch.device
     wrap_sync: Callable[[Any], Any] = field(default=lambda sync: sync)
+    tokenizer: Any = ByteTokenizer
+    """The run's tokenizer (:mod:`peerd.tokenizer`; the daemon resolves it before the role starts): its
+    ``vocab_size`` sizes the model, :meth:`training_corpus` encodes the corpus with it."""
+
+    def training_corpus(self):
+        """The node's corpus (``--data`` or Shakespeare) in the run's tokens; a local corpus's bytes and BPE ids are
+        cached per machine in ``<checkpoint_dir>/corpus-cache`` (memory-mapped: any size trains). Raises DataError (a local-data run without ``--data``, unreadable text)."""
+        if self.run.dataset == "local" and not self.node.data:
+            raise DataError(f"run {self.run_id!r} trains on local data: pass --data PATH|GLOB")
+        cache = corpus_cache_dir(self.node)
+        return tokenize_corpus(load_corpus(self.node.data or "shakespeare", cache), self.tokenizer, cache)
 
     @property
     def peer_id(self) -> str:

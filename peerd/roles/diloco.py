@@ -46,7 +46,7 @@ import torch
 
 from peerd.checkpoint import Checkpoint, CheckpointError, load_optimizer_tensors, optimizer_tensors
 from peerd.config import ConfigError
-from peerd.data import DataError, WindowSampler, load_corpus
+from peerd.data import WindowSampler
 from peerd.events import (
     CheckpointResumed,
     Evaluated,
@@ -106,12 +106,10 @@ class DiLoCoRole:
         self._syncing = False
         if node.threads:
             torch.set_num_threads(node.threads)
-        if run.dataset == "local" and not node.data:
-            raise DataError(f"run {ctx.run_id!r} trains on local data: pass --data PATH|GLOB")
-        corpus = load_corpus(node.data or "shakespeare")
+        corpus = ctx.training_corpus()
         self.eval_tokens = corpus.eval
         self.sampler = WindowSampler(corpus.train, run.seq_len, run.batch_size, seed=self.peer_id)
-        self.model = build_model(run.model, run.seq_len, run.seed).to(self.device)
+        self.model = build_model(run.model, run.seq_len, run.seed, ctx.tokenizer.vocab_size).to(self.device)
         self._setup_inner_step(node)
         self.steps_since_sync = 0
         self.samples_since_sync = 0
@@ -537,6 +535,7 @@ class DiLoCoRole:
             "samples_since_sync": self.samples_since_sync, "round_quota": self.round_quota,
             "sampler": self.sampler.state_dict(), "tokens": self.stats.tokens,
             "model": self.run_cfg.model, "seq_len": self.run_cfg.seq_len,  # what `peerd export` rebuilds
+            "tokenizer": self.run_cfg.tokenizer,
         }
         self.ctx.checkpoints.save(Checkpoint(tensors, metadata))
 

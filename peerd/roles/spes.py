@@ -37,7 +37,7 @@ from typing import Optional
 import torch
 
 from peerd.checkpoint import Checkpoint, CheckpointError, load_optimizer_tensors, optimizer_tensors
-from peerd.data import DataError, WindowSampler, load_corpus
+from peerd.data import WindowSampler
 from peerd.events import (CheckpointResumed, Evaluated, ExpertsClaimed, InnerProgress, Left, RoundDone, RoundFailed,
                           StateDownloaded)
 from peerd.models import build_model
@@ -75,12 +75,10 @@ class SpesRole:
         self.device = ctx.device
         if node.threads:
             torch.set_num_threads(node.threads)
-        if run.dataset == "local" and not node.data:
-            raise DataError(f"run {ctx.run_id!r} trains on local data: pass --data PATH|GLOB")
-        corpus = load_corpus(node.data or "shakespeare")
+        corpus = ctx.training_corpus()
         self.eval_tokens = corpus.eval
         self.sampler = WindowSampler(corpus.train, run.seq_len, run.batch_size, seed=self.peer_id)
-        model = build_model(run.model, run.seq_len, run.seed)
+        model = build_model(run.model, run.seq_len, run.seed, ctx.tokenizer.vocab_size)
         if not isinstance(model, MoETransformer):
             raise ValueError(f"parallelism 'spes' needs a mixture-of-experts model, got {run.model!r}")
         self.model = model.to(self.device)

@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from peerd.data import DataError, WindowSampler, load_corpus
+from peerd.data import WindowSampler
 from peerd.events import StageRoundDone, SwarmProgress
 from peerd.models import build_stage
 from peerd.roles.base import RunContext
@@ -136,7 +136,8 @@ class SwarmRole:
     def _build_service(self, stage: int) -> tuple[StageService, FragmentState, OuterSync]:
         """The stage's service, its fragment's outer state (round 0 from the run's initial weights) and sync."""
         run, hp = self.ctx.run, self.ctx.run.diloco
-        module = build_stage(run.model, run.seq_len, run.seed, stage, run.swarm.stages, device=self.ctx.device)
+        module = build_stage(run.model, run.seq_len, run.seed, stage, run.swarm.stages, device=self.ctx.device,
+                             vocab_size=self.ctx.tokenizer.vocab_size)
         optimizer = torch.optim.AdamW(module.parameters(), lr=hp.inner_lr, betas=hp.inner_betas,
                                       weight_decay=hp.inner_weight_decay)
         frag = fragment(module, f"stage{stage}", tuple(n for n, _ in module.named_parameters()),
@@ -345,9 +346,7 @@ class SwarmRole:
 
     async def _train(self) -> None:
         run, node = self.ctx.run, self.ctx.node
-        if run.dataset == "local" and not node.data:
-            raise DataError(f"run {self.ctx.run_id!r} trains on local data: pass --data PATH|GLOB")
-        corpus = load_corpus(node.data or "shakespeare")
+        corpus = self.ctx.training_corpus()
         sampler = WindowSampler(corpus.train, run.seq_len, run.batch_size, seed=self.ctx.peer_id)
         trainer = PipelineTrainer(self.ctx.transport.streams, lambda k: stage_service_name(self.ctx, k),
                                   self.wiring, run.swarm, d_model=self.service.stage.config.d_model)

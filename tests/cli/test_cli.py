@@ -37,6 +37,8 @@ def test_help_exits_zero_and_describes_the_command(command):
          "--stage 2"),
         (["join", "--run-id", "x", "--stage", "0", "--run-config", "node_configs/runs/tiny-test.toml"],
          "--stage 0"),
+        (["join", "--run-id", "x", "--precision", "fp8"], "--precision"),
+        (["join", "--run-id", "x", "--micro-batch-size", "-1"], "micro_batch_size"),
         (["frobnicate"], "frobnicate"),
     ],
 )

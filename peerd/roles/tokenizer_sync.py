@@ -1,0 +1,79 @@
+"""Every peer of a run tokenizes with the same file: serve the run's tokenizer, and fetch it where it is missing.
+
+The run config names the tokenizer by digest (:mod:`peerd.tokenizer`); this peer's copy lives in its tokenizer cache.
+A peer that has the file serves it (:class:`protocols.blobs.BlobServer`, service ``<run>.files``) for as long as it is
+in the run; a joiner without it asks the run's live peers (from their status records) one after another until one
+delivers bytes with the right digest, and keeps asking (a line every ``log_every_s``) until it gets them or is
+stopped: the run's creator may come back online later.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from typing import Optional, Union
+
+from peerd.data import ByteTokenizer
+from peerd.namespace import RunNamespace
+from peerd.status import StatusFilter
+from peerd.tokenizer import MAX_TOKENIZER_BYTES, BpeTokenizer, TokenizerCache, parse_spec
+from protocols.blobs import BlobServer, BlobUnavailable, fetch_blob
+
+logger = logging.getLogger(__name__)
+
+FETCH_TIMEOUT_S = 60.0
+"""Bound of one fetch from one peer (seconds)."""
+
+
+def files_service(ns: RunNamespace) -> str:
+    """Service name of the run's file server."""
+    return ns.prefix("files")
+
+
+def serve_tokenizers(transport, ns: RunNamespace, cache: TokenizerCache) -> BlobServer:
+    """A (not yet started) server of every tokenizer in ``cache``, under the run's files service."""
+    return BlobServer(transport, files_service(ns), cache.blob)
+
+
+async def resolve_tokenizer(spec: str, cache: TokenizerCache, transport, ns: RunNamespace,
+                            stop: Optional[asyncio.Event] = None, retry_s: float = 5.0,
+                            log_every_s: float = 30.0) -> Union[type[ByteTokenizer], BpeTokenizer, None]:
+    """The tokenizer of a run config's ``tokenizer`` spec: :class:`ByteTokenizer` for ``bytes``; the cached BPE,
+    or one fetched from the run's live peers (then cached). Returns None if ``stop`` is set before any peer
+    delivered it. Raises ValueError for a malformed spec."""
+    digest = parse_spec(spec)
+    if digest is None:
+        return ByteTokenizer
+    cached = cache.get(digest)
+    if cached is not None:
+        return cached
+    status_filter = StatusFilter(logger)
+    loop = asyncio.get_running_loop()
+    last_log = -float("inf")
+    while stop is None or not stop.is_set():
+        peers = [p for p in status_filter(await transport.discovery.get(ns.status_key)) if p != transport.streams.peer_id]
+        random.shuffle(peers)  # spread joiners over the holders
+        try:
+            data, peer = await fetch_blob(transport, files_service(ns), peers, digest, MAX_TOKENIZER_BYTES,
+                                          FETCH_TIMEOUT_S)
+        except BlobUnavailable:
+            if loop.time() - last_log >= log_every_s:
+                last_log = loop.time()
+                logger.warning("the run's tokenizer file (%s) is not here and no live peer (%d asked) served it yet;"
+                               " waiting (the run's creator can also copy it to %s)", spec, len(peers),
+                               cache.path(digest))
+            if stop is None:
+                await asyncio.sleep(retry_s)
+                continue
+            try:
+                await asyncio.wait_for(stop.wait(), retry_s)
+            except asyncio.TimeoutError:
+                pass
+            continue
+        tokenizer = BpeTokenizer(data)
+        cache.put(tokenizer)
+        logger.info("fetched the run's tokenizer (%d tokens, %d bytes) from %s", tokenizer.vocab_size, len(data),
+                    peer)
+        return tokenizer
+    return None
