@@ -41,7 +41,7 @@ def run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dashboard")
     swarm = Swarm(tmp)
     try:
-        swarm.start_bootstrap()
+        swarm.start_bootstrap(timeout_s=90)  # generous: imports alone take tens of seconds on a loaded machine
         config = tmp / "endless.toml"
         config.write_text(TINY.read_text().replace("max_outer_rounds = 2", "max_outer_rounds = 0"))
         a = swarm.start_peer("a", RUN, config, "--dashboard-port", "0")
