@@ -104,6 +104,17 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="serve Prometheus metrics on this port (0 = any free port; host: metrics_host, default "
                    "127.0.0.1)")
+    _dashboard_flags(g, "serve the web dashboard (run view, this machine, pause/resume) on this port (0 = any "
+                     "free port)")
+
+
+def _dashboard_flags(g: Any, port_help: str) -> None:
+    g.add_argument("--dashboard-port", type=int, metavar="PORT", help=port_help)
+    g.add_argument("--dashboard-host", metavar="ADDR",
+                   help="address the dashboard binds (default 127.0.0.1; any other needs --dashboard-token)")
+    g.add_argument("--dashboard-token", metavar="SECRET",
+                   help="secret of 16+ characters the dashboard asks for (?token=) when bound beyond loopback "
+                   "(default $PEERD_DASHBOARD_TOKEN)")
 
 
 def _control_flags(p: argparse.ArgumentParser) -> None:
@@ -181,6 +192,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="eval batches of the run's batch_size (default: the run's eval_batches, else 4)")
     p.add_argument("--data", metavar="PATH|GLOB", help="the run's local text (runs with dataset = \"local\")")
     p.add_argument("--json", action="store_true", help="print JSON instead of a line")
+    _node_flags(p)
+
+    p = sub.add_parser("dashboard", help="serve a web page showing a run (and this machine's daemon)",
+                       description="Serve the dashboard of run RUN_ID on http://127.0.0.1:PORT/: live peers, the "
+                       "swarm map, loss and throughput curves (from the peers' status records in the DHT), and this "
+                       "machine's daemon (state, limits, pause/resume, volunteer rules) through its control socket. "
+                       "Bound beyond loopback it needs a token.")
+    p.add_argument("--run-id", type=_run_id, default=os.environ.get("PEERD_RUN_ID"),
+                   help="the run to show (default $PEERD_RUN_ID)")
+    _dashboard_flags(p.add_argument_group("dashboard"), "port to serve on (default 8477; 0 = any free port)")
+    p.add_argument("--checkpoint-dir", metavar="DIR",
+                   help="the local daemon's checkpoint folder, for the 'this machine' panel (default "
+                   "~/.peerd/checkpoints)")
+    p.add_argument("--control-socket", metavar="PATH", help="the local daemon's control socket")
     _node_flags(p)
 
     p = sub.add_parser("pause", help="pause the local daemon: it leaves rounds cleanly and stops training",
@@ -285,7 +310,8 @@ def _node_config(args: argparse.Namespace) -> NodeConfig:
 #: Node config keys that commands may take as flags (besides the addresses and identity of every DHT command).
 NODE_FLAGS = ("device", "threads", "checkpoint_dir", "data", "gpu_memory_fraction", "upload_limit_mb_s",
               "download_limit_mb_s", "active_hours", "metrics_port", "control_socket", "stage", "swarm_role",
-              "micro_batch_size", "precision", "compile", "activation_checkpointing")
+              "micro_batch_size", "precision", "compile", "activation_checkpointing",
+              "dashboard_port", "dashboard_host", "dashboard_token")
 
 
 #: Flags spelled differently from their node config key.
@@ -306,10 +332,9 @@ def _require_run_id(args: argparse.Namespace) -> str:
 
 
 def _cmd_join(args: argparse.Namespace) -> int:
-    from peerd.daemon import join
-
     run_id = _require_run_id(args)
-    node = _node_config(args)
+    node = _node_config(args)  # a bad flag fails before the heavy imports below
+    from peerd.daemon import join
     from peerd.run_config import load_run_config
 
     run = load_run_config(args.run_config) if args.run_config else None
@@ -364,6 +389,47 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+#: Port of `peerd dashboard` when none is given.
+DASHBOARD_PORT = 8477
+
+
+def _cmd_dashboard(args: argparse.Namespace) -> int:
+    _require_run_id(args)
+    if args.dashboard_port is None:
+        args.dashboard_port = DASHBOARD_PORT
+    node = _node_config(args)
+    if not node.initial_peers:
+        raise UsageError("peerd dashboard: --initial-peers is required (any peer of the run)")
+    _run_async(_serve_dashboard(node, args.run_id))
+    return 0
+
+
+async def _serve_dashboard(node: NodeConfig, run_id: str) -> None:
+    from peerd.dashboard.app import Dashboard, control_socket_node
+    from peerd.daemon import install_stop_handlers, read_run_status
+    from peerd.transport.factory import open_reader
+
+    stop = asyncio.Event()
+    install_stop_handlers(stop)
+    transport = await open_reader(node)
+    try:
+        dashboard = Dashboard(run_id, lambda: read_run_status(transport.discovery, run_id),
+                              control_socket_node(node.control_socket_path), node.dashboard_token, node.status_ttl_s)
+        try:
+            await dashboard.start(node.dashboard_host, node.dashboard_port)
+        except OSError as e:
+            raise ConnectionError(f"cannot serve the dashboard on {node.dashboard_host}:{node.dashboard_port}: "
+                                  f"{e.strerror or e}") from None
+        print(f"dashboard of run {run_id} on {dashboard.url()}", flush=True)
+        logger.info("dashboard on %s", dashboard.url(), extra={"event": "dashboard", "url": dashboard.url()})
+        try:
+            await stop.wait()
+        finally:
+            await dashboard.stop()
+    finally:
+        await transport.shutdown()
+
+
 def _stage_lines(live: dict[str, dict], num_stages: Any) -> list[str]:
     """SWARM runs: per stage its servers and summed tokens/s, and the bottleneck (the stage with the least
     throughput; an empty stage first). Nothing for a run without stage records."""
@@ -395,6 +461,8 @@ def _cmd_config(args: argparse.Namespace) -> int:
     node, sources = load_node_config_with_sources(args.config, overrides=_node_overrides(args), flag_names=FLAG_NAMES)
     out: dict[str, Any] = {"node": dataclasses.asdict(node), "sources": sources}
     out["node"]["identity"] = str(node.identity_path)  # the default follows checkpoint_dir: show where it lands
+    if node.dashboard_token:
+        out["node"]["dashboard_token"] = "(set, not shown)"  # a secret: never in logs or pasted configs
     if args.run_config:
         from peerd.run_config import load_run_config
 
@@ -644,7 +712,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"join": _cmd_join, "bootstrap": _cmd_bootstrap, "status": _cmd_status, "config": _cmd_config,
-            "pause": _cmd_pause_resume, "resume": _cmd_pause_resume, "health": _cmd_health,
+            "dashboard": _cmd_dashboard, "pause": _cmd_pause_resume, "resume": _cmd_pause_resume, "health": _cmd_health,
             "install-service": _cmd_install_service, "export": _cmd_export, "generate": _cmd_generate,
             "eval": _cmd_eval, "tokenizer": _cmd_tokenizer}
 

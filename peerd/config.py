@@ -142,6 +142,25 @@ class NodeConfig:
     swarm_role: str = "auto"
     """SWARM runs: ``trainer`` (serve a stage and push micro-batches through the swarm), ``server`` (serve only) or
     ``auto`` (a stage-0 server trains)."""
+    pause_when_cpu_busy_percent: float = 0.0
+    """Pause while other programs keep the CPU busier than this, in percent of all cores (this daemon's own
+    processes not counted), averaged over ``cpu_busy_window_s``; train again once they drop 5 points below it.
+    0 = off (:mod:`peerd.service.rules`)."""
+    cpu_busy_window_s: float = 30.0
+    """Seconds over which ``pause_when_cpu_busy_percent`` averages the other programs' CPU use."""
+    pause_on_battery: bool = False
+    """Pause while the machine runs on battery (``psutil.sensors_battery``); machines without one never pause."""
+    gpu: bool = True
+    """Use a GPU if there is one. False: ``device = "auto"`` trains on the CPU, and ``device = "cuda"`` is an
+    error."""
+    dashboard_port: Optional[int] = None
+    """`peerd join`: serve the web dashboard (run view, this machine, pause/resume) on this TCP port (0 = any free
+    port, logged); None = off (:mod:`peerd.dashboard`)."""
+    dashboard_host: str = "127.0.0.1"
+    """Address the dashboard binds. Anything but a loopback address needs ``dashboard_token``."""
+    dashboard_token: Optional[str] = None
+    """Secret the dashboard asks for (``?token=`` once, then a cookie) when bound beyond loopback; at least 16
+    characters."""
 
     def __post_init__(self) -> None:
         from peerd.multiaddrs import check_multiaddr
@@ -199,6 +218,24 @@ class NodeConfig:
             raise ConfigError(f"stage must be an int >= 0 (a pipeline stage of a SWARM run), got {self.stage!r}")
         if self.swarm_role not in SWARM_ROLES:
             raise ConfigError(f"swarm_role must be one of {', '.join(SWARM_ROLES)}, got {self.swarm_role!r}")
+        if not 0.0 <= self.pause_when_cpu_busy_percent <= 100.0:
+            raise ConfigError("pause_when_cpu_busy_percent must be in [0, 100] (0 = off), got "
+                              f"{self.pause_when_cpu_busy_percent}", key="pause_when_cpu_busy_percent",
+                              reason=f"must be in [0, 100] (0 = off), got {self.pause_when_cpu_busy_percent}")
+        if not self.cpu_busy_window_s > 0:
+            raise ConfigError(f"cpu_busy_window_s must be > 0, got {self.cpu_busy_window_s}")
+        if not self.gpu and self.device.startswith("cuda"):
+            raise ConfigError(f"device {self.device!r} contradicts gpu = false: use device auto or cpu", key="gpu",
+                              reason=f"gpu = false contradicts device {self.device!r}: use device auto or cpu")
+        if self.dashboard_port is not None and not 0 <= self.dashboard_port <= 65535:
+            raise ConfigError(f"dashboard_port must be a TCP port 0-65535 (0 = any free port), got "
+                              f"{self.dashboard_port}", key="dashboard_port",
+                              reason=f"must be a TCP port 0-65535 (0 = any free port), got {self.dashboard_port}")
+        from peerd.dashboard.security import bind_problem
+
+        problem = bind_problem(self.dashboard_host, self.dashboard_token)
+        if problem:
+            raise ConfigError(f"dashboard_host: {problem}", key="dashboard_host", reason=problem)
         if not self.health_max_age_s > 0:
             raise ConfigError(f"health_max_age_s must be > 0, got {self.health_max_age_s}")
         if len(os.fsencode(self.control_socket_path)) > MAX_UNIX_SOCKET_PATH:

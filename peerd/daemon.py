@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -181,8 +182,11 @@ async def join(run_id: RunRef | str, node: NodeConfig, local_run: Optional[RunCo
     from peerd.roles.tokenizer_sync import resolve_tokenizer, serve_tokenizers
     from peerd.tokenizer import TokenizerCache, tokenizer_dir
 
+    from peerd.service.rules import effective_device
+
     ref = as_run_ref(run_id)
     run_id = ref.name
+    node = dataclasses.replace(node, device=effective_device(node.device, node.gpu))
     stop = asyncio.Event()
     install_stop_handlers(stop)
     hold = hold_identity(node.identity_path_for("worker"))  # before any service: a second daemon stops right here
@@ -190,7 +194,7 @@ async def join(run_id: RunRef | str, node: NodeConfig, local_run: Optional[RunCo
         apply_cpu_threads(node.threads)
         apply_gpu_memory_fraction(node.gpu_memory_fraction, pick_device(node.device))
         transport = await open_transport(node, hold=hold)
-        keeper = data_plane = files = None
+        keeper = data_plane = files = dashboard = None
         try:
             logger.info("listening on %s", " ".join(transport.visible_maddrs()))
             record = await resolve_run_config(transport, ref, local_run, pin_path(node.checkpoint_path, ref))
@@ -214,11 +218,15 @@ async def join(run_id: RunRef | str, node: NodeConfig, local_run: Optional[RunCo
                 return  # stopped while waiting for the tokenizer file
             role = role_class(parallelism(run))(ctx)
             services.watch_peers(role_transport.discovery, ctx.namespace.status_key)
+            if node.dashboard_port is not None:
+                dashboard = await start_dashboard(node, ref, transport.discovery, services)
             services.ready(f"joined run {run_id}")
             await role.run(ctx)
             if ctx.status.conflict is not None:
                 raise ctx.status.conflict
         finally:
+            if dashboard is not None:
+                await dashboard.stop()
             if keeper is not None:
                 keeper.cancel()
             if files is not None:
@@ -226,6 +234,25 @@ async def join(run_id: RunRef | str, node: NodeConfig, local_run: Optional[RunCo
             if data_plane is not None:
                 await data_plane.streams.stop()
             await transport.shutdown()
+
+
+async def start_dashboard(node: NodeConfig, ref: RunRef, discovery, services: VolunteerServices):
+    """Serve the web dashboard inside this daemon (node config ``dashboard_port``/``_host``/``_token``): the run as
+    this daemon's DHT view shows it, and this machine through the control socket's handler. Raises ServiceError if
+    the port cannot be bound."""
+    from peerd.dashboard.app import Dashboard
+    from peerd.service.volunteer import ServiceError
+
+    dashboard = Dashboard(ref.name, lambda: read_run_status(discovery, ref), services.handle,
+                          node.dashboard_token, node.status_ttl_s)
+    services.events.subscribe(dashboard.observe)
+    try:
+        await dashboard.start(node.dashboard_host, node.dashboard_port)
+    except OSError as e:
+        raise ServiceError(f"cannot serve the dashboard on {node.dashboard_host}:{node.dashboard_port}: {e}"
+                           ) from None
+    logger.info("dashboard on %s", dashboard.url(), extra={"event": "dashboard", "url": dashboard.url()})
+    return dashboard
 
 
 async def bootstrap(node: NodeConfig, on_ready=print) -> None:
@@ -252,25 +279,29 @@ async def read_status(node: NodeConfig, run_id: RunRef | str) -> tuple[dict[str,
     is the run's as :func:`peerd.membership.choose` decides (None if there is none or it is ambiguous):
     ``{config, fingerprint, creator, creators}``.
     """
-    ref = as_run_ref(run_id)
-    ns = RunNamespace(ref)
     transport = await open_reader(node)
     try:
-        discovery = transport.discovery
-        statuses = StatusFilter(logger)(await discovery.get(ns.status_key))
-        records = []
-        for owner, found in (await discovery.get_signed(ns.config_key)).items():
-            with contextlib.suppress(InvalidRecord):
-                records.append(parse_config_record(ref.name, owner, found.value, found.envelope))
-        try:
-            accepted = choose(ref, records, pinned=None)
-        except RunConfigConflict as e:
-            logger.warning("%s", e)
-            accepted = []
-        config = None
-        if accepted:
-            config = {"config": accepted[0].run.to_dict(), "fingerprint": accepted[0].fingerprint,
-                      "creator": accepted[0].creator, "creators": [r.creator for r in accepted]}
-        return statuses, config
+        return await read_run_status(transport.discovery, run_id)
     finally:
         await transport.shutdown()
+
+
+async def read_run_status(discovery, run_id: RunRef | str) -> tuple[dict[str, dict], Optional[dict]]:
+    """:func:`read_status` through an open ``discovery`` (the dashboard keeps one open)."""
+    ref = as_run_ref(run_id)
+    ns = RunNamespace(ref)
+    statuses = StatusFilter(logger)(await discovery.get(ns.status_key))
+    records = []
+    for owner, found in (await discovery.get_signed(ns.config_key)).items():
+        with contextlib.suppress(InvalidRecord):
+            records.append(parse_config_record(ref.name, owner, found.value, found.envelope))
+    try:
+        accepted = choose(ref, records, pinned=None)
+    except RunConfigConflict as e:
+        logger.warning("%s", e)
+        accepted = []
+    config = None
+    if accepted:
+        config = {"config": accepted[0].run.to_dict(), "fingerprint": accepted[0].fingerprint,
+                  "creator": accepted[0].creator, "creators": [r.creator for r in accepted]}
+    return statuses, config

@@ -23,14 +23,17 @@ import math
 import time
 from typing import Any, Callable, Optional
 
+from peerd.history import history_problem, known_series
+
 #: Schema version written by this code. 0 = records without ``v``.
 STATUS_VERSION = 1
 #: Fields every status record carries (None where unknown).
 STATUS_FIELDS = ("role", "outer_round", "inner_step", "loss", "tokens_per_s", "eval_nats_per_byte", "digest")
 #: Known fields a record may lack (added after version 0): ``instance`` = a random id per daemon process (<= 64
 #: characters), which tells a restarted peer from its previous process; ``stage`` = the pipeline stage a SWARM server
-#: serves (a non-negative integer).
-OPTIONAL_STATUS_FIELDS = ("instance", "stage")
+#: serves (a non-negative integer); ``history`` = the peer's compact recent history of losses and tokens/s
+#: (:mod:`peerd.history`, read by dashboards).
+OPTIONAL_STATUS_FIELDS = ("instance", "stage", "history")
 KNOWN_STATUS_FIELDS = STATUS_FIELDS + OPTIONAL_STATUS_FIELDS
 
 _MAX_ROUND = 2**40
@@ -74,6 +77,7 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "digest": (lambda v: v is None or (isinstance(v, str) and len(v) <= 64), "a string of at most 64 characters"),
     "instance": (_short_str(64), "a string of 1-64 characters"),
     "stage": (_count, "a non-negative integer"),
+    "history": (lambda v: v is None or history_problem(v) is None, "a history table (peerd.history)"),
     "time": (_finite(nullable=False), "a finite number"),
     "v": (lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < _MAX_VERSION,
           "a non-negative integer"),
@@ -102,6 +106,8 @@ def known_fields(record: dict) -> dict[str, Any]:
     out = {name: record.get(name) for name in KNOWN_STATUS_FIELDS}
     out["time"] = record["time"]
     out["v"] = record.get("v", 0)
+    if out["history"] is not None:
+        out["history"] = known_series(out["history"])
     return out
 
 

@@ -21,6 +21,10 @@ def main() -> int:
     parser.add_argument("--minutes", type=float, default=5.0, help="training time before the peers are stopped")
     parser.add_argument("--peers", type=int, default=3, help="number of workers")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (logs, checkpoints) afterwards")
+    parser.add_argument("--dashboard-port", type=int, default=8477, metavar="PORT",
+                        help="the first peer serves the web dashboard on 127.0.0.1:PORT (default 8477; 0 = any free)")
+    parser.add_argument("--screenshot", metavar="PNG",
+                        help="save a screenshot of the dashboard (headless chromium) two thirds into the demo")
     args = parser.parse_args()
     if args.minutes <= 0 or args.peers < 1:
         parser.error("--minutes must be > 0 and --peers >= 1")
@@ -30,12 +34,24 @@ def main() -> int:
     try:
         maddr = swarm.start_bootstrap()
         print(f"bootstrap node: {maddr}")
-        peers = [swarm.start_peer(f"peer{i}", "demo", RUN_CONFIG, "--threads", "1") for i in range(args.peers)]
+        peers = [swarm.start_peer(f"peer{i}", "demo", RUN_CONFIG, "--threads", "1",
+                                  *(["--dashboard-port", str(args.dashboard_port)] if i == 0 else []))
+                 for i in range(args.peers)]
         print(f"{args.peers} peers joining run 'demo' ({RUN_CONFIG.relative_to(ROOT)}); logs in {workdir}")
-        print(f"watch them from another shell: .venv/bin/peerd status --run-id demo --initial-peers {maddr}\n")
+        print(f"watch them from another shell: .venv/bin/peerd status --run-id demo --initial-peers {maddr}")
+        swarm.wait_for(lambda: peers[0].of("dashboard") or peers[0].proc.poll() is not None, 120,
+                       "the dashboard of peer0")
+        dashboard = peers[0].of("dashboard")
+        if dashboard:
+            print(f"or in a browser: {dashboard[0]['url']}  (peer0's dashboard: the run, its curves, and pause/resume "
+                  "of peer0)\n")
         deadline = time.time() + args.minutes * 60
+        shot_at = time.time() + args.minutes * 40 if args.screenshot and dashboard else None
         last_print = 0.0
         while time.time() < deadline:
+            if shot_at is not None and time.time() >= shot_at:
+                shot_at = None
+                _screenshot(dashboard[0]["url"], args.screenshot)
             if any(p.proc.poll() is not None for p in peers):
                 print("a peer exited early:\n" + swarm.tails(), file=sys.stderr)
                 return 1
@@ -53,6 +69,22 @@ def main() -> int:
         swarm.close()
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _screenshot(url: str, path: str) -> None:
+    """Headless chromium's own screenshot of the page, after 8 s of the page's (virtual) time."""
+    import subprocess
+
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    if chromium is None:
+        print("no chromium found: no screenshot", file=sys.stderr)
+        return
+    argv = [chromium, "--headless=new", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--no-first-run",
+            "--disable-background-networking", "--disable-component-update", "--window-size=1500,960",
+            "--virtual-time-budget=8000", f"--screenshot={Path(path).resolve()}", url]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    print(f"screenshot of the dashboard: {path}" if done.returncode == 0 else
+          f"screenshot failed: {done.stderr[-500:]}", file=sys.stderr)
 
 
 def _progress(peers, deadline) -> None:

@@ -21,6 +21,7 @@ import time
 from typing import Any, Callable, Optional
 
 from peerd.events import DuplicateIdentitySeen, EventBus
+from peerd.history import RecentHistory
 from peerd.identity import IdentityError
 from peerd.status import StatusFilter, make_status
 
@@ -61,6 +62,9 @@ class StatusBoard:
         self.conflict: Optional[DuplicateIdentity] = None
         self._describe: Callable[[], dict[str, Any]] = lambda: {"role": "starting"}
         self._filter = StatusFilter(logger)
+        self.history = RecentHistory()
+        if events is not None:  # the role's events feed the compact history every record carries
+            events.subscribe(self.history)
 
     def set_source(self, describe: Callable[[], dict[str, Any]]) -> None:
         self._describe = describe
@@ -68,7 +72,8 @@ class StatusBoard:
     async def publish(self, **override: Any) -> None:
         """Store the current record now (``override`` replaces fields of ``describe()``, e.g. ``role="left"``).
         A failed store is not an error: the next one comes within ``interval_s``."""
-        record = make_status(**{**self._describe(), **override, "instance": self.instance})
+        record = make_status(**{"history": self.history.compact(), **self._describe(), **override,
+                                "instance": self.instance})
         with contextlib.suppress(Exception):
             await self.discovery.store(self.key, self.peer_id, record, self.discovery.time() + self.ttl_s)
 

@@ -1,6 +1,8 @@
 """The local control channel: a Unix stream socket (mode 0600) in the daemon's state folder, never a network port.
 
-Protocol: the client sends one JSON object on one line (``{"cmd": "status" | "pause" | "resume" | "health", ...}``),
+Protocol: the client sends one JSON object on one line (``{"cmd": "status" | "pause" | "resume" | "health" |
+"pause_after_round" | "set_rules", ...}``; the daemon's handler is
+:meth:`peerd.service.volunteer.VolunteerServices.handle`),
 the daemon answers one JSON object on one line and closes. One daemon per socket: the server holds an exclusive
 ``flock`` on ``<socket>.lock`` for its lifetime (:mod:`peerd.locks`), so a second daemon on the same folder is told
 (and runs without a control socket) instead of stealing the first one's socket; the socket and lock of a daemon that

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -20,6 +21,7 @@ from peerd.config import NodeConfig
 from peerd.service.control import ControlServer
 from peerd.service.health import DaemonState, assess_health
 from peerd.service.pause import USER_REASON, PauseGate
+from peerd.service.rules import Probes, RuleEnforcer, VolunteerRules, psutil_probes
 from peerd.service.schedule import ActiveHours, enforce_active_hours
 from peerd.service.systemd import Notifier, watchdog_interval_s, watchdog_loop
 from peerd.events import (
@@ -36,6 +38,7 @@ from peerd.events import (
     Resumed,
     RoundDone,
     RoundFailed,
+    StageRoundDone,
 )
 from peerd.transport.pacing import PacedStreams, PacedTransport, pace
 
@@ -53,7 +56,7 @@ class VolunteerServices:
     """Use as ``async with VolunteerServices(node, "diloco", stop, run_id) as services:`` around a role."""
 
     def __init__(self, node: NodeConfig, role: str, stop: asyncio.Event, run_id: Optional[str] = None,
-                 environ: Mapping[str, str] = os.environ):
+                 environ: Mapping[str, str] = os.environ, probes: Optional[Probes] = None):
         self.node = node
         self.role = role
         self.stop = stop
@@ -70,7 +73,10 @@ class VolunteerServices:
         self._control = ControlServer(node.control_socket_path_for(self._kind), self._handle)
         self._tasks: list[asyncio.Task] = []
         self._stopping_sent = False
-        self.events = EventBus(LogEvents(), self.state.observe, self._systemd_status)
+        self.events = EventBus(LogEvents(), self.state.observe, self._systemd_status, self._round_end)
+        self.pause_after_round = False
+        """Set by the control command ``pause_after_round``: pause once the role's current round ends."""
+        self.rules = RuleEnforcer(VolunteerRules.from_node(node), self.gate, probes or psutil_probes())
         if node.metrics_port is not None:
             from peerd.service.metrics import Metrics  # prometheus_client only when asked for
 
@@ -110,6 +116,8 @@ class VolunteerServices:
         self._spawn(self._notify_stopping())
         if self.node.active_hours:
             self._spawn(enforce_active_hours(ActiveHours.parse(self.node.active_hours), self.gate))
+        if self.role != "bootstrap":
+            self._spawn(self.rules.run())
         self.notifier.status("starting")
 
     async def __aexit__(self, *exc: Any) -> None:
@@ -176,11 +184,25 @@ class VolunteerServices:
     # ------------------------------------------------------------------------------------------------ control, status
 
     def snapshot(self) -> dict[str, Any]:
+        node = self.node
         return {
             "pid": os.getpid(), "role": self.role, "run_id": self.state.run_id, "paused": self.gate.paused,
             "pause_reasons": self.gate.reasons, "state": self.state.to_dict(), "peers_seen": self.peers_seen,
             "bandwidth": self.streams.report() if self.streams else None, "metrics_port": self.metrics_port,
+            "pause_after_round": self.pause_after_round,
+            "rules": {**dataclasses.asdict(self.rules.rules), "gpu": node.gpu},
+            "machine": {"others_cpu_percent": self.rules.others_cpu_percent, "on_battery": self.rules.on_battery},
+            "limits": {"device": node.device, "threads": node.threads, "gpu_memory_fraction": node.gpu_memory_fraction,
+                       "upload_limit_mb_s": node.upload_limit_mb_s, "download_limit_mb_s": node.download_limit_mb_s,
+                       "active_hours": node.active_hours},
         }
+
+    def _round_end(self, event: Event) -> None:
+        """"Finish the round, then pause": the first round end after the request pauses the gate."""
+        if self.pause_after_round and isinstance(event, (RoundDone, StageRoundDone, RoundFailed)):
+            self.pause_after_round = False
+            changed = self.gate.pause(USER_REASON, "paused by the volunteer after a round")
+            self.events.publish(ControlCommand("pause", changed, self.gate.paused, self.gate.describe()))
 
     async def _handle(self, request: dict[str, Any]) -> dict[str, Any]:
         cmd = request["cmd"]
@@ -192,9 +214,30 @@ class VolunteerServices:
                 return {"ok": False, "error": f"max_age_s must be a positive number, got {max_age!r}"}
             healthy, message = assess_health(self.state, self.gate.reasons, time.time(), float(max_age))
             return {"ok": True, "healthy": healthy, "message": message, "pid": os.getpid()}
+        if cmd in ("pause", "resume", "pause_after_round", "set_rules") and self.role == "bootstrap":
+            return {"ok": False, "error": "a bootstrap node does not train: nothing to pause, resume or rule"}
+        if cmd == "set_rules":
+            changes = request.get("rules")
+            if not isinstance(changes, dict):
+                return {"ok": False, "error": "set_rules needs 'rules': a table of rule -> value"}
+            try:
+                self.rules.set_rules(self.rules.rules.updated(changes))
+            except ValueError as e:
+                return {"ok": False, "error": str(e)}
+            logger.info("volunteer rules now %s (until the daemon restarts; the node config keeps them)",
+                        self.rules.rules, extra={"event": "rules_set", **dataclasses.asdict(self.rules.rules)})
+            return {"ok": True, "rules": dataclasses.asdict(self.rules.rules), "paused": self.gate.paused,
+                    "pause_reasons": self.gate.reasons}
+        if cmd == "pause_after_round":
+            if self.gate.paused:
+                return {"ok": True, "changed": False, "paused": True, "pause_reasons": self.gate.reasons,
+                        "pause_after_round": False, "pid": os.getpid()}
+            self.pause_after_round = True
+            logger.info("pausing once the current round ends", extra={"event": "control_pause_after_round"})
+            return {"ok": True, "changed": True, "paused": False, "pause_reasons": self.gate.reasons,
+                    "pause_after_round": True, "pid": os.getpid()}
         if cmd in ("pause", "resume"):
-            if self.role == "bootstrap":
-                return {"ok": False, "error": "a bootstrap node does not train: nothing to pause or resume"}
+            self.pause_after_round = False  # a pause now or a resume supersedes a pending "after the round"
             if cmd == "pause":
                 changed = self.gate.pause(USER_REASON, "paused by the volunteer (peerd pause)")
             else:
@@ -202,7 +245,12 @@ class VolunteerServices:
             self.events.publish(ControlCommand(cmd, changed, self.gate.paused, self.gate.describe()))
             return {"ok": True, "changed": changed, "paused": self.gate.paused, "pause_reasons": self.gate.reasons,
                     "pid": os.getpid()}
-        return {"ok": False, "error": f"unknown command {cmd!r} (status, pause, resume, health)"}
+        return {"ok": False, "error": f"unknown command {cmd!r} (status, pause, resume, pause_after_round, "
+                                      "set_rules, health)"}
+
+    async def handle(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Answer one control request as the control socket does (the in-process dashboard calls this)."""
+        return await self._handle(request)
 
     def _systemd_status(self, event: Event) -> None:
         if not self.notifier.enabled:

@@ -1,0 +1,190 @@
+// The dashboard page: polls the JSON API every POLL_MS and redraws; no reload, nothing from the internet.
+"use strict";
+const POLL_MS = 2000;
+const ACTION_HEADER = {"X-Peerd-Dashboard": "1", "Content-Type": "application/json"};
+const $ = (id) => document.getElementById(id);
+const fmt = (v, digits) => (typeof v === "number" ? v.toFixed(digits) : "-");
+const short = (peer) => peer.length > 16 ? peer.slice(0, 8) + "…" + peer.slice(-6) : peer;
+let xaxis = "time";
+let lastHistory = null, lastNode = null;
+
+async function getJSON(path) {
+  const r = await fetch(path, {cache: "no-store", credentials: "same-origin"});
+  return r.json();
+}
+
+function cell(text, cls) {
+  const td = document.createElement("td");
+  td.textContent = text;
+  if (cls) td.className = cls;
+  return td;
+}
+
+function renderRun(run) {
+  $("run-id").textContent = run.run_id;
+  $("live-peers").textContent = run.live_peers;
+  $("outer-round").textContent = run.outer_round ?? "-";
+  $("run-tps").textContent = fmt(run.tokens_per_s, 0);
+  $("best-eval").textContent = fmt(run.best_eval_nats_per_byte, 4);
+  $("parallelism").textContent = run.config ? `${run.config.parallelism} · ${run.config.model}` : "no config";
+  $("read-state").textContent = run.read_error ? `reading the run failed: ${run.read_error}` :
+    (run.read_at ? `read ${Math.max(0, Math.round(Date.now() / 1000 - run.read_at))} s ago` : "reading the run…");
+  const map = $("swarm-map");
+  map.textContent = "";
+  if (run.stages) {
+    for (const s of run.stages.stages) {
+      const div = document.createElement("div");
+      div.textContent = `stage ${s.stage}: ${s.servers.length} server(s), ${s.tokens_per_s.toFixed(0)} tokens/s` +
+        (s.servers.length ? ` — ${s.servers.map(short).join(", ")}` : "");
+      if (s.stage === run.stages.bottleneck) { div.className = "bottleneck"; div.textContent += "  (bottleneck)"; }
+      map.appendChild(div);
+    }
+  } else if (run.experts) {
+    for (const [e, holders] of Object.entries(run.experts)) {
+      const div = document.createElement("div");
+      div.textContent = `expert ${e}: ${holders.map(short).join(", ")}`;
+      map.appendChild(div);
+    }
+  } else if (run.groups && run.groups.diloco.length) {
+    map.textContent = `DiLoCo group: ${run.groups.diloco.length} training peer(s)`;
+  }
+}
+
+function renderPeers(data) {
+  const body = $("peers");
+  body.textContent = "";
+  for (const p of data.peers) {
+    const tr = document.createElement("tr");
+    tr.dataset.peer = p.peer;
+    tr.appendChild(cell(short(p.peer), "peer"));
+    tr.lastChild.title = p.peer;
+    tr.appendChild(cell(p.state, "state-" + p.state));
+    tr.appendChild(cell(p.role));
+    tr.appendChild(cell(p.stage != null ? `stage ${p.stage}` : (p.experts ? p.experts.join(",") : "-")));
+    tr.appendChild(cell(p.outer_round ?? "-"));
+    tr.appendChild(cell(p.inner_step ?? "-"));
+    tr.appendChild(cell(fmt(p.loss, 4)));
+    tr.appendChild(cell(fmt(p.tokens_per_s, 0)));
+    tr.appendChild(cell(fmt(p.eval_nats_per_byte, 4)));
+    tr.appendChild(cell(`${Math.round(p.last_seen_s)} s ago`));
+    body.appendChild(tr);
+  }
+}
+
+const LAYOUT = (title, ytitle) => ({
+  title: {text: title, font: {size: 13}}, margin: {l: 50, r: 10, t: 30, b: 35}, showlegend: false,
+  xaxis: {title: {text: xaxis === "time" ? "" : "tokens"}, type: xaxis === "time" ? "date" : "linear"},
+  yaxis: {title: {text: ytitle}}, uirevision: xaxis,
+});
+const CONFIG = {displaylogo: false, responsive: true, displayModeBar: false};
+
+function xs(points) {
+  return points.map((p) => xaxis === "time" ? new Date(p[0] * 1000) : p[1]);
+}
+
+function renderHistory(h) {
+  if (typeof Plotly === "undefined") return;
+  const loss = [], evals = [];
+  for (const [peer, series] of Object.entries(h.peers)) {
+    const lp = series.loss.filter((p) => xaxis === "time" || p[1] != null);
+    const ep = series.eval.filter((p) => xaxis === "time" || p[1] != null);
+    loss.push({x: xs(lp), y: lp.map((p) => p[2]), name: short(peer), mode: "lines+markers", marker: {size: 4}});
+    evals.push({x: xs(ep), y: ep.map((p) => p[2]), name: short(peer), mode: "lines+markers", marker: {size: 5}});
+  }
+  Plotly.react("loss-plot", loss, LAYOUT("training loss", "nats/byte"), CONFIG);
+  Plotly.react("eval-plot", evals, LAYOUT("eval loss (held out)", "nats/byte"), CONFIG);
+  const run = h.run;
+  Plotly.react("tps-plot", [{x: run.map((p) => new Date(p[0] * 1000)), y: run.map((p) => p[1]), mode: "lines"}],
+    {...LAYOUT("tokens/s of the whole run", "tokens/s"), xaxis: {type: "date"}}, CONFIG);
+}
+
+function renderRounds(rounds) {
+  if (typeof Plotly === "undefined") return;
+  const ok = rounds.filter((r) => r.ok), failed = rounds.filter((r) => !r.ok);
+  Plotly.react("bytes-plot", [
+    {x: ok.map((r) => r.outer_round), y: ok.map((r) => r.bytes_sent / 1e6), type: "bar", name: "sent"},
+    {x: failed.map((r) => r.outer_round + 1), y: failed.map(() => 0), mode: "markers", name: "failed",
+     marker: {symbol: "x", size: 10, color: "#b42318"}},
+  ], {...LAYOUT("this machine: MB sent per outer round (x: failed)", "MB"), xaxis: {title: {text: "outer round"}}},
+  CONFIG);
+}
+
+function renderNode(node) {
+  lastNode = node;
+  if (!node.available) {
+    $("node-panel").hidden = true;
+    $("node-unavailable").textContent = node.error || "no local daemon";
+    return;
+  }
+  $("node-unavailable").textContent = "";
+  $("node-panel").hidden = false;
+  const s = node.status;
+  $("node-state").textContent = s.paused ? "paused" : (s.pause_after_round ? "pausing after this round" : s.state.worker_state);
+  $("node-state").className = s.paused ? "state-paused" : "state-online";
+  $("node-reasons").textContent = Object.values(s.pause_reasons || {}).join("; ");
+  $("node-health").textContent = node.health && node.health.ok ? `${node.health.healthy ? "healthy" : "unhealthy"}: ${node.health.message}` : "-";
+  const rows = [
+    ["run", s.run_id], ["outer round", s.state.outer_round ?? "-"],
+    ["rounds done / failed", `${s.state.rounds_completed} / ${s.state.rounds_failed}`],
+    ["peers seen", s.peers_seen ?? "-"], ["peers banned", (node.bans || []).length], ["device", s.limits.device], ["threads", s.limits.threads || "torch default"],
+    ["GPU memory share", s.limits.gpu_memory_fraction || "no limit"],
+    ["upload", bw(s.bandwidth && s.bandwidth.upload, s.limits.upload_limit_mb_s)],
+    ["download", bw(s.bandwidth && s.bandwidth.download, s.limits.download_limit_mb_s)],
+    ["active hours", s.limits.active_hours || "always"],
+    ["other programs' CPU", s.machine.others_cpu_percent == null ? "-" : `${s.machine.others_cpu_percent.toFixed(0)} %`],
+    ["on battery", s.machine.on_battery == null ? "no battery" : (s.machine.on_battery ? "yes" : "no")],
+  ];
+  const body = $("node-limits");
+  body.textContent = "";
+  for (const [k, v] of rows) {
+    const tr = document.createElement("tr");
+    tr.appendChild(cell(k));
+    tr.appendChild(cell(String(v)));
+    body.appendChild(tr);
+  }
+  if (document.activeElement !== $("rule-cpu")) $("rule-cpu").value = s.rules.pause_when_cpu_busy_percent;
+  $("rule-battery").checked = s.rules.pause_on_battery;
+  $("rule-gpu").textContent = s.rules.gpu ? "on" : "off";
+  renderRounds(node.rounds || []);
+}
+
+function bw(side, cap) {
+  if (!side) return "-";
+  const rate = side.achieved_bytes_per_s ? ` at ${(side.achieved_bytes_per_s / 1e6).toFixed(2)} MB/s` : "";
+  return `${(side.bytes / 1e6).toFixed(1)} MB${rate}` + (cap ? ` (cap ${cap} MB/s)` : " (no cap)");
+}
+
+async function refresh() {
+  try {
+    const [run, peers, history, node] = await Promise.all(
+      [getJSON("/api/run"), getJSON("/api/peers"), getJSON("/api/history"), getJSON("/api/node")]);
+    renderRun(run);
+    renderPeers(peers);
+    lastHistory = history;
+    renderHistory(history);
+    renderNode(node);
+  } catch (e) {
+    $("read-state").textContent = `dashboard unreachable: ${e}`;
+  }
+}
+
+async function act(path, body) {
+  const r = await fetch(path, {method: "POST", headers: ACTION_HEADER, credentials: "same-origin",
+                               body: JSON.stringify(body || {})});
+  const reply = await r.json();
+  await refresh();
+  return reply;
+}
+
+for (const b of document.querySelectorAll(".buttons button")) {
+  b.addEventListener("click", () => act(`/api/node/${b.dataset.cmd}`));
+}
+$("rules").addEventListener("submit", async (ev) => {
+  ev.preventDefault();
+  const reply = await act("/api/node/rules", {pause_when_cpu_busy_percent: Number($("rule-cpu").value),
+                                              pause_on_battery: $("rule-battery").checked});
+  $("rules-result").textContent = reply.ok ? "applied (until restart; node config keys keep them)" : reply.error;
+});
+$("xaxis").addEventListener("change", () => { xaxis = $("xaxis").value; if (lastHistory) renderHistory(lastHistory); });
+refresh();
+setInterval(refresh, POLL_MS);
