@@ -1,0 +1,239 @@
+#!/usr/bin/env python
+"""Benchmark: SWARM (stochastic wiring over replicas) vs a fixed pipeline, same model, data and time, in one run.
+
+Two systems on the same 2-stage split of ``--model`` (Shakespeare windows of ``--seq-len`` x ``--batch-size``):
+
+- swarm: 2 servers per stage (4 in all), the trainer's :class:`protocols.swarm.Wiring` picks a server per stage and
+  micro-batch by measured throughput and retries a failed call on a replica (``max_retries`` 3);
+- fixed: one server per stage, every micro-batch through the same two servers, no rerouting (``max_retries`` 0).
+
+Three scenarios, each ``--seconds`` long after ``--warmup`` seconds: (a) no failure; (b) one server killed
+(``Hub.disconnect``: its streams end, it answers nothing more) at ``--kill-at`` of the run, the fixed pipeline's
+stage-0 server, which is also one of the swarm's four; (c) that server at half speed (:class:`HalfSpeed`: each of
+its computations takes ``--slow-factor`` times as long, the extra time spent asleep in its compute thread, like a
+slower device). Reported: samples/s over the whole window, and for (b) after the kill.
+
+Peers are in-process (:class:`peerd.transport.inprocess.Hub`; each stage server computes in its own worker thread,
+``StageService(compute_thread=True)``, one request at a time; the trainer keeps ``--in-flight`` micro-batches in
+flight so stages overlap), not separate processes: on the 2-core machine these numbers come from, four servers,
+a trainer and their DHT and p2pd daemons as real processes would spend the run contending for the cores and
+starting up (about 25 s per process under load), so the two systems would not see the same machine. The wire
+protocol, codecs, wiring and retries are the same code the real peers run.
+
+Bytes per micro-batch per codec: the encoded tensors one micro-batch moves (token ids and targets, activations
+forward and their gradients back at each stage boundary), payload bytes, for fp32 (codec ``none``), fp16 and int8.
+
+Results replace the section ``SECTION_HEADING`` of docs/benchmarks.md with ``--md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import json
+import os
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+import torch  # noqa: E402
+
+from peerd.data import WindowSampler, load_corpus  # noqa: E402
+from peerd.models import build_model, split_model  # noqa: E402
+from peerd.transport.inprocess import Hub  # noqa: E402
+from protocols.codecs import encode_tensor  # noqa: E402
+from protocols.stage_service import PipelineTrainer, StageService, encode_tokens  # noqa: E402
+from protocols.swarm import SwarmConfig, Wiring  # noqa: E402
+
+from benchlib import machine_line, replace_section, result_args  # noqa: E402
+
+SECTION_HEADING = "## SWARM vs a fixed pipeline (scripts/bench_swarm.py)"
+SERVERS = {0: ["s0a", "s0b"], 1: ["s1a", "s1b"]}
+VICTIM = "s0a"  # the fixed pipeline's stage-0 server, one of the swarm's four
+
+
+def service_name(k: int) -> str:
+    return f"bench.swarm.stage{k}"
+
+
+class HalfSpeed(StageService):
+    """A stage server on a slower device: every computation takes ``factor`` times as long (the extra time asleep
+    in its compute thread, so it holds its device, not the machine's cores)."""
+
+    factor = 2.0
+
+    async def _compute(self, fn, count=True):
+        def slowed():
+            start = time.perf_counter()
+            out = fn()
+            time.sleep((self.factor - 1) * (time.perf_counter() - start))
+            return out
+
+        return await super()._compute(slowed, count)
+
+
+async def run_one(system: str, scenario: str, args, stages, corpus) -> dict:
+    hub = Hub()
+    config = SwarmConfig(stages=2, codec=args.codec, call_timeout_s=30.0, pending_timeout_s=60.0, ban_s=600.0,
+                         max_retries=3 if system == "swarm" else 0, max_pending=4 * args.in_flight)
+    services = {}
+    for k, names in SERVERS.items():
+        for name in names:
+            module = copy.deepcopy(stages[k])
+            optimizer = torch.optim.AdamW(module.parameters(), lr=3e-3, weight_decay=0.0)
+            cls = HalfSpeed if scenario == "slow" and name == VICTIM else StageService
+            service = cls(service_name(k), module, config, optimizer=optimizer, compute_thread=True)
+            service.factor = args.slow_factor
+            await service.start(hub.transport(name))
+            services[name] = service
+    wiring = Wiring(2, ban_s=config.ban_s)
+    wiring.set_servers(SERVERS if system == "swarm" else {k: names[:1] for k, names in SERVERS.items()})
+    trainer = PipelineTrainer(hub.transport("trainer").streams, service_name, wiring, config,
+                              d_model=stages[0].config.d_model)
+    done: list[tuple[float, int]] = []  # (time, samples) of every completed micro-batch
+    stop = asyncio.Event()
+
+    async def worker(i: int) -> None:
+        sampler = WindowSampler(corpus.train, args.seq_len, args.batch_size, seed=i)
+        while not stop.is_set():
+            x, y = sampler.next_batch()
+            loss = await trainer.step(x.long(), y.long())
+            if loss is not None:
+                done.append((time.perf_counter(), x.shape[0]))
+            else:  # dropped: no server left; the fixed pipeline stays here
+                await asyncio.sleep(0.2)
+
+    workers = [asyncio.ensure_future(worker(i)) for i in range(args.in_flight)]
+    await asyncio.sleep(args.warmup)
+    t0 = time.perf_counter()
+    t_kill = t0 + args.kill_at * args.seconds
+    if scenario == "kill":
+        await asyncio.sleep(t_kill - time.perf_counter())
+        hub.disconnect(VICTIM)
+    await asyncio.sleep(t0 + args.seconds - time.perf_counter())
+    t1 = time.perf_counter()
+    stop.set()
+    await asyncio.wait(workers, timeout=60)
+    for service in services.values():
+        await service.stop()
+
+    def rate(a: float, b: float) -> float:
+        return sum(n for t, n in done if a <= t < b) / (b - a)
+
+    stats = wiring.stats
+    out = {"system": system, "scenario": scenario, "samples_per_s": rate(t0, t1),
+           "sent": stats.sent, "completed": stats.completed, "retried": stats.retried, "dropped": stats.dropped,
+           "work": {name: s.samples for name, s in services.items()}}
+    if scenario == "kill":
+        out["before_kill"] = rate(t0, t_kill)
+        out["after_kill"] = rate(t_kill, t1)
+    return out
+
+
+def bytes_per_micro_batch(stages, batch_size: int, seq_len: int, codec: str) -> int:
+    """Payload bytes one micro-batch moves through ``len(stages)`` stages (forward, loss, backward)."""
+    tokens = torch.randint(0, stages[0].config.vocab_size, (batch_size, seq_len))
+    total = 2 * len(encode_tokens(tokens)[1])  # token ids to stage 0, targets to the last stage
+    x = tokens
+    with torch.no_grad():
+        for stage in stages[:-1]:
+            x = stage(x)  # (B, T, C)
+            _, payload = encode_tensor(x, codec)
+            total += 2 * len(memoryview(payload).cast("B"))  # activations forward, their gradient back (same shape)
+    return total
+
+
+def markdown(args, results: list[dict], wire: dict, argv: list[str]) -> str:
+    by = {(r["system"], r["scenario"]): r for r in results}
+    s, f = (lambda sc: by[("swarm", sc)]), (lambda sc: by[("fixed", sc)])
+    clean_ratio = s("clean")["samples_per_s"] / f("clean")["samples_per_s"]
+    kill_ratio = s("kill")["after_kill"] / s("clean")["samples_per_s"]
+    slow_ratio = s("slow")["samples_per_s"] / f("slow")["samples_per_s"]
+    lines = [
+        SECTION_HEADING, "",
+        f"`{' '.join(['.venv/bin/python', 'scripts/bench_swarm.py'] + argv)}` on {time.strftime('%Y-%m-%d')}; "
+        + machine_line() + ". In-process peers (see the script's docstring for why): the figures compare the two "
+        "systems within this one run on a shared, loaded machine, not absolute speeds.",
+        "",
+        f"Model `{args.model}` in 2 stages, micro-batches of {args.batch_size} x {args.seq_len} tokens of Shakespeare, "
+        f"{args.in_flight} in flight, codec {args.codec}, {args.seconds:g} s per run after {args.warmup:g} s of warm-up; "
+        f"fault on `{VICTIM}` (the fixed pipeline's stage-0 server, one of the swarm's 4).",
+        "",
+        "| scenario | swarm samples/s | fixed samples/s | swarm: sent / completed / retried / dropped | "
+        "fixed: sent / completed / dropped |",
+        "|---|---|---|---|---|",
+    ]
+    for sc, what in (("clean", "(a) no failure"), ("kill", f"(b) `{VICTIM}` killed at {args.kill_at:.0%}"),
+                     ("slow", f"(c) `{VICTIM}` at 1/{args.slow_factor:g} speed")):
+        a, b = s(sc), f(sc)
+        extra_a = f" (before kill {a['before_kill']:.1f}, after {a['after_kill']:.1f})" if sc == "kill" else ""
+        extra_b = f" (before kill {b['before_kill']:.1f}, after {b['after_kill']:.1f})" if sc == "kill" else ""
+        lines.append(f"| {what} | {a['samples_per_s']:.1f}{extra_a} | {b['samples_per_s']:.1f}{extra_b} | "
+                     f"{a['sent']} / {a['completed']} / {a['retried']} / {a['dropped']} | "
+                     f"{b['sent']} / {b['completed']} / {b['dropped']} |")
+    slow = s("slow")["work"]
+    share = slow[VICTIM] / max(1, slow["s0a"] + slow["s0b"])
+    lines += [
+        "",
+        f"Goals: (a) swarm / fixed = **{clean_ratio:.2f}** (goal within 10%: "
+        f"{'met' if abs(clean_ratio - 1) <= 0.10 else 'not met'}); (b) swarm after the kill / its own no-failure "
+        f"throughput = **{kill_ratio:.2f}** (goal >= 0.80: {'met' if kill_ratio >= 0.8 else 'not met'}), fixed after "
+        f"the kill {f('kill')['after_kill']:.1f} samples/s; (c) swarm / fixed with a half-speed server = "
+        f"**{slow_ratio:.2f}** (goal > 1: {'met' if slow_ratio > 1 else 'not met'}); the slowed server took "
+        f"{share:.0%} of its stage's samples in the swarm (its fair share at 1/{args.slow_factor:g} speed: "
+        f"{1 / (1 + args.slow_factor):.0%}).",
+        "",
+        f"Bytes per micro-batch ({args.batch_size} x {args.seq_len} tokens, 2 stages, payloads): "
+        + ", ".join(f"{codec} {n:,} B" for codec, n in wire.items()) + ".",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seconds", type=float, default=20.0, help="measured time per system and scenario")
+    p.add_argument("--warmup", type=float, default=4.0)
+    p.add_argument("--in-flight", type=int, default=4, help="micro-batches the trainer keeps in flight")
+    p.add_argument("--kill-at", type=float, default=0.3, help="fraction of --seconds at which the server dies")
+    p.add_argument("--slow-factor", type=float, default=2.0)
+    p.add_argument("--codec", default="fp16")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per computation")
+    p.add_argument("--scenarios", default="clean,kill,slow")
+    p.add_argument("--md", default=None, help="write the section into this markdown file (docs/benchmarks.md)")
+    p.add_argument("--json", default=None, help="also write the raw results here")
+    args = p.parse_args(argv)
+    for name in ("seconds", "warmup", "slow_factor"):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be positive")
+    if not 0 < args.kill_at < 1:
+        p.error("--kill-at must be in (0, 1)")
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    stages = split_model(build_model(args.model, seq_len=args.seq_len, seed=0), 2)
+    corpus = load_corpus("shakespeare")
+    results = []
+    for scenario in args.scenarios.split(","):
+        for system in ("swarm", "fixed"):
+            r = asyncio.run(run_one(system, scenario, args, stages, corpus))
+            print(json.dumps(r), flush=True)
+            results.append(r)
+    wire = {name: bytes_per_micro_batch(stages, args.batch_size, args.seq_len, codec)
+            for name, codec in (("fp32", "none"), ("fp16", "fp16"), ("int8", "int8"))}
+    print(json.dumps({"bytes_per_micro_batch": wire}), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"results": results, "bytes_per_micro_batch": wire}, f, indent=1)
+    if args.md and args.scenarios == "clean,kill,slow":
+        replace_section(args.md, SECTION_HEADING, markdown(args, results, wire, result_args(argv)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
