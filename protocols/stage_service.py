@@ -164,8 +164,8 @@ class StageService(Service):
         stage: the stage module: ``first`` / ``last`` attributes, ``config.d_model``, ``config.seq_len``,
             ``config.vocab_size``; called as ``stage(x)`` or (last) ``stage(x, targets)`` -> loss.
         config: codec, size limits, ``max_pending`` and ``pending_timeout_s``.
-        optimizer: stepped (then gradients zeroed) after every ``step_every`` backward passes; None = the owner
-            steps (e.g. a role that averages gradients first).
+        optimizer: stepped (then gradients zeroed) after every ``step_every`` backward passes, on the mean of
+            their gradients; None = the owner steps (e.g. a role that averages gradients first).
         bans: peers excluded for sending invalid data (a fresh list with ``config.ban_s`` by default).
         device: where the stage's parameters live; tensors arrive and leave on the CPU.
         outer_state: returns the stage's ``(theta_outer (N,), momentum (N,), outer_round)`` for the ``outer``
@@ -367,6 +367,10 @@ class StageService(Service):
         self.backwards += 1
         self.samples += samples
         if self.optimizer is not None and self.backwards % self.step_every == 0:
+            if self.step_every > 1:  # the mean gradient of the step_every micro-batches, not their sum
+                for p in self.stage.parameters():
+                    if p.grad is not None:
+                        p.grad.div_(self.step_every)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.steps += 1
