@@ -1,17 +1,23 @@
 #!/usr/bin/env python
 """Benchmark: SWARM (stochastic wiring over replicas) vs a fixed pipeline, same model, data and time, in one run.
 
-Two systems on the same 2-stage split of ``--model`` (Shakespeare windows of ``--seq-len`` x ``--batch-size``):
+Two systems on the same 2-stage split of ``--model`` (Shakespeare windows of ``--seq-len`` x ``--batch-size``) and
+the same four stage servers (2 per stage):
 
-- swarm: 2 servers per stage (4 in all), the trainer's :class:`protocols.swarm.Wiring` picks a server per stage and
-  micro-batch by measured throughput and retries a failed call on a replica (``max_retries`` 3);
-- fixed: one server per stage, every micro-batch through the same two servers, no rerouting (``max_retries`` 0).
+- swarm: the trainer's :class:`protocols.swarm.Wiring` picks a server per stage and micro-batch by measured
+  throughput and retries a failed call on a replica (``max_retries`` 3);
+- fixed: two fixed pipelines, one server per stage each (``s0a -> s1a`` and ``s0b -> s1b``); each in-flight
+  micro-batch slot is tied to one pipeline, no rerouting (``max_retries`` 0). Same servers and threads as the
+  swarm, so on a shared machine both get the same share of the cores.
 
 Three scenarios, each ``--seconds`` long after ``--warmup`` seconds: (a) no failure; (b) one server killed
 (``Hub.disconnect``: its streams end, it answers nothing more) at ``--kill-at`` of the run, the fixed pipeline's
 stage-0 server, which is also one of the swarm's four; (c) that server at half speed (:class:`HalfSpeed`: each of
 its computations takes ``--slow-factor`` times as long, the extra time spent asleep in its compute thread, like a
-slower device). Reported: samples/s over the whole window, and for (b) after the kill.
+slower device). Reported: samples/s over the whole window, and for (b) before and after the kill (for fixed: also
+the pipeline through the killed server, which stops). Every system x scenario runs ``--repeats`` times, in an
+order that alternates, and the figures are sums over the repeats (a load that changes during the run then touches
+both systems alike).
 
 Peers are in-process (:class:`peerd.transport.inprocess.Hub`; each stage server computes in its own worker thread,
 ``StageService(compute_thread=True)``, one request at a time; the trainer keeps ``--in-flight`` micro-batches in
@@ -90,20 +96,29 @@ async def run_one(system: str, scenario: str, args, stages, corpus) -> dict:
             service.factor = args.slow_factor
             await service.start(hub.transport(name))
             services[name] = service
-    wiring = Wiring(2, ban_s=config.ban_s)
-    wiring.set_servers(SERVERS if system == "swarm" else {k: names[:1] for k, names in SERVERS.items()})
-    trainer = PipelineTrainer(hub.transport("trainer").streams, service_name, wiring, config,
-                              d_model=stages[0].config.d_model)
-    done: list[tuple[float, int]] = []  # (time, samples) of every completed micro-batch
+    streams = hub.transport("trainer").streams
+    if system == "swarm":
+        wirings = [Wiring(2, ban_s=config.ban_s)]
+        wirings[0].set_servers(SERVERS)
+    else:  # pipeline j: the j-th server of every stage
+        wirings = [Wiring(2, ban_s=config.ban_s) for _ in range(2)]
+        for j, wiring in enumerate(wirings):
+            wiring.set_servers({k: [names[j]] for k, names in SERVERS.items()})
+    trainers = [PipelineTrainer(streams, service_name, w, config, d_model=stages[0].config.d_model)
+                for w in wirings]
+    for j, trainer in enumerate(trainers):
+        trainer._next_id = j * 10**9  # micro-batch ids stay distinct across the two pipelines' trainers
+    done: list[tuple[float, int, int]] = []  # (time, samples, pipeline) of every completed micro-batch
     stop = asyncio.Event()
 
     async def worker(i: int) -> None:
         sampler = WindowSampler(corpus.train, args.seq_len, args.batch_size, seed=i)
+        j = i % len(trainers)
         while not stop.is_set():
             x, y = sampler.next_batch()
-            loss = await trainer.step(x.long(), y.long())
+            loss = await trainers[j].step(x.long(), y.long())
             if loss is not None:
-                done.append((time.perf_counter(), x.shape[0]))
+                done.append((time.perf_counter(), x.shape[0], j))
             else:  # dropped: no server left; the fixed pipeline stays here
                 await asyncio.sleep(0.2)
 
@@ -121,16 +136,35 @@ async def run_one(system: str, scenario: str, args, stages, corpus) -> dict:
     for service in services.values():
         await service.stop()
 
-    def rate(a: float, b: float) -> float:
-        return sum(n for t, n in done if a <= t < b) / (b - a)
+    def samples(a: float, b: float, pipeline=None) -> int:
+        return sum(n for t, n, j in done if a <= t < b and pipeline in (None, j))
 
-    stats = wiring.stats
-    out = {"system": system, "scenario": scenario, "samples_per_s": rate(t0, t1),
-           "sent": stats.sent, "completed": stats.completed, "retried": stats.retried, "dropped": stats.dropped,
+    out = {"system": system, "scenario": scenario, "seconds": t1 - t0, "samples": samples(t0, t1),
            "work": {name: s.samples for name, s in services.items()}}
+    for key in ("sent", "completed", "retried", "dropped"):
+        out[key] = sum(getattr(w.stats, key) for w in wirings)
     if scenario == "kill":
-        out["before_kill"] = rate(t0, t_kill)
-        out["after_kill"] = rate(t_kill, t1)
+        out.update(before_s=t_kill - t0, after_s=t1 - t_kill, before=samples(t0, t_kill),
+                   after=samples(t_kill, t1))
+        if system == "fixed":  # the pipeline through the killed server (pipeline 0: s0a -> s1a)
+            out["after_victim_pipeline"] = samples(t_kill, t1, pipeline=0)
+    return out
+
+
+def merge(runs: list[dict]) -> dict:
+    """Sum the repeats of one system x scenario; rates in samples per second."""
+    out = dict(runs[0])
+    for key in ("seconds", "samples", "sent", "completed", "retried", "dropped", "before_s", "after_s", "before",
+                "after", "after_victim_pipeline"):
+        if key in out:
+            out[key] = sum(r[key] for r in runs)
+    out["work"] = {name: sum(r["work"][name] for r in runs) for name in runs[0]["work"]}
+    out["samples_per_s"] = out["samples"] / out["seconds"]
+    if "before" in out:
+        out["before_kill"] = out["before"] / out["before_s"]
+        out["after_kill"] = out["after"] / out["after_s"]
+    if "after_victim_pipeline" in out:
+        out["after_kill_victim_pipeline"] = out["after_victim_pipeline"] / out["after_s"]
     return out
 
 
@@ -150,9 +184,13 @@ def bytes_per_micro_batch(stages, batch_size: int, seq_len: int, codec: str) -> 
 def markdown(args, results: list[dict], wire: dict, argv: list[str]) -> str:
     by = {(r["system"], r["scenario"]): r for r in results}
     s, f = (lambda sc: by[("swarm", sc)]), (lambda sc: by[("fixed", sc)])
-    clean_ratio = s("clean")["samples_per_s"] / f("clean")["samples_per_s"]
-    kill_ratio = s("kill")["after_kill"] / s("clean")["samples_per_s"]
-    slow_ratio = s("slow")["samples_per_s"] / f("slow")["samples_per_s"]
+    def ratio(a: float, b: float) -> float:
+        return a / b if b > 0 else float("nan")
+
+    clean_ratio = ratio(s("clean")["samples_per_s"], f("clean")["samples_per_s"])
+    kill_ratio = ratio(s("kill")["after_kill"], s("kill")["before_kill"])
+    kill_vs_clean = ratio(s("kill")["after_kill"], s("clean")["samples_per_s"])
+    slow_ratio = ratio(s("slow")["samples_per_s"], f("slow")["samples_per_s"])
     lines = [
         SECTION_HEADING, "",
         f"`{' '.join(['.venv/bin/python', 'scripts/bench_swarm.py'] + argv)}` on {time.strftime('%Y-%m-%d')}; "
@@ -160,7 +198,8 @@ def markdown(args, results: list[dict], wire: dict, argv: list[str]) -> str:
         "systems within this one run on a shared, loaded machine, not absolute speeds.",
         "",
         f"Model `{args.model}` in 2 stages, micro-batches of {args.batch_size} x {args.seq_len} tokens of Shakespeare, "
-        f"{args.in_flight} in flight, codec {args.codec}, {args.seconds:g} s per run after {args.warmup:g} s of warm-up; "
+        f"{args.in_flight} in flight, codec {args.codec}, {args.repeats} x {args.seconds:g} s per system and "
+        f"scenario (each after {args.warmup:g} s of warm-up); "
         f"fault on `{VICTIM}` (the fixed pipeline's stage-0 server, one of the swarm's 4).",
         "",
         "| scenario | swarm samples/s | fixed samples/s | swarm: sent / completed / retried / dropped | "
@@ -171,7 +210,8 @@ def markdown(args, results: list[dict], wire: dict, argv: list[str]) -> str:
                      ("slow", f"(c) `{VICTIM}` at 1/{args.slow_factor:g} speed")):
         a, b = s(sc), f(sc)
         extra_a = f" (before kill {a['before_kill']:.1f}, after {a['after_kill']:.1f})" if sc == "kill" else ""
-        extra_b = f" (before kill {b['before_kill']:.1f}, after {b['after_kill']:.1f})" if sc == "kill" else ""
+        extra_b = (f" (before kill {b['before_kill']:.1f}, after {b['after_kill']:.1f}; the pipeline through the "
+                   f"killed server after: {b['after_kill_victim_pipeline']:.1f})" if sc == "kill" else "")
         lines.append(f"| {what} | {a['samples_per_s']:.1f}{extra_a} | {b['samples_per_s']:.1f}{extra_b} | "
                      f"{a['sent']} / {a['completed']} / {a['retried']} / {a['dropped']} | "
                      f"{b['sent']} / {b['completed']} / {b['dropped']} |")
@@ -180,9 +220,10 @@ def markdown(args, results: list[dict], wire: dict, argv: list[str]) -> str:
     lines += [
         "",
         f"Goals: (a) swarm / fixed = **{clean_ratio:.2f}** (goal within 10%: "
-        f"{'met' if abs(clean_ratio - 1) <= 0.10 else 'not met'}); (b) swarm after the kill / its own no-failure "
-        f"throughput = **{kill_ratio:.2f}** (goal >= 0.80: {'met' if kill_ratio >= 0.8 else 'not met'}), fixed after "
-        f"the kill {f('kill')['after_kill']:.1f} samples/s; (c) swarm / fixed with a half-speed server = "
+        f"{'met' if abs(clean_ratio - 1) <= 0.10 else 'not met'}); (b) swarm after the kill / before it in the "
+        f"same runs = **{kill_ratio:.2f}** (goal >= 0.80: {'met' if kill_ratio >= 0.8 else 'not met'}; vs the "
+        f"no-failure runs {kill_vs_clean:.2f}), while the fixed pipeline through the killed server stops "
+        f"({f('kill')['after_kill_victim_pipeline']:.1f} samples/s after the kill); (c) swarm / fixed with a half-speed server = "
         f"**{slow_ratio:.2f}** (goal > 1: {'met' if slow_ratio > 1 else 'not met'}); the slowed server took "
         f"{share:.0%} of its stage's samples in the swarm (its fair share at 1/{args.slow_factor:g} speed: "
         f"{1 / (1 + args.slow_factor):.0%}).",
@@ -198,13 +239,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--model", default="tiny")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seconds", type=float, default=20.0, help="measured time per system and scenario")
-    p.add_argument("--warmup", type=float, default=4.0)
+    p.add_argument("--seconds", type=float, default=15.0, help="measured time per run")
+    p.add_argument("--warmup", type=float, default=3.0)
     p.add_argument("--in-flight", type=int, default=4, help="micro-batches the trainer keeps in flight")
     p.add_argument("--kill-at", type=float, default=0.3, help="fraction of --seconds at which the server dies")
     p.add_argument("--slow-factor", type=float, default=2.0)
     p.add_argument("--codec", default="fp16")
     p.add_argument("--threads", type=int, default=1, help="torch threads per computation")
+    p.add_argument("--repeats", type=int, default=2, help="runs per system and scenario, alternating")
     p.add_argument("--scenarios", default="clean,kill,slow")
     p.add_argument("--md", default=None, help="write the section into this markdown file (docs/benchmarks.md)")
     p.add_argument("--json", default=None, help="also write the raw results here")
@@ -218,12 +260,16 @@ def main(argv: list[str]) -> int:
     torch.manual_seed(0)
     stages = split_model(build_model(args.model, seq_len=args.seq_len, seed=0), 2)
     corpus = load_corpus("shakespeare")
-    results = []
-    for scenario in args.scenarios.split(","):
-        for system in ("swarm", "fixed"):
-            r = asyncio.run(run_one(system, scenario, args, stages, corpus))
-            print(json.dumps(r), flush=True)
-            results.append(r)
+    if args.repeats < 1 or args.in_flight < 2:
+        p.error("--repeats must be >= 1 and --in-flight >= 2 (one slot per fixed pipeline at least)")
+    runs: dict[tuple[str, str], list[dict]] = {}
+    for rep in range(args.repeats):
+        for scenario in args.scenarios.split(","):
+            for system in (("swarm", "fixed") if rep % 2 == 0 else ("fixed", "swarm")):
+                r = asyncio.run(run_one(system, scenario, args, stages, corpus))
+                print(json.dumps(r), flush=True)
+                runs.setdefault((system, scenario), []).append(r)
+    results = [merge(rs) for rs in runs.values()]
     wire = {name: bytes_per_micro_batch(stages, args.batch_size, args.seq_len, codec)
             for name, codec in (("fp32", "none"), ("fp16", "fp16"), ("int8", "int8"))}
     print(json.dumps({"bytes_per_micro_batch": wire}), flush=True)

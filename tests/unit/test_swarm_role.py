@@ -94,7 +94,8 @@ def test_three_plus_one_servers_rebalance_to_two_plus_two(tmp_path):
 
     async def main():
         hub, stop = Hub(), asyncio.Event()
-        run = dataclasses.replace(_run(), swarm=SwarmConfig(stages=2, rebalance_period_s=0.3))
+        # no stage rounds (they start at wall-clock multiples of sync_interval_s and would move the parameters)
+        run = dataclasses.replace(_run(), swarm=SwarmConfig(stages=2, rebalance_period_s=0.3, sync_interval_s=0))
         roles, tasks = await _start_servers(hub, tmp_path, run, [0, 0, 0, 1], stop)
         with torch.no_grad():  # stage 1 has trained: its parameters are no longer the initial ones
             for p in roles[3].service.stage.parameters():
