@@ -45,7 +45,7 @@ from torch import nn
 
 from protocols.bans import BanList
 from protocols.codecs import TensorHeader, decode_tensor, encode_tensor
-from protocols.rpc import ProtocolViolation, Refused, Request, RpcError, Service, call
+from protocols.rpc import Message, ProtocolViolation, Refused, Request, RpcError, Service, call
 from protocols.swarm import NoServer, SwarmConfig, Wiring
 
 __all__ = [
@@ -148,6 +148,19 @@ def _mb_id(header: dict[str, Any]) -> str:
     if not isinstance(mb, str) or not 0 < len(mb) <= _MAX_MB_ID:
         raise ProtocolViolation(f"malformed micro-batch id {mb!r}")
     return mb
+
+
+class _LocalRequest:
+    """A request from this very peer, handed to a handler without a stream (:meth:`StageService.call_local`)."""
+
+    def __init__(self, peer: str, header: dict[str, Any], payload: bytes) -> None:
+        self.peer, self.header, self.size = peer, header, len(payload)
+        self._payload = payload
+
+    async def payload(self, max_bytes: int, timeout_s: Optional[float] = None) -> bytes:
+        if self.size > max_bytes:
+            raise ProtocolViolation(f"payload of {self.size} bytes exceeds the limit of {max_bytes}")
+        return self._payload
 
 
 @dataclass
@@ -339,6 +352,19 @@ class StageService(Service):
         header, payload = encode_tensor(torch.stack([theta, momentum]).to("cpu", torch.float32), "none")
         return {"outer": header, "outer_round": outer_round}, payload
 
+    async def call_local(self, peer: str, method: str, header: dict[str, Any], payload: Any) -> Message:
+        """Serve a call of this peer's own trainer without a stream (libp2p refuses to dial its own host): the same
+        handler and checks as a remote call. Raises what the handler raises (RpcError, ValueError)."""
+        parts = [payload] if isinstance(payload, (bytes, bytearray, memoryview)) else list(payload)
+        data = b"".join(memoryview(part).cast("B").tobytes() for part in parts)
+        handler = getattr(self, f"rpc_{method}", None)
+        if handler is None:
+            raise Refused(f"no method {method!r}", code="unsupported")
+        reply_header, reply_payload = await handler(_LocalRequest(peer, dict(header), data))
+        parts = [reply_payload] if isinstance(reply_payload, (bytes, bytearray, memoryview)) else list(reply_payload)
+        out = b"".join(memoryview(part).cast("B").tobytes() for part in parts)
+        return Message(reply_header, out, len(out))
+
     async def _compute(self, fn: Callable[[], Any], count: bool = True) -> Any:
         """``fn()`` where this stage computes (its worker thread, or here); its time is added to ``compute_s``
         unless ``count`` is False (spot-checks are not the work the throughput describes)."""
@@ -412,8 +438,9 @@ class PipelineTrainer:
         wiring: the stochastic wiring (its servers kept current by the owner).
         config: codec, timeouts, retries, size limits, spot-checks.
         d_model: width of the activations, to check replies.
-        local_stage: stage index -> this peer's own :class:`StageService` of that stage, or None (spot-check
-            referee).
+        local_stage: stage index -> this peer's own :class:`StageService` of that stage, or None: the wiring may
+            choose this peer for that stage and it is then called in-process (no dial to itself); the spot-check
+            referee.
         rng: draws which calls are spot-checked and the checking replicas.
     """
 
@@ -456,6 +483,9 @@ class PipelineTrainer:
         raise NoServer(f"stage {stage} {what}: {len(tried)} servers failed")
 
     async def _call(self, server: str, stage: int, method: str, header: dict[str, Any], payload: Any):
+        own = self.local_stage(stage) if self.local_stage is not None else None
+        if own is not None and server == getattr(self.streams, "peer_id", None):
+            return await own.call_local(server, method, header, payload)
         return await call(self.streams, server, self.service_of(stage), method, header, payload,
                           timeout_s=self.config.call_timeout_s, max_reply_bytes=self.config.max_tensor_bytes)
 

@@ -348,12 +348,7 @@ class SwarmRole:
         by_stage: dict[int, list[str]] = {k: [] for k in range(self.ctx.run.swarm.stages)}
         for peer, announcement in (await read_stage_servers(self.ctx)).items():
             by_stage[announcement.stage].append(peer)
-        own_failed = self.ctx.peer_id in self.wiring.stats.failures_by_server
-        for servers in by_stage.values():
-            # libp2p refuses to dial its own host ("dial to self"): once a call to ourselves failed, where the stage
-            # has another server, this peer's own stage serves the other trainers only
-            if own_failed and self.ctx.peer_id in servers and len(servers) > 1:
-                servers.remove(self.ctx.peer_id)
+        # this peer's own stage is in the wiring too: the trainer calls it in-process (PipelineTrainer.local_stage)
         self.wiring.set_servers(by_stage)
         return all(by_stage.values())
 
@@ -364,7 +359,9 @@ class SwarmRole:
         corpus = load_corpus(node.data or "shakespeare")
         sampler = WindowSampler(corpus.train, run.seq_len, run.batch_size, seed=self.ctx.peer_id)
         trainer = PipelineTrainer(self.ctx.transport.streams, lambda k: stage_service_name(self.ctx, k),
-                                  self.wiring, run.swarm, d_model=self.service.stage.config.d_model)
+                                  self.wiring, run.swarm, d_model=self.service.stage.config.d_model,
+                                  local_stage=lambda k: self.service if self.stage == k else None,
+                                  rng=random.Random(f"{self.ctx.peer_id}/spot-check"))
         refreshed = float("-inf")
         while not self.ctx.stop.is_set() and (not self.max_steps or len(self.losses) < self.max_steps):
             if time.monotonic() - refreshed >= REFRESH_S:

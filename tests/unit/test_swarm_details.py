@@ -108,3 +108,28 @@ def test_stage_metrics_follow_the_swarm_events():
     assert value("peerd_swarm_micro_batches", {"outcome": "dropped"}) == 2
     assert value("peerd_swarm_micro_batches", {"outcome": "sent"}) == 12
     assert StageMoved(0, 1, "", 0, None, None).message().endswith("the initial weights")
+
+
+def test_a_trainer_calls_its_own_stage_in_process():
+    """The trainer is the only server of stage 0: its calls to that stage never dial (its service is not even
+    reachable on the hub here) and the micro-batch trains both stages."""
+    async def main():
+        stages = split_model(build_model("tiny", seq_len=SEQ_LEN, seed=0), 2)
+        config = SwarmConfig(codec="none")
+        hub = Hub()
+        own = StageService(service_name(0), stages[0], config,
+                           optimizer=torch.optim.SGD(stages[0].parameters(), lr=0.1), compute_thread=True)
+        last = StageService(service_name(1), stages[1], config,
+                            optimizer=torch.optim.SGD(stages[1].parameters(), lr=0.1))
+        await last.start(hub.transport("s1"))
+        wiring = Wiring(2)
+        wiring.set_servers({0: ["me"], 1: ["s1"]})
+        trainer = PipelineTrainer(hub.transport("me").streams, service_name, wiring, config, d_model=128,
+                                  local_stage=lambda k: own if k == 0 else None)
+        losses = [await trainer.step(*batch(i)) for i in range(2)]
+        await own.stop()
+        return own, last, wiring, losses
+
+    own, last, wiring, losses = asyncio.run(main())
+    assert all(loss is not None for loss in losses) and wiring.stats.failures_by_server == {}
+    assert own.steps == 2 and last.steps == 2 and own.pending == 0
