@@ -12,9 +12,13 @@ the same four stage servers (2 per stage):
 
 Three scenarios, each ``--seconds`` long after ``--warmup`` seconds: (a) no failure; (b) one server killed
 (``Hub.disconnect``: its streams end, it answers nothing more) at ``--kill-at`` of the run, the fixed pipeline's
-stage-0 server, which is also one of the swarm's four; (c) that server at half speed (:class:`HalfSpeed`: each of
-its computations takes ``--slow-factor`` times as long, the extra time spent asleep in its compute thread, like a
-slower device). Reported: samples/s over the whole window, and for (b) before and after the kill (for fixed: also
+stage-0 server, which is also one of the swarm's four; (c) that server at half speed (each of its computations takes
+``--slow-factor`` times as long, the extra time spent asleep in its compute thread, like a slower device).
+
+Each server emulates its own accelerator (:class:`EmulatedDevice`, ``--device-s``): a computation lasts at least its
+device time, the rest spent asleep in the server's thread. On a 2-core machine shared with other work the four
+servers' real computations would otherwise compete for the same cores, and the throughput would measure the cores
+(a server that sleeps frees them for the others), not the wiring; ``--device-s 0`` measures that instead. Reported: samples/s over the whole window, and for (b) before and after the kill (for fixed: also
 the pipeline through the killed server, which stops). Every system x scenario runs ``--repeats`` times, in an
 order that alternates, and the figures are sums over the repeats (a load that changes during the run then touches
 both systems alike).
@@ -66,20 +70,30 @@ def service_name(k: int) -> str:
     return f"bench.swarm.stage{k}"
 
 
-class HalfSpeed(StageService):
-    """A stage server on a slower device: every computation takes ``factor`` times as long (the extra time asleep
-    in its compute thread, so it holds its device, not the machine's cores)."""
+#: Device time of each computation of a stage server, in units of ``--device-s`` (a backward recomputes the forward
+#: and then runs backward, about 3 forwards; the last stage's loss is a forward and a backward).
+DEVICE_UNITS = {"forward": 1.0, "backward": 3.0, "loss_and_backward": 3.0}
 
-    factor = 2.0
+
+class EmulatedDevice(StageService):
+    """A stage server with its own accelerator, emulated: every computation lasts at least its device time
+    (``device_s`` x its units of :data:`DEVICE_UNITS`), the rest asleep in its compute thread, and ``factor`` times
+    as long on a slower device (``factor`` 2: half speed). The real computation still runs on the CPU; with
+    ``device_s`` 0 only the slowdown is emulated and the CPU's speed decides."""
+
+    device_s = 0.0
+    factor = 1.0
 
     async def _compute(self, fn, count=True):
-        def slowed():
+        def on_device():
             start = time.perf_counter()
             out = fn()
-            time.sleep((self.factor - 1) * (time.perf_counter() - start))
+            elapsed = time.perf_counter() - start
+            device = max(elapsed, self.device_s * DEVICE_UNITS.get(getattr(fn, "__name__", ""), 1.0))
+            time.sleep(max(0.0, self.factor * device - elapsed))
             return out
 
-        return await super()._compute(slowed, count)
+        return await super()._compute(on_device, count)
 
 
 async def run_one(system: str, scenario: str, args, stages, corpus) -> dict:
@@ -91,9 +105,9 @@ async def run_one(system: str, scenario: str, args, stages, corpus) -> dict:
         for name in names:
             module = copy.deepcopy(stages[k])
             optimizer = torch.optim.AdamW(module.parameters(), lr=3e-3, weight_decay=0.0)
-            cls = HalfSpeed if scenario == "slow" and name == VICTIM else StageService
-            service = cls(service_name(k), module, config, optimizer=optimizer, compute_thread=True)
-            service.factor = args.slow_factor
+            service = EmulatedDevice(service_name(k), module, config, optimizer=optimizer, compute_thread=True)
+            service.device_s = args.device_s
+            service.factor = args.slow_factor if scenario == "slow" and name == VICTIM else 1.0
             await service.start(hub.transport(name))
             services[name] = service
     streams = hub.transport("trainer").streams
@@ -198,7 +212,9 @@ def markdown(args, results: list[dict], wire: dict, argv: list[str]) -> str:
         "systems within this one run on a shared, loaded machine, not absolute speeds.",
         "",
         f"Model `{args.model}` in 2 stages, micro-batches of {args.batch_size} x {args.seq_len} tokens of Shakespeare, "
-        f"{args.in_flight} in flight, codec {args.codec}, {args.repeats} x {args.seconds:g} s per system and "
+        f"{args.in_flight} in flight, codec {args.codec}, emulated device time {args.device_s:g} s per stage forward "
+        f"({'the CPU alone' if not args.device_s else 'backward and loss 3x'}), "
+        f"{args.repeats} x {args.seconds:g} s per system and "
         f"scenario (each after {args.warmup:g} s of warm-up); "
         f"fault on `{VICTIM}` (the fixed pipeline's stage-0 server, one of the swarm's 4).",
         "",
@@ -246,6 +262,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--slow-factor", type=float, default=2.0)
     p.add_argument("--codec", default="fp16")
     p.add_argument("--threads", type=int, default=1, help="torch threads per computation")
+    p.add_argument("--device-s", type=float, default=0.15,
+                   help="emulated device time of one stage forward, seconds (0: the CPU's own speed)")
     p.add_argument("--repeats", type=int, default=2, help="runs per system and scenario, alternating")
     p.add_argument("--scenarios", default="clean,kill,slow")
     p.add_argument("--md", default=None, help="write the section into this markdown file (docs/benchmarks.md)")
@@ -254,6 +272,8 @@ def main(argv: list[str]) -> int:
     for name in ("seconds", "warmup", "slow_factor"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")
+    if args.device_s < 0:
+        p.error("--device-s must be >= 0")
     if not 0 < args.kill_at < 1:
         p.error("--kill-at must be in (0, 1)")
     torch.set_num_threads(args.threads)
