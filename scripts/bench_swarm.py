@@ -235,8 +235,8 @@ def markdown(args, results: list[dict], wire: dict, argv: list[str]) -> str:
     share = slow[VICTIM] / max(1, slow["s0a"] + slow["s0b"])
     lines += [
         "",
-        f"Goals: (a) swarm / fixed = **{clean_ratio:.2f}** (goal within 10%: "
-        f"{'met' if abs(clean_ratio - 1) <= 0.10 else 'not met'}); (b) swarm after the kill / before it in the "
+        f"Goals: (a) swarm / fixed = **{clean_ratio:.2f}** (goal: the swarm within 10% of the fixed pipeline, "
+        f">= 0.90: {'met' if clean_ratio >= 0.90 else 'not met'}); (b) swarm after the kill / before it in the "
         f"same runs = **{kill_ratio:.2f}** (goal >= 0.80: {'met' if kill_ratio >= 0.8 else 'not met'}; vs the "
         f"no-failure runs {kill_vs_clean:.2f}), while the fixed pipeline through the killed server stops "
         f"({f('kill')['after_kill_victim_pipeline']:.1f} samples/s after the kill); (c) swarm / fixed with a half-speed server = "
