@@ -338,11 +338,8 @@ def _cmd_join(args: argparse.Namespace) -> int:
     from peerd.run_config import load_run_config
 
     run = load_run_config(args.run_config) if args.run_config else None
-    if run is not None and node.stage is not None:
-        stages = run.swarm.stages if run.parallelism == "swarm" else 0
-        if node.stage >= stages:
-            what = f"stages 0-{stages - 1}" if stages else f"no stages (parallelism {run.parallelism!r})"
-            raise UsageError(f"peerd join: --stage {node.stage}: the run has {what}")
+    if run is not None and node.stage is not None and run.stage_error(node.stage):
+        raise UsageError(f"peerd join: {run.stage_error(node.stage)}")
     _run_async(join(run_id, node, run))
     return 0
 

@@ -18,7 +18,7 @@ import signal
 from pathlib import Path
 from typing import Optional
 
-from peerd.config import NodeConfig
+from peerd.config import ConfigError, NodeConfig
 from peerd.identity import hold_identity
 from peerd.run_config import RunConfig
 from peerd.membership import (
@@ -199,6 +199,8 @@ async def join(run_id: RunRef | str, node: NodeConfig, local_run: Optional[RunCo
             logger.info("listening on %s", " ".join(transport.visible_maddrs()))
             record = await resolve_run_config(transport, ref, local_run, pin_path(node.checkpoint_path, ref))
             run = record.run
+            if node.stage is not None and run.stage_error(node.stage):  # a config from the DHT: checked only now
+                raise ConfigError(f"peerd join: {run.stage_error(node.stage)}")
             if run.allowlist and transport.peer_id not in run.allowlist:
                 raise RunConfigConflict(f"this peer ({transport.peer_id}) is not on the allowlist of run {run_id!r};"
                                         " ask the run's creator to add it")

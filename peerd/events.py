@@ -136,6 +136,25 @@ class SwarmProgress(Event):
 
 
 @dataclass(frozen=True)
+class StageMoved(Event):
+    """A SWARM server moved from stage ``old_stage`` to the bottleneck stage ``new_stage`` (rebalancing), starting
+    from the parameters (and outer state at ``outer_round``) of ``source``, a live server there (empty: the run's
+    initial weights). Throughputs in samples per second, None where unmeasured."""
+
+    name: ClassVar[str] = "stage_moved"
+    old_stage: int
+    new_stage: int
+    source: str
+    outer_round: int
+    old_stage_throughput: Optional[float]
+    new_stage_throughput: Optional[float]
+
+    def message(self) -> str:
+        return (f"moved from stage {self.old_stage} to stage {self.new_stage} (the bottleneck), parameters from "
+                f"{self.source or 'the initial weights'}")
+
+
+@dataclass(frozen=True)
 class RoundFailed(Event):
     """Outer round ``outer_round + 1`` failed; ``consequence`` says what the peer keeps."""
 

@@ -13,7 +13,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 from peerd.config import ConfigError, build_config, read_toml
 from protocols.allreduce import AllReduceConfig
@@ -304,6 +304,14 @@ class RunConfig:
         swarm = build_config(SwarmConfig, _table(data.pop("swarm", {}), f"{source}: [swarm]"), f"{source}: [swarm]")
         spes = build_config(SpesConfig, _table(data.pop("spes", {}), f"{source}: [spes]"), f"{source}: [spes]")
         return build_config(cls, data, source, diloco=diloco, averaging=averaging, swarm=swarm, spes=spes)
+
+    def stage_error(self, stage: int) -> Optional[str]:
+        """Why a peer cannot serve pipeline stage ``stage`` of this run (``--stage``), or None if it can."""
+        if self.parallelism != "swarm":
+            return f"--stage {stage}: run has no stages (parallelism {self.parallelism!r})"
+        if not 0 <= stage < self.swarm.stages:
+            return f"--stage {stage}: the run has stages 0-{self.swarm.stages - 1}"
+        return None
 
     def fingerprint(self) -> str:
         """Short hash (16 hex digits of SHA-256) of the canonical JSON of :meth:`fingerprint_dict`: equal configs

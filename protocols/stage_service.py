@@ -36,8 +36,11 @@ reply the same way (ban, retry the micro-batch on another server of the stage).
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -47,13 +50,13 @@ from torch import nn
 
 from protocols.bans import BanList
 from protocols.codecs import TensorHeader, decode_tensor, encode_tensor
-from protocols.rpc import ProtocolViolation, Refused, Request, RpcError, Service, call
+from protocols.rpc import Message, ProtocolViolation, Refused, Request, RpcError, Service, call
 from protocols.swarm import NoServer, SwarmConfig, Wiring
 
 __all__ = [
     "PipelineTrainer", "StageService", "decode_tokens", "download_outer_state", "download_stage_parameters",
     "encode_tokens",
-    "flat_parameters", "load_flat_parameters",
+    "flat_parameters", "load_flat_parameters", "outputs_agree",
 ]
 
 logger = logging.getLogger(__name__)
@@ -126,11 +129,43 @@ async def download_outer_state(streams: Any, peer: str, service: str, numel: int
     return both[0].clone(), both[1].clone(), outer_round
 
 
+def outputs_agree(a: torch.Tensor, b: torch.Tensor, tolerance: float) -> bool:
+    """Whether two outputs of the same stage on the same input agree: ``||a - b|| <= tolerance * max(||a||, ||b||)``
+    (L2 over all elements; shapes must match, else False). Non-finite values never agree."""
+    if a.shape != b.shape:
+        return False
+    a, b = a.to(torch.float64), b.to(torch.float64)
+    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        return False
+    return float(torch.linalg.vector_norm(a - b)) <= tolerance * max(float(torch.linalg.vector_norm(a)),
+                                                                    float(torch.linalg.vector_norm(b)))
+
+
+def _loss_of(header: dict[str, Any]) -> float:
+    loss = header.get("loss")
+    if not isinstance(loss, float) or not np.isfinite(loss):
+        raise ProtocolViolation(f"malformed loss {loss!r}")
+    return loss
+
+
 def _mb_id(header: dict[str, Any]) -> str:
     mb = header.get("mb")
     if not isinstance(mb, str) or not 0 < len(mb) <= _MAX_MB_ID:
         raise ProtocolViolation(f"malformed micro-batch id {mb!r}")
     return mb
+
+
+class _LocalRequest:
+    """A request from this very peer, handed to a handler without a stream (:meth:`StageService.call_local`)."""
+
+    def __init__(self, peer: str, header: dict[str, Any], payload: bytes) -> None:
+        self.peer, self.header, self.size = peer, header, len(payload)
+        self._payload = payload
+
+    async def payload(self, max_bytes: int, timeout_s: Optional[float] = None) -> bytes:
+        if self.size > max_bytes:
+            raise ProtocolViolation(f"payload of {self.size} bytes exceeds the limit of {max_bytes}")
+        return self._payload
 
 
 @dataclass
@@ -147,25 +182,35 @@ class StageService(Service):
         stage: the stage module: ``first`` / ``last`` attributes, ``config.d_model``, ``config.seq_len``,
             ``config.vocab_size``; called as ``stage(x)`` or (last) ``stage(x, targets)`` -> loss.
         config: codec, size limits, ``max_pending`` and ``pending_timeout_s``.
-        optimizer: stepped (then gradients zeroed) after every ``step_every`` backward passes; None = the owner
-            steps (e.g. a role that averages gradients first).
+        optimizer: stepped (then gradients zeroed) after every ``step_every`` backward passes, on the mean of
+            their gradients; None = the owner steps (e.g. a role that averages gradients first).
         bans: peers excluded for sending invalid data (a fresh list with ``config.ban_s`` by default).
         device: where the stage's parameters live; tensors arrive and leave on the CPU.
         outer_state: returns the stage's ``(theta_outer (N,), momentum (N,), outer_round)`` for the ``outer``
             method, or None while there is none to serve (None: the method always refuses).
         clock: monotonic seconds (injectable for tests).
+        compute_thread: run the stage's compute (forward, backward, optimizer step) in one worker thread of this
+            service instead of the event loop, so a long forward (a GPU's, a big stage's) does not hold up the
+            peer's other streams; False: compute runs in the event loop.
 
-    Compute runs in the event loop, one request at a time, so no step interleaves with a forward or backward.
+    Compute runs one request at a time (in the event loop, or in the service's single worker thread), so no step
+    interleaves with a forward or backward; code that reads or replaces the stage's parameters from outside goes
+    through :meth:`exclusive` to keep that so.
+
+    A request with ``"check": true`` in its header (``forward``, ``loss``) is a spot-check by a trainer: the same
+    computation, but nothing is kept, no gradient accumulated and nothing counted; ``loss`` then replies
+    ``{"loss": float}`` with no payload.
     """
 
     def __init__(self, name: str, stage: nn.Module, config: SwarmConfig, *,
                  optimizer: Optional[torch.optim.Optimizer] = None, step_every: int = 1,
                  bans: Optional[BanList] = None, device: str | torch.device = "cpu",
                  outer_state: Optional[Callable[[], Optional[tuple[torch.Tensor, torch.Tensor, int]]]] = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, compute_thread: bool = False) -> None:
         if step_every < 1:
             raise ValueError(f"step_every must be >= 1, got {step_every}")
         self.name = name
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"stage-{name}") if compute_thread else None
         self.stage, self.config = stage, config
         self.optimizer, self.step_every = optimizer, step_every
         self.bans = bans if bans is not None else BanList(config.ban_s)
@@ -220,16 +265,20 @@ class StageService(Service):
         if self.stage.last:
             raise Refused("the last stage serves 'loss', not 'forward'", code="unsupported")
         mb = _mb_id(request.header)
+        check = request.header.get("check") is True
         self._expire()
         key = (request.peer, mb)
-        if key not in self._kept and len(self._kept) >= self.config.max_pending:
+        if not check and key not in self._kept and len(self._kept) >= self.config.max_pending:
             raise Refused(f"{len(self._kept)} micro-batches pending", code="busy")
         x = self._input(request.header, await request.payload(self.config.max_tensor_bytes))
-        start = time.perf_counter()
-        with torch.no_grad():
-            y = self.stage(x.to(self.device))  # (B, T, C)
-        self.compute_s += time.perf_counter() - start
-        self._kept[key] = _Kept(x, self.clock() + self.config.pending_timeout_s)
+
+        def forward() -> torch.Tensor:
+            with torch.no_grad():
+                return self.stage(x.to(self.device))  # (B, T, C)
+
+        y = await self._compute(forward, count=not check)
+        if not check:
+            self._kept[key] = _Kept(x, self.clock() + self.config.pending_timeout_s)
         header, payload = self._encode(y)
         return {"y": header}, payload
 
@@ -241,18 +290,21 @@ class StageService(Service):
         if kept is None:
             raise Refused(f"no kept input for micro-batch {mb!r} (expired or never sent)", code="unknown")
         grad = self._activations(request.header.get("g"), await request.payload(self.config.max_tensor_bytes))
-        start = time.perf_counter()
-        x = kept.input.to(self.device)
-        if not self.stage.first:
-            x.requires_grad_(True)
-        with torch.enable_grad():
-            y = self.stage(x)  # (B, T, C), recomputed from the kept input
-        if tuple(grad.shape) != tuple(y.shape):
-            raise ProtocolViolation(f"gradient of shape {list(grad.shape)} for output {list(y.shape)}")
-        y.backward(grad.to(self.device))
-        self.compute_s += time.perf_counter() - start
+        if tuple(grad.shape[:2]) != tuple(kept.input.shape[:2]):
+            raise ProtocolViolation(f"gradient of shape {list(grad.shape)} for input {list(kept.input.shape)}")
         del self._kept[(request.peer, mb)]
-        self._after_backward(x.shape[0])
+
+        def backward() -> torch.Tensor:
+            x = kept.input.to(self.device)
+            if not self.stage.first:
+                x.requires_grad_(True)
+            with torch.enable_grad():
+                y = self.stage(x)  # (B, T, C), recomputed from the kept input
+            y.backward(grad.to(self.device))
+            self._after_backward(x.shape[0])
+            return x
+
+        x = await self._compute(backward)
         if self.stage.first:
             return {}, b""
         header, payload = self._encode(x.grad)
@@ -272,15 +324,24 @@ class StageService(Service):
         targets = decode_tokens(request.header.get("targets"), bytes(view[split:]), self.stage.config.vocab_size)
         if tuple(targets.shape) != tuple(x.shape[:2]):
             raise ProtocolViolation(f"targets {list(targets.shape)} for activations {list(x.shape)}")
-        start = time.perf_counter()
-        x = x.to(self.device).requires_grad_(True)
-        with torch.enable_grad():
-            loss = self.stage(x, targets.to(self.device))
-        loss.backward()
-        self.compute_s += time.perf_counter() - start
-        self._after_backward(x.shape[0])
-        header, out = self._encode(x.grad)
-        return {"loss": float(loss.detach()), "g": header}, out
+        if request.header.get("check") is True:
+            def check_loss() -> torch.Tensor:
+                with torch.no_grad():
+                    return self.stage(x.to(self.device), targets.to(self.device))
+
+            return {"loss": float(await self._compute(check_loss, count=False))}, b""
+
+        def loss_and_backward() -> tuple[torch.Tensor, torch.Tensor]:
+            xd = x.to(self.device).requires_grad_(True)
+            with torch.enable_grad():
+                loss = self.stage(xd, targets.to(self.device))
+            loss.backward()
+            self._after_backward(xd.shape[0])
+            return loss.detach(), xd.grad
+
+        loss, grad = await self._compute(loss_and_backward)
+        header, out = self._encode(grad)
+        return {"loss": float(loss), "g": header}, out
 
     async def rpc_infer(self, request: Request) -> tuple[dict[str, Any], Any]:
         self._admit(request)
@@ -311,7 +372,7 @@ class StageService(Service):
 
     async def rpc_state(self, request: Request) -> tuple[dict[str, Any], Any]:
         self._admit(request)
-        header, payload = encode_tensor(flat_parameters(self.stage), "none")
+        header, payload = encode_tensor(await self.exclusive(lambda: flat_parameters(self.stage)), "none")
         return {"params": header, "steps": self.steps}, payload
 
     async def rpc_outer(self, request: Request) -> tuple[dict[str, Any], Any]:
@@ -323,10 +384,51 @@ class StageService(Service):
         header, payload = encode_tensor(torch.stack([theta, momentum]).to("cpu", torch.float32), "none")
         return {"outer": header, "outer_round": outer_round}, payload
 
+    async def call_local(self, peer: str, method: str, header: dict[str, Any], payload: Any) -> Message:
+        """Serve a call of this peer's own trainer without a stream (libp2p refuses to dial its own host): the same
+        handler and checks as a remote call. Raises what the handler raises (RpcError, ValueError)."""
+        parts = [payload] if isinstance(payload, (bytes, bytearray, memoryview)) else list(payload)
+        data = b"".join(memoryview(part).cast("B").tobytes() for part in parts)
+        handler = getattr(self, f"rpc_{method}", None)
+        if handler is None:
+            raise Refused(f"no method {method!r}", code="unsupported")
+        reply_header, reply_payload = await handler(_LocalRequest(peer, dict(header), data))
+        parts = [reply_payload] if isinstance(reply_payload, (bytes, bytearray, memoryview)) else list(reply_payload)
+        out = b"".join(memoryview(part).cast("B").tobytes() for part in parts)
+        return Message(reply_header, out, len(out))
+
+    async def _compute(self, fn: Callable[[], Any], count: bool = True) -> Any:
+        """``fn()`` where this stage computes (its worker thread, or here); its time is added to ``compute_s``
+        unless ``count`` is False (spot-checks are not the work the throughput describes)."""
+        def timed() -> Any:
+            start = time.perf_counter()
+            out = fn()
+            if count:
+                self.compute_s += time.perf_counter() - start
+            return out
+
+        if self._executor is None:
+            return timed()
+        return await asyncio.get_running_loop().run_in_executor(self._executor, timed)
+
+    async def exclusive(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` with no forward, backward or step of this stage running meanwhile (e.g. reading or loading
+        the stage's parameters while compute runs in the worker thread)."""
+        return await self._compute(fn, count=False)
+
+    async def stop(self) -> None:
+        await super().stop()
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+
     def _after_backward(self, samples: int) -> None:
         self.backwards += 1
         self.samples += samples
         if self.optimizer is not None and self.backwards % self.step_every == 0:
+            if self.step_every > 1:  # the mean gradient of the step_every micro-batches, not their sum
+                for p in self.stage.parameters():
+                    if p.grad is not None:
+                        p.grad.div_(self.step_every)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.steps += 1
@@ -353,19 +455,36 @@ class PipelineTrainer:
     is redone on a replica as forward + backward from the input this trainer relayed. A micro-batch that runs out
     of servers is dropped, logged and counted; ``wiring.stats`` accounts for every micro-batch sent.
 
+    Spot-checks (reliability row B9, ``config.spot_check_prob``): a checked call's input is recomputed (a
+    ``"check"`` request: nothing kept, no gradient) and the outputs compared (:func:`outputs_agree`; the loss on the
+    last stage, the activations elsewhere). The referee is this trainer's own copy of the stage when it serves it
+    (``local_stage``): trusted, so one disagreement bans the server. Otherwise another replica answers; if it
+    disagrees, a third replica decides by majority: the odd one out is banned (the checked server: the call fails
+    and is retried on another server, like any failure; a lying checker: banned, the call stands). With only two
+    replicas that disagree nobody can tell which lies: the check counts as unresolved (logged, nobody banned).
+    Counts in ``wiring.stats`` (``spot_checks``, ``spot_check_bans``, ``spot_check_unresolved``).
+
     Args:
         streams: this peer's ``PeerStreams``.
         service_of: stage index -> the stages' service name.
         wiring: the stochastic wiring (its servers kept current by the owner).
-        config: codec, timeouts, retries, size limits.
+        config: codec, timeouts, retries, size limits, spot-checks.
         d_model: width of the activations, to check replies.
+        local_stage: stage index -> this peer's own :class:`StageService` of that stage, or None: the wiring may
+            choose this peer for that stage and it is then called in-process (no dial to itself); the spot-check
+            referee.
+        rng: draws which calls are spot-checked and the checking replicas.
     """
 
     def __init__(self, streams: Any, service_of: Callable[[int], str], wiring: Wiring, config: SwarmConfig,
-                 *, d_model: int, clock: Callable[[], float] = time.monotonic) -> None:
+                 *, d_model: int, clock: Callable[[], float] = time.monotonic,
+                 local_stage: Optional[Callable[[int], Optional["StageService"]]] = None,
+                 rng: Optional[random.Random] = None) -> None:
         self.streams, self.service_of, self.wiring, self.config = streams, service_of, wiring, config
         self.d_model = d_model
         self.clock = clock
+        self.local_stage = local_stage
+        self.rng = rng if rng is not None else random.Random()
         self._next_id = 0
 
     @property
@@ -401,19 +520,30 @@ class PipelineTrainer:
         raise NoServer(f"stage {stage} {what}: {len(tried)} servers failed")
 
     async def _call(self, server: str, stage: int, method: str, header: dict[str, Any], payload: Any):
+        own = self.local_stage(stage) if self.local_stage is not None else None
+        if own is not None and server == getattr(self.streams, "peer_id", None):
+            return await own.call_local(server, method, header, payload)
         return await call(self.streams, server, self.service_of(stage), method, header, payload,
                           timeout_s=self.config.call_timeout_s, max_reply_bytes=self.config.max_tensor_bytes)
 
-    async def _forward(self, stage: int, server: str, mb: str, x: torch.Tensor) -> torch.Tensor:
+    async def _forward(self, stage: int, server: str, mb: str, x: torch.Tensor,
+                       checking: bool = False) -> torch.Tensor:
         if stage == 0:
             tokens_header, payload = encode_tokens(x)
             header = {"mb": mb, "tokens": tokens_header}
         else:
             x_header, payload = encode_tensor(x, self.config.codec)
             header = {"mb": mb, "x": x_header}
-        reply = await self._call(server, stage, "forward", header, payload)
+        check = {"check": True} if checking else {}
+        reply = await self._call(server, stage, "forward", {**header, **check}, payload)
         B, T = x.shape[:2]
-        return self._reply_tensor(reply.header.get("y"), reply.payload, (B, T, self.d_model))
+        y = self._reply_tensor(reply.header.get("y"), reply.payload, (B, T, self.d_model))
+        if not checking and self._draw_check(server):
+            async def ask(s: str) -> torch.Tensor:
+                return await self._forward(stage, s, mb, x, checking=True)
+
+            await self._spot_check(stage, server, y, ask, lambda module: module(x))
+        return y
 
     async def _backward(self, stage: int, server: str, mb: str, x: torch.Tensor, grad: torch.Tensor):
         g_header, payload = encode_tensor(grad, self.config.codec)
@@ -470,12 +600,20 @@ class PipelineTrainer:
             header = {"mb": mb, "x": x_header, "x_bytes": len(memoryview(x_payload).cast("B")),
                       "targets": t_header}
 
+            last = self.num_stages - 1
+
+            async def ask_loss(server: str) -> torch.Tensor:
+                reply = await self._call(server, last, "loss", {**header, "check": True}, [x_payload, t_payload])
+                return torch.tensor([_loss_of(reply.header)])
+
             async def loss_on(server: str) -> tuple[float, torch.Tensor]:
-                reply = await self._call(server, self.num_stages - 1, "loss", header, [x_payload, t_payload])
-                loss = reply.header.get("loss")
-                if not isinstance(loss, float) or not np.isfinite(loss):
-                    raise ProtocolViolation(f"malformed loss {loss!r}")
-                return loss, self._reply_tensor(reply.header.get("g"), reply.payload, tuple(x.shape))
+                reply = await self._call(server, last, "loss", header, [x_payload, t_payload])
+                loss = _loss_of(reply.header)
+                grad = self._reply_tensor(reply.header.get("g"), reply.payload, tuple(x.shape))
+                if self._draw_check(server):
+                    await self._spot_check(last, server, torch.tensor([loss]), ask_loss,
+                                           lambda module: module(x, targets).reshape(1))
+                return loss, grad
 
             _, (loss, grad) = await self._on_some_server(self.num_stages - 1, samples, "loss", loss_on,
                                                          prefer.get(self.num_stages - 1))
@@ -539,6 +677,62 @@ class PipelineTrainer:
 
         _, out = await self._on_some_server(self.num_stages - 1, samples, "infer", last)
         return out
+
+    def _draw_check(self, server: str) -> bool:
+        p = self.config.spot_check_prob
+        return p > 0 and server != getattr(self.streams, "peer_id", None) and self.rng.random() < p
+
+    async def _spot_check(self, stage: int, server: str, output: torch.Tensor,
+                          ask: Callable[[str], Any], local: Callable[[nn.Module], torch.Tensor]) -> None:
+        """Check ``server``'s ``output`` of ``stage`` (see the class docstring). Raises ProtocolViolation if the
+        server is found lying; bans a lying checker; returns otherwise."""
+        stats, tol = self.wiring.stats, self.config.spot_check_tolerance
+        own = self.local_stage(stage) if self.local_stage is not None else None
+        if own is not None:
+            stats.spot_checks += 1
+
+            def recompute() -> torch.Tensor:
+                with torch.no_grad():
+                    return local(own.stage).detach().to("cpu", torch.float32)
+
+            if outputs_agree(output, await own.exclusive(recompute), tol):
+                return
+            stats.spot_check_bans += 1
+            raise ProtocolViolation(f"spot-check: stage {stage} output disagrees with this trainer's own copy")
+        balancer = self.wiring.stages[stage]
+        others = [s for s in balancer.servers if s != server and not balancer.bans.is_banned(s)]
+        self.rng.shuffle(others)
+        opinions: list[tuple[str, torch.Tensor]] = []
+        for checker in others:
+            try:
+                opinions.append((checker, await ask(checker)))
+            except (RpcError, ValueError) as e:
+                self.wiring.fail(stage, checker, f"spot-check: {type(e).__name__}: {e}")
+                continue
+            if len(opinions) == 1:
+                stats.spot_checks += 1
+                if outputs_agree(output, opinions[0][1], tol):
+                    return
+            if len(opinions) == 2:
+                break
+        if not opinions:
+            return  # no replica to check against
+        if len(opinions) == 1:
+            stats.spot_check_unresolved += 1
+            logger.warning("spot-check of stage %d: %s and %s disagree and no third opinion is available",
+                           stage, server, opinions[0][0])
+            return
+        (first, y1), (_, y2) = opinions
+        if outputs_agree(y1, y2, tol):
+            stats.spot_check_bans += 1
+            raise ProtocolViolation(f"spot-check: stage {stage} output disagrees with two replicas")
+        if outputs_agree(output, y2, tol):
+            stats.spot_check_bans += 1
+            logger.warning("spot-check of stage %d: checker %s disagrees with two replicas: banned", stage, first)
+            self.wiring.fail(stage, first, "spot-check: output disagrees with two replicas")
+            return
+        stats.spot_check_unresolved += 1
+        logger.warning("spot-check of stage %d: three replicas disagree (%s, %s, ...)", stage, server, first)
 
     async def _backward_with_retry(self, stage: int, server: str, mb: str, x: torch.Tensor, grad: torch.Tensor):
         try:

@@ -65,6 +65,14 @@ class SwarmConfig:
     only; a skipped stage is the identity), in [0, 1); 0: every micro-batch visits every stage
     (:mod:`protocols.skippipe`)."""
 
+    spot_check_prob: float = 0.0
+    """Probability that a trainer spot-checks a stage call: it recomputes the same input on another replica of the
+    stage (or on its own copy of the stage, when it serves it) and bans the server whose output disagrees
+    (reliability row B9; :meth:`protocols.stage_service.PipelineTrainer.step`); 0: never, in [0, 1]."""
+    spot_check_tolerance: float = 0.1
+    """Two outputs of a spot-check agree if ``||a - b|| <= tolerance * max(||a||, ||b||)`` (L2 over the whole
+    tensor): honest replicas differ by the steps they took since their last stage round and by the codec, in (0, 1]."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.stages, int) or self.stages < 1:
             raise ValueError(f"swarm.stages must be a positive int, got {self.stages!r}")
@@ -77,6 +85,11 @@ class SwarmConfig:
         if isinstance(self.skip_ratio, bool) or not isinstance(self.skip_ratio, (int, float)) \
                 or not 0 <= self.skip_ratio < 1:
             raise ValueError(f"swarm.skip_ratio must be in [0, 1), got {self.skip_ratio!r}")
+
+        if not 0 <= self.spot_check_prob <= 1:
+            raise ValueError(f"swarm.spot_check_prob must be in [0, 1], got {self.spot_check_prob}")
+        if not 0 < self.spot_check_tolerance <= 1:
+            raise ValueError(f"swarm.spot_check_tolerance must be in (0, 1], got {self.spot_check_tolerance}")
         if not self.sync_interval_s >= 0:
             raise ValueError(f"swarm.sync_interval_s must be >= 0, got {self.sync_interval_s}")
         if not isinstance(self.max_retries, int) or self.max_retries < 0:
@@ -202,6 +215,12 @@ class WiringStats:
     """Calls re-sent to another server of the same stage after a failure (one micro-batch may retry several)."""
     dropped: int = 0
     failures_by_server: dict[str, int] = field(default_factory=dict)
+    spot_checks: int = 0
+    """Stage calls recomputed elsewhere to check them (``SwarmConfig.spot_check_prob``)."""
+    spot_check_bans: int = 0
+    """Servers banned because their output disagreed with the other opinions of a spot-check."""
+    spot_check_unresolved: int = 0
+    """Spot-checks where two outputs disagreed and no third opinion could decide (nobody banned)."""
 
 
 class Wiring:

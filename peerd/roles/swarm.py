@@ -35,8 +35,9 @@ from typing import Optional
 
 import torch
 
+from peerd.config import ConfigError
 from peerd.data import WindowSampler
-from peerd.events import StageRoundDone, SwarmProgress
+from peerd.events import StageMoved, StageRoundDone, SwarmProgress
 from peerd.models import build_stage
 from peerd.roles.base import RunContext
 from peerd.roles.fragments import FragmentState, fragment
@@ -107,8 +108,8 @@ class SwarmRole:
             stage = getattr(ctx.node, "stage", None)
         if trainer is None and node_role != "auto":
             trainer = node_role == "trainer"
-        if stage is not None and not 0 <= stage < num_stages:
-            raise ValueError(f"stage must be in [0, {num_stages}), got {stage}")
+        if stage is not None and ctx.run.stage_error(stage):
+            raise ConfigError(ctx.run.stage_error(stage))
         self.ctx = ctx
         self.stage = stage
         self.trainer_wanted = trainer
@@ -153,8 +154,10 @@ class SwarmRole:
         def outer_state() -> tuple[torch.Tensor, torch.Tensor, int]:
             return state.outer.theta, state.outer.momentum, state.outer.outer_round
 
+        # compute in the service's worker thread: a long forward does not hold up this peer's RPC and DHT traffic
         service = StageService(stage_service_name(self.ctx, stage), module, run.swarm, optimizer=optimizer,
-                               bans=self.ctx.bans, device=self.ctx.device, outer_state=outer_state)
+                               bans=self.ctx.bans, device=self.ctx.device, outer_state=outer_state,
+                               compute_thread=True)
         return service, state, make_outer_sync(self.ctx, state)
 
     async def announce(self) -> None:
@@ -218,6 +221,7 @@ class SwarmRole:
         """Serve ``target`` instead, starting from the parameters of a live server there (or from the run's
         initial weights if the stage is empty). False (and nothing changed) if no source answered."""
         service, state, sync = self._build_service(target)
+        source = ""
         if sources:
             numel = sum(p.numel() for p in service.stage.parameters())
             for peer in sources:
@@ -236,11 +240,17 @@ class SwarmRole:
                     state.round_start_theta = theta
                 except RpcError as e:  # its first round's leader refuses it, and it adopts the leader's state then
                     logger.info("stage %d outer state from %s failed: %s", target, peer, e)
+                source = peer
                 break
             else:
                 return False
+        view = await read_stage_servers(self.ctx)
         if not await self._still_wanted(target):
             return False
+
+        def stage_throughput(k: int) -> Optional[float]:
+            measured = [a.throughput for p, a in view.items() if a.stage == k and a.throughput]
+            return sum(measured) if measured else None
         old, old_service, old_sync = self.stage, self.service, self.outer_sync
         self.stage, self.service, self.sync_state, self.outer_sync = target, service, state, sync
         self._samples_at_round = 0  # what it trained on its old stage is no weight in the new stage's rounds
@@ -250,7 +260,8 @@ class SwarmRole:
         await old_service.stop()  # trainers that call the old stage here now are refused and retry on a replica
         await old_sync.stop()
         self.moves.append((old, target))
-        logger.info("moved from stage %d to stage %d (the bottleneck)", old, target)
+        self.ctx.events.publish(StageMoved(old, target, source, state.outer.outer_round, stage_throughput(old),
+                                           stage_throughput(target)))
         return True
 
     async def _rebalance_loop(self) -> None:
@@ -277,7 +288,7 @@ class SwarmRole:
         if keep_local:
             state.outer, state.round_start_theta = outer, theta
         else:
-            state.reset_to_outer(module, outer)
+            await self.service.exclusive(lambda: state.reset_to_outer(module, outer))
         self._samples_at_round = self.service.samples
         logger.info("stage %d: adopted the outer state of %s (round %d)", self.stage, peer, outer_round)
         return True
@@ -297,7 +308,7 @@ class SwarmRole:
                 await self._adopt_outer(ahead[-1][1])
             live = {p: {"outer_round": a.outer_round} for p, a in mates.items()}
             live[me] = {"outer_round": state.outer.outer_round}
-            local = state.fragment.flatten(service.stage)  # (P,)
+            local = await service.exclusive(lambda: state.fragment.flatten(service.stage))  # (P,)
             weight = float(service.samples - self._samples_at_round)
             samples = service.samples
             # mates behind adopt our state first and then join this round: wait for them too
@@ -306,8 +317,11 @@ class SwarmRole:
             if isinstance(outcome, RoundResult):
                 # steps taken while the round ran are kept on top of the new theta_outer (zero if none: then the
                 # replicas hold bit-identical parameters)
-                since = state.fragment.flatten(service.stage) - local
-                state.fragment.load_(service.stage, state.outer.theta + since)
+                def keep_local_steps() -> None:
+                    since = state.fragment.flatten(service.stage) - local
+                    state.fragment.load_(service.stage, state.outer.theta + since)
+
+                await service.exclusive(keep_local_steps)
                 state.round_start_theta = state.outer.theta
                 self._samples_at_round = samples
                 self.ctx.events.publish(StageRoundDone(
@@ -342,12 +356,7 @@ class SwarmRole:
         by_stage: dict[int, list[str]] = {k: [] for k in range(self.ctx.run.swarm.stages)}
         for peer, announcement in (await read_stage_servers(self.ctx)).items():
             by_stage[announcement.stage].append(peer)
-        own_failed = self.ctx.peer_id in self.wiring.stats.failures_by_server
-        for servers in by_stage.values():
-            # libp2p refuses to dial its own host ("dial to self"): once a call to ourselves failed, where the stage
-            # has another server, this peer's own stage serves the other trainers only
-            if own_failed and self.ctx.peer_id in servers and len(servers) > 1:
-                servers.remove(self.ctx.peer_id)
+        # this peer's own stage is in the wiring too: the trainer calls it in-process (PipelineTrainer.local_stage)
         self.wiring.set_servers(by_stage)
         if self.ctx.run.swarm.skip_ratio > 0:
             return bool(by_stage[0]) and bool(by_stage[self.ctx.run.swarm.stages - 1])
@@ -358,7 +367,9 @@ class SwarmRole:
         corpus = self.ctx.training_corpus()
         sampler = WindowSampler(corpus.train, run.seq_len, run.batch_size, seed=self.ctx.peer_id)
         trainer = PipelineTrainer(self.ctx.transport.streams, lambda k: stage_service_name(self.ctx, k),
-                                  self.wiring, run.swarm, d_model=self.service.stage.config.d_model)
+                                  self.wiring, run.swarm, d_model=self.service.stage.config.d_model,
+                                  local_stage=lambda k: self.service if self.stage == k else None,
+                                  rng=random.Random(f"{self.ctx.peer_id}/spot-check"))
         planner = (SkipPlanner(run.swarm.stages, run.swarm.skip_ratio, seed=self.ctx.peer_id)
                    if run.swarm.skip_ratio > 0 else None)
         refreshed = float("-inf")

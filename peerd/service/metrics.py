@@ -66,6 +66,17 @@ class Metrics:
         self.peers_seen = Gauge("peerd_peers_seen", "Live peers of the run in the last status read (this one "
                                 "included)", registry=r)
         self.paused = Gauge("peerd_paused", "1 while this peer is paused (volunteer or active hours)", registry=r)
+        # SWARM runs, per pipeline stage
+        self.stage = Gauge("peerd_stage", "Pipeline stage this peer serves (SWARM runs)", registry=r)
+        self.stage_rounds = Counter("peerd_stage_rounds", "Outer rounds of a stage's replicas completed",
+                                    ["stage"], registry=r)
+        self.stage_round_bytes = Counter("peerd_stage_round_bytes", "Bytes sent in a stage's outer rounds",
+                                         ["stage"], registry=r)
+        self.stage_moves = Counter("peerd_stage_moves", "Moves to the bottleneck stage (rebalancing)",
+                                   ["from_stage", "to_stage"], registry=r)
+        self.micro_batches = Gauge("peerd_swarm_micro_batches", "A SWARM trainer's micro-batches so far, by outcome "
+                                   "(sent = completed + dropped; retried: calls re-sent to a replica)", ["outcome"],
+                                   registry=r)
         r.register(_StreamCollector(stream_report))
         self._server = None
 
@@ -101,6 +112,18 @@ class Metrics:
             self.paused.set(1)
         elif kind == "resumed":
             self.paused.set(0)
+        elif kind == "stage_round" and num("stage") is not None:
+            stage = str(int(num("stage")))
+            self.stage.set(num("stage"))
+            self.stage_rounds.labels(stage).inc()
+            self.stage_round_bytes.labels(stage).inc(max(0.0, num("bytes_sent") or 0.0))
+        elif kind == "stage_moved" and num("old_stage") is not None and num("new_stage") is not None:
+            self.stage.set(num("new_stage"))
+            self.stage_moves.labels(str(int(num("old_stage"))), str(int(num("new_stage")))).inc()
+        elif kind == "swarm_progress":
+            for outcome in ("sent", "completed", "retried", "dropped"):
+                if num(outcome) is not None:
+                    self.micro_batches.labels(outcome).set(num(outcome))
         if kind in ("eval", "outer_round") and num("eval_nats_per_byte") is not None:
             self.eval_loss.set(num("eval_nats_per_byte"))
 

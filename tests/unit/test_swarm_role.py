@@ -69,12 +69,12 @@ def test_servers_join_the_bottleneck_and_the_trainers_train(tmp_path):
     assert all(r.service.backwards >= 5 for r in roles[1::2])
 
 
-async def _start_servers(hub, tmp_path, run, stages, stop):
+async def _start_servers(hub, tmp_path, run, stages, stop, prefix="p"):
     roles, tasks = [], []
     for i, stage in enumerate(stages):
-        node = NodeConfig(checkpoint_dir=str(tmp_path / f"p{i}"), threads=1, device="cpu",
+        node = NodeConfig(checkpoint_dir=str(tmp_path / f"{prefix}{i}"), threads=1, device="cpu",
                           status_interval_s=0.5, status_ttl_s=5.0)
-        ctx = RunContext.build("swarmunit", run, node, hub.transport(f"p{i}"), stop=stop)
+        ctx = RunContext.build("swarmunit", run, node, hub.transport(f"{prefix}{i}"), stop=stop)
         role = SwarmRole(ctx, stage=stage, trainer=False)
         roles.append(role)
         tasks.append(asyncio.ensure_future(role.run(ctx)))
@@ -94,12 +94,17 @@ def test_three_plus_one_servers_rebalance_to_two_plus_two(tmp_path):
 
     async def main():
         hub, stop = Hub(), asyncio.Event()
-        run = dataclasses.replace(_run(), swarm=SwarmConfig(stages=2, rebalance_period_s=0.3))
-        roles, tasks = await _start_servers(hub, tmp_path, run, [0, 0, 0, 1], stop)
+        # no stage rounds (they start at wall-clock multiples of sync_interval_s and would move the parameters)
+        run = dataclasses.replace(_run(), swarm=SwarmConfig(stages=2, rebalance_period_s=0.3, sync_interval_s=0))
+        # stage 1's server first, its parameters changed before any stage-0 server looks (else, on a slow machine,
+        # the first stage-0 server can find stage 1 still empty and fill it from the initial weights)
+        last, last_tasks = await _start_servers(hub, tmp_path, run, [1], stop, prefix="q")
         with torch.no_grad():  # stage 1 has trained: its parameters are no longer the initial ones
-            for p in roles[3].service.stage.parameters():
+            for p in last[0].service.stage.parameters():
                 p.add_(0.01)
-        expected = flat_parameters(roles[3].service.stage)
+        expected = flat_parameters(last[0].service.stage)
+        roles, tasks = await _start_servers(hub, tmp_path, run, [0, 0, 0], stop)
+        roles, tasks = roles + last, tasks + last_tasks
         for _ in range(60):
             await asyncio.sleep(0.1)
             if sorted(r.stage for r in roles) == [0, 0, 1, 1] and sum(len(r.moves) for r in roles) >= 1:
