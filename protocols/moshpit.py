@@ -15,7 +15,8 @@ under load a live peer's record can lapse). So each round starts with a rendezvo
 round's key, carrying only its PeerID; the sealed member list, identical on every member, is the list the grid is
 built from. Tensors then move only inside the grid groups, so a peer that dies mid-transfer fails its own group's
 all-reduce and no other. A peer that dies before the seal costs the rendezvous its matchmaking timeout once; the
-survivors' groups are then computed without it.
+survivors' groups are then computed without it. A peer that reaches the rendezvous after its seal joins the
+rendezvous of the round's other late peers (``on_late="next"``) and averages on their grid.
 
 Defaults follow the paper's experiments: target group size M = 4 (paper: groups of 4-32); the grid dimension is
 floor or ceil of log_M N with side ceil(N^(1/d)), preferring grids without lone peers (see :meth:`Grid.for_peers`).
@@ -175,7 +176,9 @@ class MoshpitAverager:
         """
         me = self.matchmaker.peer_id
         expected = len(set(live_peers) | {me})
-        rendezvous = await self.matchmaker.form_group(f"moshpit.r{outer_round}", {}, expected_size=expected)
+        # a peer that comes after the seal averages with the other late peers rather than failing its round
+        rendezvous = await self.matchmaker.form_group(f"moshpit.r{outer_round}", {}, expected_size=expected,
+                                                      on_late="next")
         group = grid_group(me, rendezvous, outer_round, self.target_group_size)
         if len(group.members) < self.matchmaker.config.min_group_size:
             raise MatchmakingFailed(f"grid group {group.key} of {len(group.members)} peer(s) is smaller than "
