@@ -103,7 +103,8 @@ async def run_peer(args: argparse.Namespace, index: int, path: str, network) -> 
         state = {"x": initial_vector(index, args.numel), "w": float(args.weight)}
         prefix = f"avg.{args.run_id}"
         mm_timeout = args.matchmaking_timeout_s
-        mm = Matchmaker(transport, prefix, MatchmakingConfig(mm_timeout, min(2.0, mm_timeout / 2), min(0.2, mm_timeout / 4)))
+        mm = Matchmaker(transport, prefix, MatchmakingConfig(
+            mm_timeout, min(2.0, mm_timeout / 2), min(0.2, mm_timeout / 4), max_wait_s=args.max_wait_s))
         ar = ButterflyAllReduce(transport, prefix, AllReduceConfig(args.compression, args.timeout_s, 2 * args.timeout_s))
         gossip = GossipAverager(
             transport, prefix, GossipConfig(args.partners, args.compression, args.timeout_s),
@@ -218,6 +219,8 @@ def main() -> None:
     p.add_argument("--partners", type=int, default=2, help="gossip partners per round k")
     p.add_argument("--timeout-s", type=float, default=10.0)
     p.add_argument("--matchmaking-timeout-s", type=float, default=10.0)
+    p.add_argument("--max-wait-s", type=float, default=None,
+                   help="longest a peer matchmakes while its group keeps growing (default 3 x --matchmaking-timeout-s)")
     p.add_argument("--member-ttl-s", type=float, default=8.0)
     p.add_argument("--start-timeout-s", type=float, default=60.0)
     p.add_argument("--round-interval-s", type=float, default=0.0, help="pause between rounds")
@@ -227,6 +230,8 @@ def main() -> None:
     p.add_argument("--attempts", type=int, default=1,
                    help="all-reduce attempts per round; a failed one is retried among the survivors (worker: 2)")
     args = p.parse_args()
+    if args.max_wait_s is not None and args.max_wait_s < args.matchmaking_timeout_s:
+        p.error("--max-wait-s must be >= --matchmaking-timeout-s")
     if args.peers < 1:
         p.error(f"--peers must be >= 1, got {args.peers}")
     if args.peers > 1 and "{index}" not in args.out:
