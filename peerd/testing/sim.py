@@ -84,6 +84,13 @@ def run_virtual(coro):
     try:
         return loop.run_until_complete(coro)
     finally:
+        # as asyncio.run does: cancel what is left (servers' handlers, watchers) and let it unwind on this loop
+        pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+        for task in pending:
+            task.cancel()
+        if pending:
+            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        loop.run_until_complete(loop.shutdown_asyncgens())
         loop.close()
 
 

@@ -3,7 +3,6 @@ rounds while arriving at every round's rendezvous spread over twice the matchmak
 previous round took different times on a loaded box."""
 
 import json
-import sys
 
 import pytest
 
@@ -15,15 +14,12 @@ N, PER_PROCESS, ROUNDS, GROUP = 32, 8, 4, 4
 
 
 def test_32_light_peers_every_moshpit_round_succeeds_at_the_grid_group_size(swarm, tmp_path):
-    maddr = swarm.start_bootstrap()
-    processes = []
-    for first in range(0, N, PER_PROCESS):
-        argv = [sys.executable, "-m", "peerd.testing.avgpeer", "--index", str(first), "--peers", str(PER_PROCESS),
-                "--expect", str(N), "--topology", "moshpit", "--group-size", str(GROUP), "--rounds", str(ROUNDS),
-                "--numel", "1000", "--compression", "fp16", "--out", str(tmp_path / "a{index}.jsonl"),
-                "--initial-peers", maddr, "--matchmaking-timeout-s", "2", "--arrival-jitter-s", "4",
-                "--max-wait-s", "60", "--timeout-s", "20", "--member-ttl-s", "20", "--start-timeout-s", "120"]
-        processes.append(swarm.start_process(f"p{first}", argv))
+    swarm.start_bootstrap()
+    processes = swarm.start_light_peers(
+        N, str(tmp_path / "a{index}.jsonl"), "--topology", "moshpit", "--group-size", str(GROUP),
+        "--rounds", str(ROUNDS), "--numel", "1000", "--compression", "fp16", "--matchmaking-timeout-s", "2",
+        "--arrival-jitter-s", "4", "--max-wait-s", "60", "--timeout-s", "20", "--member-ttl-s", "20",
+        "--start-timeout-s", "120", per_process=PER_PROCESS)
     for p in processes:
         assert swarm.wait_exit(p, 220) == 0, swarm.tails()
     records = [json.loads(line) for i in range(N) for line in (tmp_path / f"a{i}.jsonl").read_text().splitlines()]
