@@ -2,14 +2,23 @@
 
 Every peer that wants to average under a group key (e.g. ``round7``) registers itself in discovery under
 ``<prefix>.mm.<key>``. The registered peer with the smallest PeerID leads: the others open a *join* stream to it and
-wait; the leader seals the group when it has the expected number of members or when the earliest member's wait runs
-out, and answers every waiting member with the same member list. A leader that discovers a smaller registered peer
+wait; the leader seals the group when it has the expected number of members, when nobody new has joined for
+``matchmaking_timeout_s``, or when the earliest member's whole wait (``max_wait_s``) runs out, and answers every waiting
+member with the same member list. A leader that discovers a smaller registered peer
 hands its followers over to that peer (a redirect) and joins it itself, so concurrent views of the discovery records
 converge on one leader. A leader watches every join stream: a follower whose stream closes before the seal (its
 process died) is left out of the group.
 
 The leader can refuse a member (``admit`` callback): DiLoCo refuses peers whose outer state digest differs from its
 own, so a group never mixes peers that disagree on theta_outer; the refused peer re-synchronizes its state instead.
+
+The wait is an *idle* window, restarted whenever the group grows, not a deadline counted from the first arrival:
+peers reach a round's rendezvous spread out by how long their previous round took (on a loaded machine, or with a
+slow group, the spread exceeds any fixed window), and a window counted from the first arrival sealed the group while
+the rest were still on their way, failing their round. While members keep arriving the group waits (up to
+``max_wait_s``); once they stop, it seals ``matchmaking_timeout_s`` later, so a peer that died before the seal
+still costs one timeout. A peer that nevertheless arrives after the seal can ask (``on_late="next"``) to form the
+next group of late peers under a successor key instead of failing its round.
 
 This is the pure-decision + runner pair for matchmaking; the only I/O goes through the handed :class:`Transport`.
 """
@@ -40,13 +49,16 @@ class MatchmakingConfig:
     """Timeouts of group formation (seconds)."""
 
     matchmaking_timeout_s: float = 30.0
-    """Longest a peer waits for its group to form, counted from when it starts matchmaking."""
+    """Longest a group waits with nobody new joining: counted from when the peer starts matchmaking, restarted
+    whenever a new member joins the group it leads."""
     request_timeout_s: float = 5.0
     """Longest a single exchange with the leader (connect, send the join request) may take."""
     poll_interval_s: float = 0.5
     """How often discovery records are re-read while waiting."""
     min_group_size: int = 1
     """A sealed group smaller than this fails the round for all its members."""
+    max_wait_s: Optional[float] = None
+    """Longest a peer matchmakes in all, however the group keeps growing; None = 3 x ``matchmaking_timeout_s``."""
 
     def __post_init__(self) -> None:
         if self.matchmaking_timeout_s <= 0 or self.request_timeout_s <= 0 or self.poll_interval_s <= 0:
@@ -60,6 +72,14 @@ class MatchmakingConfig:
             raise ValueError("poll_interval_s must be smaller than matchmaking_timeout_s")
         if self.min_group_size < 1:
             raise ValueError(f"min_group_size must be >= 1, got {self.min_group_size}")
+        if self.max_wait_s is not None and self.max_wait_s < self.matchmaking_timeout_s:
+            raise ValueError(f"max_wait_s ({self.max_wait_s}) must be >= matchmaking_timeout_s "
+                             f"({self.matchmaking_timeout_s})")
+
+    @property
+    def max_wait(self) -> float:
+        """``max_wait_s`` with its default filled in (seconds)."""
+        return self.max_wait_s if self.max_wait_s is not None else 3.0 * self.matchmaking_timeout_s
 
 
 @dataclass(frozen=True)
@@ -90,7 +110,7 @@ class AdmissionRefused(MatchmakingFailed):
 @dataclass
 class _Follower:
     info: dict
-    deadline: float  # loop time by which the follower wants an answer
+    deadline: float  # loop time by which the follower wants an answer (its whole wait, max_wait_s)
     answer: asyncio.Future
     closed: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -99,7 +119,8 @@ class _Follower:
 class _Session:
     key: str
     info: dict
-    deadline: float
+    deadline: float  # loop time at which this peer gives up (max_wait_s after it started)
+    idle_until: float  # loop time at which a group this peer leads seals for lack of new members
     expected_size: Optional[int]
     following: Optional[str] = None  # the leader we defer to, when not leading
     sealed: bool = False
@@ -114,6 +135,8 @@ class Matchmaker(Service):
     ``<prefix>.join``): the request is ``{key, info, remaining_s}``; the leader answers when the group is sealed
     (``{"type": "group", group_id, members, infos}``) or it defers (``{"type": "redirect", leader}``), or refuses
     with code ``refused`` (admission), ``late`` (already sealed) or ``gone`` (not matchmaking for that key).
+    ``remaining_s`` is how long the joining peer can still wait in all; a member of a sealed group asking again
+    (its answer was lost in a redirect race) gets the sealed group.
     Call :meth:`start` once, then :meth:`form_group` once per round.
     """
 
@@ -132,7 +155,7 @@ class Matchmaker(Service):
         self.admit = admit
         self.bans = bans if bans is not None else BanList()
         self._sessions: dict[str, _Session] = {}
-        self._sealed_keys: OrderedDict[str, None] = OrderedDict()
+        self._sealed_keys: OrderedDict[str, Optional[Group]] = OrderedDict()
 
     @property
     def peer_id(self) -> str:
@@ -145,31 +168,52 @@ class Matchmaker(Service):
     def _discovery_key(self, key: str) -> str:
         return f"{self.prefix}.mm.{key}"
 
-    async def form_group(self, key: str, info: dict[str, Any], expected_size: Optional[int] = None) -> Group:
+    async def form_group(self, key: str, info: dict[str, Any], expected_size: Optional[int] = None,
+                         on_late: str = "fail") -> Group:
         """Join or lead the group for ``key``; returns the sealed group.
 
         Args:
             key: group key shared by the peers that should average together (e.g. ``"round7"``).
             info: msgpack-serializable facts about this peer that every member receives (and the leader's ``admit``
                 checks).
-            expected_size: seal as soon as this many peers (this one included) have joined; None = wait out the
-                matchmaking window.
+            expected_size: seal as soon as this many peers (this one included) have joined; None = wait until
+                nobody new joins for ``matchmaking_timeout_s``.
+            on_late: what to do when the group for ``key`` was sealed before we joined it: ``"fail"`` (raise
+                MatchmakingFailed) or ``"next"`` (form the group of the peers that came late, under the key
+                ``<key>.late<n>``, within the same ``max_wait_s``; the returned group's ``key`` says which).
 
         Raises:
             AdmissionRefused: the leader refused this peer.
-            MatchmakingFailed: no group of at least ``min_group_size`` formed within ``matchmaking_timeout_s``.
+            MatchmakingFailed: no group of at least ``min_group_size`` formed within ``max_wait_s``, or (with
+                ``on_late="fail"``) the group was already sealed.
         """
+        if on_late not in ("fail", "next"):
+            raise ValueError(f"on_late must be 'fail' or 'next', got {on_late!r}")
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self.config.max_wait
+        for generation in range(64):
+            attempt = key if generation == 0 else f"{key}.late{generation}"
+            try:
+                return await self._form_group(attempt, info, expected_size, give_up)
+            except _Late as e:
+                if on_late == "fail":
+                    raise MatchmakingFailed(str(e)) from None
+                logger.info("%s; joining the next group of late peers", e)
+        raise MatchmakingFailed(f"no group formed for {key!r}: sealed 64 times before we joined")
+
+    async def _form_group(self, key: str, info: dict[str, Any], expected_size: Optional[int], give_up: float) -> Group:
         if key in self._sessions:
             raise RuntimeError(f"already matchmaking for {key!r}")
         loop = asyncio.get_running_loop()
         cfg = self.config
-        session = _Session(key, info, loop.time() + cfg.matchmaking_timeout_s, expected_size)
+        now = loop.time()
+        session = _Session(key, info, give_up, min(give_up, now + cfg.matchmaking_timeout_s), expected_size)
         self._sessions[key] = session
         self._sealed_keys.pop(key, None)
         discovery = self.transport.discovery
         dkey = self._discovery_key(key)
         try:
-            expiration = discovery.time() + cfg.matchmaking_timeout_s + cfg.request_timeout_s
+            expiration = discovery.time() + (give_up - now) + cfg.request_timeout_s
             await discovery.store(dkey, self.peer_id, {"joined": discovery.time()}, expiration)
             unreachable: set[str] = set()
             redirect: Optional[str] = None
@@ -184,7 +228,7 @@ class Matchmaker(Service):
                     session.following = None
                     group = await self._lead(session, dkey, unreachable)
                     if group is not None:
-                        self._remember_sealed(key)
+                        self._remember_sealed(key, group)
                         return group
                     redirect = session.following
                     continue
@@ -192,7 +236,7 @@ class Matchmaker(Service):
                 self._hand_over(session, leader)
                 kind, value = await self._follow(session, leader)
                 if kind == "group":
-                    self._remember_sealed(key)
+                    self._remember_sealed(key, value)
                     return value
                 if kind == "redirect":
                     redirect = value
@@ -204,18 +248,16 @@ class Matchmaker(Service):
                 elif kind == "refused":
                     raise AdmissionRefused(leader, value)
                 elif kind == "late":
-                    raise MatchmakingFailed(f"the group for {key!r} was already sealed by {leader}")
-            raise MatchmakingFailed(
-                f"no group formed for {key!r} within matchmaking_timeout_s={cfg.matchmaking_timeout_s}"
-            )
+                    raise _Late(f"the group for {key!r} was already sealed by {leader}")
+            raise MatchmakingFailed(f"no group formed for {key!r} within max_wait_s={cfg.max_wait:g}")
         finally:
             del self._sessions[key]
             for follower in session.followers.values():
                 if not follower.answer.done():
                     follower.answer.set_result(("unreachable", "leader stopped matchmaking"))
 
-    def _remember_sealed(self, key: str) -> None:
-        self._sealed_keys[key] = None
+    def _remember_sealed(self, key: str, group: Optional[Group] = None) -> None:
+        self._sealed_keys[key] = group
         while len(self._sealed_keys) > 64:
             self._sealed_keys.popitem(last=False)
 
@@ -236,7 +278,8 @@ class Matchmaker(Service):
             size = 1 + len(session.followers)
             if session.expected_size is not None and size >= session.expected_size:
                 break
-            deadline = min([session.deadline] + [f.deadline for f in session.followers.values()])
+            # idle: nobody new for matchmaking_timeout_s; or some member (or we) cannot wait any longer
+            deadline = min([session.idle_until, session.deadline] + [f.deadline for f in session.followers.values()])
             remaining = deadline - loop.time()
             if remaining <= 0:
                 break
@@ -256,6 +299,7 @@ class Matchmaker(Service):
         if len(members) < self.config.min_group_size:
             for follower in session.followers.values():
                 follower.answer.set_result(("late", "too few peers"))
+            self._remember_sealed(session.key)
             raise MatchmakingFailed(
                 f"only {len(members)} peer(s) for {session.key!r}, min_group_size={self.config.min_group_size}"
             )
@@ -305,6 +349,9 @@ class Matchmaker(Service):
         remaining = float(require(request.header, "remaining_s", (int, float)))
         session = self._sessions.get(key)
         if session is None or session.sealed:
+            sealed = self._sealed_keys.get(key)
+            if sealed is not None and peer in sealed.members:
+                return _group_answer(sealed)
             if session is not None or key in self._sealed_keys:
                 raise Refused(f"{self.peer_id} already sealed {key!r}", "late")
             raise Refused(f"{self.peer_id} is not matchmaking for {key!r}", "gone")
@@ -315,10 +362,13 @@ class Matchmaker(Service):
             reason = self.admit(session.info, peer, info)
         if reason is not None:
             raise Refused(reason, "refused")
-        follower = _Follower(info, loop.time() + min(remaining, self.config.matchmaking_timeout_s), loop.create_future())
+        now = loop.time()
+        follower = _Follower(info, now + min(remaining, self.config.max_wait), loop.create_future())
         previous = session.followers.pop(peer, None)
         if previous is not None and not previous.answer.done():
             previous.answer.set_result(("unreachable", "superseded by a newer join request"))
+        if previous is None:  # the group grew: give the ones still on their way another idle window
+            session.idle_until = max(session.idle_until, now + self.config.matchmaking_timeout_s)
         session.followers[peer] = follower
         session.changed.set()
         watcher = asyncio.ensure_future(_watch_closed(request, follower))
@@ -327,10 +377,18 @@ class Matchmaker(Service):
         finally:
             watcher.cancel()
         if kind == "group":
-            return {"type": "group", "group_id": value.group_id, "members": list(value.members), "infos": value.infos}
+            return _group_answer(value)
         if kind == "redirect":
             return {"type": "redirect", "leader": value}
         raise Refused(str(value), "late")
+
+
+class _Late(Exception):
+    """The group for the key was sealed before we joined it."""
+
+
+def _group_answer(group: Group) -> dict[str, Any]:
+    return {"type": "group", "group_id": group.group_id, "members": list(group.members), "infos": group.infos}
 
 
 async def _watch_closed(request: Request, follower: _Follower) -> None:

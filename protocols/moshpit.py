@@ -15,7 +15,8 @@ under load a live peer's record can lapse). So each round starts with a rendezvo
 round's key, carrying only its PeerID; the sealed member list, identical on every member, is the list the grid is
 built from. Tensors then move only inside the grid groups, so a peer that dies mid-transfer fails its own group's
 all-reduce and no other. A peer that dies before the seal costs the rendezvous its matchmaking timeout once; the
-survivors' groups are then computed without it.
+survivors' groups are then computed without it. A peer that reaches the rendezvous after its seal joins the
+rendezvous of the round's other late peers (``on_late="next"``) and averages on their grid.
 
 Defaults follow the paper's experiments: target group size M = 4 (paper: groups of 4-32); the grid dimension is
 floor or ceil of log_M N with side ceil(N^(1/d)), preferring grids without lone peers (see :meth:`Grid.for_peers`).
@@ -23,6 +24,7 @@ floor or ceil of log_M N with side ceil(N^(1/d)), preferring grids without lone 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from dataclasses import dataclass
@@ -143,10 +145,28 @@ def round_to_join(peer: str, rounds: dict[str, int], outer_round: int, target_gr
 
 def grid_group(peer: str, rendezvous: Group, outer_round: int, target_group_size: int) -> Group:
     """``peer``'s grid group of ``outer_round``, cut out of the sealed rendezvous (the same on every member)."""
-    members = list(rendezvous.members)
-    key = assign(peer, members, outer_round, target_group_size).key
-    mates = tuple(p for p in members if assign(p, members, outer_round, target_group_size).key == key)
+    key, mates = partition(tuple(sorted(set(rendezvous.members))), outer_round, target_group_size)[peer]
     return Group(f"{rendezvous.group_id}.{key}", key, mates[0], mates, {p: rendezvous.infos.get(p, {}) for p in mates})
+
+
+@functools.lru_cache(maxsize=16)
+def partition(everyone: tuple[str, ...], outer_round: int, target_group_size: int) -> dict[str, tuple[str, tuple]]:
+    """Every peer's (group key, sorted groupmates) in ``outer_round``, for the sorted peer list ``everyone``: the
+    groups :func:`assign` gives, computed in one pass (O(N log N), not O(N^2) calls), so that thousands of peers
+    (or thousands of simulated peers in one process, which share the cache) can cut their group out of a
+    rendezvous."""
+    grid = Grid.for_peers(len(everyone), target_group_size)
+    order = placement(everyone, outer_round // grid.dims)
+    cells: dict[tuple[int, ...], list[str]] = {}
+    for index, peer in enumerate(order):
+        cells.setdefault(grid.group_of(grid.coordinates(index), outer_round), []).append(peer)
+    out = {}
+    for cell, peers in cells.items():
+        key = f"moshpit.r{outer_round}.g{grid.side}x{grid.dims}." + ".".join("x" if c < 0 else str(c) for c in cell)
+        mates = tuple(sorted(peers))
+        for peer in peers:
+            out[peer] = (key, mates)
+    return out
 
 
 # ------------------------------------------------------------------------------------------------------------ runner
@@ -175,7 +195,9 @@ class MoshpitAverager:
         """
         me = self.matchmaker.peer_id
         expected = len(set(live_peers) | {me})
-        rendezvous = await self.matchmaker.form_group(f"moshpit.r{outer_round}", {}, expected_size=expected)
+        # a peer that comes after the seal averages with the other late peers rather than failing its round
+        rendezvous = await self.matchmaker.form_group(f"moshpit.r{outer_round}", {}, expected_size=expected,
+                                                      on_late="next")
         group = grid_group(me, rendezvous, outer_round, self.target_group_size)
         if len(group.members) < self.matchmaker.config.min_group_size:
             raise MatchmakingFailed(f"grid group {group.key} of {len(group.members)} peer(s) is smaller than "

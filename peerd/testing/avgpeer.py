@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import json
 import logging
+import random
 import sys
 import time
 
@@ -28,6 +29,7 @@ import torch
 from peerd.testing.faults import Faults, FaultyTransport
 from peerd.telemetry import JsonFormatter
 from peerd.transport.hivemind_backend import HivemindTransport
+from peerd.transport.light import LightTransport
 from protocols.allreduce import AllReduceConfig, AllReduceFailed, ButterflyAllReduce
 from protocols.codecs import CODECS
 from protocols.gossip import GossipAverager, GossipConfig
@@ -46,13 +48,37 @@ def sketch_indices(numel: int) -> torch.Tensor:
     return torch.randperm(numel, generator=torch.Generator().manual_seed(7))[:count]
 
 
+def out_path(template: str, index: int) -> str:
+    """The output file of peer ``index``: ``template`` with ``{index}`` filled in (unchanged if it has none)."""
+    return template.replace("{index}", str(index))
+
+
 async def run(args: argparse.Namespace) -> None:
-    network = await HivemindTransport.create(
-        initial_peers=args.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False
-    )
+    """Run ``args.peers`` peers (indices ``args.index`` ...) in this process; light transports unless one
+    ordinary peer was asked for."""
+    light = args.light or args.peers > 1
+    indices = range(args.index, args.index + args.peers)
+    if not light:
+        network = await HivemindTransport.create(
+            initial_peers=args.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False
+        )
+        await run_peer(args, args.index, out_path(args.out, args.index), network)
+        return
+    # p2pd start-up is mostly waiting on the daemon: start the peers' daemons a few at a time
+    networks: list = []
+    for start in range(0, len(indices), 8):
+        batch = indices[start:start + 8]
+        networks += await asyncio.gather(*(LightTransport.create(
+            initial_peers=args.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False,
+        ) for _ in batch))
+    await asyncio.gather(*(run_peer(args, i, out_path(args.out, i), n) for i, n in zip(indices, networks)))
+
+
+async def run_peer(args: argparse.Namespace, index: int, path: str, network) -> None:
+    """One averaging peer on ``network`` (released at the end), writing its JSON lines to ``path``."""
     faults = Faults.from_env()
     transport = FaultyTransport.wrap(network, faults) if faults is not None else network
-    out = open(args.out, "a", buffering=1)
+    out = open(path, "a", buffering=1)
     try:
         me = network.peer_id
         key = f"avg.{args.run_id}.members"
@@ -74,14 +100,16 @@ async def run(args: argparse.Namespace) -> None:
                 await asyncio.sleep(args.member_ttl_s / 3)
                 await announce(progress["state"])
 
-        state = {"x": initial_vector(args.index, args.numel), "w": float(args.weight)}
+        state = {"x": initial_vector(index, args.numel), "w": float(args.weight)}
         prefix = f"avg.{args.run_id}"
-        mm = Matchmaker(transport, prefix, MatchmakingConfig(args.matchmaking_timeout_s, 2.0, 0.2))
+        mm_timeout = args.matchmaking_timeout_s
+        mm = Matchmaker(transport, prefix, MatchmakingConfig(
+            mm_timeout, min(2.0, mm_timeout / 2), min(0.2, mm_timeout / 4), max_wait_s=args.max_wait_s))
         ar = ButterflyAllReduce(transport, prefix, AllReduceConfig(args.compression, args.timeout_s, 2 * args.timeout_s))
         gossip = GossipAverager(
             transport, prefix, GossipConfig(args.partners, args.compression, args.timeout_s),
             get_state=lambda: (state["x"], state["w"]),
-            set_state=lambda x, w: state.update(x=x, w=w), seed=args.index,
+            set_state=lambda x, w: state.update(x=x, w=w), seed=index,
         )
         for component in (mm, ar, gossip):
             await component.start()
@@ -95,7 +123,7 @@ async def run(args: argparse.Namespace) -> None:
         while len(await members()) < args.expect and time.time() < deadline:
             await asyncio.sleep(0.3)
         idx = sketch_indices(args.numel)
-        print(json.dumps({"event": "start", "peer": me, "index": args.index}), file=out)
+        print(json.dumps({"event": "start", "peer": me, "index": index}), file=out)
         beat = asyncio.ensure_future(heartbeat())
 
         r = 0
@@ -107,7 +135,9 @@ async def run(args: argparse.Namespace) -> None:
             await announce("alive")
             live = sorted(others) if me in others else sorted([*others, me])
             started = time.perf_counter()
-            record = {"event": "round", "round": r + 1, "peer": me, "index": args.index}
+            record = {"event": "round", "round": r + 1, "peer": me, "index": index}
+            if args.arrival_jitter_s:  # arrive spread out, as after rounds of different lengths on a loaded box
+                await asyncio.sleep(random.Random(f"{index}:{r}").uniform(0.0, args.arrival_jitter_s))
             if faults is not None:
                 faults.round = r + 1
                 faults.at_phase("matchmaking")
@@ -135,7 +165,7 @@ async def run(args: argparse.Namespace) -> None:
             if args.round_interval_s:
                 await asyncio.sleep(args.round_interval_s)
 
-        torch.save(state["x"], f"{args.out}.final.pt")
+        torch.save(state["x"], f"{path}.final.pt")
         beat.cancel()
         await announce("done")
         if args.topology == "gossip":
@@ -144,7 +174,7 @@ async def run(args: argparse.Namespace) -> None:
                 if all(v.get("state") == "done" for v in (await members()).values()):
                     break
                 await asyncio.sleep(0.5)
-            torch.save(state["x"], f"{args.out}.final.pt")
+            torch.save(state["x"], f"{path}.final.pt")
         print(json.dumps({"event": "done", "peer": me, "served": gossip.served}), file=out)
     finally:
         out.close()
@@ -174,7 +204,11 @@ def main() -> None:
     p.add_argument("--index", type=int, required=True, help="this peer's number (seeds its vector)")
     p.add_argument("--expect", type=int, required=True, help="peers to wait for before round 1")
     p.add_argument("--topology", choices=("allreduce", "moshpit", "gossip"), required=True)
-    p.add_argument("--out", required=True, help="JSON-lines output file")
+    p.add_argument("--out", required=True, help="JSON-lines output file; with --peers > 1 it must contain {index}")
+    p.add_argument("--peers", type=int, default=1,
+                   help="peers hosted by this process (indices --index ...), each with its own p2pd and an in-process "
+                        "DHT node (light peers)")
+    p.add_argument("--light", action="store_true", help="a light peer even when --peers is 1")
     p.add_argument("--initial-peers", nargs="*", default=[])
     p.add_argument("--run-id", default="avg")
     p.add_argument("--rounds", type=int, default=4)
@@ -185,13 +219,23 @@ def main() -> None:
     p.add_argument("--partners", type=int, default=2, help="gossip partners per round k")
     p.add_argument("--timeout-s", type=float, default=10.0)
     p.add_argument("--matchmaking-timeout-s", type=float, default=10.0)
+    p.add_argument("--max-wait-s", type=float, default=None,
+                   help="longest a peer matchmakes while its group keeps growing (default 3 x --matchmaking-timeout-s)")
     p.add_argument("--member-ttl-s", type=float, default=8.0)
     p.add_argument("--start-timeout-s", type=float, default=60.0)
     p.add_argument("--round-interval-s", type=float, default=0.0, help="pause between rounds")
+    p.add_argument("--arrival-jitter-s", type=float, default=0.0,
+                   help="before each round, wait a random 0..this many seconds (seeded by index and round)")
     p.add_argument("--linger-s", type=float, default=30.0)
     p.add_argument("--attempts", type=int, default=1,
                    help="all-reduce attempts per round; a failed one is retried among the survivors (worker: 2)")
     args = p.parse_args()
+    if args.max_wait_s is not None and args.max_wait_s < args.matchmaking_timeout_s:
+        p.error("--max-wait-s must be >= --matchmaking-timeout-s")
+    if args.peers < 1:
+        p.error(f"--peers must be >= 1, got {args.peers}")
+    if args.peers > 1 and "{index}" not in args.out:
+        p.error("--out must contain {index} when --peers > 1 (one output file per peer)")
     torch.set_num_threads(1)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter())

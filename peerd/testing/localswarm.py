@@ -1,4 +1,5 @@
-"""A swarm of real peers on one machine: each peer its own ``peerd`` process on 127.0.0.1.
+"""A swarm of real peers on one machine: each peer its own ``peerd`` process on 127.0.0.1 (or, for averaging-only
+peers, many light peers per process: :meth:`Swarm.start_light_peers`).
 
 Used by the integration tests, the local demo and the benchmarks: start a bootstrap node and workers, read their
 JSON log events, stop them, and always clean up whole process trees (a worker's DHT child and p2pd included).
@@ -118,6 +119,21 @@ class Swarm:
         peer = Peer(name, proc, log)
         self.peers.append(peer)
         return peer
+
+    def start_light_peers(self, n: int, out_template: str, *flags: str, per_process: int = 8) -> list[Peer]:
+        """Start ``n`` averaging peers (``peerd.testing.avgpeer``) as light peers, ``per_process`` to a process (each
+        peer its own p2pd and in-process DHT node), bootstrapped from this swarm's bootstrap node. ``out_template``
+        contains ``{index}``; ``flags`` are passed on (``--topology``, ``--rounds``...). Returns the processes."""
+        if "{index}" not in out_template:
+            raise ValueError("out_template must contain {index}")
+        procs = []
+        for first in range(0, n, per_process):
+            argv = [sys.executable, "-m", "peerd.testing.avgpeer", "--index", str(first),
+                    "--peers", str(min(per_process, n - first)), "--expect", str(n), "--out", out_template, *flags]
+            if self.bootstrap_maddr:
+                argv += ["--initial-peers", self.bootstrap_maddr]
+            procs.append(self.start_process(f"light{first}", argv))
+        return procs
 
     def wait_for(self, condition: Callable[[], bool], timeout_s: float, what: str) -> None:
         deadline = time.time() + timeout_s

@@ -1,0 +1,124 @@
+"""A light peer transport: hivemind's DHT node in *this* process's event loop, on its own p2pd.
+
+:class:`peerd.transport.hivemind_backend.HivemindTransport` runs each peer's DHT node in a child Python process
+(hivemind's ``DHT``), so a peer costs two Python interpreters plus p2pd. Here the :class:`hivemind.dht.DHTNode` is
+created in the caller's event loop on a :class:`hivemind.p2p.P2P` this process starts, so one process can host
+many peers: per peer only a p2pd (a small Go daemon, one PeerID and one listening socket each) and the Python
+objects of its DHT node and averaging services remain. Peers of one process still talk to each other, and to
+peers elsewhere, only over their p2pd sockets (loopback or network), exactly like separate processes.
+
+Used by the standalone averaging peer (``peerd.testing.avgpeer --peers K``) to run tens of peers on one box. The
+DiLoCo worker keeps :class:`HivemindTransport`: a volunteer runs one peer, and the DHT child process keeps DHT
+maintenance off the training loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from hivemind.dht.node import DHTNode
+from hivemind.p2p import P2P, PeerID
+from multiaddr import Multiaddr
+from hivemind.utils import get_dht_time
+
+from peerd.transport.hivemind_backend import HivemindStreams
+from protocols.interfaces import Record
+
+logger = logging.getLogger(__name__)
+
+
+class LightDiscovery:
+    """:class:`protocols.interfaces.Discovery` on an in-loop :class:`DHTNode`."""
+
+    def __init__(self, node: DHTNode):
+        self.node = node
+
+    def time(self) -> float:
+        return get_dht_time()
+
+    async def store(self, key: str, subkey: str, value: Any, expiration_time: float) -> bool:
+        return bool(await self.node.store(key, value, expiration_time, subkey=subkey))
+
+    async def get(self, key: str) -> dict[str, Record]:
+        found = await self.node.get(key, latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return {}
+        now = self.time()
+        return {
+            str(subkey): Record(item.value, item.expiration_time)
+            for subkey, item in found.value.items()
+            if item.expiration_time > now
+        }
+
+
+@dataclass
+class LightTransport:
+    """Discovery and streams of one peer whose DHT node lives in this process. Create with :meth:`create`,
+    release with :meth:`shutdown`."""
+
+    node: DHTNode
+    p2p: P2P
+    discovery: LightDiscovery
+    streams: HivemindStreams
+
+    @classmethod
+    async def create(
+        cls,
+        *,
+        initial_peers: Sequence[str] = (),
+        host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",),
+        nat_port_map: bool = False,
+        startup_timeout_s: float = 30.0,
+        num_workers: int = 4,
+    ) -> "LightTransport":
+        """Start a p2pd for this peer and a DHT node on it, in the running event loop.
+
+        ``num_workers`` bounds the node's concurrent DHT requests (hivemind's default of 4 per query keeps a
+        process with many peers from flooding its own loop). Raises ConnectionError if the daemon does not start
+        or none of ``initial_peers`` can be reached.
+        """
+        try:
+            p2p = await P2P.create(
+                initial_peers=list(initial_peers), host_maddrs=list(host_maddrs), nat_port_map=nat_port_map,
+                use_relay=False, use_auto_relay=False, use_ipfs=False, startup_timeout=startup_timeout_s,
+            )
+        except Exception as e:
+            raise ConnectionError(f"could not start p2pd: {e}") from e
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + startup_timeout_s
+        try:
+            node = await DHTNode.create(p2p=p2p, initial_peers=list(initial_peers), num_workers=num_workers,
+                                        ensure_bootstrap_success=False)
+            # a loaded box answers the bootstrap ping late, not never: ping again within the start-up budget
+            bootstrap = [PeerID.from_base58(Multiaddr(m)["p2p"]) for m in initial_peers]
+            while bootstrap and not node.protocol.routing_table.uid_to_peer_id:
+                if loop.time() >= deadline:
+                    raise TimeoutError(f"none of the initial peers answered within {startup_timeout_s:g} s")
+                await asyncio.gather(*(node.protocol.call_ping(peer) for peer in bootstrap))
+                if node.protocol.routing_table.uid_to_peer_id:
+                    await node.find_nearest_nodes([node.node_id])
+                else:
+                    await asyncio.sleep(0.5)
+        except Exception as e:
+            with contextlib.suppress(Exception):
+                await p2p.shutdown()
+            raise ConnectionError(f"could not start the DHT node: {e}") from e
+        return cls(node, p2p, LightDiscovery(node), HivemindStreams(p2p))
+
+    @property
+    def peer_id(self) -> str:
+        return self.streams.peer_id
+
+    async def visible_maddrs(self) -> list[str]:
+        """Full multiaddrs (with ``/p2p/<PeerID>``) other peers can use as ``--initial-peers``."""
+        return [str(m) for m in await self.p2p.get_visible_maddrs()]
+
+    async def shutdown(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.node.shutdown()
+        with contextlib.suppress(Exception):
+            await self.p2p.shutdown()
