@@ -450,8 +450,7 @@ class DiLoCoRole:
         refused us is finishing that round right now, and its state after the round is the one worth adopting."""
         loop = asyncio.get_running_loop()
         averaging = self.run_cfg.averaging
-        deadline = (loop.time() + averaging.matchmaking().matchmaking_timeout_s
-                    + averaging.allreduce().reducer_timeout_s)
+        deadline = loop.time() + averaging.matchmaking().max_wait + averaging.allreduce().reducer_timeout_s
         while loop.time() < deadline and not self.ctx.stop.is_set():
             status = (await self._live_peers()).get(peer)
             if status is None or status["outer_round"] >= outer_round:
