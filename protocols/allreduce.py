@@ -342,6 +342,8 @@ class _ReduceSession:
     answers: int = 0
     answered: asyncio.Event = field(default_factory=asyncio.Event)
     late_logged: bool = False
+    downloads: list = field(default_factory=list)
+    """``(bytes, seconds from our start)`` of every member's part that arrived whole."""
 
     def resolved(self, k: int) -> bool:
         """Every member delivered chunk ``k`` or was excluded."""
@@ -379,7 +381,9 @@ class ButterflyAllReduce(Service):
         self._session_ready: dict[str, asyncio.Event] = {}
         self.rates: Optional[dict[str, float]] = None
         """This peer's rates in bytes/s, ``{"up", "down"}``: set by the operator, or measured on every run from the
-        all-reduce's own transfers (a moving average; lower bounds: a run also waits for slower members)."""
+        all-reduce's own transfers (a moving average). A run's estimate is the sum over its concurrent streams of
+        each stream's bytes over that stream's own duration: a stream slowed by the other end's link counts at its
+        own pace, so the sum approaches this peer's link rate when it is the bottleneck."""
 
     @property
     def handler_name(self) -> str:
@@ -460,7 +464,7 @@ class ButterflyAllReduce(Service):
         self._session_ready.setdefault(group.group_id, asyncio.Event()).set()
         sealer = asyncio.ensure_future(self._seal_chunks(session))
         averaged = torch.empty_like(tensor)
-        uploaded: list[float] = []
+        uploaded: list[tuple[int, float]] = []
         try:
             calls = [
                 self._exchange(peer, group, tensor[offsets[i] : offsets[i] + sizes[i]], weight, start,
@@ -491,8 +495,7 @@ class ButterflyAllReduce(Service):
                                         for i, peer in enumerate(group.members)])
             await self._wait_answers_written(session)
             seconds = loop.time() - start
-            self._measure(sent, max(uploaded, default=loop.time()) - start, received + session.bytes_received,
-                          seconds)
+            self._measure(uploaded, session.downloads)
             logger.info("all-reduce of group %s (%s) done: %d members", group.group_id, group.key, len(group.members),
                         extra={"event": "allreduce", "group_id": group.group_id, "key": group.key,
                                "group_size": len(group.members), "cpu_s": time.process_time() - cpu_start})
@@ -520,11 +523,12 @@ class ButterflyAllReduce(Service):
                 self.config.reducer_timeout_s, self._forget, group.group_id
             )
 
-    def _measure(self, uploaded_bytes: int, upload_s: float, downloaded_bytes: int, seconds: float) -> None:
-        """Fold one run's transfers into :attr:`rates` (bytes/s)."""
-        if uploaded_bytes <= 0 or upload_s <= 0 or seconds <= 0:
+    def _measure(self, uploads: list[tuple[int, float]], downloads: list[tuple[int, float]]) -> None:
+        """Fold one run's streams, ``(bytes, seconds)`` each, into :attr:`rates` (bytes/s)."""
+        up = sum(b / t for b, t in uploads if t > 0)
+        down = sum(b / t for b, t in downloads if t > 0)
+        if up <= 0 or down <= 0:
             return
-        up, down = uploaded_bytes / upload_s, downloaded_bytes / seconds
         if self.rates is None:
             self.rates = {"up": up, "down": down}
         else:
@@ -583,19 +587,21 @@ class ButterflyAllReduce(Service):
         out: Optional[torch.Tensor] = None, uploaded: Optional[list] = None,
     ) -> tuple[torch.Tensor, int, int]:
         """Send our slice of ``peer``'s part, chunk by chunk, while its aggregate streams back into ``out`` (fp32,
-        the part's length; allocated if None). Returns ``(out, bytes sent, bytes received)``; appends the loop time
-        our last chunk was handed to the transport to ``uploaded``."""
+        the part's length; allocated if None). Returns ``(out, bytes sent, bytes received)``; appends ``(bytes, seconds
+        since start)`` to ``uploaded`` once our last chunk was handed to the transport."""
         loop = asyncio.get_running_loop()
         timeout = start + self.config.reducer_timeout_s - loop.time()
         header = {"group_id": group.group_id, "numel": part.numel(), "weight": weight, "codec": self.codec.name}
         bounds = chunk_bounds(part.numel(), self.config.chunk_numel)
         out = torch.empty(part.numel(), dtype=torch.float32) if out is None else out
 
+        sizes = [self.codec.encoded_size(b - a) for a, b in bounds]
+
         def frames():
             for a, b in bounds:
                 yield self._encode_part(part[a:b])
             if uploaded is not None:
-                uploaded.append(loop.time())
+                uploaded.append((sum(sizes), loop.time() - start))
 
         def on_frame(k: int, payload) -> None:
             a, b = bounds[k]
@@ -606,8 +612,7 @@ class ButterflyAllReduce(Service):
 
         try:
             _, sent, received = await call_framed(
-                self.transport.streams, peer, self.prefix, "reduce", header, frames(),
-                [self.codec.encoded_size(b - a) for a, b in bounds],
+                self.transport.streams, peer, self.prefix, "reduce", header, frames(), sizes,
                 [self.result_codec.encoded_size(b - a) for a, b in bounds], on_frame,
                 timeout_s=max(timeout, 0.0))
         except RpcTimeout:
@@ -702,6 +707,8 @@ class ButterflyAllReduce(Service):
             return f"chunk {k} of {len(sizes)}: {type(e).__name__}: {e}"
         finally:
             session.bytes_received += request.stream.bytes_received
+        started = session.deadline - self.config.sender_timeout_s
+        session.downloads.append((request.stream.bytes_received, asyncio.get_running_loop().time() - started))
         return None
 
     async def _answer(self, request: Request, session: _ReduceSession, reply_sizes: list[int]) -> None:

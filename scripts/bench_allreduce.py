@@ -180,7 +180,8 @@ async def worker_peerd(a: argparse.Namespace) -> None:
             x = make_tensor(a.rank, rep, a.numel)
             t_go = time.time()
             try:
-                group = await mm.form_group(f"{codec}-rep{rep}", {}, expected_size=a.world)
+                # the rates measured in earlier repetitions (the warm-up's included) size the parts
+                group = await mm.form_group(f"{codec}-rep{rep}", ar.announce(), expected_size=a.world)
                 cpu0 = cpu_tree()
                 t_start = time.time()
                 result = await ar.run(group, x, float(a.rank + 1))
