@@ -21,7 +21,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 
-async def _round(n: int, numel: int, codec: str, reps: int) -> list[float]:
+async def _round(n: int, numel: int, codec: str, reps: int, profiler=None) -> tuple[list[float], float]:
     import torch
 
     from peerd.transport.inprocess import Hub
@@ -38,13 +38,18 @@ async def _round(n: int, numel: int, codec: str, reps: int) -> list[float]:
         await ar.start()
         peers.append((mm, ar))
     xs = [torch.randn(numel, generator=torch.Generator().manual_seed(i)) for i in range(n)]
-    seconds = []
+    seconds, cpu = [], 0.0
     for rep in range(reps):
         groups = await asyncio.gather(*[mm.form_group(f"r{rep}", {}, expected_size=n) for mm, _ in peers])
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
+        if profiler is not None:
+            profiler.enable()
         await asyncio.gather(*[ar.run(g, x, 1.0) for (_, ar), g, x in zip(peers, groups, xs)])
+        if profiler is not None:
+            profiler.disable()
         seconds.append(time.perf_counter() - started)
-    return seconds
+        cpu += time.process_time() - cpu_started
+    return seconds, cpu
 
 
 def main(argv=None) -> int:
@@ -52,7 +57,7 @@ def main(argv=None) -> int:
     p.add_argument("--peers", type=int, default=4)
     p.add_argument("--mbytes", type=float, default=25.0, help="fp32 MB per peer")
     p.add_argument("--codec", default="none")
-    p.add_argument("--reps", type=int, default=2, help="all-reduces profiled (after one warm-up)")
+    p.add_argument("--reps", type=int, default=3, help="all-reduces profiled (after one warm-up)")
     p.add_argument("--top", type=int, default=15)
     a = p.parse_args(argv)
     import torch
@@ -61,14 +66,10 @@ def main(argv=None) -> int:
     numel = int(a.mbytes * 1e6 / 4)
     asyncio.run(_round(a.peers, numel, a.codec, 1))  # warm-up
     profiler = cProfile.Profile()
-    cpu = time.process_time()
-    profiler.enable()
-    seconds = asyncio.run(_round(a.peers, numel, a.codec, a.reps))
-    profiler.disable()
-    cpu = time.process_time() - cpu
+    seconds, cpu = asyncio.run(_round(a.peers, numel, a.codec, a.reps, profiler))
     print(f"{a.peers} peers x {a.mbytes:g} MB fp32, codec {a.codec}: all-reduce {min(seconds):.3f} s (best of "
-          f"{a.reps}), CPU {cpu:.2f} s for {a.reps} all-reduces + setup, {cpu / a.reps / (a.peers * a.mbytes):.4f} "
-          f"CPU s per MB averaged")
+          f"{a.reps}), CPU {cpu:.2f} s for {a.reps} all-reduces, {cpu / a.reps / (a.peers * a.mbytes):.4f} "
+          f"CPU s per MB averaged (profiled)")
     pstats.Stats(profiler).sort_stats("tottime").print_stats(a.top)
     return 0
 
