@@ -257,6 +257,8 @@ def encode_chunk(codec: Codec, chunk: torch.Tensor, checked: bool = False) -> Un
 
 #: Partition modes: ``equal`` parts, or ``bandwidth``-proportional ones where every member announced its rates.
 PARTITIONS = ("equal", "bandwidth")
+#: Announced rates that differ by less than this factor give equal parts (bandwidth partition only).
+RATE_SPREAD = 1.5
 #: Weight of the newest measurement in a member's announced rates (an exponential moving average).
 RATE_SMOOTHING = 0.5
 
@@ -413,8 +415,9 @@ class ButterflyAllReduce(Service):
 
     def part_sizes(self, group: Group, numel: int) -> list[int]:
         """Values each member reduces, in member order: bandwidth-proportional
-        (:func:`protocols.partition.proportional_sizes` of min(up, down)) if ``partition == "bandwidth"`` and every
-        member announced valid rates with a positive sum, else equal. Every member computes the same sizes."""
+        (:func:`protocols.partition.proportional_sizes` of min(up, down)) if ``partition == "bandwidth"``, every
+        member announced valid rates and the fastest is more than :data:`RATE_SPREAD` times the slowest, else equal.
+        Every member computes the same sizes."""
         if self.config.partition == "bandwidth" and len(group.members) > 1:
             rates = []
             for member in group.members:
@@ -426,7 +429,8 @@ class ButterflyAllReduce(Service):
                     break
                 rates.append(min(up, down))
             else:
-                if sum(rates) > 0:
+                # rates within RATE_SPREAD of each other are measurement noise: equal parts are as good, and stable
+                if sum(rates) > 0 and max(rates) > RATE_SPREAD * min(rates):
                     return proportional_sizes(numel, rates)
         return partition_sizes(numel, len(group.members))
 

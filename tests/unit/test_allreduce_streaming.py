@@ -353,3 +353,18 @@ def test_call_framed_pipelines_both_directions_and_checks_the_framing():
                               lambda k, p: None, timeout_s=5.0)
 
     asyncio.run(main())
+
+
+def test_rates_within_the_spread_give_equal_parts_and_missing_rates_too():
+    from protocols.matchmaking import Group
+
+    ar = ButterflyAllReduce(Hub().transport("a"), "run", _cfg())
+    members = ("a", "b", "c")
+    near = Group("g", "k", "a", members, {m: {"rates": {"up": r, "down": r}} for m, r in zip(members, (10, 12, 14))})
+    assert ar.part_sizes(near, 10) == [4, 3, 3]
+    partial = Group("g", "k", "a", members, {"a": {"rates": {"up": 100, "down": 100}}, "b": {}, "c": {}})
+    assert ar.part_sizes(partial, 10) == [4, 3, 3]
+    far = Group("g", "k", "a", members, {m: {"rates": {"up": r, "down": r}} for m, r in zip(members, (100, 100, 0))})
+    assert ar.part_sizes(far, 10) == [5, 5, 0]
+    equal = ButterflyAllReduce(Hub().transport("a"), "run", _cfg(partition="equal"))
+    assert equal.part_sizes(far, 10) == [4, 3, 3]
