@@ -547,8 +547,8 @@ class ButterflyAllReduce(Service):
             return
         if self.rates is None:
             self.rates = {"up": up, "down": down}
-        else:
-            self.rates = {key: (1 - RATE_SMOOTHING) * self.rates[key] + RATE_SMOOTHING * new
+        else:  # a run's estimate is a lower bound of the link: take a higher one at once, a lower one gradually
+            self.rates = {key: max(new, (1 - RATE_SMOOTHING) * self.rates[key] + RATE_SMOOTHING * new)
                           for key, new in (("up", up), ("down", down))}
 
     async def _wait_answers_written(self, session: _ReduceSession, grace_s: float = 2.0) -> None:

@@ -368,3 +368,13 @@ def test_rates_within_the_spread_give_equal_parts_and_missing_rates_too():
     assert ar.part_sizes(far, 10) == [5, 5, 0]
     equal = ButterflyAllReduce(Hub().transport("a"), "run", _cfg(partition="equal"))
     assert equal.part_sizes(far, 10) == [4, 3, 3]
+
+
+def test_measured_rates_rise_at_once_and_fall_gradually():
+    ar = ButterflyAllReduce(Hub().transport("a"), "run", _cfg())
+    ar._measure([(100, 1.0)], [(50, 1.0)])
+    assert ar.rates == {"up": 100.0, "down": 50.0}
+    ar._measure([(300, 1.0)], [(10, 1.0)])  # a faster run: the link is at least that fast
+    assert ar.rates["up"] == 300.0 and 10.0 < ar.rates["down"] < 50.0
+    ar._measure([], [])  # nothing measured: unchanged
+    assert ar.rates["up"] == 300.0
