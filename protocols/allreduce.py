@@ -43,7 +43,9 @@ from protocols.codecs import Codec, all_finite, get_codec
 from protocols.interfaces import StreamReader, StreamWriter, Transport
 from protocols.matchmaking import Group
 from protocols.robust import AGGREGATIONS, centered_clip
-from protocols.partition import CHUNK_ALIGN, CHUNK_NUMEL, chunk_bounds, partition_sizes, proportional_sizes, valid_rate
+from protocols.partition import (
+    CHUNK_ALIGN, CHUNK_NUMEL, chunk_bounds, partition_sizes, proportional_sizes, valid_rate,
+)
 from protocols.rpc import Refused, Request, RpcError, RpcTimeout, Service, call_framed
 from protocols.wire import ProtocolViolation, require
 
