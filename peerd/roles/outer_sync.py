@@ -171,9 +171,8 @@ class AllReduceSync(OuterSync):
         for attempt in range(1, MAX_ROUND_ATTEMPTS + 1):
             key = f"round{r}" if attempt == 1 else f"round{r}.attempt{attempt}"
             try:
-                # measured rates in the info let the all-reduce size parts by bandwidth
-                info = {"digest": outer.digest(), **self.allreduce.announce()}
-                group = await unless_stopped(self.ctx, self.matchmaker.form_group(key, info, expected_size=expected))
+                group = await unless_stopped(
+                    self.ctx, self.matchmaker.form_group(key, {"digest": outer.digest()}, expected_size=expected))
                 if group is None:
                     return None
                 result = await bounded_on_stop(self.ctx, self.allreduce.run(group, pseudo_gradient, weight))
