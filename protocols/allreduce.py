@@ -31,8 +31,11 @@ import contextlib
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+import time
+import warnings
+from typing import Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 from protocols.bans import BanList
@@ -40,7 +43,10 @@ from protocols.codecs import Codec, all_finite, get_codec
 from protocols.interfaces import StreamReader, StreamWriter, Transport
 from protocols.matchmaking import Group
 from protocols.robust import AGGREGATIONS, centered_clip
-from protocols.rpc import Refused, Request, RpcError, RpcTimeout, Service, call
+from protocols.partition import (
+    CHUNK_ALIGN, CHUNK_NUMEL, chunk_bounds, partition_sizes, proportional_sizes, valid_rate,
+)
+from protocols.rpc import Refused, Request, RpcError, RpcTimeout, Service, call_framed
 from protocols.wire import ProtocolViolation, require
 
 logger = logging.getLogger(__name__)
@@ -50,14 +56,6 @@ MAX_WEIGHT = 1e12
 
 
 # ---------------------------------------------------------------------------------------------------------- pure core
-
-
-def partition_sizes(numel: int, n_parts: int) -> list[int]:
-    """Split ``numel`` elements into ``n_parts`` contiguous parts whose sizes differ by at most one."""
-    if n_parts < 1 or numel < 0:
-        raise ValueError(f"need n_parts >= 1 and numel >= 0, got {n_parts}, {numel}")
-    base, extra = divmod(numel, n_parts)
-    return [base + (1 if i < extra else 0) for i in range(n_parts)]
 
 
 def validate_weight(weight: float) -> float:
@@ -116,7 +114,155 @@ class PartReducer:
         return self._sum / self.total_weight
 
 
+class ChunkedPartReducer:
+    """Aggregates one part (numel,) from several senders chunk by chunk, in fp32 (see :class:`PartReducer`).
+
+    ``bounds`` are the chunks' ``(start, stop)`` (:func:`protocols.partition.chunk_bounds`). A sender adds its chunks
+    in order; chunk k's aggregate is available as soon as the caller decides chunk k is complete. With ``mean`` the
+    aggregate of chunk k is the weighted mean over the senders that delivered chunk k (validation and exclusion are
+    per chunk: a sender whose chunk k is invalid is left out of chunk k and every later one). ``centered_clip``
+    clips whole parts (the robust center needs every coordinate): its aggregate uses the senders that delivered every
+    chunk and is available once all chunks are complete.
+    """
+
+    def __init__(self, numel: int, bounds: Sequence[tuple[int, int]], aggregation: str = "mean",
+                 clip_tau: float = 1.0, clip_iterations: int = 20):
+        if aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+        self.numel = numel
+        self.bounds = list(bounds)
+        self.aggregation = aggregation
+        self.clip_tau = clip_tau
+        self.clip_iterations = clip_iterations
+        self._sum = torch.zeros(numel if aggregation == "mean" else 0, dtype=torch.float32)
+        self._chunk_weight = [0.0] * len(self.bounds)
+        self._parts: dict[str, torch.Tensor] = {}  # centered_clip: every sender's whole part
+        self._weights: dict[str, float] = {}
+        self.delivered: dict[str, int] = {}
+        """Chunks each sender delivered (in order)."""
+        self._clipped: Optional[torch.Tensor] = None
+
+    @property
+    def contributors(self) -> list[str]:
+        """Senders that delivered every chunk, in arrival order of their first chunk."""
+        return [s for s, n in self.delivered.items() if n == len(self.bounds)]
+
+    @property
+    def total_weight(self) -> float:
+        return sum(self._weights[s] for s in self.contributors)
+
+    def add(self, sender: str, k: int, chunk: torch.Tensor, weight: float, finite_checked: bool = False) -> None:
+        """Add ``sender``'s chunk ``k`` (fp32, the chunk's length) with ``weight``. Raises ValueError (and changes
+        nothing) on a wrong shape or dtype, a non-finite value (unless ``finite_checked``), a bad weight, a weight
+        that differs from the sender's earlier chunks, or a chunk out of order."""
+        weight = validate_weight(weight)
+        start, stop = self.bounds[k]
+        if chunk.dtype not in (torch.float32, torch.float16) or chunk.shape != (stop - start,):
+            raise ValueError(f"chunk must be float32 or float16 ({stop - start},), got {chunk.dtype} "
+                             f"{tuple(chunk.shape)}")
+        if self.delivered.get(sender, 0) != k:
+            raise ValueError(f"{sender} sent chunk {k} after {self.delivered.get(sender, 0)} chunks")
+        if self._weights.setdefault(sender, weight) != weight:
+            raise ValueError(f"{sender} changed its weight mid-part")
+        if not finite_checked and not finite(chunk):
+            raise ValueError("chunk has non-finite values")
+        if self.aggregation == "mean":
+            self._sum[start:stop].add_(chunk, alpha=weight)  # fp16 is widened exactly inside the add
+            self._chunk_weight[k] += weight
+        else:
+            part = self._parts.get(sender)
+            if part is None:
+                part = self._parts[sender] = torch.empty(self.numel, dtype=torch.float32)
+            part[start:stop] = chunk
+        self.delivered[sender] = k + 1
+
+    def chunk_aggregate(self, k: int) -> torch.Tensor:
+        """Chunk ``k``'s aggregate (its length,), fp32: the weighted mean of the senders that delivered it, or its
+        slice of the CenteredClip of the complete parts; zeros if their total weight is zero."""
+        start, stop = self.bounds[k]
+        if self.aggregation == "mean":
+            weight = self._chunk_weight[k]
+            if weight <= 0:
+                return torch.zeros(stop - start, dtype=torch.float32)
+            return self._sum[start:stop] / weight
+        if self._clipped is None:
+            complete = [s for s in self.contributors if self._weights[s] > 0]
+            if not complete:
+                self._clipped = torch.zeros(self.numel, dtype=torch.float32)
+            else:
+                self._clipped = centered_clip([self._parts[s] for s in complete], [self._weights[s] for s in complete],
+                                              self.clip_tau, self.clip_iterations)
+        return self._clipped[start:stop]
+
+
+# ---------------------------------------------------------------------------------------------------- fast paths
+
+
+def finite(x: torch.Tensor) -> bool:
+    """True if every value of the CPU float tensor ``x`` is finite: one fp32 sum (a finite sum proves every term
+    finite), then a value-by-value check only if the sum is not. Per chunk this is much cheaper than
+    :func:`protocols.codecs.all_finite`, whose numpy error-state guard costs ~0.1-0.5 ms a call."""
+    if x.numel() == 0:
+        return True
+    return math.isfinite(float(torch.sum(x, dtype=torch.float32))) or bool(torch.isfinite(x).all())
+
+
+def _readonly_view(buf: Union[bytes, bytearray, memoryview], dtype: str) -> torch.Tensor:
+    """A tensor over ``buf``'s memory, no copy; never written (torch warns about read-only buffers, harmlessly)."""
+    array = np.frombuffer(buf, dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(array)
+
+
+_RAW_DTYPES = {"none": "<f4", "fp16": "<f2"}
+
+
+def decode_chunk(codec: Codec, buf: Union[bytes, bytearray, memoryview], numel: int) -> torch.Tensor:
+    """Decode ``numel`` values of an untrusted chunk, checked finite; for codecs ``none`` and ``fp16`` a read-only
+    view of ``buf`` (fp32 or fp16: no copy, no conversion pass; fp16 -> fp32 is exact wherever it is added), else
+    fp32. Raises ValueError on a wrong size or non-finite values."""
+    raw = _RAW_DTYPES.get(codec.name)
+    if raw is None:
+        return codec.decode(buf, numel)
+    if len(memoryview(buf).cast("B")) != codec.encoded_size(numel):
+        raise ValueError(f"{codec.name}: expected {codec.encoded_size(numel)} bytes for {numel} values, got {len(buf)}")
+    values = _readonly_view(buf, raw)
+    if not finite(values):
+        raise ValueError(f"{codec.name}: decoded values are not all finite")
+    return values
+
+
+def decode_chunk_into(codec: Codec, buf: Union[bytes, bytearray, memoryview], out: torch.Tensor) -> None:
+    """Decode an untrusted chunk straight into ``out`` (fp32, its length); ValueError as :func:`decode_chunk`."""
+    raw = _RAW_DTYPES.get(codec.name)
+    if raw is None:
+        out.copy_(codec.decode(buf, out.numel()))
+        return
+    if len(memoryview(buf).cast("B")) != codec.encoded_size(out.numel()):
+        raise ValueError(f"{codec.name}: expected {codec.encoded_size(out.numel())} bytes, got {len(buf)}")
+    out.copy_(_readonly_view(buf, raw))
+    if not finite(out):
+        raise ValueError(f"{codec.name}: decoded values are not all finite")
+
+
+def encode_chunk(codec: Codec, chunk: torch.Tensor, checked: bool = False) -> Union[bytes, memoryview]:
+    """Encode a fp32 chunk; for codec ``none`` a view of its memory (no copy: keep it unmodified until sent).
+    ``checked``: the caller already checked every value finite (e.g. once for the whole vector), so the codec's
+    own per-call check is skipped. Raises ValueError on non-finite values otherwise."""
+    if checked:
+        return codec._encode_flat(chunk.contiguous())
+    return codec.encode_tensor(chunk)[1]
+
+
 # ------------------------------------------------------------------------------------------------------------ runner
+
+#: Partition modes: ``equal`` parts, or ``bandwidth``-proportional ones where every member announced its rates.
+PARTITIONS = ("equal", "bandwidth")
+#: Announced rates that differ by less than this factor give equal parts (bandwidth partition only).
+RATE_SPREAD = 1.5
+#: Weight of the newest measurement in a member's announced rates (an exponential moving average).
+RATE_SMOOTHING = 0.5
 
 
 @dataclass(frozen=True)
@@ -135,6 +281,11 @@ class AllReduceConfig:
     """CenteredClip radius, in the units of the averaged values (per part: each reducer clips its own part)."""
     result_compression: str = "auto"
     """Dense codec of the reducers' answers; auto: ``compression`` if it is dense, else fp16."""
+    chunk_numel: int = CHUNK_NUMEL
+    """Values per chunk of a part on the wire (a multiple of 4096); every member of a run must use the same."""
+    partition: str = "bandwidth"
+    """equal | bandwidth: bandwidth-proportional parts when every member announced ``rates`` in its group info
+    (:meth:`ButterflyAllReduce.announce`), else equal parts."""
 
     def __post_init__(self) -> None:
         get_codec(self.compression)
@@ -151,10 +302,19 @@ class AllReduceConfig:
                 f"reducer_timeout_s ({self.reducer_timeout_s}) must exceed sender_timeout_s ({self.sender_timeout_s}):"
                 " a reducer may legitimately wait sender_timeout_s for a slow sender before it answers"
             )
+        if (isinstance(self.chunk_numel, bool) or not isinstance(self.chunk_numel, int) or self.chunk_numel < 1
+                or self.chunk_numel % CHUNK_ALIGN):
+            raise ValueError(f"chunk_numel must be a positive multiple of {CHUNK_ALIGN}, got {self.chunk_numel!r}")
+        if self.partition not in PARTITIONS:
+            raise ValueError(f"partition must be one of {PARTITIONS}, got {self.partition!r}")
 
 
 class AllReduceFailed(Exception):
     """This peer did not obtain every part's mean; it must not use the result."""
+
+
+class _InvalidMean(Exception):
+    """A reducer answered with bytes that do not decode to finite values of the right size."""
 
 
 @dataclass
@@ -167,38 +327,59 @@ class AllReduceResult:
     bytes_received: int
     seconds: float
     contributors: int
-    """How many members contributed to this peer's own part (its reducer view)."""
+    """How many members contributed every chunk of this peer's own part (its reducer view)."""
     excluded: dict[str, str] = field(default_factory=dict)
     """Members whose part this peer refused as reducer, with the reason."""
     sent: Optional[torch.Tensor] = None
     """(P,) fp32: what this member's contribution decoded to at the reducers; set for sparse codecs only (for
     :class:`protocols.codecs.ErrorFeedback`)."""
+    part_sizes: tuple[int, ...] = ()
+    """Values each member reduced, in member order (equal or bandwidth-proportional)."""
 
 
 @dataclass
 class _ReduceSession:
     group: Group
     part_numel: int
+    bounds: list[tuple[int, int]]
     codec: Codec
-    reducer: PartReducer
+    reducer: ChunkedPartReducer
     deadline: float
-    arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set on every chunk arrival and exclusion (the sealer clears it before it waits)."""
+    sealed: list = field(default_factory=list)
+    """The encoded aggregate of each sealed chunk, in order: the same bytes go to every member."""
+    sealed_event: asyncio.Event = field(default_factory=asyncio.Event)
+    """Replaced by a fresh event and set on every seal."""
     finished: asyncio.Event = field(default_factory=asyncio.Event)
-    result_bytes: Optional[bytes] = None
     excluded: dict[str, str] = field(default_factory=dict)
     bytes_sent: int = 0
     bytes_received: int = 0
     answers: int = 0
     answered: asyncio.Event = field(default_factory=asyncio.Event)
+    late_logged: bool = False
+    downloads: list = field(default_factory=list)
+    """``(bytes, seconds from our start)`` of every member's part that arrived whole."""
+
+    def resolved(self, k: int) -> bool:
+        """Every member delivered chunk ``k`` or was excluded."""
+        delivered = self.reducer.delivered
+        return all(m in self.excluded or delivered.get(m, 0) > k for m in self.group.members)
 
 
 class ButterflyAllReduce(Service):
     """Runs butterfly all-reduces for groups formed by :class:`protocols.matchmaking.Matchmaker`.
 
     An RPC service (:mod:`protocols.rpc`) named ``prefix`` with one method, ``reduce`` (stream handler
-    ``<prefix>.reduce``): a member's request carries its slice of our part (header ``group_id``, ``numel``,
-    ``weight``, ``codec``), the reply carries the encoded mean of the part. Call :meth:`start` once, then :meth:`run`
-    once per group.
+    ``<prefix>.reduce``). A member's request is one message carrying its slice of our part (header ``group_id``,
+    ``numel``, ``weight``, ``codec``), framed in chunks of ``chunk_numel`` values, each chunk encoded on its own;
+    the reply is one message carrying the encoded aggregate, framed the same way. Both travel at once
+    (:func:`protocols.rpc.call_framed`): the reducer answers chunk k as soon as every member's chunk k is in (or the
+    member was excluded), while later chunks are still arriving, so the two phases of the butterfly overlap. A part
+    of one chunk is byte for byte the message of the unchunked protocol.
+
+    Call :meth:`start` once, then :meth:`run` once per group. :meth:`announce` gives the rates to put into the group
+    info for bandwidth-proportional parts.
     """
 
     def __init__(self, transport: Transport, prefix: str, config: AllReduceConfig, bans: Optional[BanList] = None):
@@ -214,6 +395,11 @@ class ButterflyAllReduce(Service):
         self.result_codec = get_codec(result)
         self._sessions: dict[str, _ReduceSession] = {}
         self._session_ready: dict[str, asyncio.Event] = {}
+        self.rates: Optional[dict[str, float]] = None
+        """This peer's rates in bytes/s, ``{"up", "down"}``: set by the operator, or measured on every run from the
+        all-reduce's own transfers (a moving average). A run's estimate is the sum over its concurrent streams of
+        each stream's bytes over that stream's own duration: a stream slowed by the other end's link counts at its
+        own pace, so the sum approaches this peer's link rate when it is the bottleneck."""
 
     @property
     def handler_name(self) -> str:
@@ -224,6 +410,38 @@ class ButterflyAllReduce(Service):
 
     async def _handle_part(self, peer: str, reader: StreamReader, writer: StreamWriter) -> None:
         await self.serve("reduce", peer, reader, writer)
+
+    def announce(self) -> dict:
+        """Group-info entries for the matchmaking: ``{"rates": {"up", "down"}}`` once known, else ``{}``."""
+        return {"rates": dict(self.rates)} if self.rates else {}
+
+    def part_sizes(self, group: Group, numel: int) -> list[int]:
+        """Values each member reduces, in member order: bandwidth-proportional
+        (:func:`protocols.partition.proportional_sizes` of min(up, down)) if ``partition == "bandwidth"``, every
+        member announced valid rates and the fastest is more than :data:`RATE_SPREAD` times the slowest, else equal.
+        Every member computes the same sizes."""
+        if self.config.partition == "bandwidth" and len(group.members) > 1:
+            rates = []
+            for member in group.members:
+                info = group.infos.get(member) if isinstance(group.infos, dict) else None
+                announced = info.get("rates") if isinstance(info, dict) else None
+                up = valid_rate(announced.get("up")) if isinstance(announced, dict) else None
+                down = valid_rate(announced.get("down")) if isinstance(announced, dict) else None
+                if up is None or down is None:
+                    break
+                rates.append(min(up, down))
+            else:
+                # rates within RATE_SPREAD of each other are measurement noise: equal parts are as good, and stable
+                if sum(rates) > 0 and max(rates) > RATE_SPREAD * min(rates):
+                    return proportional_sizes(numel, rates)
+        return partition_sizes(numel, len(group.members))
+
+    def _round_trip(self, part: torch.Tensor) -> torch.Tensor:
+        """What ``part`` decodes to at its reducer (fp32, its length). Chunks are multiples of every codec's block,
+        so the whole part round-trips to the same values as its chunks do, in one call."""
+        if self.codec.name == "none":
+            return part
+        return self.codec.decode(encode_chunk(self.codec, part, checked=True), part.numel())
 
     async def run(self, group: Group, tensor: torch.Tensor, weight: float) -> AllReduceResult:
         """Average ``tensor`` (P,) fp32 with the group, weighted by ``weight`` (e.g. samples processed).
@@ -239,72 +457,101 @@ class ButterflyAllReduce(Service):
             raise ValueError("this peer is not a member of the group")
         loop = asyncio.get_running_loop()
         start = loop.time()
-        sizes = partition_sizes(tensor.numel(), len(group.members))
+        cpu_start = time.process_time()
+        sizes = self.part_sizes(group, tensor.numel())
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
         my_index = group.members.index(me)
         tensor = tensor.detach().cpu().contiguous()
 
+        bounds = chunk_bounds(sizes[my_index], self.config.chunk_numel)
         session = _ReduceSession(
-            group, sizes[my_index], self.codec,
-            PartReducer(sizes[my_index], self.config.aggregation, self.config.clip_tau),
+            group, sizes[my_index], bounds, self.codec,
+            ChunkedPartReducer(sizes[my_index], bounds, self.config.aggregation, self.config.clip_tau),
             start + self.config.sender_timeout_s,
         )
         for member in group.members:  # do not wait for parts we would refuse anyway
             if member != me and self.bans.is_banned(member):
                 session.excluded[member] = f"banned: {self.bans.reason(member)}"
+        if not finite(tensor):  # once for the whole vector: chunks are then encoded without their own check
+            raise ValueError("cannot encode non-finite values")
+        own = tensor[offsets[my_index] : offsets[my_index] + sizes[my_index]]
+        own_sent = self._round_trip(own)
+        for k, (a, b) in enumerate(bounds):
+            session.reducer.add(me, k, own_sent[a:b], weight, finite_checked=True)
         self._sessions[group.group_id] = session
         self._session_ready.setdefault(group.group_id, asyncio.Event()).set()
-        own = tensor[offsets[my_index] : offsets[my_index] + sizes[my_index]]
-        own_sent = self.codec.decode(self.codec.encode(own), own.numel())
-        session.reducer.add(me, own_sent, weight)
-        finisher = asyncio.ensure_future(self._finish_when_complete(session))
+        sealer = asyncio.ensure_future(self._seal_chunks(session))
         averaged = torch.empty_like(tensor)
+        uploaded: list[tuple[int, float]] = []
         try:
             calls = [
-                self._exchange(peer, group, tensor[offsets[i] : offsets[i] + sizes[i]], weight, start)
+                self._exchange(peer, group, tensor[offsets[i] : offsets[i] + sizes[i]], weight, start,
+                               averaged[offsets[i] : offsets[i] + sizes[i]], uploaded)
                 for i, peer in enumerate(group.members)
                 if peer != me
             ]
-            results = await asyncio.gather(finisher, *calls, return_exceptions=True)
+            results = await asyncio.gather(sealer, *calls, return_exceptions=True)
             failures = [r for r in results if isinstance(r, BaseException)]
             if failures:
                 raise AllReduceFailed(f"{len(failures)} part(s) missing: {failures[0]!r}") from failures[0]
             sent = received = 0
             others = iter(results[1:])
             for i, peer in enumerate(group.members):
+                target = averaged[offsets[i] : offsets[i] + sizes[i]]
                 if peer == me:
-                    part = self.result_codec.decode(session.result_bytes, sizes[i])
-                else:
-                    part, b_sent, b_received = next(others)
-                    sent, received = sent + b_sent, received + b_received
-                averaged[offsets[i] : offsets[i] + sizes[i]] = part
+                    for k, (a, b) in enumerate(bounds):
+                        decode_chunk_into(self.result_codec, session.sealed[k], target[a:b])
+                    continue
+                part, b_sent, b_received = next(others)
+                sent, received = sent + b_sent, received + b_received
+                if part.numel() and part.data_ptr() != target.data_ptr():  # an override decoded elsewhere
+                    target.copy_(part)
             sent_parts = None
             if self.codec.sparse:
-                sent_parts = torch.cat([own_sent if peer == me else self.codec.decode(
-                    self.codec.encode(tensor[offsets[i] : offsets[i] + sizes[i]]), sizes[i])
-                    for i, peer in enumerate(group.members)])
+                sent_parts = torch.cat([own_sent if peer == me else
+                                        self._round_trip(tensor[offsets[i] : offsets[i] + sizes[i]])
+                                        for i, peer in enumerate(group.members)])
             await self._wait_answers_written(session)
+            seconds = loop.time() - start
+            self._measure(uploaded, session.downloads)
             logger.info("all-reduce of group %s (%s) done: %d members", group.group_id, group.key, len(group.members),
                         extra={"event": "allreduce", "group_id": group.group_id, "key": group.key,
-                               "group_size": len(group.members)})
+                               "group_size": len(group.members), "cpu_s": time.process_time() - cpu_start})
             return AllReduceResult(
                 averaged,
                 len(group.members),
                 sent + session.bytes_sent,
                 received + session.bytes_received,
-                loop.time() - start,
+                seconds,
                 len(session.reducer.contributors),
                 dict(session.excluded),
                 sent_parts,
+                tuple(sizes),
             )
         finally:
-            finisher.cancel()
-            if session.result_bytes is None:  # we failed before our part was sealed: answer what we have
-                session.result_bytes = self.result_codec.encode(session.reducer.mean())
+            sealer.cancel()
+            if not session.finished.is_set():  # we failed before our part was sealed: answer what we have
+                try:
+                    while len(session.sealed) < len(session.bounds):
+                        self._seal_next(session)
+                except ValueError as e:  # an aggregate that overflowed: the waiting members time out
+                    logger.warning("could not seal our part of group %s: %s", group.group_id, e)
                 session.finished.set()
             asyncio.get_running_loop().call_later(
                 self.config.reducer_timeout_s, self._forget, group.group_id
             )
+
+    def _measure(self, uploads: list[tuple[int, float]], downloads: list[tuple[int, float]]) -> None:
+        """Fold one run's streams, ``(bytes, seconds)`` each, into :attr:`rates` (bytes/s)."""
+        up = sum(b / t for b, t in uploads if t > 0)
+        down = sum(b / t for b, t in downloads if t > 0)
+        if up <= 0 or down <= 0:
+            return
+        if self.rates is None:
+            self.rates = {"up": up, "down": down}
+        else:  # a run's estimate is a lower bound of the link: take a higher one at once, a lower one gradually
+            self.rates = {key: max(new, (1 - RATE_SMOOTHING) * self.rates[key] + RATE_SMOOTHING * new)
+                          for key, new in (("up", up), ("down", down))}
 
     async def _wait_answers_written(self, session: _ReduceSession, grace_s: float = 2.0) -> None:
         """Let our answers to the other contributors finish (briefly), so the byte counts are complete."""
@@ -319,51 +566,91 @@ class ButterflyAllReduce(Service):
         self._sessions.pop(group_id, None)
         self._session_ready.pop(group_id, None)
 
-    async def _finish_when_complete(self, session: _ReduceSession) -> None:
-        """Seal this peer's part once every member contributed or the sender timeout passed."""
+    def _seal_next(self, session: _ReduceSession) -> None:
+        """Encode the next chunk's aggregate and wake the answers waiting for it. Raises ValueError if it is not
+        finite (an overflow)."""
+        k = len(session.sealed)
+        aggregate = session.reducer.chunk_aggregate(k)
+        if not finite(aggregate):
+            raise ValueError(f"the aggregate of chunk {k} is not finite (an overflow)")
+        session.sealed.append(encode_chunk(self.result_codec, aggregate, checked=True))
+        woken, session.sealed_event = session.sealed_event, asyncio.Event()
+        woken.set()
+
+    async def _seal_chunks(self, session: _ReduceSession) -> None:
+        """Seal this peer's part chunk by chunk: chunk k once every member delivered it or was excluded (for
+        centered_clip: once every chunk is complete), every chunk still open once the sender timeout passed."""
         loop = asyncio.get_running_loop()
-        expected = len(session.group.members)
-        while len(session.reducer.contributors) + len(session.excluded) < expected:
-            remaining = session.deadline - loop.time()
-            if remaining <= 0:
-                missing = set(session.group.members) - set(session.reducer.contributors) - set(session.excluded)
-                # senders that never connected are dead or failed locally: no ban (the next round may have them back);
-                # a sender that connected but stalled mid-part is banned in _handle_part
-                logger.info("averaging part without %d late sender(s): %s", len(missing), sorted(missing))
-                break
-            session.arrived.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(session.arrived.wait(), remaining)
-        session.result_bytes = self.result_codec.encode(session.reducer.mean())
+        last = len(session.bounds) - 1
+        whole_part = session.reducer.aggregation != "mean"
+        for k in range(len(session.bounds)):
+            needed = last if whole_part else k
+            while not session.resolved(needed):
+                remaining = session.deadline - loop.time()
+                if remaining <= 0:
+                    if not session.late_logged:
+                        session.late_logged = True
+                        missing = [m for m in session.group.members if m not in session.excluded
+                                   and session.reducer.delivered.get(m, 0) <= needed]
+                        # senders that never connected are dead or failed locally: no ban (the next round may have
+                        # them back); a sender that connected but stalled mid-part is banned in rpc_reduce
+                        logger.info("averaging part from chunk %d on without %d late sender(s): %s", k, len(missing),
+                                    sorted(missing))
+                    break
+                session.changed.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(session.changed.wait(), remaining)
+            self._seal_next(session)
         session.finished.set()
 
     async def _exchange(
-        self, peer: str, group: Group, part: torch.Tensor, weight: float, start: float
+        self, peer: str, group: Group, part: torch.Tensor, weight: float, start: float,
+        out: Optional[torch.Tensor] = None, uploaded: Optional[list] = None,
     ) -> tuple[torch.Tensor, int, int]:
-        """Send our slice of ``peer``'s part; returns that part's mean (decoded) and the bytes sent and received."""
+        """Send our slice of ``peer``'s part, chunk by chunk, while its aggregate streams back into ``out`` (fp32,
+        the part's length; allocated if None). Returns ``(out, bytes sent, bytes received)``; appends ``(bytes, seconds
+        since start)`` to ``uploaded`` once our last chunk was handed to the transport."""
         loop = asyncio.get_running_loop()
         timeout = start + self.config.reducer_timeout_s - loop.time()
         header = {"group_id": group.group_id, "numel": part.numel(), "weight": weight, "codec": self.codec.name}
+        bounds = chunk_bounds(part.numel(), self.config.chunk_numel)
+        out = torch.empty(part.numel(), dtype=torch.float32) if out is None else out
+
+        sizes = [self.codec.encoded_size(b - a) for a, b in bounds]
+
+        def frames():
+            for a, b in bounds:
+                yield self._encode_part(part[a:b])
+            if uploaded is not None:
+                uploaded.append((sum(sizes), loop.time() - start))
+
+        def on_frame(k: int, payload) -> None:
+            a, b = bounds[k]
+            try:
+                decode_chunk_into(self.result_codec, payload, out[a:b])
+            except ValueError as e:
+                raise _InvalidMean(str(e)) from None
+
         try:
-            reply = await call(self.transport.streams, peer, self.prefix, "reduce", header, self._encode_part(part),
-                               timeout_s=max(timeout, 0.0),
-                               max_reply_bytes=self.result_codec.encoded_size(part.numel()))
+            _, sent, received = await call_framed(
+                self.transport.streams, peer, self.prefix, "reduce", header, frames(), sizes,
+                [self.result_codec.encoded_size(b - a) for a, b in bounds], on_frame,
+                timeout_s=max(timeout, 0.0))
         except RpcTimeout:
             raise AllReduceFailed(f"reducer {peer} did not answer within reducer_timeout_s") from None
         except Refused as e:
             raise AllReduceFailed(f"reducer {peer} refused our part: {e.reason}") from e
         except RpcError as e:
             raise AllReduceFailed(f"reducer {peer} failed: {e!r}") from e
-        try:
-            averaged = self.result_codec.decode(reply.payload, part.numel())
-        except ValueError as e:  # wrong size or non-finite values: a faulty or hostile reducer
+        except _InvalidMean as e:  # wrong size or non-finite values: a faulty or hostile reducer
             self.bans.ban(peer, f"sent an invalid mean: {e}")
             raise AllReduceFailed(f"reducer {peer} failed: sent an invalid mean: {e}") from None
-        return averaged, reply.bytes_sent, reply.nbytes
+        return out, sent, received
 
-    def _encode_part(self, part: torch.Tensor) -> bytes:
-        """Encode our slice of another member's part (a seam for fault-injection tests)."""
-        return self.codec.encode(part)
+    def _encode_part(self, part: torch.Tensor) -> Union[bytes, memoryview]:
+        """Encode one chunk of our slice of another member's part (a seam for fault-injection tests); run() checked
+        the whole vector finite."""
+        return encode_chunk(self.codec, part, checked=True)
 
     def on_bad_request(self, peer: str, method: str, error: RpcError) -> None:
         """Garbage (or a stall) before we even know the part's group: ban the sender, exclude it everywhere."""
@@ -372,12 +659,20 @@ class ButterflyAllReduce(Service):
         logger.warning("dropped a part from %s: %r", peer, error)
         self.bans.ban(peer, f"malformed part header: {error}")
         for other in self._sessions.values():
-            if peer in other.group.members and peer not in other.reducer.contributors:
+            if peer in other.group.members and peer not in other.reducer.delivered:
                 other.excluded.setdefault(peer, f"malformed part header: {error}")
-                other.arrived.set()
+                other.changed.set()
+
+    def _exclude(self, session: _ReduceSession, peer: str, reason: str) -> None:
+        session.excluded[peer] = reason
+        self.bans.ban(peer, reason)
+        session.changed.set()
+        logger.warning("excluded %s from group %s: %s", peer, session.group.group_id, reason,
+                       extra={"event": "exclude", "peer": peer, "reason": reason})
 
     async def rpc_reduce(self, request: Request) -> None:
-        """Serve one member's part of our reduction: validate, accumulate, answer with the encoded mean."""
+        """Serve one member's part of our reduction: validate and accumulate it chunk by chunk while answering each
+        chunk's aggregate as soon as it is sealed."""
         cfg = self.config
         peer, header = request.peer, request.header
         group_id = require(header, "group_id", str)  # a ProtocolViolation goes to on_bad_request
@@ -391,45 +686,78 @@ class ButterflyAllReduce(Service):
                 self._session_ready.pop(group_id, None)
             logger.warning("dropped a part from %s: %r", peer, e)
             raise Refused(f"unknown group: {e!r}") from None
-        reason = self._check_header(session, peer, header, request.size)
+        sizes = [session.codec.encoded_size(b - a) for a, b in session.bounds]
+        reason = self._check_header(session, peer, header, request.size, sum(sizes))
         if reason is None and self.bans.is_banned(peer):
             reason = f"banned: {self.bans.reason(peer)}"
-        if reason is None:
-            try:
-                budget = max(session.deadline - asyncio.get_running_loop().time(), 0.0) + 1.0
-                expected = session.codec.encoded_size(session.part_numel)
-                payload = await request.payload(expected, budget)
-                session.bytes_received += request.stream.bytes_received
-                if session.result_bytes is None:
-                    session.reducer.add(peer, session.codec.decode(payload, session.part_numel), header["weight"])
-            except RpcTimeout:
-                reason = f"stalled: part not delivered within sender_timeout_s={cfg.sender_timeout_s}"
-            except (ValueError, RpcError) as e:
-                reason = f"{type(e).__name__}: {e}"
         if reason is not None:
-            session.excluded[peer] = reason
-            self.bans.ban(peer, reason)
-            session.arrived.set()
-            logger.warning("excluded %s from group %s: %s", peer, session.group.group_id, reason,
-                           extra={"event": "exclude", "peer": peer, "reason": reason})
+            self._exclude(session, peer, reason)
             raise Refused(reason)
-        session.arrived.set()
+        reply_sizes = [self.result_codec.encoded_size(b - a) for a, b in session.bounds]
+        answering = asyncio.ensure_future(self._answer(request, session, reply_sizes))
         try:
-            await asyncio.wait_for(session.finished.wait(), cfg.reducer_timeout_s)
-            written = await request.reply({}, session.result_bytes)
+            reason = await self._receive(request, session, sizes, float(header["weight"]))
+        except BaseException:
+            answering.cancel()
+            raise
+        if reason is not None:
+            answering.cancel()
+            with contextlib.suppress(BaseException):
+                await answering  # a frame being written is complete before the refusal follows it
+            self._exclude(session, peer, reason)
+            raise Refused(reason)
+        await answering
+        if not request.replied:
+            raise Refused("our aggregate was not ready within reducer_timeout_s", "timeout")
+
+    async def _receive(self, request: Request, session: _ReduceSession, sizes: list[int],
+                       weight: float) -> Optional[str]:
+        """Read a member's chunks into our reducer; None, or the reason to exclude it."""
+        peer, k = request.peer, 0
+        try:
+            async for payload in request.payload_frames(sizes, session.deadline + 1.0):
+                if len(session.sealed) <= k:  # a chunk sealed without it (after the sender timeout) is only read
+                    a, b = session.bounds[k]
+                    session.reducer.add(peer, k, decode_chunk(session.codec, payload, b - a), weight,
+                                        finite_checked=True)
+                    session.changed.set()
+                k += 1
+        except RpcTimeout:
+            return (f"stalled: chunk {k} of {len(sizes)} not delivered within "
+                    f"sender_timeout_s={self.config.sender_timeout_s}")
+        except (ValueError, RpcError) as e:
+            return f"chunk {k} of {len(sizes)}: {type(e).__name__}: {e}"
+        finally:
+            session.bytes_received += request.stream.bytes_received
+        started = session.deadline - self.config.sender_timeout_s
+        session.downloads.append((request.stream.bytes_received, asyncio.get_running_loop().time() - started))
+        return None
+
+    async def _answer(self, request: Request, session: _ReduceSession, reply_sizes: list[int]) -> None:
+        """Write each sealed chunk's aggregate to the member, in order, as soon as it is sealed."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.reducer_timeout_s
+        written = 0
+        try:
+            for k in range(len(reply_sizes)):
+                while len(session.sealed) <= k:
+                    event = session.sealed_event
+                    await asyncio.wait_for(event.wait(), max(deadline - loop.time(), 0.0))
+                written += await request.reply_frame(k, reply_sizes, session.sealed[k])
         except (asyncio.TimeoutError, RpcError) as e:
-            logger.info("could not answer %s for group %s: %r", peer, session.group.group_id, e)
+            logger.info("could not answer %s for group %s: %r", request.peer, session.group.group_id, e)
             return
         session.bytes_sent += written
         session.answers += 1
         session.answered.set()
 
     @staticmethod
-    def _check_header(session: _ReduceSession, peer: str, header: dict, payload_length: int) -> Optional[str]:
+    def _check_header(session: _ReduceSession, peer: str, header: dict, payload_length: int,
+                      expected_length: int) -> Optional[str]:
         """None if the part header is acceptable, else the reason to exclude the sender."""
         if peer not in session.group.members:
             return "not a member of the group"
-        if peer in session.reducer.contributors or peer in session.excluded:
+        if peer in session.reducer.delivered or peer in session.excluded:
             return "sent its part twice"
         if header.get("codec") != session.codec.name:
             return f"codec {header.get('codec')!r} differs from the run's {session.codec.name!r}"
@@ -442,6 +770,6 @@ class ButterflyAllReduce(Service):
             validate_weight(weight)
         except ValueError as e:
             return str(e)
-        if payload_length != session.codec.encoded_size(session.part_numel):
-            return f"payload of {payload_length} bytes, expected {session.codec.encoded_size(session.part_numel)}"
+        if payload_length != expected_length:
+            return f"payload of {payload_length} bytes, expected {expected_length}"
         return None

@@ -40,7 +40,7 @@ import asyncio
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Iterable, Optional, Sequence, Union
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Optional, Sequence, Union
 
 from protocols.interfaces import PeerStreams, StreamHandler, StreamReader, StreamWriter
 from protocols.wire import (
@@ -55,7 +55,7 @@ from protocols.wire import (
 
 __all__ = [
     "CHUNK_BYTES", "Message", "ProtocolViolation", "Refused", "Reply", "Request", "RpcError", "RpcStream",
-    "RpcTimeout", "Service", "Unreachable", "call", "handler_name", "open_stream",
+    "RpcTimeout", "Service", "Unreachable", "call", "call_framed", "handler_name", "open_stream",
 ]
 
 logger = logging.getLogger(__name__)
@@ -387,6 +387,105 @@ async def call(
     return await _guard(exchange(), timeout_s, f"call {name!r} to {peer}")
 
 
+def _head_of(header: dict[str, Any], sizes: Sequence[int]) -> dict[str, Any]:
+    """The first frame's header of a message framed as ``sizes``: ``_total`` only where there are several frames
+    (a one-frame message is byte for byte the unchunked one)."""
+    return {**header, "_total": sum(sizes)} if len(sizes) > 1 else header
+
+
+def _check_framing(sizes: Sequence[int]) -> None:
+    if not sizes or any(s < 0 for s in sizes) or (len(sizes) > 1 and min(sizes) < 1):
+        raise ValueError(f"frame sizes must be one size >= 0 or several >= 1, got {list(sizes)[:8]}")
+
+
+async def call_framed(
+    streams: PeerStreams,
+    peer: str,
+    service: str,
+    method: str,
+    header: Optional[dict[str, Any]],
+    frames: Iterable[Payload],
+    sizes: Sequence[int],
+    reply_sizes: Sequence[int],
+    on_reply_frame: Callable[[int, Union[bytes, bytearray]], None],
+    *,
+    timeout_s: Optional[float],
+) -> tuple[dict[str, Any], int, int]:
+    """A call whose request and reply are each one chunked message with *agreed* frame sizes, both directions at
+    once: the request's frames are written while the reply's frames are read, so a handler can answer frame k as
+    soon as it has what it needs (a pipeline, e.g. a streaming all-reduce reducer).
+
+    ``frames`` yields the request's frame payloads lazily (one is produced only once the previous one was handed to
+    the transport), of exactly ``sizes`` bytes; the reply must arrive framed as ``reply_sizes`` (bytes), and
+    ``on_reply_frame(k, payload)`` is called for each reply frame in order as it arrives. On the wire both are
+    ordinary messages of this module (one frame: unchunked; several: ``_total`` then continuation frames), so a
+    handler may also read the request with :meth:`Request.payload` and answer with :meth:`Request.reply`.
+
+    Returns ``(reply header, bytes sent, bytes received)``. Raises RpcTimeout (``timeout_s`` bounds the whole
+    exchange), Unreachable, ProtocolViolation (the reply is framed otherwise than ``reply_sizes`` or malformed),
+    Refused (also when a refusal arrives in place of a later reply frame); whatever ``frames`` or
+    ``on_reply_frame`` raise (e.g. ValueError) propagates.
+    """
+    _check_framing(sizes)
+    _check_framing(reply_sizes)
+    request = _check_keys(header)
+    name = handler_name(service, method)
+    counts = [0, 0]  # bytes sent, received
+
+    async def send(writer: StreamWriter) -> None:
+        for i, (payload, size) in enumerate(zip(frames, sizes)):
+            views = _buffers(payload)
+            if sum(v.nbytes for v in views) != size:
+                raise ValueError(f"request frame {i} holds {sum(v.nbytes for v in views)} bytes, not {size}")
+            counts[0] += await write_frame(writer, _head_of(request, sizes) if i == 0 else {}, views)
+
+    async def receive(reader: StreamReader) -> dict[str, Any]:
+        head, total, first, nbytes = await _read_head(reader)
+        reply = _reply_message(Message(head, b"", nbytes))
+        if total != sum(reply_sizes) or first != reply_sizes[0]:
+            raise ProtocolViolation(f"reply of {total} bytes in a first frame of {first}, expected "
+                                    f"{sum(reply_sizes)} in {reply_sizes[0]}")
+        on_reply_frame(0, await read_payload(reader, first))
+        counts[1] += nbytes + first
+        for k, size in enumerate(reply_sizes[1:], 1):
+            frame, length, header_bytes = await read_header(reader)
+            if frame:  # a refusal in place of the next frame: the handler gave up on us mid-answer
+                _reply_message(Message(frame, b"", header_bytes))
+                raise ProtocolViolation(f"continuation frame with a header {sorted(frame)}")
+            if length != size:
+                raise ProtocolViolation(f"reply frame {k} of {length} bytes, expected {size}")
+            on_reply_frame(k, await read_payload(reader, length))
+            counts[1] += header_bytes + length
+        return reply.header
+
+    async def exchange() -> dict[str, Any]:
+        reader, writer = await streams.open(peer, name)
+        sender = asyncio.ensure_future(send(writer))
+        try:
+            receiver = asyncio.ensure_future(receive(reader))
+            try:
+                await asyncio.wait({sender, receiver}, return_when=asyncio.FIRST_COMPLETED)
+                if sender.done() and sender.exception() is not None:
+                    error = sender.exception()
+                    if not isinstance(error, (ConnectionError, OSError)):
+                        raise error  # a local failure (e.g. encoding): the handler would wait for us in vain
+                    # the handler closed or refused: its answer (a refusal) says more than our broken pipe
+                reply = await receiver
+            finally:
+                receiver.cancel()
+            await sender  # the handler answered every frame: our request is long written
+            return reply
+        finally:
+            sender.cancel()
+            try:
+                writer.close()
+            except Exception:  # noqa: BLE001 - closing a broken stream must not raise
+                pass
+
+    header_out = await _guard(exchange(), timeout_s, f"call {name!r} to {peer}")
+    return header_out, counts[0], counts[1]
+
+
 async def open_stream(
     streams: PeerStreams,
     peer: str,
@@ -443,6 +542,57 @@ class Request:
                 f"reading the request of {self.peer}")
             self.stream.bytes_received += nbytes
         return self._payload
+
+    async def payload_frames(self, sizes: Sequence[int],
+                             deadline: Optional[float] = None) -> AsyncIterator[Union[bytes, bytearray]]:
+        """The request payload frame by frame, for a caller that framed it as ``sizes`` (:func:`call_framed`).
+
+        Checks the announced total and every frame's size before reading it. ``deadline`` (event loop time) bounds
+        the whole read. Raises ProtocolViolation (framed otherwise, truncated, malformed), RpcTimeout, Unreachable.
+        """
+        _check_framing(sizes)
+        if self._payload is not None:
+            raise RuntimeError("the payload was already read")
+        if self.size != sum(sizes) or self._first != sizes[0]:
+            raise ProtocolViolation(f"payload of {self.size} bytes in a first frame of {self._first}, expected "
+                                    f"{sum(sizes)} in {sizes[0]}")
+        self._payload = b""  # consumed here: payload() may not read it again
+        loop = asyncio.get_running_loop()
+        reader, what = self.stream.reader, f"reading the request of {self.peer}"
+
+        def left() -> Optional[float]:
+            return None if deadline is None else deadline - loop.time()
+
+        data = await _guard(read_payload(reader, sizes[0]), left(), what)
+        self.stream.bytes_received += sizes[0]
+        yield data
+        for k, size in enumerate(sizes[1:], 1):
+            header, length, header_bytes = await _guard(read_header(reader), left(), what)
+            if header:
+                raise ProtocolViolation(f"continuation frame with a header {sorted(header)}")
+            if length != size:
+                raise ProtocolViolation(f"request frame {k} of {length} bytes, expected {size}")
+            data = await _guard(read_payload(reader, length), left(), what)
+            self.stream.bytes_received += header_bytes + length
+            yield data
+
+    async def reply_frame(self, k: int, sizes: Sequence[int], payload: Payload,
+                          header: Optional[dict[str, Any]] = None, timeout_s: Optional[float] = None) -> int:
+        """Write frame ``k`` of an answer framed as ``sizes`` (frames in order; ``header`` goes with frame 0);
+        returns the bytes written. Raises RpcTimeout, Unreachable; ValueError on a frame of the wrong size."""
+        views = _buffers(payload)
+        if sum(v.nbytes for v in views) != sizes[k]:
+            raise ValueError(f"reply frame {k} holds {sum(v.nbytes for v in views)} bytes, not {sizes[k]}")
+        if k == 0:
+            if self.replied:
+                raise RuntimeError("this request was already answered")
+            self.replied = True
+            head = _head_of({"status": "ok", **_check_keys(header)}, sizes)
+        else:
+            head = {}
+        written = await _guard(write_frame(self.stream.writer, head, views), timeout_s, f"answering {self.peer}")
+        self.stream.bytes_sent += written
+        return written
 
     async def reply(self, header: Optional[dict[str, Any]] = None, payload: Payload = b"",
                     timeout_s: Optional[float] = None) -> int:

@@ -53,9 +53,10 @@ from peerd.testing.localswarm import ProcessSet, kill_tree  # noqa: E402
 
 SECTION = "## All-reduce on a virtual WAN: peerd vs hivemind vs gloo (scripts/bench_allreduce.py)"
 CODECS = ("none", "fp16", "int8")
-#: peerd-direct = peerd with its streams on the direct TCP data plane (peerd/transport/direct.py);
+#: peerd-direct = peerd with its streams on the direct TCP data plane (peerd/transport/direct.py), one connection per
+#: stream; peerd-mux = the same with one warm multiplexed connection per peer pair (peerd/transport/mux.py);
 #: peerd-libp2p = peerd on the py-libp2p transport (peerd/transport/libp2p_backend.py) instead of p2pd.
-IMPLS = ("peerd", "peerd-direct", "peerd-libp2p", "hivemind", "gloo")
+IMPLS = ("peerd", "peerd-direct", "peerd-mux", "peerd-libp2p", "hivemind", "gloo")
 GLOO_CODECS = ("none", "fp16")  # gloo sums in the tensor's dtype: no int8 all-reduce
 WIRE_BYTES_PER_VALUE = {"none": 4.0, "fp16": 2.0, "int8": 1.0 + 4.0 / 256}
 
@@ -146,7 +147,7 @@ async def worker_peerd(a: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     identity_path = direct = None
-    if a.impl == "peerd-direct":
+    if a.impl in ("peerd-direct", "peerd-mux"):
         from peerd.identity import load_or_create_identity
 
         identity_path = os.path.join(tempfile.mkdtemp(prefix="bench_identity_"), "peer.key")
@@ -161,7 +162,8 @@ async def worker_peerd(a: argparse.Namespace) -> None:
         from peerd.signing import Signer
         from peerd.transport.direct import DirectStreams
 
-        direct = DirectStreams(network.streams, network.discovery, Signer.from_identity_file(identity_path), a.host)
+        direct = DirectStreams(network.streams, network.discovery, Signer.from_identity_file(identity_path), a.host,
+                               multiplex=a.impl == "peerd-mux")
         await direct.start()
         transport = types.SimpleNamespace(discovery=network.discovery, streams=direct)
     try:
@@ -185,7 +187,8 @@ async def worker_peerd(a: argparse.Namespace) -> None:
             x = make_tensor(a.rank, rep, a.numel)
             t_go = time.time()
             try:
-                group = await mm.form_group(f"{codec}-rep{rep}", {}, expected_size=a.world)
+                # the rates measured in earlier repetitions (the warm-up's included) size the parts
+                group = await mm.form_group(f"{codec}-rep{rep}", ar.announce(), expected_size=a.world)
                 cpu0 = cpu_tree()
                 t_start = time.time()
                 result = await ar.run(group, x, float(a.rank + 1))
@@ -297,7 +300,7 @@ def worker_gloo(a: argparse.Namespace) -> None:
 
 def worker_main(a: argparse.Namespace) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    if a.impl in ("peerd", "peerd-direct", "peerd-libp2p"):
+    if a.impl in ("peerd", "peerd-direct", "peerd-mux", "peerd-libp2p"):
         import uvloop
 
         uvloop.run(worker_peerd(a))
@@ -527,8 +530,10 @@ def render(rows: list[Row], scenarios: dict[str, Scenario], args, meta: dict) ->
            "`scripts/wan_testbed` (tbf per peer, both directions, no added delay); loopback = all peers in one "
            "namespace on 127.0.0.1, unshaped. peerd = `Matchmaker` + `ButterflyAllReduce` on `HivemindTransport` "
            "(uvloop); peerd-direct = the same with its streams on the direct TCP data plane (`DirectStreams`, "
-           "p2pd only as fallback); peerd-libp2p = the same on the py-libp2p transport (its Python libp2p daemon "
-           "process counts as p2pd below); hivemind = `DecentralizedAverager` (defaults, part_size 512 KB, "
+           "p2pd only as fallback), one TCP connection per stream; peerd-mux = the same with one warm multiplexed "
+           "connection per peer pair (`DirectStreams(multiplex=True)`); peerd-libp2p = peerd on the py-libp2p "
+           "transport (its Python libp2p daemon process counts as p2pd below); hivemind = `DecentralizedAverager` "
+           "(defaults, part_size 512 KB, "
            "min_matchmaking_time 2 s); "
            "gloo = "
            "`torch.distributed.all_reduce` (fp16 = a half tensor; gloo has no int8 all-reduce). Time = median of "
@@ -597,7 +602,7 @@ def verdicts(rows: list[Row], scenarios: dict[str, Scenario], args) -> list[str]
     lines = ["Targets (issue 6):", ""]
     for sc in scenarios.values():
         for codec in sc.codecs:
-            for impl in ("peerd", "peerd-direct"):
+            for impl in ("peerd", "peerd-direct", "peerd-mux"):
                 p = by.get((sc.key, impl, codec, sc.world))
                 if p is None or not p.times:
                     continue

@@ -56,6 +56,7 @@ from cryptography.exceptions import InvalidSignature
 from peerd.namespace import network_key
 from peerd.signing import InvalidRecord, Signer, public_key_of
 from peerd.transport.linger import CLOSE_LINGER_S, until_remote_closes
+from peerd.transport.mux import MUX_NAME, MuxSession, MuxStream
 from protocols.interfaces import Discovery, PeerStreams, StreamHandler
 from protocols.wire import ProtocolViolation, read_frame, require, try_write_frame, write_frame
 
@@ -99,6 +100,9 @@ SOCKET_BUFFER_BYTES = 0
 MAX_NAME_CHARS = 256
 #: Distinct peers / remote hosts remembered for log-once messages.
 _LOGGED_MAX = 4096
+#: With ``multiplex``, the peer with the larger PeerID waits this long for the other's connection before dialling
+#: one itself, so that two peers opening streams to each other at once end up with one connection, not two (s).
+DIAL_GRACE_S = 0.2
 
 
 class HandshakeFailed(ConnectionError):
@@ -438,13 +442,15 @@ class DirectStreams:
     ``host``/``port``: where to listen (port 0 = any free port); ``announce_host``: the host others should dial
     (default ``host``; required if ``host`` is a wildcard). ``signer`` must hold the key of ``inner.peer_id``.
     ``key``: the DHT key of the address table; ``socket_buffer_bytes``: see :data:`SOCKET_BUFFER_BYTES`.
+    ``multiplex``: carry every stream to a peer over one long-lived connection (:mod:`peerd.transport.mux`), dialled
+    once and reused across rounds (re-dialled if it drops), instead of one connection per stream.
     Before :meth:`start` and after :meth:`stop`, every stream goes through ``inner``. ``stats`` counts direct and
-    fallback opens, direct streams served and refused handshakes.
+    fallback opens, direct streams served, refused handshakes, and TCP connections dialled (``tcp_dials``).
     """
 
     def __init__(self, inner: PeerStreams, discovery: Discovery, signer: Signer, host: str, port: int = 0,
                  announce_host: Optional[str] = None, *, key: str = DATAPLANE_KEY,
-                 socket_buffer_bytes: int = SOCKET_BUFFER_BYTES):
+                 socket_buffer_bytes: int = SOCKET_BUFFER_BYTES, multiplex: bool = False):
         if signer.peer_id != inner.peer_id:
             raise ValueError(f"the signer's key is {signer.peer_id}'s, but the streams are {inner.peer_id}'s")
         announce = announce_host or host
@@ -468,6 +474,11 @@ class DirectStreams:
         self._logged_fallback: set[str] = set()
         self._logged_refusal: set[tuple[str, str]] = set()
         self.stats: Counter[str] = Counter()
+        self.multiplex = multiplex
+        self._mux: dict[str, MuxSession] = {}  # PeerID -> the connection our streams to it use
+        self._mux_all: set[MuxSession] = set()
+        self._dialing: dict[str, asyncio.Task] = {}
+        self._mux_arrived: dict[str, asyncio.Event] = {}
 
     @property
     def peer_id(self) -> str:
@@ -516,7 +527,10 @@ class DirectStreams:
     async def stop(self) -> None:
         """Stop listening and end every direct stream (handlers stay registered on the inner streams)."""
         server, self._server = self._server, None
-        for task in [self._republisher, self._lookup, *self._connections]:
+        for session in list(self._mux_all):
+            session.close()
+        self._mux.clear()
+        for task in [self._republisher, self._lookup, *self._connections, *self._dialing.values()]:
             if task is not None:
                 task.cancel()
         if server is not None:
@@ -579,7 +593,7 @@ class DirectStreams:
             self._pending_handshakes += 1
             try:
                 client, name = await asyncio.wait_for(
-                    server_handshake(reader, writer, self.signer, self._handlers.__contains__), HANDSHAKE_TIMEOUT_S)
+                    server_handshake(reader, writer, self.signer, self._serves), HANDSHAKE_TIMEOUT_S)
             except asyncio.TimeoutError:
                 self._refused(remote, f"no handshake within {HANDSHAKE_TIMEOUT_S} s")
                 return
@@ -591,6 +605,11 @@ class DirectStreams:
                 return
             finally:
                 self._pending_handshakes -= 1
+            if name == MUX_NAME:
+                self.stats["mux_accepted"] += 1
+                session = self._adopt(conn, client, dialer=False)
+                await session.closed_event.wait()
+                return
             handler = self._handlers.get(name)
             if handler is None:  # removed during the handshake
                 return
@@ -604,6 +623,75 @@ class DirectStreams:
         finally:
             with contextlib.suppress(Exception):
                 writer.close()
+
+    def _serves(self, name: str) -> bool:
+        return name in self._handlers or (self.multiplex and name == MUX_NAME)
+
+    def _adopt(self, conn: _Connection, peer: str, dialer: bool) -> MuxSession:
+        """Serve and use the multiplexed connection ``conn`` to ``peer``: our streams to it go there unless one is
+        already in use."""
+        session = MuxSession(conn, peer, dialer, self._handlers.__contains__,
+                             lambda name, stream: self._serve_mux_stream(peer, name, stream))
+        self._mux_all.add(session)
+        current = self._mux.get(peer)
+        if current is None or current.closed:
+            self._mux[peer] = session
+        arrived = self._mux_arrived.pop(peer, None)
+        if arrived is not None:
+            arrived.set()
+
+        def ended(_: Any) -> None:
+            self._mux_all.discard(session)
+            if self._mux.get(peer) is session:
+                del self._mux[peer]
+
+        asyncio.ensure_future(session.closed_event.wait()).add_done_callback(ended)
+        return session
+
+    def _serve_mux_stream(self, peer: str, name: str, stream: MuxStream) -> None:
+        handler = self._handlers.get(name)
+        if handler is None:
+            stream.abort()
+            return
+
+        async def serve() -> None:
+            self.stats["served_direct"] += 1
+            try:
+                await handler(peer, stream, stream)
+            except Exception:
+                logger.exception("stream handler %s failed for %s (direct)", name, peer)
+            else:
+                await until_remote_closes(stream, CLOSE_LINGER_S)
+            finally:
+                stream.close()
+
+        task = asyncio.ensure_future(serve())
+        self._connections.add(task)
+        task.add_done_callback(self._connections.discard)
+
+    async def _mux_session(self, address: tuple[str, int], peer_id: str) -> MuxSession:
+        """The live multiplexed connection to ``peer_id``: the current one, or one dialled now (one dial at a time
+        per peer). Raises as :meth:`_open_direct`."""
+        session = self._mux.get(peer_id)
+        if session is not None and not session.closed:
+            return session
+        dialing = self._dialing.get(peer_id)
+        if dialing is None:
+            dialing = self._dialing[peer_id] = asyncio.ensure_future(self._dial_mux(address, peer_id))
+            dialing.add_done_callback(lambda _: self._dialing.pop(peer_id, None))
+        return await asyncio.shield(dialing)
+
+    async def _dial_mux(self, address: tuple[str, int], peer_id: str) -> MuxSession:
+        if self.peer_id > peer_id:  # the smaller PeerID dials first: two simultaneous opens share its connection
+            arrived = self._mux_arrived.setdefault(peer_id, asyncio.Event())
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(arrived.wait(), DIAL_GRACE_S)
+            session = self._mux.get(peer_id)
+            if session is not None and not session.closed:
+                return session
+        conn, _ = await self._open_direct(address, peer_id, MUX_NAME)
+        self.stats["mux_dialled"] += 1
+        return self._adopt(conn, peer_id, dialer=True)
 
     def _refused(self, remote: str, reason: str) -> None:
         self.stats["refused"] += 1
@@ -626,6 +714,11 @@ class DirectStreams:
             reason = "no data plane address"
             if address is not None:
                 try:
+                    if self.multiplex:
+                        session = await asyncio.wait_for(self._mux_session(address, peer_id), CONNECT_TIMEOUT_S)
+                        stream = session.open(name)
+                        self.stats["direct_opens"] += 1
+                        return stream, stream
                     streams = await asyncio.wait_for(self._open_direct(address, peer_id, name), CONNECT_TIMEOUT_S)
                     self.stats["direct_opens"] += 1
                     return streams
@@ -649,6 +742,7 @@ class DirectStreams:
         try:
             _tune(sock, self.socket_buffer_bytes)
             sock.setblocking(False)
+            self.stats["tcp_dials"] += 1
             await loop.sock_connect(sock, sockaddr)
             _, conn = await loop.create_connection(_Connection, sock=sock)
         except BaseException:

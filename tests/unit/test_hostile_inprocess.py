@@ -30,7 +30,7 @@ class HostileAllReduce(ButterflyAllReduce):
     mode = "nan"
     fired = 0
 
-    async def _exchange(self, peer, group, part, weight, start):
+    async def _exchange(self, peer, group, part, weight, start, *_):
         reader, writer = await self.transport.streams.open(peer, self.handler_name)
         n = part.numel()
         header = {"group_id": group.group_id, "numel": n, "weight": 1.0, "codec": "none"}

@@ -1,0 +1,380 @@
+"""The streaming butterfly all-reduce, in-process: parts in chunks, reducers answering chunk k as soon as every
+sender's chunk k is in, per-chunk validation (garbage, a stall or a death in chunk k of n), bandwidth-proportional
+parts, and the framed calls of the RPC layer underneath."""
+
+import asyncio
+import math
+
+import pytest
+import torch
+
+from peerd.transport.inprocess import Hub
+from protocols.allreduce import AllReduceConfig, AllReduceFailed, ButterflyAllReduce
+from protocols.matchmaking import MatchmakingConfig
+from protocols.rpc import ProtocolViolation, Refused, Service, call_framed
+
+pytestmark = pytest.mark.timeout(60)
+
+CHUNK = 4096
+CHUNKS = 4  # per part
+MM = MatchmakingConfig(3.0, 0.5, 0.05)
+
+
+def _cfg(**kw):
+    return AllReduceConfig(**{"compression": "none", "sender_timeout_s": 5.0, "reducer_timeout_s": 10.0,
+                              "chunk_numel": CHUNK, **kw})
+
+
+def _vector(i: int, n: int) -> torch.Tensor:
+    """Member i's vector: integers, so every mean below is exact in fp32 whatever the summation order."""
+    g = torch.Generator().manual_seed(i)
+    return torch.randint(-50, 50, (n * CHUNKS * CHUNK,), generator=g).float()
+
+
+async def _group(peers, key="r"):
+    groups = await asyncio.gather(*[p.matchmaker.form_group(key, {}, expected_size=len(peers)) for p in peers])
+    return groups[0], {p.matchmaker.peer_id: p for p in peers}
+
+
+@pytest.mark.parametrize("compression", ["none", "fp16", "int8"])
+def test_chunked_parts_give_the_unchunked_result_bit_for_bit(compression, averaging_peers):
+    async def main():
+        results = {}
+        for chunk in (CHUNK, CHUNKS * CHUNK):  # four chunks per part, then one
+            hub = Hub()
+            peers = await averaging_peers(hub, 3, "run", MM, _cfg(compression=compression, chunk_numel=chunk))
+            group, by_id = await _group(peers)
+            xs = {m: _vector(i, 3) for i, m in enumerate(group.members)}
+            out = await asyncio.gather(*[by_id[m].allreduce.run(group, xs[m], 1.0) for m in group.members])
+            assert all(torch.equal(r.averaged, out[0].averaged) for r in out)
+            assert all(r.contributors == 3 and not r.excluded for r in out)
+            results[chunk] = out[0].averaged
+        assert torch.equal(results[CHUNK], results[CHUNKS * CHUNK])
+        if compression == "none":
+            assert torch.equal(results[CHUNK], sum(_vector(i, 3) for i in range(3)) / 3)
+
+    asyncio.run(main())
+
+
+class _RecordingAllReduce(ButterflyAllReduce):
+    """Records when each chunk of its own part was sealed."""
+
+    def _seal_next(self, session):
+        self.sealed_at = getattr(self, "sealed_at", [])
+        self.sealed_at.append(asyncio.get_running_loop().time())
+        super()._seal_next(session)
+
+
+class _SlowWriter:
+    """A writer that, once ``after`` bytes went through, waits ``delay_s`` in its next drain (a slow link)."""
+
+    def __init__(self, inner, after: int, delay_s: float, marks: list):
+        self.inner, self.after, self.delay_s, self.marks = inner, after, delay_s, marks
+        self.written = 0
+        self.delayed = False
+
+    def write(self, data):
+        self.inner.write(data)
+        self.written += len(data)
+
+    async def drain(self):
+        if self.written >= self.after and not self.delayed:
+            self.delayed = True
+            self.marks.append(asyncio.get_running_loop().time())
+            await asyncio.sleep(self.delay_s)
+        await self.inner.drain()
+
+    def close(self):
+        self.inner.close()
+
+
+class _WrappedStreams:
+    def __init__(self, inner, make_writer):
+        self.inner, self.make_writer = inner, make_writer
+
+    @property
+    def peer_id(self):
+        return self.inner.peer_id
+
+    async def add_handler(self, name, handler):
+        await self.inner.add_handler(name, handler)
+
+    async def remove_handler(self, name):
+        await self.inner.remove_handler(name)
+
+    async def open(self, peer_id, name):
+        reader, writer = await self.inner.open(peer_id, name)
+        return reader, (self.make_writer(writer) if name.endswith(".reduce") else writer)
+
+
+class _Wrapped:
+    def __init__(self, transport, make_writer):
+        self.discovery = transport.discovery
+        self.streams = _WrappedStreams(transport.streams, make_writer)
+
+
+def test_a_reducer_answers_early_chunks_while_a_slow_sender_still_sends_later_ones(averaging_peers):
+    delay_s = 0.6
+    marks: list = []
+
+    async def main():
+        hub = Hub()
+        slow = lambda i, t: _Wrapped(t, lambda w: _SlowWriter(w, 2 * CHUNK * 4, delay_s, marks)) if i == 2 else t
+        peers = await averaging_peers(hub, 3, "run", MM, _cfg(), allreduce_class=_RecordingAllReduce, wrap=slow)
+        group, by_id = await _group(peers)
+        xs = {m: _vector(i, 3) for i, m in enumerate(group.members)}
+        out = await asyncio.gather(*[by_id[m].allreduce.run(group, xs[m], 1.0) for m in group.members])
+        assert all(torch.equal(r.averaged, sum(xs.values()) / 3) for r in out)
+        slow_id = peers[2].matchmaker.peer_id
+        for m in group.members:
+            if m == slow_id:
+                continue
+            sealed = by_id[m].allreduce.sealed_at
+            assert len(sealed) == CHUNKS
+            # the slow sender's first two chunks were in before its pause: those aggregates left during it
+            assert max(sealed[:2]) < min(marks) + delay_s / 2, (sealed, marks)
+            assert sealed[-1] >= min(marks) + delay_s - 0.05
+
+    asyncio.run(main())
+
+
+class _ChunkPoisoner(ButterflyAllReduce):
+    """Sends valid chunks to the other reducers except chunk ``bad_chunk`` of every part, which is all NaN."""
+
+    bad_chunk = 2
+
+    def _encode_part(self, part):
+        if float(part[0]) == 1000.0 + self.bad_chunk:  # this member's values mark the chunk index
+            return torch.full_like(part, float("nan")).numpy().tobytes()
+        return super()._encode_part(part)
+
+
+def _marked(n_members: int) -> torch.Tensor:
+    chunk_index = (torch.arange(n_members * CHUNKS * CHUNK) % (CHUNKS * CHUNK)) // CHUNK
+    return 1000.0 + chunk_index.float()
+
+
+def test_garbage_in_chunk_k_of_n_excludes_and_bans_the_sender_from_chunk_k_on(averaging_peers):
+    async def main():
+        hub = Hub()
+        cls = lambda i: _ChunkPoisoner if i == 3 else ButterflyAllReduce
+        peers = await averaging_peers(hub, 4, "run", MM, _cfg(), ban_s=60.0, allreduce_class=cls)
+        group, by_id = await _group(peers)
+        bad = peers[3].matchmaker.peer_id
+        honest = [m for m in group.members if m != bad]
+        xs = {m: _vector(i, 4) for i, m in enumerate(group.members)}
+        xs[bad] = _marked(4)
+        out = dict(zip(group.members, await asyncio.gather(
+            *[by_id[m].allreduce.run(group, xs[m], 1.0) for m in group.members], return_exceptions=True)))
+        assert isinstance(out[bad], AllReduceFailed)  # refused mid-answer by every honest reducer
+        reference = out[honest[0]].averaged
+        part = CHUNKS * CHUNK
+        with_bad = (sum(xs[m] for m in honest) + xs[bad]) / 4
+        without = sum(xs[m] for m in honest) / 3
+        for m in honest:
+            assert torch.equal(out[m].averaged, reference)
+            assert bad in out[m].excluded and "chunk 2 of 4" in out[m].excluded[bad]
+            assert by_id[m].bans.is_banned(bad)
+            i = group.members.index(m)
+            own = slice(i * part, (i + 1) * part)
+            cut = i * part + _ChunkPoisoner.bad_chunk * CHUNK
+            # chunks before the garbage hold the sender's valid values, chunk k and later exclude it
+            assert torch.equal(reference[own.start:cut], with_bad[own.start:cut])
+            assert torch.equal(reference[cut:own.stop], without[cut:own.stop])
+
+    asyncio.run(main())
+
+
+class _CutWriter:
+    """Passes ``budget`` bytes, then either stalls (drops everything, stays open) or kills its peer on the hub."""
+
+    def __init__(self, inner, budget: int, mode: str, hub: Hub, me: str):
+        self.inner, self.budget, self.mode, self.hub, self.me = inner, budget, mode, hub, me
+        self.written = 0
+
+    def write(self, data):
+        data = bytes(data)
+        room = max(0, self.budget - self.written)
+        if room:
+            self.inner.write(data[:room])
+        self.written += len(data)
+        if self.written > self.budget and self.mode == "die":
+            self.hub.disconnect(self.me)
+            raise ConnectionResetError("died mid-chunk")
+
+    async def drain(self):
+        await self.inner.drain()
+
+    def close(self):
+        if self.mode == "die" or self.written <= self.budget:
+            self.inner.close()
+
+
+@pytest.mark.parametrize("mode", ["stall", "die"])
+def test_a_sender_stalling_or_dying_mid_chunk_does_not_hold_the_round(mode, averaging_peers):
+    sender_timeout_s = 1.5
+
+    async def main():
+        hub = Hub()
+        budget = int(2.5 * CHUNK * 4)  # two whole chunks and half of the third
+        cut = lambda i, t: (_Wrapped(t, lambda w: _CutWriter(w, budget, mode, hub, "peer03")) if i == 3 else t)
+        peers = await averaging_peers(hub, 4, "run", MM, _cfg(sender_timeout_s=sender_timeout_s, reducer_timeout_s=5.0),
+                                      ban_s=60.0, wrap=cut)
+        group, by_id = await _group(peers)
+        bad = "peer03"
+        honest = [m for m in group.members if m != bad]
+        xs = {m: _vector(i, 4) for i, m in enumerate(group.members)}
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        bad_run = asyncio.ensure_future(by_id[bad].allreduce.run(group, xs[bad], 1.0))
+        out = await asyncio.gather(*[by_id[m].allreduce.run(group, xs[m], 1.0) for m in honest],
+                                   return_exceptions=True)
+        elapsed = loop.time() - started
+        print(f"FIGURE streaming {mode} in chunk 3 of {CHUNKS}: honest all-reduce ended after {elapsed:.2f} s "
+              f"(sender_timeout_s {sender_timeout_s}): {[type(r).__name__ for r in out]}")
+        bad_run.cancel()
+        with_bad = sum(xs.values()) / 4
+        without = sum(xs[m] for m in honest) / 3
+        part = CHUNKS * CHUNK
+        cut_at = 2 * CHUNK
+        for m in honest:
+            session = next(iter(by_id[m].allreduce._sessions.values()))
+            i = group.members.index(m)
+            mine = torch.frombuffer(bytearray(b"".join(bytes(s) for s in session.sealed)), dtype=torch.float32)
+            # the sender's first two (whole) chunks count, its third (cut) one and the fourth do not
+            assert torch.equal(mine[:cut_at], with_bad[i * part:i * part + cut_at])
+            assert torch.equal(mine[cut_at:], without[i * part + cut_at:(i + 1) * part])
+            result = out[honest.index(m)]
+            if mode == "die":
+                assert isinstance(result, AllReduceFailed)  # the dead member's own part is missing: the round fails
+                assert bad in session.excluded and by_id[m].bans.is_banned(bad)
+            else:  # the stalled member still reduces its own part: the round completes at the sender timeout
+                assert not isinstance(result, BaseException), result
+                assert torch.equal(result.averaged, out[0].averaged)
+        assert elapsed <= (sender_timeout_s if mode == "stall" else 0.0) + 0.5
+        if mode == "stall":  # the stalled stream times out a second later and gets its sender banned
+            await asyncio.sleep(max(0.0, sender_timeout_s + 1.3 - (loop.time() - started)))
+            for m in honest:
+                session = next(iter(by_id[m].allreduce._sessions.values()))
+                assert "stalled: chunk 2 of 4" in session.excluded[bad]
+                assert by_id[m].bans.is_banned(bad)
+
+    asyncio.run(main())
+
+
+def test_bandwidth_proportional_parts_from_announced_rates(averaging_peers):
+    async def main():
+        hub = Hub()
+        peers = await averaging_peers(hub, 4, "run", MM, _cfg())
+        rates = {"peer00": 100e6, "peer01": 100e6, "peer02": 20e6, "peer03": 20e6}
+        for p in peers:
+            p.allreduce.rates = {"up": rates[p.matchmaker.peer_id], "down": 10 * rates[p.matchmaker.peer_id]}
+        groups = await asyncio.gather(*[p.matchmaker.form_group("r", p.allreduce.announce(), expected_size=4)
+                                        for p in peers])
+        group = groups[0]
+        by_id = {p.matchmaker.peer_id: p for p in peers}
+        xs = {m: _vector(i, 4) for i, m in enumerate(group.members)}
+        out = await asyncio.gather(*[by_id[m].allreduce.run(group, xs[m], 1.0) for m in group.members])
+        numel = xs[group.members[0]].numel()
+        sizes = {m: s for m, s in zip(group.members, out[0].part_sizes)}
+        assert sizes["peer02"] == sizes["peer03"] == 0  # the slow pair reduces nothing
+        assert sizes["peer00"] + sizes["peer01"] == numel
+        assert all(r.part_sizes == out[0].part_sizes for r in out)
+        assert all(torch.equal(r.averaged, sum(xs.values()) / 4) for r in out)
+        for p in peers:  # every run refreshes the measured rates
+            assert p.allreduce.rates["up"] > 0 and math.isfinite(p.allreduce.rates["down"])
+
+    asyncio.run(main())
+
+
+class _Echo(Service):
+    """Answers frame k of a framed request with its bytes reversed, as soon as frame k arrived."""
+
+    name = "echo"
+
+    async def rpc_frames(self, request):
+        sizes = request.header["sizes"]
+        k = 0
+        async for payload in request.payload_frames(sizes):
+            if request.header.get("refuse_at") == k:
+                raise Refused("no more")
+            await request.reply_frame(k, sizes, bytes(payload)[::-1])
+            k += 1
+
+
+def test_call_framed_pipelines_both_directions_and_checks_the_framing():
+    async def main():
+        hub = Hub()
+        await _Echo().start(hub.transport("server"))
+        inner = hub.transport("client").streams
+
+        class _Paced:  # a link slow enough that the answer to frame 0 can come back before frame 2 leaves
+            peer_id = "client"
+
+            async def open(self, peer, name):
+                reader, writer = await inner.open(peer, name)
+                drain = writer.drain
+
+                async def slow_drain():
+                    await asyncio.sleep(0.02)
+                    await drain()
+
+                writer.drain = slow_drain
+                return reader, writer
+
+        client = _Paced()
+        events = []
+        sizes = [5, 5, 3]
+
+        def frames():
+            for k, size in enumerate(sizes):
+                events.append(("sent", k))
+                yield bytes([k]) * size
+
+        got = {}
+
+        def on_frame(k, payload):
+            events.append(("got", k))
+            got[k] = bytes(payload)
+
+        _, sent, received = await call_framed(client, "server", "echo", "frames", {"sizes": sizes}, frames(), sizes,
+                                              sizes, on_frame, timeout_s=5.0)
+        assert got == {k: bytes([k]) * s for k, s in enumerate(sizes)}
+        assert events.index(("got", 0)) < events.index(("sent", 2))  # the answer overlaps the request
+        assert sent >= sum(sizes) and received >= sum(sizes)
+        with pytest.raises(ProtocolViolation):  # the reply is framed otherwise than agreed
+            await call_framed(client, "server", "echo", "frames", {"sizes": sizes}, iter([b"a" * 5, b"b" * 5,
+                              b"c" * 3]), sizes, [5, 4, 4], lambda k, p: None, timeout_s=5.0)
+        with pytest.raises(Refused):  # a refusal in place of frame 1
+            await call_framed(client, "server", "echo", "frames", {"sizes": sizes, "refuse_at": 1},
+                              iter([b"a" * 5, b"b" * 5, b"c" * 3]), sizes, sizes, lambda k, p: None, timeout_s=5.0)
+        with pytest.raises(ValueError):  # our own frame of the wrong size never reaches the wire as such
+            await call_framed(client, "server", "echo", "frames", {"sizes": sizes}, iter([b"a" * 4]), sizes, sizes,
+                              lambda k, p: None, timeout_s=5.0)
+
+    asyncio.run(main())
+
+
+def test_rates_within_the_spread_give_equal_parts_and_missing_rates_too():
+    from protocols.matchmaking import Group
+
+    ar = ButterflyAllReduce(Hub().transport("a"), "run", _cfg())
+    members = ("a", "b", "c")
+    near = Group("g", "k", "a", members, {m: {"rates": {"up": r, "down": r}} for m, r in zip(members, (10, 12, 14))})
+    assert ar.part_sizes(near, 10) == [4, 3, 3]
+    partial = Group("g", "k", "a", members, {"a": {"rates": {"up": 100, "down": 100}}, "b": {}, "c": {}})
+    assert ar.part_sizes(partial, 10) == [4, 3, 3]
+    far = Group("g", "k", "a", members, {m: {"rates": {"up": r, "down": r}} for m, r in zip(members, (100, 100, 0))})
+    assert ar.part_sizes(far, 10) == [5, 5, 0]
+    equal = ButterflyAllReduce(Hub().transport("a"), "run", _cfg(partition="equal"))
+    assert equal.part_sizes(far, 10) == [4, 3, 3]
+
+
+def test_measured_rates_rise_at_once_and_fall_gradually():
+    ar = ButterflyAllReduce(Hub().transport("a"), "run", _cfg())
+    ar._measure([(100, 1.0)], [(50, 1.0)])
+    assert ar.rates == {"up": 100.0, "down": 50.0}
+    ar._measure([(300, 1.0)], [(10, 1.0)])  # a faster run: the link is at least that fast
+    assert ar.rates["up"] == 300.0 and 10.0 < ar.rates["down"] < 50.0
+    ar._measure([], [])  # nothing measured: unchanged
+    assert ar.rates["up"] == 300.0

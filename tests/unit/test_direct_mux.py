@@ -1,0 +1,129 @@
+"""Warm connections on the direct data plane (peerd/transport/mux.py via DirectStreams(multiplex=True)): one
+authenticated TCP connection per peer pair carries every stream of every round, and a dropped one is dialled again.
+
+Discovery and the inner (fallback) streams are an in-process Hub; the direct path is real TCP on 127.0.0.1.
+"""
+
+import asyncio
+import types
+
+import pytest
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from peerd.signing import Signer
+from peerd.transport.direct import DirectStreams
+from peerd.transport.inprocess import Hub
+from peerd.transport.records import SignedDiscovery
+from protocols.allreduce import AllReduceConfig, ButterflyAllReduce
+from protocols.matchmaking import Group, MatchmakingConfig, Matchmaker
+from protocols.rpc import Service, call
+
+pytestmark = pytest.mark.timeout(60)
+
+ROUNDS = 5
+
+
+class _Echo(Service):
+    name = "echo"
+
+    async def rpc_echo(self, request):
+        return {}, bytes(await request.payload(1 << 20))[::-1]
+
+
+async def _peers(hub: Hub, n: int):
+    out = []
+    for _ in range(n):
+        signer = Signer(Ed25519PrivateKey.generate())
+        inner = hub.transport(signer.peer_id)
+        discovery = SignedDiscovery(inner.discovery, signer)
+        streams = DirectStreams(inner.streams, discovery, signer, "127.0.0.1", multiplex=True)
+        await streams.start()
+        transport = types.SimpleNamespace(discovery=discovery, streams=streams)
+        mm = Matchmaker(transport, "run", MatchmakingConfig(5.0, 2.0, 0.05))
+        ar = ButterflyAllReduce(transport, "run", AllReduceConfig("none", 5.0, 10.0, chunk_numel=4096))
+        await mm.start()
+        await ar.start()
+        out.append((streams, mm, ar))
+    return out
+
+
+def test_five_rounds_between_three_peers_use_one_connection_per_pair_and_a_dropped_one_is_redialled():
+    async def main():
+        hub = Hub()
+        peers = await _peers(hub, 3)
+        try:
+            xs = [torch.randn(3 * 3 * 4096 + 5, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+            expected = sum(xs) / 3
+            for r in range(ROUNDS):
+                members = tuple(sorted(s.peer_id for s, _, _ in peers))  # as sealed by a matchmaking
+                group = Group(f"round{r}", f"r{r}", members[0], members, {m: {} for m in members})
+                groups = [group] * 3
+                out = await asyncio.gather(*[ar.run(g, x, 1.0) for (_, _, ar), g, x in zip(peers, groups, xs)])
+                assert all(torch.equal(o.averaged, out[0].averaged) for o in out)
+                assert float((out[0].averaged - expected).abs().max()) < 1e-5
+            dials = sum(s.stats["tcp_dials"] for s, _, _ in peers)
+            opens = sum(s.stats["direct_opens"] for s, _, _ in peers)
+            fallbacks = sum(s.stats["fallback_opens"] for s, _, _ in peers)
+            print(f"FIGURE warm connections: {ROUNDS} rounds, 3 peers: {dials} TCP connections dialled for {opens} "
+                  f"direct streams ({fallbacks} via the fallback)")
+            assert dials <= 3  # one per pair, whoever dialled it
+            assert fallbacks == 0 and opens >= ROUNDS * 6
+            # drop every connection of the first peer: the next streams dial again and succeed
+            first = peers[0][0]
+            for session in list(first._mux_all):
+                session.conn.abort()
+            await asyncio.sleep(0.2)
+            payload = b"abc" * 1000
+            echo = _Echo()
+            await echo.start(peers[1][0])
+            reply = await call(first, peers[1][0].peer_id, "echo", "echo", {}, payload, timeout_s=10.0,
+                               max_reply_bytes=len(payload))
+            assert bytes(reply.payload) == payload[::-1]
+            assert sum(s.stats["tcp_dials"] for s, _, _ in peers) == dials + 1
+            assert first.stats["fallback_opens"] == 0
+        finally:
+            for streams, _, _ in peers:
+                await streams.stop()
+
+    asyncio.run(main())
+
+
+def test_streams_over_one_connection_are_independent_and_flow_controlled():
+    async def main():
+        hub = Hub()
+        peers = await _peers(hub, 2)
+        a, b = peers[0][0], peers[1][0]
+        received = {}
+
+        async def sink(peer, reader, writer):
+            size = int.from_bytes(await reader.readexactly(8), "big")
+            received[size] = await reader.readexactly(size)
+            writer.write(b"ok")
+            await writer.drain()
+
+        await b.add_handler("sink", sink)
+        try:
+            big, small = 20 << 20, 1000  # the big stream exceeds the per-stream window several times over
+
+            async def send(size):
+                reader, writer = await a.open(b.peer_id, "sink")
+                writer.write(size.to_bytes(8, "big") + bytes(range(256)) * (size // 256) + bytes(size % 256))
+                await writer.drain()
+                assert await reader.readexactly(2) == b"ok"
+                writer.close()
+
+            await asyncio.wait_for(asyncio.gather(send(big), send(small)), 30.0)
+            assert len(received[big]) == big and received[big][:256] == bytes(range(256))
+            assert len(received[small]) == small
+            assert a.stats["tcp_dials"] + b.stats["tcp_dials"] == 1
+            # a name the other side does not serve resets that stream only
+            reader, writer = await a.open(b.peer_id, "nothing-here")
+            with pytest.raises((ConnectionError, asyncio.IncompleteReadError)):
+                await asyncio.wait_for(reader.readexactly(1), 5.0)
+            await asyncio.wait_for(send(small), 10.0)
+        finally:
+            for streams, _, _ in peers:
+                await streams.stop()
+
+    asyncio.run(main())
