@@ -235,6 +235,10 @@ class RunConfig:
         if self.diloco.overlap != "none" and self.averaging.method != "allreduce":
             raise ConfigError(f"[diloco] overlap = {self.diloco.overlap!r} needs averaging.method = 'allreduce' "
                               f"(the mixing methods have no shared outer step to delay), got {self.averaging.method!r}")
+        if self.diloco.fragments > 1 and (self.averaging.method != "allreduce" or self.diloco.overlap != "none"):
+            raise ConfigError(f"[diloco] fragments = {self.diloco.fragments} needs averaging.method = 'allreduce' and "
+                              f"overlap = 'none' (got {self.averaging.method!r}, {self.diloco.overlap!r}): each "
+                              "fragment's round is a shared outer step, not yet delayed")
         sparse = {"allreduce": "moshpit", "gossip": "gossip"}  # these average outer *states*: no error feedback there
         for table, method in sparse.items():
             codec = self.averaging.protocol(table).compression

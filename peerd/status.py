@@ -29,8 +29,9 @@ STATUS_VERSION = 1
 STATUS_FIELDS = ("role", "outer_round", "inner_step", "loss", "tokens_per_s", "eval_nats_per_byte", "digest")
 #: Known fields a record may lack (added after version 0): ``instance`` = a random id per daemon process (<= 64
 #: characters), which tells a restarted peer from its previous process; ``stage`` = the pipeline stage a SWARM server
-#: serves (a non-negative integer).
-OPTIONAL_STATUS_FIELDS = ("instance", "stage")
+#: serves (a non-negative integer); ``fragment_rounds`` = the outer round of each Streaming DiLoCo fragment of a
+#: DiLoCo worker with ``[diloco] fragments`` > 1 (a list of at most 256 non-negative integers).
+OPTIONAL_STATUS_FIELDS = ("instance", "stage", "fragment_rounds")
 KNOWN_STATUS_FIELDS = STATUS_FIELDS + OPTIONAL_STATUS_FIELDS
 
 _MAX_ROUND = 2**40
@@ -74,6 +75,9 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "digest": (lambda v: v is None or (isinstance(v, str) and len(v) <= 64), "a string of at most 64 characters"),
     "instance": (_short_str(64), "a string of 1-64 characters"),
     "stage": (_count, "a non-negative integer"),
+    "fragment_rounds": (lambda v: v is None or (isinstance(v, (list, tuple)) and 0 < len(v) <= 256
+                                                and all(_count(x) and x is not None for x in v)),
+                        "a list of 1-256 non-negative integers"),
     "time": (_finite(nullable=False), "a finite number"),
     "v": (lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < _MAX_VERSION,
           "a non-negative integer"),

@@ -98,11 +98,16 @@ class DiLoCoHyperparams:
     """none: each round's all-reduce finishes before the next inner steps. delayed: it runs in the background during
     the next round and its outer step is applied one round late (:class:`DelayedOuterStep`, arXiv 2502.12996)."""
 
+    fragments: int = 1
+    """F: Streaming DiLoCo fragments (arXiv 2501.18512): the model is cut into F strided fragments, each with its own
+    outer state and outer round every H steps, staggered by H/F steps (:mod:`protocols.streaming`); F divides H.
+    1 syncs the whole model at once."""
+
     def __post_init__(self) -> None:
         def fail(field: str, requirement: str) -> None:
             raise ValueError(f"DiLoCoHyperparams.{field} must be {requirement}, got {getattr(self, field)!r}")
 
-        for field in ("inner_steps", "warmup_steps", "lr_decay_steps"):
+        for field in ("inner_steps", "warmup_steps", "lr_decay_steps", "fragments"):
             if not _is_int(getattr(self, field)):
                 fail(field, "an int")
             object.__setattr__(self, field, int(getattr(self, field)))
@@ -124,6 +129,8 @@ class DiLoCoHyperparams:
 
         if self.inner_steps < 1:
             fail("inner_steps", ">= 1")
+        if self.fragments < 1 or self.inner_steps % self.fragments:
+            fail("fragments", f">= 1 and divide inner_steps ({self.inner_steps})")
         if self.inner_lr <= 0:
             fail("inner_lr", "> 0")
         if self.inner_weight_decay < 0:
