@@ -208,6 +208,8 @@ class RunConfig:
     """Peers leave after this many outer rounds; 0 = train until stopped."""
     eval_batches: int = 8
     """Batches of held-out text evaluated after each outer round (0 disables evaluation)."""
+    eval_every: int = 1
+    """Evaluate after every ``eval_every``-th outer round (and after the last one, ``max_outer_rounds``); >= 1."""
     diloco: DiLoCoHyperparams = field(default_factory=DiLoCoHyperparams)
     averaging: AveragingConfig = field(default_factory=AveragingConfig)
     allowlist: tuple[str, ...] = ()
@@ -264,6 +266,8 @@ class RunConfig:
         for name in ("seq_len", "batch_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if isinstance(self.eval_every, bool) or not isinstance(self.eval_every, int) or self.eval_every < 1:
+            raise ConfigError(f"eval_every must be an int >= 1 (outer rounds), got {self.eval_every!r}")
         for name in ("max_outer_rounds", "eval_batches"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")

@@ -36,6 +36,7 @@ every time it finished, and download again forever.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hashlib
 import logging
@@ -130,6 +131,7 @@ class DiLoCoRole:
         self._samples_total, self._steps_total = 0, 0
         self._synced_at = [(0, 0)] * len(self.parts)
         self._cycle: Optional[dict] = None  # the current cycle's exchange totals (fragments > 1)
+        self._next_fragment = 0  # the fragment whose round comes at the next boundary (fragments > 1)
         self._snapshot: Optional[StateSnapshot] = None
         self._snapshot_of: Optional[tuple] = None
         self.state_sync = StateSync(ctx.transport, ctx.namespace.prefix(ROLE), self._current_snapshot,
@@ -138,6 +140,10 @@ class DiLoCoRole:
         self._in_flight: Optional[asyncio.Task] = None  # delayed overlap: the background all-reduce
         self._landed: Optional[tuple] = None  # the RoundDone fields of the last applied background round
         self._carry: Optional[tuple[torch.Tensor, float, int]] = None  # a failed background round's (delta, w, steps)
+        self._eval_task: Optional[asyncio.Task] = None  # background_eval: the evaluation running now
+        self._eval_model: Optional[torch.nn.Module] = None  # background_eval: the copy it evaluates
+        self._writer = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="peerd-checkpoint")
+                        if node.background_checkpoint else None)  # one thread: writes land in order, never overlap
         ctx.status.set_source(self._status_fields)
 
     def _fragments(self, ctx: RunContext) -> list:
@@ -187,7 +193,10 @@ class DiLoCoRole:
             status_task.cancel()
             with contextlib.suppress(BaseException):
                 await status_task
-            self._save_checkpoint()
+            if self._eval_task is not None:
+                with contextlib.suppress(Exception):
+                    await self._eval_task
+            self._save_checkpoint(final=True)
             await self.ctx.status.publish(role="left")
             for component in self.components:
                 with contextlib.suppress(Exception):
@@ -274,6 +283,7 @@ class DiLoCoRole:
         self.round_quota = self.schedule.stride
         self._synced_at = [(self._samples_total, self._steps_total)] * len(self.parts)
         self._cycle = None
+        self._next_fragment = 0
 
     # --------------------------------------------------------------------------------------------------- outer rounds
 
@@ -318,15 +328,15 @@ class DiLoCoRole:
         self.stats.bytes_sent += outcome.bytes_sent
         self.stats.bytes_received += outcome.bytes_received
         self._save_checkpoint()
+        await self.ctx.status.publish()  # before the evaluation: peers count on us in the next round from now
         n = outcome.group_size
         dp_bytes = int(steps * 2 * (n - 1) / n * 4 * self.outer.numel)
-        eval_loss = await self._evaluate()
+        eval_loss = await self._round_eval()
         self.ctx.events.publish(RoundDone(
             self.outer.outer_round, n, outcome.bytes_sent, outcome.bytes_received, outcome.allreduce_s,
             outcome.excluded, outcome.attempts, round(time.perf_counter() - started, 3), weight, steps, dp_bytes,
             self.outer.digest(), self.sync.method, eval_loss, self.stats.tokens,
         ))
-        await self.ctx.status.publish()
 
     def _sat_out_diverged(self, r: int, local: torch.Tensor) -> bool:
         """If theta_local ((P,)) is not finite, sit round ``r + 1`` out: nobody can use our contribution (and the
@@ -345,11 +355,10 @@ class DiLoCoRole:
     async def _fragment_round(self) -> None:
         """The round of the fragment due at this step of the cycle (``fragments`` > 1; Douillard et al. 2025, arXiv
         2501.18512, sec. 2.2). Only that fragment's theta_local restarts from its new theta_outer; the others keep
-        training. A failed fragment round keeps its local steps for its next round, one cycle later. The cycle's
-        RoundDone (bytes summed over its fragment rounds) is published when its last fragment syncs."""
-        j = self.schedule.due(self.steps_since_sync)
-        if j is None:  # not at a fragment boundary (stopped or paused mid-way): nothing is due
-            return
+        training. A failed fragment round is tried again H/F steps later, its local steps kept, before any other
+        fragment: the peers' schedules realign on it, as a failed whole-model round is retried with more steps. The
+        cycle's RoundDone (bytes summed over its fragment rounds) is published when its last fragment syncs."""
+        j = self._next_fragment
         records = await self._peer_records()
         live = _workers(records)
         if await self._catch_up(live) or await self._catch_up_fragment(j, live):
@@ -359,7 +368,7 @@ class DiLoCoRole:
         local = part.fragment.flatten(self.model)  # (P_j,)
         position = self.steps_since_sync
         if self._sat_out_diverged(r, local):
-            self._seek(position)  # the schedule goes on with the others
+            self._seek(position, j)  # the schedule goes on with the others
             return
         if self._cycle is None:
             self._cycle = dict(started=time.perf_counter(), sent=0, received=0, seconds=0.0, excluded={}, attempts=1,
@@ -377,44 +386,44 @@ class DiLoCoRole:
             return
         if isinstance(outcome, RoundFailure):
             self._round_failed(r, f"fragment {j}: {outcome.reason}",
-                               f"its theta_outer unchanged, keeping its {steps} local steps")
-        else:
-            assert isinstance(outcome, RoundResult)
-            part.reset_to_outer(self.model)
-            self._synced_at[j] = (self._samples_total, self._steps_total)
-            cycle = self._cycle
-            cycle["sent"] += outcome.bytes_sent
-            cycle["received"] += outcome.bytes_received
-            cycle["seconds"] += outcome.allreduce_s
-            cycle["excluded"].update(outcome.excluded)
-            cycle["attempts"] = max(cycle["attempts"], outcome.attempts)
-            cycle["group"] = max(cycle["group"], outcome.group_size)
-            cycle["weight"], cycle["steps"] = weight, steps
-            self.stats.bytes_sent += outcome.bytes_sent
-            self.stats.bytes_received += outcome.bytes_received
+                               f"its theta_outer unchanged, keeping its {steps} local steps, retrying it next")
+            self._seek(position, j)
+            return
+        assert isinstance(outcome, RoundResult)
+        part.reset_to_outer(self.model)
+        self._synced_at[j] = (self._samples_total, self._steps_total)
+        cycle = self._cycle
+        cycle["sent"] += outcome.bytes_sent
+        cycle["received"] += outcome.bytes_received
+        cycle["seconds"] += outcome.allreduce_s
+        cycle["excluded"].update(outcome.excluded)
+        cycle["attempts"] = max(cycle["attempts"], outcome.attempts)
+        cycle["group"] = max(cycle["group"], outcome.group_size)
+        cycle["weight"], cycle["steps"] = weight, steps
+        self.stats.bytes_sent += outcome.bytes_sent
+        self.stats.bytes_received += outcome.bytes_received
         last = j == len(self.parts) - 1
-        self._seek(0 if last else position)
+        self._seek(0 if last else position, 0 if last else j + 1)
+        await self.ctx.status.publish()
         if not last:
-            await self.ctx.status.publish()
             return
         cycle, self._cycle = self._cycle, None
-        if isinstance(outcome, RoundFailure):
-            return
         self.stats.rounds_ok += 1
         self._save_checkpoint()
         n = cycle["group"]
         dp_bytes = int(self.hp.inner_steps * 2 * (n - 1) / n * 4 * sum(p.outer.numel for p in self.parts))
-        eval_loss = await self._evaluate()
+        eval_loss = await self._round_eval()
         self.ctx.events.publish(RoundDone(
             self.outer.outer_round, n, cycle["sent"], cycle["received"], round(cycle["seconds"], 3), cycle["excluded"],
             cycle["attempts"], round(time.perf_counter() - cycle["started"], 3), cycle["weight"], cycle["steps"],
             dp_bytes, self._digest(), self.sync.method, eval_loss, self.stats.tokens,
         ))
-        await self.ctx.status.publish()
 
-    def _seek(self, step_in_cycle: int) -> None:
-        """Continue the cycle after its step ``step_in_cycle`` (0..H-1): train up to the next fragment boundary."""
+    def _seek(self, step_in_cycle: int, next_fragment: int) -> None:
+        """Continue the cycle after its step ``step_in_cycle``: ``next_fragment`` syncs after H/F more steps (or at
+        the cycle's next boundary, where a download put us mid-stride)."""
         self.steps_since_sync = step_in_cycle
+        self._next_fragment = next_fragment
         self.round_quota = self.schedule.next_boundary(step_in_cycle)
 
     def _fragment_rounds(self) -> list[int]:
@@ -467,15 +476,15 @@ class DiLoCoRole:
         self._in_flight = asyncio.ensure_future(self._background_exchange(delta, weight, steps, live, syncing))
         self._restart_local()
         self._save_checkpoint()
+        await self.ctx.status.publish()  # before the evaluation: peers count on us in the next round from now
         await self._publish_round_done()
-        await self.ctx.status.publish()
 
     async def _publish_round_done(self) -> None:
         """RoundDone of the background round applied at this boundary, with the loss of the new theta_outer."""
         if self._landed is None:
             return
         fields, self._landed = self._landed, None
-        self.ctx.events.publish(RoundDone(*fields[:13], await self._evaluate(), self.stats.tokens))
+        self.ctx.events.publish(RoundDone(*fields[:13], await self._round_eval(), self.stats.tokens))
 
     async def _background_exchange(self, delta: torch.Tensor, weight: float, steps: int, live: dict, syncing: int):
         """All-reduce ``delta`` (P,) for the round after theta_outer; ``(outcome, delta, weight, steps, started)``.
@@ -633,7 +642,7 @@ class DiLoCoRole:
         self._restart_local(got.state)
         if len(self.parts) > 1:  # the fragments the adopted state synced this cycle tell where in the cycle it is
             synced = sum(1 for p in self.parts if p.outer.outer_round > self.outer.outer_round)
-            self._seek(synced * self.schedule.stride)
+            self._seek(synced * self.schedule.stride, synced)
         self._syncing = False
         await self.ctx.status.publish()
         self.ctx.events.publish(StateDownloaded(self.outer.outer_round, got.peer, self._digest(), got.seconds,
@@ -669,6 +678,42 @@ class DiLoCoRole:
             self.stats.last_eval = loss
         return loss
 
+    async def _round_eval(self) -> Optional[float]:
+        """The evaluation after an outer round: every ``eval_every`` rounds and after the last one; in the background
+        with the node's ``background_eval`` (then None here: an ``eval`` event follows)."""
+        if self.outer.outer_round % self.run_cfg.eval_every and not self._finished():
+            return None
+        fragments = len(self.parts) > 1
+        if not self.run_cfg.eval_batches or not (fragments or self.ctx.node.background_eval):
+            return await self._evaluate()
+        if self._eval_task is not None:  # one at a time: the copy below is shared
+            with contextlib.suppress(Exception):
+                await self._eval_task
+        if self._eval_model is None:
+            self._eval_model = build_model(self.run_cfg.model, self.run_cfg.seq_len, self.run_cfg.seed).to(self.device)
+        # With fragments, theta_local of the fragments synced earlier in the cycle has moved on: the model evaluated
+        # is theta_outer (the same on every peer), put together from the fragments. At a round boundary no inner
+        # step runs: the parameters copied hold still.
+        with torch.no_grad():
+            for mine, theirs in zip(self._eval_model.parameters(), self.model.parameters()):
+                mine.copy_(theirs)
+        for part in self.parts:
+            part.fragment.load_(self._eval_model, part.outer.theta)
+        task = asyncio.ensure_future(self._evaluate_copy(self.outer.outer_round, self.stats.tokens))
+        if not self.ctx.node.background_eval:
+            return await task
+        self._eval_task = task
+        return None
+
+    async def _evaluate_copy(self, outer_round: int, tokens: int) -> Optional[float]:
+        """Held-out loss of the evaluation copy; in the background it is published as an ``eval`` event."""
+        loss = await held_out_loss(self._eval_model, self.eval_tokens, self.run_cfg)
+        if loss is not None:
+            self.stats.last_eval = loss
+        if self.ctx.node.background_eval:
+            self.ctx.events.publish(Evaluated(outer_round, loss, tokens))
+        return loss
+
     async def _evaluate_and_publish(self) -> None:
         eval_loss = await self._evaluate()
         self.ctx.events.publish(Evaluated(self.outer.outer_round, eval_loss, self.stats.tokens))
@@ -685,7 +730,9 @@ class DiLoCoRole:
 
     # ----------------------------------------------------------------------------------------------------- checkpoint
 
-    def _save_checkpoint(self) -> None:
+    def _save_checkpoint(self, final: bool = False) -> None:
+        """Write the checkpoint; with the node's ``background_checkpoint`` a copy is written by the writer thread
+        (``final``: and waited for, with every write before it)."""
         tensors = {"theta_outer": self._cat("theta"), "momentum": self._cat("momentum"),
                    "theta_local": torch.cat([p.fragment.flatten(self.model) for p in self.parts])}
         tensors.update(optimizer_tensors(self.optimizer))
@@ -699,7 +746,15 @@ class DiLoCoRole:
         if len(self.parts) > 1:  # each fragment's round, and the (samples, steps) it has not synced yet
             metadata["fragment_rounds"] = self._fragment_rounds()
             metadata["fragment_pending"] = [[self._samples_total - a, self._steps_total - b] for a, b in self._synced_at]
-        self.ctx.checkpoints.save(Checkpoint(tensors, metadata))
+        if self._writer is None:
+            self.ctx.checkpoints.save(Checkpoint(tensors, metadata))
+            return
+        # copies: theta_local, the optimizer's moments (views of live CPU tensors) change while the writer writes
+        copied = {name: t.detach().clone() for name, t in tensors.items()}
+        self._writer.submit(self.ctx.checkpoints.save, Checkpoint(copied, metadata))
+        if final:
+            self._writer.shutdown(wait=True)
+            self._writer = None
 
     def _resume(self) -> None:
         path = self.ctx.checkpoints.path
