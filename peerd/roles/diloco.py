@@ -736,6 +736,9 @@ class DiLoCoRole:
         tensors = {"theta_outer": self._cat("theta"), "momentum": self._cat("momentum"),
                    "theta_local": torch.cat([p.fragment.flatten(self.model) for p in self.parts])}
         tensors.update(optimizer_tensors(self.optimizer))
+        feedbacks = self._feedbacks()
+        if feedbacks:  # what the sparse codec has not sent yet: lost on a restart otherwise
+            tensors["error_feedback"] = torch.cat([f.error for f in feedbacks])
         metadata = {
             "run_id": self.ctx.run_id, "run_fingerprint": self.run_cfg.fingerprint(),
             "outer_round": self.outer.outer_round, "steps_since_sync": self.steps_since_sync,
@@ -756,6 +759,11 @@ class DiLoCoRole:
             self._writer.shutdown(wait=True)
             self._writer = None
 
+    def _feedbacks(self) -> list:
+        """Each fragment's error feedback (a sparse codec's unsent remainder), or [] without a sparse codec."""
+        feedbacks = [getattr(sync, "feedback", None) for sync in self.syncs]
+        return [] if None in feedbacks else feedbacks
+
     def _resume(self) -> None:
         path = self.ctx.checkpoints.path
         checkpoint = self.ctx.checkpoints.load()
@@ -775,6 +783,10 @@ class DiLoCoRole:
                 part.outer = outer
                 part.round_start_theta = outer.theta
                 part.fragment.load_(self.model, local)
+            feedbacks = self._feedbacks()
+            if feedbacks and "error_feedback" in t:  # a checkpoint from before it was kept: the error restarts at 0
+                for feedback, error in zip(feedbacks, self._split(t["error_feedback"])):
+                    feedback.record(error.clone(), torch.zeros_like(error))
             if len(self.parts) > 1:
                 self._samples_total, self._steps_total = 0, 0
                 self._synced_at = [(-int(a), -int(b)) for a, b in meta["fragment_pending"]]

@@ -166,3 +166,25 @@ def test_a_download_mid_cycle_joins_at_the_next_fragment_boundary(tmp_path):
                 await component.stop()
 
     asyncio.run(main())
+
+
+def test_topk_error_feedback_of_every_fragment_survives_a_restart(tmp_path):
+    async def main():
+        hub = Hub()
+        run = RunConfig(
+            model="tiny", seq_len=32, batch_size=4, eval_batches=0, max_outer_rounds=1,
+            diloco=DiLoCoHyperparams(inner_steps=2, warmup_steps=2, inner_lr=1e-3, fragments=2),
+            averaging=AveragingConfig.from_flat(compression="topk", min_group_size=2, matchmaking_timeout_s=4.0,
+                                                request_timeout_s=1.0, sender_timeout_s=3.0, reducer_timeout_s=6.0))
+        workers = [_worker(hub, f"peer-{c}", run, tmp_path) for c in "ab"]
+        await asyncio.gather(*[w.run() for w in workers])
+        a = workers[0]
+        assert a._digest() == workers[1]._digest()
+        errors = [f.error for f in a._feedbacks()]
+        assert len(errors) == 2 and all(float(e.abs().sum()) > 0 for e in errors)  # top-k left something unsent
+        again = _worker(Hub(), "peer-a", run, tmp_path)
+        again._resume()
+        for mine, theirs in zip(again._feedbacks(), errors):
+            assert torch.equal(mine.error, theirs)
+
+    asyncio.run(main())
