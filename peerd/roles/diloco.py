@@ -27,6 +27,12 @@ pseudo-gradient (and weight) is added to the next round's, so no local step is l
 peer's state drops both its round in flight and that carry. On stop the round in flight is finished (bounded) and
 applied before the final checkpoint.
 
+With ``[diloco] fragments = F`` > 1 (Streaming DiLoCo, Douillard et al. 2025, arXiv 2501.18512) the model is F
+strided fragments (:mod:`protocols.streaming`), each with its own outer state, outer round and group keys; fragment
+p syncs after step (p + 1) H/F of each cycle of H steps, and only its theta_local restarts from its new theta_outer.
+The worker's outer round is its last fragment's; status records, state snapshots and checkpoints carry every
+fragment's round.
+
 While it downloads, a worker's status says ``role = "syncing"``, and the all-reduce peers count it in their round's
 expected group size: they wait for it in matchmaking (bounded by ``matchmaking_timeout_s``) instead of sealing the
 round without it. Otherwise a peer whose download takes longer than a round would find the swarm a round further
