@@ -237,6 +237,10 @@ class RunConfig:
         if self.diloco.overlap != "none" and self.averaging.method != "allreduce":
             raise ConfigError(f"[diloco] overlap = {self.diloco.overlap!r} needs averaging.method = 'allreduce' "
                               f"(the mixing methods have no shared outer step to delay), got {self.averaging.method!r}")
+        if self.diloco.straggler != "drop" and (self.averaging.method != "allreduce" or self.diloco.overlap != "none"
+                                                or self.diloco.fragments > 1):
+            raise ConfigError(f"[diloco] straggler = {self.diloco.straggler!r} needs averaging.method = 'allreduce', "
+                              "overlap = 'none' and fragments = 1")
         if self.diloco.fragments > 1 and (self.averaging.method != "allreduce" or self.diloco.overlap != "none"):
             raise ConfigError(f"[diloco] fragments = {self.diloco.fragments} needs averaging.method = 'allreduce' and "
                               f"overlap = 'none' (got {self.averaging.method!r}, {self.diloco.overlap!r}): each "

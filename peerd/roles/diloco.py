@@ -304,8 +304,11 @@ class DiLoCoRole:
         records = await self._peer_records()
         live = _workers(records)
         margin = self.sync.catch_up_margin
-        if margin is not None and await self._catch_up(live, margin):
-            return
+        if margin is not None:
+            carry = self._straggler_carry()
+            if await self._catch_up(live, margin):
+                self._apply_straggler_carry(carry)
+                return
         started = time.perf_counter()
         r = self.outer.outer_round
         local = self.part.fragment.flatten(self.model)  # (P,)
@@ -343,6 +346,27 @@ class DiLoCoRole:
             outcome.excluded, outcome.attempts, round(time.perf_counter() - started, 3), weight, steps, dp_bytes,
             self.outer.digest(), self.sync.method, eval_loss, self.stats.tokens,
         ))
+
+    def _straggler_carry(self) -> Optional[tuple[int, torch.Tensor, int]]:
+        """With ``straggler = "carry"``: (our outer round, pseudo-gradient (P,) against our theta_outer, samples)
+        before a possible catch-up; None otherwise (or with nothing worth carrying)."""
+        if self.hp.straggler != "carry" or not self.samples_since_sync or self.sync.method != "allreduce":
+            return None
+        delta = self.outer.pseudo_gradient(self.part.fragment.flatten(self.model))  # (P,)
+        return (self.outer.outer_round, delta, self.samples_since_sync) if all_finite(delta) else None
+
+    def _apply_straggler_carry(self, carry: Optional[tuple[int, torch.Tensor, int]]) -> None:
+        """After adopting the state of the swarm one round ahead: theta_local := theta_outer - delta, so the next
+        pseudo-gradient holds our missed round's steps too, and its weight their samples."""
+        if carry is None:
+            return
+        r, delta, samples = carry
+        if self.outer.outer_round != r + 1:  # further ahead: too stale to add to the next round
+            return
+        self.part.fragment.load_(self.model, self.outer.theta - delta)
+        self.samples_since_sync += samples
+        logger.info("round %d went on without us: carrying our pseudo-gradient (%d samples) into round %d",
+                    r + 1, samples, r + 2)
 
     def _sat_out_diverged(self, r: int, local: torch.Tensor) -> bool:
         """If theta_local ((P,)) is not finite, sit round ``r + 1`` out: nobody can use our contribution (and the

@@ -4,6 +4,7 @@ training thread (``background_checkpoint``), on in-process DiLoCo workers."""
 import asyncio
 
 import pytest
+import torch
 
 from peerd.config import ConfigError, NodeConfig
 from peerd.events import Evaluated, RoundDone
@@ -34,8 +35,13 @@ def _worker(hub, name, run, tmp_path, background: bool) -> tuple[DiLoCoRole, lis
     return role, events
 
 
-def test_eval_every_is_fingerprint_neutral_at_one_and_validated():
+def test_eval_every_and_straggler_are_fingerprint_neutral_at_their_defaults_and_validated():
     base = RunConfig(model="tiny")
+    assert RunConfig(model="tiny", diloco=DiLoCoHyperparams(straggler="drop")).fingerprint() == base.fingerprint()
+    with pytest.raises(ValueError, match="straggler"):
+        DiLoCoHyperparams(straggler="wait")
+    with pytest.raises(ConfigError, match="straggler"):
+        RunConfig(diloco=DiLoCoHyperparams(straggler="carry", overlap="delayed"))
     assert RunConfig(model="tiny", eval_every=1).fingerprint() == base.fingerprint()
     assert "eval_every" not in base.fingerprint_dict()
     assert RunConfig(model="tiny", eval_every=5).fingerprint() != base.fingerprint()
@@ -64,5 +70,43 @@ def test_background_eval_and_checkpoint_match_the_foreground_ones(diloco, tmp_pa
         again, _ = _worker(Hub(), "peer-a", run, tmp_path, True)
         again._resume()
         assert again._digest() == a._digest() and again.outer.outer_round == 3
+
+    asyncio.run(main())
+
+
+def test_a_straggler_carries_its_missed_rounds_pseudo_gradient_into_the_next_round(tmp_path):
+    from protocols.diloco import flatten_parameters
+
+    async def main():
+        hub = Hub()
+        run = RunConfig(
+            model="tiny", seq_len=32, batch_size=4, eval_batches=0,
+            diloco=DiLoCoHyperparams(inner_steps=2, warmup_steps=2, inner_lr=1e-3, straggler="carry"),
+            averaging=AveragingConfig.from_flat(min_group_size=1, matchmaking_timeout_s=1.0, request_timeout_s=0.5,
+                                                sender_timeout_s=3.0, reducer_timeout_s=6.0))
+        (a, _), (b, b_events) = (_worker(hub, "peer-a", run, tmp_path, False),
+                                 _worker(hub, "peer-b", run, tmp_path, False))
+        for w in (a, b):
+            for component in w.components:
+                await component.start()
+            await w._publish_status()
+        await a._train_until_quota()
+        await a._outer_round()  # b is late: the deadline passes and a's round goes on without it
+        assert a.outer.outer_round == 1
+        await b._train_until_quota()
+        missed = b.outer.theta - flatten_parameters(b.model)  # b's pseudo-gradient of the round it missed
+        await b._outer_round()  # b adopts a's state and keeps its pseudo-gradient
+        assert b.outer.digest() == a.outer.digest()
+        assert torch.equal(flatten_parameters(b.model), a.outer.theta - missed)
+        assert b.samples_since_sync == 8  # its 2 steps of batch 4 weigh in the next round
+        for w in (a, b):
+            await w._train_until_quota()
+        await asyncio.gather(a._outer_round(), b._outer_round())
+        assert a.outer.outer_round == b.outer.outer_round == 2 and a.outer.digest() == b.outer.digest()
+        done = [e for e in b_events if isinstance(e, RoundDone)]
+        assert done[-1].weight == 16.0  # the missed round's 8 samples and this round's 8
+        for w in (a, b):
+            for component in w.components:
+                await component.stop()
 
     asyncio.run(main())
