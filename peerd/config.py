@@ -112,6 +112,12 @@ class NodeConfig:
     """Compile the model with ``torch.compile`` (warm-up steps are left out of tokens/s)."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in the backward pass: less memory for a bigger micro-batch."""
+    background_eval: bool = False
+    """Evaluate after outer rounds on a copy of the model in a background thread while the next inner steps run;
+    the loss comes as an ``eval`` event instead of in the round's event. False: each round waits for its eval."""
+    background_checkpoint: bool = False
+    """Write checkpoints from a background thread (a copy of the state, written in order) while training goes on;
+    the last checkpoint, on stop, is always waited for. False: each round waits for its checkpoint write."""
     status_interval_s: float = 5.0
     """How often this peer refreshes its status record in the DHT."""
     status_ttl_s: float = 30.0

@@ -212,6 +212,8 @@ class RunConfig:
     """Peers leave after this many outer rounds; 0 = train until stopped."""
     eval_batches: int = 8
     """Batches of held-out text evaluated after each outer round (0 disables evaluation)."""
+    eval_every: int = 1
+    """Evaluate after every ``eval_every``-th outer round (and after the last one, ``max_outer_rounds``); >= 1."""
     diloco: DiLoCoHyperparams = field(default_factory=DiLoCoHyperparams)
     averaging: AveragingConfig = field(default_factory=AveragingConfig)
     allowlist: tuple[str, ...] = ()
@@ -239,6 +241,14 @@ class RunConfig:
         if self.diloco.overlap != "none" and self.averaging.method != "allreduce":
             raise ConfigError(f"[diloco] overlap = {self.diloco.overlap!r} needs averaging.method = 'allreduce' "
                               f"(the mixing methods have no shared outer step to delay), got {self.averaging.method!r}")
+        if self.diloco.straggler != "drop" and (self.averaging.method != "allreduce" or self.diloco.overlap != "none"
+                                                or self.diloco.fragments > 1):
+            raise ConfigError(f"[diloco] straggler = {self.diloco.straggler!r} needs averaging.method = 'allreduce', "
+                              "overlap = 'none' and fragments = 1")
+        if self.diloco.fragments > 1 and (self.averaging.method != "allreduce" or self.diloco.overlap != "none"):
+            raise ConfigError(f"[diloco] fragments = {self.diloco.fragments} needs averaging.method = 'allreduce' and "
+                              f"overlap = 'none' (got {self.averaging.method!r}, {self.diloco.overlap!r}): each "
+                              "fragment's round is a shared outer step, not yet delayed")
         sparse = {"allreduce": "moshpit", "gossip": "gossip"}  # these average outer *states*: no error feedback there
         for table, method in sparse.items():
             codec = self.averaging.protocol(table).compression
@@ -270,6 +280,8 @@ class RunConfig:
         for name in ("seq_len", "batch_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if isinstance(self.eval_every, bool) or not isinstance(self.eval_every, int) or self.eval_every < 1:
+            raise ConfigError(f"eval_every must be an int >= 1 (outer rounds), got {self.eval_every!r}")
         for name in ("max_outer_rounds", "eval_batches"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")

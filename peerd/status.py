@@ -32,8 +32,9 @@ STATUS_FIELDS = ("role", "outer_round", "inner_step", "loss", "tokens_per_s", "e
 #: Known fields a record may lack (added after version 0): ``instance`` = a random id per daemon process (<= 64
 #: characters), which tells a restarted peer from its previous process; ``stage`` = the pipeline stage a SWARM server
 #: serves (a non-negative integer); ``history`` = the peer's compact recent history of losses and tokens/s
-#: (:mod:`peerd.history`, read by dashboards).
-OPTIONAL_STATUS_FIELDS = ("instance", "stage", "history")
+#: (:mod:`peerd.history`, read by dashboards); ``fragment_rounds`` = the outer round of each Streaming DiLoCo fragment
+#: of a DiLoCo worker with ``[diloco] fragments`` > 1 (a list of at most 256 non-negative integers).
+OPTIONAL_STATUS_FIELDS = ("instance", "stage", "history", "fragment_rounds")
 KNOWN_STATUS_FIELDS = STATUS_FIELDS + OPTIONAL_STATUS_FIELDS
 
 _MAX_ROUND = 2**40
@@ -78,6 +79,9 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "instance": (_short_str(64), "a string of 1-64 characters"),
     "stage": (_count, "a non-negative integer"),
     "history": (lambda v: v is None or history_problem(v) is None, "a history table (peerd.history)"),
+    "fragment_rounds": (lambda v: v is None or (isinstance(v, (list, tuple)) and 0 < len(v) <= 256
+                                                and all(_count(x) and x is not None for x in v)),
+                        "a list of 1-256 non-negative integers"),
     "time": (_finite(nullable=False), "a finite number"),
     "v": (lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < _MAX_VERSION,
           "a non-negative integer"),

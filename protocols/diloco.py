@@ -25,6 +25,7 @@ import torch
 
 __all__ = [
     "OVERLAPS",
+    "STRAGGLERS",
     "DelayedOuterStep",
     "DiLoCoHyperparams",
     "OuterState",
@@ -50,6 +51,8 @@ def _is_real(value: Any) -> bool:
 
 #: How an outer round's all-reduce relates to the next round's inner steps (run config ``[diloco] overlap``).
 OVERLAPS = ("none", "delayed")
+#: What a worker that missed a round does with its local steps (run config ``[diloco] straggler``).
+STRAGGLERS = ("drop", "carry")
 
 
 @dataclass(frozen=True)
@@ -98,11 +101,23 @@ class DiLoCoHyperparams:
     """none: each round's all-reduce finishes before the next inner steps. delayed: it runs in the background during
     the next round and its outer step is applied one round late (:class:`DelayedOuterStep`, arXiv 2502.12996)."""
 
+    straggler: str = "drop"
+    """What a worker does with its local steps when the others completed a round without it (it came after the
+    matchmaking deadline): drop (adopt their state and restart from it) or carry (adopt their state and keep its
+    pseudo-gradient, taken against the state it started from, for the next round: theta_local := theta_outer_new -
+    delta, weighted by all the samples it covers). carry applies when the swarm is exactly one round ahead and
+    ``overlap = "none"``, ``fragments = 1``; a state further ahead is too stale: dropped."""
+
+    fragments: int = 1
+    """F: Streaming DiLoCo fragments (arXiv 2501.18512): the model is cut into F strided fragments, each with its own
+    outer state and outer round every H steps, staggered by H/F steps (:mod:`protocols.streaming`); F divides H.
+    1 syncs the whole model at once."""
+
     def __post_init__(self) -> None:
         def fail(field: str, requirement: str) -> None:
             raise ValueError(f"DiLoCoHyperparams.{field} must be {requirement}, got {getattr(self, field)!r}")
 
-        for field in ("inner_steps", "warmup_steps", "lr_decay_steps"):
+        for field in ("inner_steps", "warmup_steps", "lr_decay_steps", "fragments"):
             if not _is_int(getattr(self, field)):
                 fail(field, "an int")
             object.__setattr__(self, field, int(getattr(self, field)))
@@ -121,9 +136,13 @@ class DiLoCoHyperparams:
             fail("outer_nesterov", "a bool")
         if self.overlap not in OVERLAPS:
             fail("overlap", f"one of {OVERLAPS}")
+        if self.straggler not in STRAGGLERS:
+            fail("straggler", f"one of {STRAGGLERS}")
 
         if self.inner_steps < 1:
             fail("inner_steps", ">= 1")
+        if self.fragments < 1 or self.inner_steps % self.fragments:
+            fail("fragments", f">= 1 and divide inner_steps ({self.inner_steps})")
         if self.inner_lr <= 0:
             fail("inner_lr", "> 0")
         if self.inner_weight_decay < 0:

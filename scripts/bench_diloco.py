@@ -216,29 +216,63 @@ def _toml_value(v) -> str:
     raise TypeError(f"cannot write {v!r} as TOML")
 
 
-def write_run_config(path: str, s: Settings, h: int, rounds: int, matchmaking_timeout_s: float) -> None:
+#: ``--variants`` keys: the ``[diloco]`` ones, and the ``[averaging.allreduce]`` codecs.
+VARIANT_KEYS = {"overlap": "diloco", "fragments": "diloco", "compression": "allreduce",
+                "result_compression": "allreduce"}
+
+
+def parse_variant(text: str) -> dict:
+    """``"overlap=delayed,fragments=4,compression=fp4"`` -> {key: value}; "fp16" (or "") is today's DiLoCo.
+    Raises ValueError naming an unknown key."""
+    out: dict = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        if item == "fp16":
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or key not in VARIANT_KEYS:
+            raise ValueError(f"variant item {item!r}: expected one of {', '.join(VARIANT_KEYS)} = value")
+        out[key] = int(value) if key == "fragments" else value
+    return out
+
+
+def write_run_config(path: str, s: Settings, h: int, rounds: int, matchmaking_timeout_s: float,
+                     variant: dict | None = None) -> None:
+    variant = variant or {}
     top = dict(model=s.model, seq_len=s.seq_len, batch_size=s.batch_size, dataset="shakespeare", seed=s.seed,
                max_outer_rounds=rounds, eval_batches=s.eval_batches)
-    diloco = {**s.hp.to_dict(), "inner_steps": h}
-    averaging = dict(method="allreduce", compression="fp16", min_group_size=s.peers,
-                     matchmaking_timeout_s=matchmaking_timeout_s, request_timeout_s=10.0, sender_timeout_s=30.0,
-                     reducer_timeout_s=60.0)
+    diloco = {**s.hp.to_dict(), "inner_steps": h, **{k: v for k, v in variant.items() if VARIANT_KEYS[k] == "diloco"}}
+    codecs = {k: v for k, v in variant.items() if VARIANT_KEYS[k] == "allreduce"}
+    tables = [("diloco", diloco)]
+    if "result_compression" not in codecs:  # the flat form every earlier run of this benchmark used
+        tables.append(("averaging", dict(method="allreduce", compression=codecs.get("compression", "fp16"),
+                                         min_group_size=s.peers, matchmaking_timeout_s=matchmaking_timeout_s,
+                                         request_timeout_s=10.0, sender_timeout_s=30.0, reducer_timeout_s=60.0)))
+    else:  # result_compression has no flat key: the same settings as sub-tables
+        tables += [("averaging", dict(method="allreduce")),
+                   ("averaging.matchmaking", dict(min_group_size=s.peers, matchmaking_timeout_s=matchmaking_timeout_s,
+                                                  request_timeout_s=10.0,
+                                                  poll_interval_s=min(0.5, matchmaking_timeout_s / 4))),
+                   ("averaging.allreduce", dict(compression=codecs.get("compression", "fp16"),
+                                                result_compression=codecs["result_compression"],
+                                                sender_timeout_s=30.0, reducer_timeout_s=60.0))]
     lines = [f"{k} = {_toml_value(v)}" for k, v in top.items()]
-    for name, table in (("diloco", diloco), ("averaging", averaging)):
+    for name, table in tables:
         lines += ["", f"[{name}]"] + [f"{k} = {_toml_value(v)}" for k, v in table.items()]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     load_run_config(path)  # the daemon's own schema check, before any process starts
 
 
-def run_diloco(s: Settings, h: int, args: argparse.Namespace, workdir: str) -> RunResult:
-    """``s.peers`` peerd daemons on one run until ``max_outer_rounds``; everything read from their JSON logs."""
+def run_diloco(s: Settings, h: int, args: argparse.Namespace, workdir: str, variant: str = "fp16") -> RunResult:
+    """``s.peers`` peerd daemons on one run until ``max_outer_rounds``; everything read from their JSON logs.
+    ``variant``: a ``--variants`` item (overlap, fragments, codecs)."""
     rounds = s.steps // h
-    result = RunResult(f"DiLoCo, {s.peers} peerd daemons", h)
-    rundir = os.path.join(workdir, f"diloco-h{h}")
+    label = f"DiLoCo, {s.peers} peerd daemons" + ("" if variant == "fp16" else f", {variant}")
+    result = RunResult(label, h)
+    rundir = os.path.join(workdir, f"diloco-h{h}-" + "".join(c if c.isalnum() else "_" for c in variant))
     os.makedirs(rundir)
     config_path = os.path.join(rundir, "run.toml")
-    write_run_config(config_path, s, h, rounds, args.matchmaking_timeout_s)
+    write_run_config(config_path, s, h, rounds, args.matchmaking_timeout_s, parse_variant(variant))
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PEERD_THREADS="1")
     peerd = args.peerd
     children = ProcessSet()
@@ -544,6 +578,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="training steps per peer; every H must divide it (rounds = steps / H) (default: 200, "
                         "100 with --quick)")
     p.add_argument("--H", dest="hs", type=int, nargs="+", default=[10, 50], help="DiLoCo inner steps to run")
+    p.add_argument("--variants", nargs="+", default=["fp16"],
+                   help="DiLoCo variants to run for each H, each a comma-separated list of key=value with keys "
+                        "overlap (none|delayed), fragments (F), compression and result_compression (codecs), e.g. "
+                        "fp16 'overlap=delayed' 'fragments=4' 'compression=fp4,result_compression=fp4' "
+                        "'compression=topk,result_compression=fp4' (default: fp16, today's DiLoCo)")
     p.add_argument("--methods", default="baseline,dp,diloco",
                    help="comma-separated subset of baseline,dp,diloco")
     p.add_argument("--eval-batches", type=int, default=None,
@@ -580,6 +619,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for h in args.hs:
         if h < 1 or args.steps % h:
             p.error(f"H={h} does not divide --steps {args.steps}")
+    for variant in args.variants:
+        try:
+            parsed = parse_variant(variant)
+            DiLoCoHyperparams(inner_steps=min(args.hs), **{k: v for k, v in parsed.items()
+                                                          if VARIANT_KEYS[k] == "diloco"})
+        except ValueError as e:
+            p.error(f"--variants {variant!r}: {e}")
     return args
 
 
@@ -599,13 +645,13 @@ def main(argv: list[str] | None = None) -> int:
     date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     results: list[RunResult] = []
     t_all = time.perf_counter()
-    plan = ([("baseline", None)] if "baseline" in args.methods else []) + \
-           ([("dp", None)] if "dp" in args.methods else []) + \
-           ([("diloco", h) for h in args.hs] if "diloco" in args.methods else [])
-    for method, h in plan:
-        print(f"== {method}{'' if h is None else f' H={h}'} ({s.steps} steps per peer)", flush=True)
+    plan = ([("baseline", None, "")] if "baseline" in args.methods else []) + \
+           ([("dp", None, "")] if "dp" in args.methods else []) + \
+           ([("diloco", h, v) for h in args.hs for v in args.variants] if "diloco" in args.methods else [])
+    for method, h, variant in plan:
+        print(f"== {method}{'' if h is None else f' H={h}'} {variant} ({s.steps} steps per peer)", flush=True)
         if method == "diloco":
-            r = run_diloco(s, h, args, workdir)
+            r = run_diloco(s, h, args, workdir, variant)
         else:
             r = run_local(s, method == "dp", workdir)
         results.append(r)

@@ -27,6 +27,12 @@ pseudo-gradient (and weight) is added to the next round's, so no local step is l
 peer's state drops both its round in flight and that carry. On stop the round in flight is finished (bounded) and
 applied before the final checkpoint.
 
+With ``[diloco] fragments = F`` > 1 (Streaming DiLoCo, Douillard et al. 2025, arXiv 2501.18512) the model is F
+strided fragments (:mod:`protocols.streaming`), each with its own outer state, outer round and group keys; fragment
+p syncs after step (p + 1) H/F of each cycle of H steps, and only its theta_local restarts from its new theta_outer.
+The worker's outer round is its last fragment's; status records, state snapshots and checkpoints carry every
+fragment's round.
+
 While it downloads, a worker's status says ``role = "syncing"``, and the all-reduce peers count it in their round's
 expected group size: they wait for it in matchmaking (bounded by ``matchmaking_timeout_s``) instead of sealing the
 round without it. Otherwise a peer whose download takes longer than a round would find the swarm a round further
@@ -36,7 +42,9 @@ every time it finished, and download again forever.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import hashlib
 import logging
 import time
 from dataclasses import dataclass
@@ -61,12 +69,13 @@ from peerd.events import (
 from peerd.inner_step import InnerStep, enable_tf32, micro_batch_count, resolve_precision
 from peerd.models import build_model
 from peerd.roles.base import RunContext, held_out_loss
-from peerd.roles.fragments import FragmentState, whole_model
+from peerd.roles.fragments import FragmentState, fragment, whole_model
 from peerd.roles.outer_sync import Refused, RoundFailure, RoundResult, make_outer_sync
 from peerd.roles.state_sync import StateSync
 from protocols.codecs import all_finite
 from protocols.diloco import DelayedOuterStep, OuterState, inner_lr_at, make_inner_optimizer, set_lr
 from protocols.state_transfer import StateSnapshot
+from protocols.streaming import FragmentSchedule, strided_fragments
 from protocols.wire import ProtocolViolation
 
 logger = logging.getLogger(__name__)
@@ -113,21 +122,44 @@ class DiLoCoRole:
         self._setup_inner_step(node)
         self.steps_since_sync = 0
         self.samples_since_sync = 0
-        self.round_quota = self.hp.inner_steps
+        self.schedule = FragmentSchedule(self.hp.inner_steps, self.hp.fragments)
+        self.round_quota = self.schedule.stride
 
-        fragment = whole_model(self.model, ctx.namespace, ROLE)
-        self.part = FragmentState(fragment, OuterState.initial(fragment.flatten(self.model)),
-                                  float(run.batch_size * self.hp.inner_steps))
-        self.sync = make_outer_sync(ctx, self.part)
+        weight = float(run.batch_size * self.hp.inner_steps)
+        self.parts = [FragmentState(f, OuterState.initial(f.flatten(self.model)), weight)
+                      for f in self._fragments(ctx)]
+        self.syncs = [make_outer_sync(ctx, part) for part in self.parts]
+        # the last fragment syncs at the end of each cycle of H steps: its outer round is the worker's
+        self.part, self.sync = self.parts[-1], self.syncs[-1]
+        # per fragment: (samples, steps) counted by _train_until_quota at its last successful round
+        self._samples_total, self._steps_total = 0, 0
+        self._synced_at = [(0, 0)] * len(self.parts)
+        self._cycle: Optional[dict] = None  # the current cycle's exchange totals (fragments > 1)
+        self._next_fragment = 0  # the fragment whose round comes at the next boundary (fragments > 1)
         self._snapshot: Optional[StateSnapshot] = None
-        self._snapshot_of: Optional[OuterState] = None
-        self.state_sync = StateSync(ctx.transport, fragment.scope, self._current_snapshot,
+        self._snapshot_of: Optional[tuple] = None
+        self.state_sync = StateSync(ctx.transport, ctx.namespace.prefix(ROLE), self._current_snapshot,
                                     run.averaging.state_transfer().download_timeout_s)
-        self.components = (self.sync, self.state_sync)
+        self.components = (*self.syncs, self.state_sync)
         self._in_flight: Optional[asyncio.Task] = None  # delayed overlap: the background all-reduce
         self._landed: Optional[tuple] = None  # the RoundDone fields of the last applied background round
         self._carry: Optional[tuple[torch.Tensor, float, int]] = None  # a failed background round's (delta, w, steps)
+        self._eval_task: Optional[asyncio.Task] = None  # background_eval: the evaluation running now
+        self._eval_model: Optional[torch.nn.Module] = None  # background_eval: the copy it evaluates
+        self._writer = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="peerd-checkpoint")
+                        if node.background_checkpoint else None)  # one thread: writes land in order, never overlap
         ctx.status.set_source(self._status_fields)
+
+    def _fragments(self, ctx: RunContext) -> list:
+        """The whole model as one fragment (``fragments = 1``, today's group keys), or F strided fragments."""
+        if self.hp.fragments == 1:
+            return [whole_model(self.model, ctx.namespace, ROLE)]
+        named = list(self.model.named_parameters())
+        try:
+            groups = strided_fragments([n for n, _ in named], [p.numel() for _, p in named], self.hp.fragments)
+        except ValueError as e:
+            raise ConfigError(f"[diloco] fragments: {e}", key="fragments", reason=str(e)) from None
+        return [fragment(self.model, f"f{p}", names, ctx.namespace, ROLE) for p, names in enumerate(groups)]
 
     @property
     def outer(self) -> OuterState:
@@ -165,7 +197,10 @@ class DiLoCoRole:
             status_task.cancel()
             with contextlib.suppress(BaseException):
                 await status_task
-            self._save_checkpoint()
+            if self._eval_task is not None:
+                with contextlib.suppress(Exception):
+                    await self._eval_task
+            self._save_checkpoint(final=True)
             await self.ctx.status.publish(role="left")
             for component in self.components:
                 with contextlib.suppress(Exception):
@@ -225,6 +260,8 @@ class DiLoCoRole:
             loss_on_device = await loop.run_in_executor(None, self._inner_step)
             self.steps_since_sync += 1
             self.samples_since_sync += self.run_cfg.batch_size
+            self._steps_total += 1
+            self._samples_total += self.run_cfg.batch_size
             self.stats.tokens += tokens_per_step
             if self._warmup_steps:
                 self._warmup_steps -= 1
@@ -241,11 +278,16 @@ class DiLoCoRole:
                                                       self.stats.tokens_per_s, self.round_quota))
                 window_start, window_steps = time.perf_counter(), 0
 
-    def _restart_local(self, outer: Optional[OuterState] = None) -> None:
-        """theta_local := theta_outer (adopting ``outer`` first if given); the next round starts from zero steps."""
-        self.part.reset_to_outer(self.model, outer)
+    def _restart_local(self, outers: Optional[list[OuterState]] = None) -> None:
+        """theta_local := theta_outer for every fragment (adopting ``outers`` first if given, one per fragment); the
+        next round (cycle) starts from zero steps."""
+        for i, part in enumerate(self.parts):
+            part.reset_to_outer(self.model, outers[i] if outers is not None else None)
         self.steps_since_sync, self.samples_since_sync = 0, 0
-        self.round_quota = self.hp.inner_steps
+        self.round_quota = self.schedule.stride
+        self._synced_at = [(self._samples_total, self._steps_total)] * len(self.parts)
+        self._cycle = None
+        self._next_fragment = 0
 
     # --------------------------------------------------------------------------------------------------- outer rounds
 
@@ -254,11 +296,17 @@ class DiLoCoRole:
         if self.hp.overlap == "delayed":
             await self._delayed_round()
             return
+        if len(self.parts) > 1:
+            await self._fragment_round()
+            return
         records = await self._peer_records()
         live = _workers(records)
         margin = self.sync.catch_up_margin
-        if margin is not None and await self._catch_up(live, margin):
-            return
+        if margin is not None:
+            carry = self._straggler_carry()
+            if await self._catch_up(live, margin):
+                self._apply_straggler_carry(carry)
+                return
         started = time.perf_counter()
         r = self.outer.outer_round
         local = self.part.fragment.flatten(self.model)  # (P,)
@@ -287,15 +335,36 @@ class DiLoCoRole:
         self.stats.bytes_sent += outcome.bytes_sent
         self.stats.bytes_received += outcome.bytes_received
         self._save_checkpoint()
+        await self.ctx.status.publish()  # before the evaluation: peers count on us in the next round from now
         n = outcome.group_size
         dp_bytes = int(steps * 2 * (n - 1) / n * 4 * self.outer.numel)
-        eval_loss = await self._evaluate()
+        eval_loss = await self._round_eval()
         self.ctx.events.publish(RoundDone(
             self.outer.outer_round, n, outcome.bytes_sent, outcome.bytes_received, outcome.allreduce_s,
             outcome.excluded, outcome.attempts, round(time.perf_counter() - started, 3), weight, steps, dp_bytes,
             self.outer.digest(), self.sync.method, eval_loss, self.stats.tokens,
         ))
-        await self.ctx.status.publish()
+
+    def _straggler_carry(self) -> Optional[tuple[int, torch.Tensor, int]]:
+        """With ``straggler = "carry"``: (our outer round, pseudo-gradient (P,) against our theta_outer, samples)
+        before a possible catch-up; None otherwise (or with nothing worth carrying)."""
+        if self.hp.straggler != "carry" or not self.samples_since_sync or self.sync.method != "allreduce":
+            return None
+        delta = self.outer.pseudo_gradient(self.part.fragment.flatten(self.model))  # (P,)
+        return (self.outer.outer_round, delta, self.samples_since_sync) if all_finite(delta) else None
+
+    def _apply_straggler_carry(self, carry: Optional[tuple[int, torch.Tensor, int]]) -> None:
+        """After adopting the state of the swarm one round ahead: theta_local := theta_outer - delta, so the next
+        pseudo-gradient holds our missed round's steps too, and its weight their samples."""
+        if carry is None:
+            return
+        r, delta, samples = carry
+        if self.outer.outer_round != r + 1:  # further ahead: too stale to add to the next round
+            return
+        self.part.fragment.load_(self.model, self.outer.theta - delta)
+        self.samples_since_sync += samples
+        logger.info("round %d went on without us: carrying our pseudo-gradient (%d samples) into round %d",
+                    r + 1, samples, r + 2)
 
     def _sat_out_diverged(self, r: int, local: torch.Tensor) -> bool:
         """If theta_local ((P,)) is not finite, sit round ``r + 1`` out: nobody can use our contribution (and the
@@ -308,6 +377,101 @@ class DiLoCoRole:
         self._new_optimizer()
         self._restart_local()
         return True
+
+    # ------------------------------------------------------------------------------- Streaming DiLoCo fragments
+
+    async def _fragment_round(self) -> None:
+        """The round of the fragment due at this step of the cycle (``fragments`` > 1; Douillard et al. 2025, arXiv
+        2501.18512, sec. 2.2). Only that fragment's theta_local restarts from its new theta_outer; the others keep
+        training. A failed fragment round is tried again H/F steps later, its local steps kept, before any other
+        fragment: the peers' schedules realign on it, as a failed whole-model round is retried with more steps. The
+        cycle's RoundDone (bytes summed over its fragment rounds) is published when its last fragment syncs."""
+        j = self._next_fragment
+        records = await self._peer_records()
+        live = _workers(records)
+        if await self._catch_up(live) or await self._catch_up_fragment(j, live):
+            return
+        part, sync = self.parts[j], self.syncs[j]
+        r = part.outer.outer_round
+        local = part.fragment.flatten(self.model)  # (P_j,)
+        position = self.steps_since_sync
+        if self._sat_out_diverged(r, local):
+            self._seek(position, j)  # the schedule goes on with the others
+            return
+        if self._cycle is None:
+            self._cycle = dict(started=time.perf_counter(), sent=0, received=0, seconds=0.0, excluded={}, attempts=1,
+                               group=0, weight=0.0, steps=0)
+        syncing = sum(1 for p, v in records.items() if p != self.peer_id and v.get("role") == SYNCING)
+        samples_at, steps_at = self._synced_at[j]
+        weight, steps = float(self._samples_total - samples_at), self._steps_total - steps_at
+        outcome = await sync.round(local, weight, live, syncing)
+        if outcome is None:
+            return
+        if isinstance(outcome, Refused):
+            logger.warning("round %d of fragment %d: %s; adopting the leader's state", r + 1, j, outcome.reason)
+            await self._wait_for_round(outcome.leader, outcome.outer_round if j == len(self.parts) - 1 else r)
+            await self._download_from([outcome.leader])
+            return
+        if isinstance(outcome, RoundFailure):
+            self._round_failed(r, f"fragment {j}: {outcome.reason}",
+                               f"its theta_outer unchanged, keeping its {steps} local steps, retrying it next")
+            self._seek(position, j)
+            return
+        assert isinstance(outcome, RoundResult)
+        part.reset_to_outer(self.model)
+        self._synced_at[j] = (self._samples_total, self._steps_total)
+        cycle = self._cycle
+        cycle["sent"] += outcome.bytes_sent
+        cycle["received"] += outcome.bytes_received
+        cycle["seconds"] += outcome.allreduce_s
+        cycle["excluded"].update(outcome.excluded)
+        cycle["attempts"] = max(cycle["attempts"], outcome.attempts)
+        cycle["group"] = max(cycle["group"], outcome.group_size)
+        cycle["weight"], cycle["steps"] = weight, steps
+        self.stats.bytes_sent += outcome.bytes_sent
+        self.stats.bytes_received += outcome.bytes_received
+        last = j == len(self.parts) - 1
+        self._seek(0 if last else position, 0 if last else j + 1)
+        await self.ctx.status.publish()
+        if not last:
+            return
+        cycle, self._cycle = self._cycle, None
+        self.stats.rounds_ok += 1
+        self._save_checkpoint()
+        n = cycle["group"]
+        dp_bytes = int(self.hp.inner_steps * 2 * (n - 1) / n * 4 * sum(p.outer.numel for p in self.parts))
+        eval_loss = await self._round_eval()
+        self.ctx.events.publish(RoundDone(
+            self.outer.outer_round, n, cycle["sent"], cycle["received"], round(cycle["seconds"], 3), cycle["excluded"],
+            cycle["attempts"], round(time.perf_counter() - cycle["started"], 3), cycle["weight"], cycle["steps"],
+            dp_bytes, self._digest(), self.sync.method, eval_loss, self.stats.tokens,
+        ))
+
+    def _seek(self, step_in_cycle: int, next_fragment: int) -> None:
+        """Continue the cycle after its step ``step_in_cycle``: ``next_fragment`` syncs after H/F more steps (or at
+        the cycle's next boundary, where a download put us mid-stride)."""
+        self.steps_since_sync = step_in_cycle
+        self._next_fragment = next_fragment
+        self.round_quota = self.schedule.next_boundary(step_in_cycle)
+
+    def _fragment_rounds(self) -> list[int]:
+        return [p.outer.outer_round for p in self.parts]
+
+    async def _catch_up_fragment(self, j: int, live: dict[str, dict]) -> bool:
+        """Download the state of a live peer whose fragment ``j`` is at a later round than ours: its round happened
+        without us. True if we adopted a state."""
+        mine = self.parts[j].outer.outer_round
+        ahead = sorted(((s["fragment_rounds"][j], p) for p, s in live.items()
+                        if p != self.peer_id and isinstance(s.get("fragment_rounds"), list)
+                        and len(s["fragment_rounds"]) == len(self.parts) and s["fragment_rounds"][j] > mine),
+                       reverse=True)
+        return bool(ahead) and await self._download_from([p for _, p in ahead])
+
+    def _digest(self) -> str:
+        """theta_outer's digest: the whole model's (one fragment), else the SHA-256 of the fragments' digests."""
+        if len(self.parts) == 1:
+            return self.outer.digest()
+        return hashlib.sha256("|".join(p.outer.digest() for p in self.parts).encode()).hexdigest()
 
     # ------------------------------------------------------------------------------------------ delayed outer rounds
 
@@ -340,15 +504,15 @@ class DiLoCoRole:
         self._in_flight = asyncio.ensure_future(self._background_exchange(delta, weight, steps, live, syncing))
         self._restart_local()
         self._save_checkpoint()
+        await self.ctx.status.publish()  # before the evaluation: peers count on us in the next round from now
         await self._publish_round_done()
-        await self.ctx.status.publish()
 
     async def _publish_round_done(self) -> None:
         """RoundDone of the background round applied at this boundary, with the loss of the new theta_outer."""
         if self._landed is None:
             return
         fields, self._landed = self._landed, None
-        self.ctx.events.publish(RoundDone(*fields[:13], await self._evaluate(), self.stats.tokens))
+        self.ctx.events.publish(RoundDone(*fields[:13], await self._round_eval(), self.stats.tokens))
 
     async def _background_exchange(self, delta: torch.Tensor, weight: float, steps: int, live: dict, syncing: int):
         """All-reduce ``delta`` (P,) for the round after theta_outer; ``(outcome, delta, weight, steps, started)``.
@@ -442,7 +606,10 @@ class DiLoCoRole:
         if adopted:
             # join the round in progress: do only what the others still have to do
             in_round = [s.get("inner_step") or 0 for s in live.values() if s["outer_round"] == self.outer.outer_round]
-            self.round_quota = max(1, self.hp.inner_steps - max(in_round, default=0))
+            if len(self.parts) == 1:
+                self.round_quota = max(1, self.hp.inner_steps - max(in_round, default=0))
+            else:  # into the cycle, before the next fragment boundary the adopted state has not synced
+                self.steps_since_sync = min(max(max(in_round, default=0), self.steps_since_sync), self.round_quota - 1)
         return adopted
 
     async def _wait_for_round(self, peer: str, outer_round: int) -> None:
@@ -467,38 +634,67 @@ class DiLoCoRole:
         finally:
             self._syncing = False
 
-    def _validate(self, snapshot: StateSnapshot) -> OuterState:
-        numel = self.outer.numel
+    def _numel(self) -> int:
+        return sum(p.outer.numel for p in self.parts)
+
+    def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """(P,) of all fragments, concatenated in fragment order -> one (P_j,) view per fragment."""
+        return list(torch.split(flat, [p.outer.numel for p in self.parts]))
+
+    def _outer_states(self, theta: torch.Tensor, momentum: torch.Tensor, rounds: list) -> list[OuterState]:
+        """Per-fragment outer states from the concatenated (P,) tensors and the fragments' rounds."""
+        if not isinstance(rounds, list) or len(rounds) != len(self.parts):
+            raise ValueError(f"expected {len(self.parts)} fragment rounds, got {rounds!r}")
+        return [OuterState(t.clone(), m.clone(), int(r))
+                for t, m, r in zip(self._split(theta), self._split(momentum), rounds)]
+
+    def _validate(self, snapshot: StateSnapshot) -> list[OuterState]:
+        numel = self._numel()
         tensors = snapshot.tensors({"theta": (torch.float32, numel), "momentum": (torch.float32, numel)})
-        outer = OuterState(tensors["theta"], tensors["momentum"], int(snapshot.metadata.get("outer_round", -1)))
-        if snapshot.metadata.get("digest") != outer.digest():
+        meta = snapshot.metadata
+        rounds = meta.get("fragment_rounds") if len(self.parts) > 1 else [int(meta.get("outer_round", -1))]
+        outers = self._outer_states(tensors["theta"], tensors["momentum"], rounds)
+        digest = outers[0].digest() if len(outers) == 1 else hashlib.sha256(
+            "|".join(o.digest() for o in outers).encode()).hexdigest()
+        if meta.get("digest") != digest:
             raise ProtocolViolation("state digest does not match its tensors")
-        return outer
+        return outers
 
     async def _download_first(self, peers: list[str]) -> bool:
-        got = await self.state_sync.download_first(peers, 2 * 4 * self.outer.numel, self._validate)
+        got = await self.state_sync.download_first(peers, 2 * 4 * self._numel(), self._validate)
         if got is None:
             return False
         dropped = self.steps_since_sync
         self._drop_in_flight()
         self._restart_local(got.state)
+        if len(self.parts) > 1:  # the fragments the adopted state synced this cycle tell where in the cycle it is
+            synced = sum(1 for p in self.parts if p.outer.outer_round > self.outer.outer_round)
+            self._seek(synced * self.schedule.stride, synced)
         self._syncing = False
         await self.ctx.status.publish()
-        outer = got.state
-        self.ctx.events.publish(StateDownloaded(outer.outer_round, got.peer, outer.digest(), got.seconds,
+        self.ctx.events.publish(StateDownloaded(self.outer.outer_round, got.peer, self._digest(), got.seconds,
                                                 got.payload_bytes / 1e6, dropped))
         return True
 
     def _current_snapshot(self) -> StateSnapshot:
-        """The outer state as served to joiners, rebuilt only when the state object changed."""
-        outer = self.outer
-        if self._snapshot is None or self._snapshot_of is not outer:
-            self._snapshot_of = outer
+        """The outer state as served to joiners, rebuilt only when a fragment's state object changed."""
+        outers = tuple(p.outer for p in self.parts)
+        if self._snapshot is None or self._snapshot_of is None or any(
+                a is not b for a, b in zip(outers, self._snapshot_of)):
+            self._snapshot_of = outers
+            metadata = {"outer_round": self.outer.outer_round, "digest": self._digest(),
+                        "run": self.run_cfg.fingerprint()}
+            if len(outers) > 1:
+                metadata["fragment_rounds"] = [o.outer_round for o in outers]
             self._snapshot = StateSnapshot.from_tensors(
-                {"theta": outer.theta, "momentum": outer.momentum},
-                {"outer_round": outer.outer_round, "digest": outer.digest(), "run": self.run_cfg.fingerprint()},
-            )
+                {"theta": self._cat("theta"), "momentum": self._cat("momentum")}, metadata)
         return self._snapshot
+
+    def _cat(self, attr: str) -> torch.Tensor:
+        """theta or momentum of every fragment, concatenated in fragment order ((P,) fp32)."""
+        if len(self.parts) == 1:
+            return getattr(self.outer, attr)
+        return torch.cat([getattr(p.outer, attr) for p in self.parts])
 
     # ------------------------------------------------------------------------------------------ evaluation, status
 
@@ -509,6 +705,42 @@ class DiLoCoRole:
             self.stats.last_eval = loss
         return loss
 
+    async def _round_eval(self) -> Optional[float]:
+        """The evaluation after an outer round: every ``eval_every`` rounds and after the last one; in the background
+        with the node's ``background_eval`` (then None here: an ``eval`` event follows)."""
+        if self.outer.outer_round % self.run_cfg.eval_every and not self._finished():
+            return None
+        fragments = len(self.parts) > 1
+        if not self.run_cfg.eval_batches or not (fragments or self.ctx.node.background_eval):
+            return await self._evaluate()
+        if self._eval_task is not None:  # one at a time: the copy below is shared
+            with contextlib.suppress(Exception):
+                await self._eval_task
+        if self._eval_model is None:
+            self._eval_model = build_model(self.run_cfg.model, self.run_cfg.seq_len, self.run_cfg.seed).to(self.device)
+        # With fragments, theta_local of the fragments synced earlier in the cycle has moved on: the model evaluated
+        # is theta_outer (the same on every peer), put together from the fragments. At a round boundary no inner
+        # step runs: the parameters copied hold still.
+        with torch.no_grad():
+            for mine, theirs in zip(self._eval_model.parameters(), self.model.parameters()):
+                mine.copy_(theirs)
+        for part in self.parts:
+            part.fragment.load_(self._eval_model, part.outer.theta)
+        task = asyncio.ensure_future(self._evaluate_copy(self.outer.outer_round, self.stats.tokens))
+        if not self.ctx.node.background_eval:
+            return await task
+        self._eval_task = task
+        return None
+
+    async def _evaluate_copy(self, outer_round: int, tokens: int) -> Optional[float]:
+        """Held-out loss of the evaluation copy; in the background it is published as an ``eval`` event."""
+        loss = await held_out_loss(self._eval_model, self.eval_tokens, self.run_cfg)
+        if loss is not None:
+            self.stats.last_eval = loss
+        if self.ctx.node.background_eval:
+            self.ctx.events.publish(Evaluated(outer_round, loss, tokens))
+        return loss
+
     async def _evaluate_and_publish(self) -> None:
         eval_loss = await self._evaluate()
         self.ctx.events.publish(Evaluated(self.outer.outer_round, eval_loss, self.stats.tokens))
@@ -517,17 +749,23 @@ class DiLoCoRole:
         role = "paused" if self.ctx.gate.paused else SYNCING if self._syncing else ROLE
         return dict(role=role, outer_round=self.outer.outer_round, inner_step=self.steps_since_sync,
                     loss=self.stats.last_loss, tokens_per_s=self.stats.tokens_per_s,
-                    eval_nats_per_byte=self.stats.last_eval, digest=self.outer.digest()[:16])
+                    eval_nats_per_byte=self.stats.last_eval, digest=self._digest()[:16],
+                    **({"fragment_rounds": self._fragment_rounds()} if len(self.parts) > 1 else {}))
 
     async def _publish_status(self, role: Optional[str] = None) -> None:
         await (self.ctx.status.publish(role=role) if role else self.ctx.status.publish())
 
     # ----------------------------------------------------------------------------------------------------- checkpoint
 
-    def _save_checkpoint(self) -> None:
-        tensors = {"theta_outer": self.outer.theta, "momentum": self.outer.momentum,
-                   "theta_local": self.part.fragment.flatten(self.model)}
+    def _save_checkpoint(self, final: bool = False) -> None:
+        """Write the checkpoint; with the node's ``background_checkpoint`` a copy is written by the writer thread
+        (``final``: and waited for, with every write before it)."""
+        tensors = {"theta_outer": self._cat("theta"), "momentum": self._cat("momentum"),
+                   "theta_local": torch.cat([p.fragment.flatten(self.model) for p in self.parts])}
         tensors.update(optimizer_tensors(self.optimizer))
+        feedbacks = self._feedbacks()
+        if feedbacks:  # what the sparse codec has not sent yet: lost on a restart otherwise
+            tensors["error_feedback"] = torch.cat([f.error for f in feedbacks])
         metadata = {
             "run_id": self.ctx.run_id, "run_fingerprint": self.run_cfg.fingerprint(),
             "outer_round": self.outer.outer_round, "steps_since_sync": self.steps_since_sync,
@@ -536,7 +774,23 @@ class DiLoCoRole:
             "model": self.run_cfg.model, "seq_len": self.run_cfg.seq_len,  # what `peerd export` rebuilds
             "tokenizer": self.run_cfg.tokenizer,
         }
-        self.ctx.checkpoints.save(Checkpoint(tensors, metadata))
+        if len(self.parts) > 1:  # each fragment's round, and the (samples, steps) it has not synced yet
+            metadata["fragment_rounds"] = self._fragment_rounds()
+            metadata["fragment_pending"] = [[self._samples_total - a, self._steps_total - b] for a, b in self._synced_at]
+        if self._writer is None:
+            self.ctx.checkpoints.save(Checkpoint(tensors, metadata))
+            return
+        # copies: theta_local, the optimizer's moments (views of live CPU tensors) change while the writer writes
+        copied = {name: t.detach().clone() for name, t in tensors.items()}
+        self._writer.submit(self.ctx.checkpoints.save, Checkpoint(copied, metadata))
+        if final:
+            self._writer.shutdown(wait=True)
+            self._writer = None
+
+    def _feedbacks(self) -> list:
+        """Each fragment's error feedback (a sparse codec's unsent remainder), or [] without a sparse codec."""
+        feedbacks = [getattr(sync, "feedback", None) for sync in self.syncs]
+        return [] if None in feedbacks else feedbacks
 
     def _resume(self) -> None:
         path = self.ctx.checkpoints.path
@@ -551,9 +805,19 @@ class DiLoCoRole:
             )
         t = checkpoint.tensors
         try:
-            self.outer = OuterState(t["theta_outer"].clone(), t["momentum"].clone(), int(meta["outer_round"]))
-            self.part.round_start_theta = self.outer.theta
-            self.part.fragment.load_(self.model, t["theta_local"])
+            rounds = meta["fragment_rounds"] if len(self.parts) > 1 else [int(meta["outer_round"])]
+            for part, outer, local in zip(self.parts, self._outer_states(t["theta_outer"], t["momentum"], rounds),
+                                          self._split(t["theta_local"])):
+                part.outer = outer
+                part.round_start_theta = outer.theta
+                part.fragment.load_(self.model, local)
+            feedbacks = self._feedbacks()
+            if feedbacks and "error_feedback" in t:  # a checkpoint from before it was kept: the error restarts at 0
+                for feedback, error in zip(feedbacks, self._split(t["error_feedback"])):
+                    feedback.record(error.clone(), torch.zeros_like(error))
+            if len(self.parts) > 1:
+                self._samples_total, self._steps_total = 0, 0
+                self._synced_at = [(-int(a), -int(b)) for a, b in meta["fragment_pending"]]
             load_optimizer_tensors(self.optimizer, t, self.device)
             self.sampler.load_state_dict(meta["sampler"])
         except (KeyError, ValueError, RuntimeError) as e:
@@ -562,7 +826,7 @@ class DiLoCoRole:
         self.samples_since_sync = int(meta["samples_since_sync"])
         self.round_quota = int(meta["round_quota"])
         self.stats.tokens = int(meta.get("tokens", 0))
-        self.ctx.events.publish(CheckpointResumed(self.outer.outer_round, self.outer.digest(), str(path),
+        self.ctx.events.publish(CheckpointResumed(self.outer.outer_round, self._digest(), str(path),
                                                   self.steps_since_sync))
 
 

@@ -130,7 +130,7 @@ class AllReduceSync(OuterSync):
     With a sparse codec (``compression = "topk"``, SparseLoCo) the pseudo-gradient is sent through this peer's
     :class:`protocols.codecs.ErrorFeedback`: what the codec did not deliver in a completed round is added to the next
     round's pseudo-gradient (a failed round records nothing: its steps stay in theta_local). The error is local
-    state and is not checkpointed: a restarted peer starts it from zero.
+    state, never sent; the DiLoCo role keeps it in its checkpoint.
     """
 
     method = "allreduce"

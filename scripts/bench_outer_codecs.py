@@ -1,0 +1,126 @@
+#!/usr/bin/env python
+"""Benchmark: bytes per outer round and eval loss of DiLoCo variants at equal tokens, in one process.
+
+``--peers`` DiLoCo workers (the real :class:`peerd.roles.diloco.DiLoCoRole`, the real matchmaking, all-reduce and
+codecs) on the in-process transport (no sockets, no daemons), for each variant in turn: same model, data, seeds and
+tokens. Per variant it prints the mean bytes each peer sent per outer round, the ratio to the first variant (fp16
+pseudo-gradients and answers, today's DiLoCo), and the held-out eval loss of theta_outer after the last round. Short
+defaults; everything runs on one machine's CPU, so it measures bytes and loss, not wall time.
+
+Example: ``python scripts/bench_outer_codecs.py --steps 60 --h 10 --variants fp16 fp4/fp4 topk/fp16 topk/fp4``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+import torch  # noqa: E402
+
+from peerd.config import NodeConfig  # noqa: E402
+from peerd.events import RoundDone  # noqa: E402
+from peerd.roles.base import RunContext  # noqa: E402
+from peerd.roles.diloco import DiLoCoRole  # noqa: E402
+from peerd.run_config import AveragingConfig, RunConfig  # noqa: E402
+from peerd.transport.inprocess import Hub  # noqa: E402
+from protocols.allreduce import AllReduceConfig  # noqa: E402
+from protocols.diloco import DiLoCoHyperparams  # noqa: E402
+from protocols.matchmaking import MatchmakingConfig  # noqa: E402
+
+
+def run_config(a: argparse.Namespace, variant: str) -> RunConfig:
+    """``variant``: ``up/answers`` codecs (``fp16`` alone = fp16/fp16), optionally ``+F<n>`` fragments and
+    ``+delayed``."""
+    codecs, *extra = variant.split("+")
+    up, _, down = codecs.partition("/")
+    diloco = dict(inner_steps=a.h, warmup_steps=a.warmup, inner_lr=a.lr)
+    for item in extra:
+        if item == "delayed":
+            diloco["overlap"] = "delayed"
+        elif item.startswith("F"):
+            diloco["fragments"] = int(item[1:])
+        else:
+            raise ValueError(f"variant {variant!r}: unknown part {item!r}")
+    averaging = AveragingConfig(
+        matchmaking_config=MatchmakingConfig(min_group_size=a.peers, matchmaking_timeout_s=30.0, request_timeout_s=5.0),
+        allreduce_config=AllReduceConfig(compression=up, result_compression=down or "auto", sender_timeout_s=30.0,
+                                         reducer_timeout_s=60.0))
+    return RunConfig(model=a.model, seq_len=a.seq_len, batch_size=a.batch, eval_batches=a.eval_batches,
+                     max_outer_rounds=a.steps // a.h, eval_every=a.steps // a.h, diloco=DiLoCoHyperparams(**diloco),
+                     averaging=averaging)
+
+
+async def run_variant(a: argparse.Namespace, variant: str, workdir: str) -> dict:
+    run = run_config(a, variant)
+    hub = Hub()
+    workers, done = [], []
+    for i in range(a.peers):
+        node = NodeConfig(checkpoint_dir=os.path.join(workdir, variant.replace("/", "_"), str(i)), threads=1,
+                          device="cpu")
+        w = DiLoCoRole(RunContext.build("bench", run, node, hub.transport(f"peer-{i}")))
+        w.ctx.events.subscribe(lambda e: done.append(e) if isinstance(e, RoundDone) else None)
+        workers.append(w)
+    started = time.perf_counter()
+    await asyncio.gather(*[w.run() for w in workers])
+    rounds = [e for e in done]
+    evals = [e.eval_nats_per_byte for e in rounds if e.outer_round == run.max_outer_rounds]
+    digests = {w._digest() for w in workers}
+    return dict(variant=variant, rounds=max(w.outer.outer_round for w in workers),
+                sent_per_round=sum(e.bytes_sent for e in rounds) / max(1, len(rounds)),
+                eval=sum(evals) / len(evals) if evals and None not in evals else None,
+                identical=len(digests) == 1, failed=sum(w.stats.rounds_failed for w in workers),
+                wall_s=time.perf_counter() - started)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--variants", nargs="+", default=["fp16", "fp4/fp4", "topk/fp16", "topk/fp4"],
+                   help="up/answers codecs, + F<n> fragments, + delayed; the first is the reference")
+    p.add_argument("--peers", type=int, default=4)
+    p.add_argument("--model", default="tiny", choices=("tiny", "small"))
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=60, help="inner steps per peer (a multiple of --h)")
+    p.add_argument("--h", type=int, default=10)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--eval-batches", type=int, default=8)
+    a = p.parse_args()
+    if a.steps % a.h:
+        p.error("--steps must be a multiple of --h")
+    try:
+        for v in a.variants:
+            run_config(a, v)
+    except ValueError as e:
+        p.error(str(e))
+    torch.set_num_threads(1)
+    workdir = tempfile.mkdtemp(prefix="bench_outer_codecs_")
+    rows = []
+    for v in a.variants:
+        r = asyncio.run(run_variant(a, v, workdir))
+        rows.append(r)
+        print(f"{v}: {r}", flush=True)
+    ref = rows[0]
+    print()
+    print(f"| variant | rounds | sent per peer per round | bytes vs {ref['variant']} | eval nats/byte | "
+          f"eval vs {ref['variant']} | theta_outer identical | failed rounds |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        ratio = ref["sent_per_round"] / r["sent_per_round"] if r["sent_per_round"] else float("nan")
+        ev = f"{r['eval']:.4f}" if r["eval"] is not None else "-"
+        rel = f"{r['eval'] / ref['eval'] - 1:+.2%}" if r["eval"] is not None and ref["eval"] else "-"
+        print(f"| {r['variant']} | {r['rounds']} | {r['sent_per_round'] / 1e6:.3f} MB | {ratio:.1f}x | {ev} | {rel} | "
+              f"{r['identical']} | {r['failed']} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Evaluation every ``eval_every`` rounds, in the background (``background_eval``), and checkpoint writes off the
+training thread (``background_checkpoint``), on in-process DiLoCo workers."""
+
+import asyncio
+
+import pytest
+import torch
+
+from peerd.config import ConfigError, NodeConfig
+from peerd.events import Evaluated, RoundDone
+from peerd.roles.base import RunContext
+from peerd.roles.diloco import DiLoCoRole
+from peerd.run_config import AveragingConfig, RunConfig
+from peerd.transport.inprocess import Hub
+from protocols.diloco import DiLoCoHyperparams
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _run(**diloco) -> RunConfig:
+    return RunConfig(
+        model="tiny", seq_len=32, batch_size=4, eval_batches=2, eval_every=2, max_outer_rounds=3,
+        diloco=DiLoCoHyperparams(inner_steps=2, warmup_steps=2, inner_lr=1e-3, **diloco),
+        averaging=AveragingConfig.from_flat(min_group_size=2, matchmaking_timeout_s=4.0, request_timeout_s=1.0,
+                                            sender_timeout_s=3.0, reducer_timeout_s=6.0),
+    )
+
+
+def _worker(hub, name, run, tmp_path, background: bool) -> tuple[DiLoCoRole, list]:
+    node = NodeConfig(checkpoint_dir=str(tmp_path / name), threads=1, device="cpu", background_eval=background,
+                      background_checkpoint=background)
+    role = DiLoCoRole(RunContext.build("unit", run, node, hub.transport(name)))
+    events = []
+    role.ctx.events.subscribe(events.append)
+    return role, events
+
+
+def test_eval_every_and_straggler_are_fingerprint_neutral_at_their_defaults_and_validated():
+    base = RunConfig(model="tiny")
+    assert RunConfig(model="tiny", diloco=DiLoCoHyperparams(straggler="drop")).fingerprint() == base.fingerprint()
+    with pytest.raises(ValueError, match="straggler"):
+        DiLoCoHyperparams(straggler="wait")
+    with pytest.raises(ConfigError, match="straggler"):
+        RunConfig(diloco=DiLoCoHyperparams(straggler="carry", overlap="delayed"))
+    assert RunConfig(model="tiny", eval_every=1).fingerprint() == base.fingerprint()
+    assert "eval_every" not in base.fingerprint_dict()
+    assert RunConfig(model="tiny", eval_every=5).fingerprint() != base.fingerprint()
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ConfigError, match="eval_every"):
+            RunConfig(eval_every=bad)
+
+
+@pytest.mark.parametrize("diloco", [{}, {"overlap": "delayed"}, {"fragments": 2}], ids=["none", "delayed", "F2"])
+def test_background_eval_and_checkpoint_match_the_foreground_ones(diloco, tmp_path):
+    async def main():
+        hub = Hub()
+        run = _run(**diloco)
+        (a, a_events), (b, b_events) = (_worker(hub, "peer-a", run, tmp_path, True),
+                                        _worker(hub, "peer-b", run, tmp_path, False))
+        await asyncio.gather(a.run(), b.run())
+        assert a.outer.outer_round == b.outer.outer_round == 3 and a._digest() == b._digest()
+        fg = {e.outer_round: e.eval_nats_per_byte for e in b_events if isinstance(e, RoundDone)}
+        assert set(fg) == {1, 2, 3} and fg[1] is None and None not in (fg[2], fg[3])  # every 2nd round, and the last
+        assert all(e.eval_nats_per_byte is None for e in a_events if isinstance(e, RoundDone))
+        bg = {e.outer_round: e.eval_nats_per_byte for e in a_events if isinstance(e, Evaluated) and e.outer_round}
+        assert set(bg) == {2, 3}
+        for r in (2, 3):  # the copy evaluated in the background is theta_outer, as the foreground evaluation
+            assert bg[r] == pytest.approx(fg[r], rel=1e-6)
+        assert a._writer is None  # the writer thread finished with the final checkpoint
+        again, _ = _worker(Hub(), "peer-a", run, tmp_path, True)
+        again._resume()
+        assert again._digest() == a._digest() and again.outer.outer_round == 3
+
+    asyncio.run(main())
+
+
+def test_a_straggler_carries_its_missed_rounds_pseudo_gradient_into_the_next_round(tmp_path):
+    from protocols.diloco import flatten_parameters
+
+    async def main():
+        hub = Hub()
+        run = RunConfig(
+            model="tiny", seq_len=32, batch_size=4, eval_batches=0,
+            diloco=DiLoCoHyperparams(inner_steps=2, warmup_steps=2, inner_lr=1e-3, straggler="carry"),
+            averaging=AveragingConfig.from_flat(min_group_size=1, matchmaking_timeout_s=1.0, request_timeout_s=0.5,
+                                                sender_timeout_s=3.0, reducer_timeout_s=6.0))
+        (a, _), (b, b_events) = (_worker(hub, "peer-a", run, tmp_path, False),
+                                 _worker(hub, "peer-b", run, tmp_path, False))
+        for w in (a, b):
+            for component in w.components:
+                await component.start()
+            await w._publish_status()
+        await a._train_until_quota()
+        await a._outer_round()  # b is late: the deadline passes and a's round goes on without it
+        assert a.outer.outer_round == 1
+        await b._train_until_quota()
+        missed = b.outer.theta - flatten_parameters(b.model)  # b's pseudo-gradient of the round it missed
+        await b._outer_round()  # b adopts a's state and keeps its pseudo-gradient
+        assert b.outer.digest() == a.outer.digest()
+        assert torch.equal(flatten_parameters(b.model), a.outer.theta - missed)
+        assert b.samples_since_sync == 8  # its 2 steps of batch 4 weigh in the next round
+        for w in (a, b):
+            await w._train_until_quota()
+        await asyncio.gather(a._outer_round(), b._outer_round())
+        assert a.outer.outer_round == b.outer.outer_round == 2 and a.outer.digest() == b.outer.digest()
+        done = [e for e in b_events if isinstance(e, RoundDone)]
+        assert done[-1].weight == 16.0  # the missed round's 8 samples and this round's 8
+        for w in (a, b):
+            for component in w.components:
+                await component.stop()
+
+    asyncio.run(main())
