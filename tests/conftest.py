@@ -7,6 +7,7 @@ is a test failure.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 
@@ -17,6 +18,19 @@ import pytest
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if item.get_closest_marker("netns") is not None and os.geteuid() != 0:
         pytest.skip("netns: needs root to create network namespaces (run scripts/test as root, as CI does)")
+
+
+@pytest.fixture(autouse=True)
+def restore_root_logging():
+    """Tests that run ``peerd.cli.main`` in-process install log handlers on the stream pytest captured for them;
+    put the root logger back so later tests never write to (or flush) a closed stream."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for handler in root.handlers:
+        if handler not in handlers:
+            root.removeHandler(handler)
+    root.setLevel(level)
 
 
 @pytest.fixture(autouse=True, scope="session")
