@@ -599,7 +599,7 @@ def render(rows: list[Row], scenarios: dict[str, Scenario], args, meta: dict) ->
 def verdicts(rows: list[Row], scenarios: dict[str, Scenario], args) -> list[str]:
     med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
     by = {(r.scenario, r.impl, r.codec, r.world): r for r in rows}
-    lines = ["Targets (issue 6):", ""]
+    lines = ["Targets:", ""]
     for sc in scenarios.values():
         for codec in sc.codecs:
             for impl in ("peerd", "peerd-direct", "peerd-mux"):

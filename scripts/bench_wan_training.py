@@ -440,7 +440,7 @@ def verdict(res: Results, a) -> list[str]:
         return ["- DiLoCo compute utilization: not measured (run failed)."]
     util = statistics.median(q["util"] for q in peers)
     ok = util >= 0.95
-    return [f"- Target (issue 6): DiLoCo compute utilization >= 0.95 at {a.rate_mbit:g} Mbit/s: measured {util:.3f}, "
+    return [f"- Target: DiLoCo compute utilization >= 0.95 at {a.rate_mbit:g} Mbit/s: measured {util:.3f}, "
             f"**{'met' if ok else 'MISSED'}**."]
 
 
