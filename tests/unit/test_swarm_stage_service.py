@@ -156,7 +156,7 @@ def test_trainer_bans_a_server_returning_nan_and_retries_on_its_replica():
         await NaNService(service_name(0), split_model(model, 2)[0], config).start(hub.transport("evil"))
         await StageService(service_name(0), stages[0], config).start(hub.transport("good"))
         await StageService(service_name(1), stages[1], config).start(hub.transport("last"))
-        wiring = Wiring(2)
+        wiring = Wiring(2, ban_s=3600.0)  # the ban must outlast the test on a slow machine
         wiring.set_servers({0: ["evil", "good"], 1: ["last"]})
         trainer = PipelineTrainer(hub.transport("trainer").streams, service_name, wiring, config, d_model=128)
         losses = [await trainer.step(*batch(seed=i)) for i in range(4)]
