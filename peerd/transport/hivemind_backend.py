@@ -34,6 +34,8 @@ logger = logging.getLogger(__name__)
 
 #: How often the DHT process checks that the daemon that started it is alive, in seconds.
 PARENT_POLL_S = 0.25
+#: Most remote addresses of incoming streams remembered (one per peer).
+OBSERVED_MAX = 4096
 #: How long p2pd gets to exit on SIGTERM once the daemon is gone, before SIGKILL.
 ORPHAN_GRACE_S = 1.0
 
@@ -144,6 +146,9 @@ class HivemindStreams:
         self.p2p = p2p
         self._peer_id = p2p.peer_id.to_base58()
         self._served: set[str] = set()
+        self.observed: dict[str, str] = {}
+        """PeerID -> remote multiaddr of the last stream it opened to us (what the dial-back check calls the
+        address a request came from); at most OBSERVED_MAX entries, oldest dropped first."""
 
     @property
     def peer_id(self) -> str:
@@ -154,6 +159,7 @@ class HivemindStreams:
             raise ValueError(f"handler {name!r} is already served")
 
         async def serve(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            self._observe(info)
             try:
                 await handler(info.peer_id.to_base58(), reader, writer)
             except Exception:
@@ -166,6 +172,15 @@ class HivemindStreams:
 
         await self.p2p.add_binary_stream_handler(name, serve)
         self._served.add(name)
+
+    def _observe(self, info: Any) -> None:
+        with contextlib.suppress(Exception):
+            peer, addr = info.peer_id.to_base58(), str(info.addr)
+            if addr:
+                self.observed.pop(peer, None)
+                self.observed[peer] = addr
+                if len(self.observed) > OBSERVED_MAX:
+                    del self.observed[next(iter(self.observed))]
 
     async def remove_handler(self, name: str) -> None:
         if name in self._served:
