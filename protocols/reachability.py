@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Optional, Sequence
 
+from protocols.bans import BanList
 from protocols.rpc import Refused, Request, RpcError, Service, call
 from protocols.wire import ProtocolViolation
 
@@ -178,7 +179,9 @@ class DialBackService(Service):
     Args:
         dial: opens fresh connections (see :data:`Dial`).
         observed: ``observed(peer) -> multiaddr or None``, the address ``peer``'s request came from.
-        on_bad_peer: ``on_bad_peer(peer, reason)`` for a malformed request (the daemon bans the peer).
+        on_bad_peer: ``on_bad_peer(peer, reason)`` for a malformed request (the daemon logs or counts it).
+        bans: where a peer that sent a malformed request is banned (its later requests are refused with code
+            ``banned`` until the ban expires); default: a list of this service's own.
     """
 
     name = SERVICE
@@ -186,8 +189,10 @@ class DialBackService(Service):
 
     def __init__(self, dial: Dial, observed: Callable[[str], Optional[str]] = lambda peer: None,
                  on_bad_peer: Optional[Callable[[str, str], None]] = None, limiter: Optional[DialLimiter] = None,
-                 dial_timeout_s: float = DIAL_TIMEOUT_S, max_dials: int = MAX_DIALS):
+                 dial_timeout_s: float = DIAL_TIMEOUT_S, max_dials: int = MAX_DIALS,
+                 bans: Optional[BanList] = None):
         self.dial = dial
+        self.bans = bans if bans is not None else BanList()
         self.observed = observed
         self.on_bad_peer = on_bad_peer
         self.limiter = limiter or DialLimiter()
@@ -198,11 +203,14 @@ class DialBackService(Service):
 
     def on_bad_request(self, peer: str, method: str, error: RpcError) -> None:
         logger.warning("malformed dial-back request from %s: %s", peer, error)
+        self.bans.ban(peer, f"malformed dial-back request: {error}")
         if self.on_bad_peer is not None:
             self.on_bad_peer(peer, f"malformed dial-back request: {error}")
 
     async def rpc_dialback(self, request: Request) -> dict[str, Any]:
         peer = request.peer
+        if self.bans.is_banned(peer):
+            raise Refused(f"banned: {self.bans.reason(peer)}", "banned")
         try:
             addrs = check_request(request.header)
         except ProtocolViolation as e:

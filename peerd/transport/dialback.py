@@ -144,3 +144,62 @@ async def check_transport(transport: Any, helpers: Sequence[str], announce_maddr
     with contextlib.suppress(Exception):
         verdict.relayed = any("/p2p-circuit" in a for a in transport.visible_maddrs())
     return verdict
+
+
+async def helpers_for(node: Any, discovery: Any = None, status_key: Optional[str] = None) -> list[str]:
+    """Whom to ask: the PeerIDs of the node config's initial peers (bootstrap nodes are reachable by design), then
+    the run's live peers from their status records (shuffled), if ``discovery`` and ``status_key`` are given."""
+    import random
+
+    from peerd.status import StatusFilter
+
+    helpers = [p for p in map(peer_of, node.initial_peers) if p]
+    if discovery is not None and status_key is not None:
+        with contextlib.suppress(Exception):
+            live = [p for p, s in StatusFilter(logger)(await discovery.get(status_key)).items()
+                    if s.get("role") != "left"]
+            random.shuffle(live)
+            helpers += live
+    return list(dict.fromkeys(helpers))
+
+
+def log_verdict(verdict: Verdict) -> None:
+    """The one line a volunteer reads (a warning when others cannot dial this peer)."""
+    level = logging.WARNING if verdict.reachable is False else logging.INFO
+    logger.log(level, "%s", verdict.line(), extra={"event": "reachability", "reachable": verdict.reachable,
+                                                   "address": verdict.address, "relayed": verdict.relayed})
+
+
+async def watch_reachability(transport: Any, node: Any, status_key: Optional[str] = None, on_verdict=None,
+                             retry_s: float = 60.0, tries: int = 5) -> Optional[Verdict]:
+    """Run the check after joining and log its line; while nobody answered, check again every ``retry_s`` (at
+    most ``tries`` times). ``on_verdict(verdict)`` gets each verdict (the status board records ``reachable``)."""
+    verdict = None
+    for attempt in range(tries):
+        helpers = await helpers_for(node, transport.discovery, status_key)
+        verdict = await check_transport(transport, helpers, node.announce_maddrs, node.relay)
+        if on_verdict is not None:
+            on_verdict(verdict)
+        if verdict.reachable is not None or attempt == tries - 1:
+            log_verdict(verdict)
+            return verdict
+        if attempt == 0:
+            log_verdict(verdict)
+        await asyncio.sleep(retry_s)
+    return verdict
+
+
+def listens_on_loopback_only(host_maddrs: Sequence[str]) -> bool:
+    """True if every listen address is a loopback IP (nobody on another machine can dial us)."""
+    import ipaddress
+
+    hosts = []
+    for maddr in host_maddrs:
+        parts = maddr.split("/")
+        if len(parts) < 3 or parts[1] not in ("ip4", "ip6"):
+            return False
+        hosts.append(parts[2])
+    try:
+        return bool(hosts) and all(ipaddress.ip_address(h).is_loopback for h in hosts)
+    except ValueError:
+        return False

@@ -111,6 +111,22 @@ class _TiedDHT(hivemind.DHT):
         super().run()
 
 
+def relay_options(relay: str, client_mode: bool = False) -> dict[str, Any]:
+    """hivemind ``P2P.create`` options of the node config's ``relay``: ``off`` = no circuit relay at all;
+    ``auto`` = the relay transport and relay service on (a reachable peer relays for others: p2pd's
+    ``-relayService`` is on with ``-relay``) plus auto-relay (p2pd reserves a slot on a relay, the bootstrap peers by
+    default, once its AutoNAT finds it unreachable); ``always`` = as auto, with the reachability forced private so
+    it keeps a relay slot whatever AutoNAT says. A short-lived client (``client_mode``) never reserves a slot."""
+    if relay not in ("off", "auto", "always"):
+        raise ValueError(f"relay must be off, auto or always, got {relay!r}")
+    if relay == "off":
+        return {"use_relay": False, "use_auto_relay": False}
+    options: dict[str, Any] = {"use_relay": True, "use_auto_relay": not client_mode}
+    if relay == "always" and not client_mode:
+        options["force_reachability"] = "private"
+    return options
+
+
 class HivemindDiscovery:
     """:class:`protocols.interfaces.Discovery` on a running :class:`hivemind.DHT`."""
 
@@ -220,12 +236,14 @@ class HivemindTransport:
         client_mode: bool = False,
         startup_timeout_s: float = 30.0,
         record_validators: Sequence[Any] = (),
+        relay: str = "off",
     ) -> "HivemindTransport":
         """Start a DHT node (child process + p2pd) and attach streams to it.
 
         ``record_validators`` (hivemind ``RecordValidatorBase`` instances, e.g.
         :class:`peerd.transport.records.OwnerRecordValidator`) check every record this node is asked to store and
-        every record it reads from others.
+        every record it reads from others. ``relay`` (node config ``relay``): ``off``, ``auto`` or ``always``
+        (:func:`relay_options`).
 
         Raises ConnectionError if none of ``initial_peers`` can be reached.
         """
@@ -234,8 +252,7 @@ class HivemindTransport:
             host_maddrs=list(host_maddrs),
             identity_path=identity_path,
             nat_port_map=nat_port_map,
-            use_relay=False,
-            use_auto_relay=False,
+            **relay_options(relay, client_mode),
             use_ipfs=False,
             check_if_identity_free=False,
             client_mode=client_mode,

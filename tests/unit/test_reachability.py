@@ -128,7 +128,8 @@ async def test_service_reports_reachable_and_unreachable_addresses():
 
 @in_loop
 async def test_rate_limit_and_malformed_request_exclude_the_peer_without_crashing():
-    helper, asker = _pair()
+    hub = Hub()
+    helper, asker, other = hub.transport("helper"), hub.transport(ME), hub.transport("12D3KooWOther")
     bad_peers = []
     dials = []
 
@@ -139,19 +140,23 @@ async def test_rate_limit_and_malformed_request_exclude_the_peer_without_crashin
     service = DialBackService(dial, on_bad_peer=lambda peer, why: bad_peers.append((peer, why)))
     await service.start(helper)
     try:
-        for header in ({"addrs": "not a list"}, {"addrs": [1, 2]}, {"addrs": ["/ip4/1.2.3.4/tcp/1"] * 17},
-                       {"addrs": ["x" * 300]}, {}):
+        for i, header in enumerate(({"addrs": "not a list"}, {"addrs": [1, 2]}, {"addrs": ["/ip4/1.2.3.4/tcp/1"] * 17},
+                                    {"addrs": ["x" * 300]}, {})):
+            sender = asker if i == 0 else hub.transport(f"12D3KooWBad{i}")
             with pytest.raises(Refused) as refused:
-                await call(asker.streams, "helper", "peerd.reach", "dialback", header, timeout_s=5)
+                await call(sender.streams, "helper", "peerd.reach", "dialback", header, timeout_s=5)
             assert refused.value.code == "bad_request"
-        assert len(bad_peers) == 5 and all(p == ME for p, _ in bad_peers)
+        assert [p for p, _ in bad_peers] == [ME] + [f"12D3KooWBad{i}" for i in range(1, 5)]
+        with pytest.raises(Refused) as refused:  # excluded: a well-formed request no longer reaches the dialer
+            await ask_dialback(asker, "helper", ["/ip4/127.0.0.1/tcp/4001"])
+        assert refused.value.code == "banned"
         assert dials == []
-        answer = await ask_dialback(asker, "helper", ["/ip4/127.0.0.1/tcp/4001"])  # still serving
+        answer = await ask_dialback(other, "helper", ["/ip4/127.0.0.1/tcp/4001"])  # still serving the others
         assert answer.results == [("/ip4/127.0.0.1/tcp/4001", False, "refused")]
         with pytest.raises(Refused) as refused:  # a second check within the per-peer interval
-            await ask_dialback(asker, "helper", ["/ip4/127.0.0.1/tcp/4001"])
-        assert refused.value.code == "busy"
-        assert len(dials) == 1 and dials[0][0] == ME
+            await ask_dialback(other, "helper", ["/ip4/127.0.0.1/tcp/4001"])
+        assert refused.value.code == "busy" and "per peer" in refused.value.reason
+        assert dials == [("12D3KooWOther", ["/ip4/127.0.0.1/tcp/4001"])]
     finally:
         await service.stop()
 
