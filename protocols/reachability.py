@@ -310,7 +310,7 @@ class Verdict:
                     if self.public_ip and not _is_private(self.public_ip) else
                     ", then set announce_maddrs to your public address")
         if self.relayed:
-            now = "until then this peer is reached through relays (slower: it gets smaller all-reduce parts)"
+            now = "until then this peer is reached through a relay (slower)"
         elif self.relay_mode == "off":
             now = "or set relay = \"auto\" to be reached through relays"
         else:
