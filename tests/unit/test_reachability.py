@@ -27,8 +27,8 @@ def in_loop(test):
     """Run an async test body in a fresh event loop."""
 
     @functools.wraps(test)
-    def run():
-        asyncio.run(test())
+    def run(*args, **kwargs):
+        asyncio.run(test(*args, **kwargs))
 
     return run
 
@@ -212,3 +212,45 @@ def test_answer_from_nobody_is_unknown_and_answers_name_their_helper():
     verdict = verdict_of([DialBackAnswer("h", "/ip4/203.0.113.7/tcp/1", [("/ip4/203.0.113.7/tcp/4001", False, "x")])],
                          2, ["/ip4/10.0.0.2/tcp/4001"])
     assert verdict.reachable is False and verdict.public_ip == "203.0.113.7" and verdict.ports == [4001]
+
+
+HELPER_ID = "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
+
+
+@in_loop
+async def test_join_check_logs_one_line_and_the_status_record_carries_it(caplog, tmp_path):
+    import logging
+
+    from peerd.config import NodeConfig
+    from peerd.roles.status_board import StatusBoard
+    from peerd.transport.dialback import watch_reachability
+
+    hub = Hub()
+    me, helper = hub.transport(ME), hub.transport(HELPER_ID)
+    me.visible_maddrs = lambda: ["/ip4/127.0.0.1/tcp/4001/p2p/" + ME]
+
+    async def answers(peer, addrs, timeout_s):
+        return {a: (True, "connected") for a in addrs}
+
+    service = DialBackService(answers, observed=lambda peer: "/ip4/127.0.0.1/tcp/50000")
+    await service.start(helper)
+    board = StatusBoard(me.discovery, "peerd.r.status", ME, 1.0, 5.0, asyncio.Event())
+    node = NodeConfig(initial_peers=(f"/ip4/127.0.0.1/tcp/1/p2p/{HELPER_ID}",), checkpoint_dir=str(tmp_path))
+    try:
+        with caplog.at_level(logging.INFO, logger="peerd.transport.dialback"):
+            verdict = await watch_reachability(me, node, board.key,
+                                               on_verdict=lambda v: setattr(board, "reachable", v.reachable))
+        lines = [r.getMessage() for r in caplog.records if getattr(r, "event", None) == "reachability"]
+        assert lines == ["reachable: other peers can dial this peer at /ip4/127.0.0.1/tcp/4001 (checked by 1 peer(s))"]
+        assert verdict.reachable is True
+        await board.publish()
+        assert (await board.records())[ME]["reachable"] is True
+        caplog.clear()
+        lonely = NodeConfig(checkpoint_dir=str(tmp_path))  # nobody to ask: unknown, asked again, logged twice
+        with caplog.at_level(logging.INFO, logger="peerd.transport.dialback"):
+            verdict = await watch_reachability(me, lonely, None, retry_s=0.01, tries=3)
+        assert verdict.reachable is None
+        assert [r.getMessage()[:22] for r in caplog.records
+                if getattr(r, "event", None) == "reachability"] == ["reachability unknown: "] * 2
+    finally:
+        await service.stop()
