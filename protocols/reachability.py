@@ -314,7 +314,7 @@ class Verdict:
         elif self.relay_mode == "off":
             now = "or set relay = \"auto\" to be reached through relays"
         else:
-            now = "until then relays are used where the swarm offers them"
+            now = "until then this peer only dials out (relay = \"auto\" may get it a relay slot)"
         return f"not reachable: no peer could dial this peer back; {forward}{announce}; {now}"
 
 

@@ -141,8 +141,10 @@ async def check_transport(transport: Any, helpers: Sequence[str], announce_maddr
     verdict = await check_reachability(transport, helpers, announced_addrs(transport, announce_maddrs),
                                        timeout_s=timeout_s)
     verdict.relay_mode = relay
-    with contextlib.suppress(Exception):
-        verdict.relayed = any("/p2p-circuit" in a for a in transport.visible_maddrs())
+    with contextlib.suppress(Exception):  # the daemon's current addresses: a relay slot adds a /p2p-circuit one
+        p2p = getattr(transport.streams, "p2p", None)
+        addrs = [str(a) for a in await p2p.get_visible_maddrs(latest=True)] if p2p else transport.visible_maddrs()
+        verdict.relayed = any("/p2p-circuit" in a for a in addrs)
     return verdict
 
 
