@@ -394,7 +394,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
                            for r in rows[1:]]
     if any(s.get("reachable") is not None for s in live.values()):
         header += ("reachable",)
-        names = {True: "yes", False: "no (relayed)", None: "-"}
+        names = {True: "yes", False: "no", None: "-"}
         rows = [header] + [(*r, names[live[r[0]].get("reachable")]) for r in rows[1:]]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     for r in rows:

@@ -93,3 +93,22 @@ def test_loopback_only():
     assert not listens_on_loopback_only(["/ip4/0.0.0.0/tcp/0"])
     assert not listens_on_loopback_only(["/ip4/127.0.0.1/tcp/0", "/ip4/192.168.1.2/tcp/0"])
     assert not listens_on_loopback_only([])
+
+
+def test_status_table_has_a_reachable_column(monkeypatch, capsys):
+    import peerd.daemon
+
+    peers = {"12D3KooWA": make_status(role="diloco", outer_round=2, reachable=True),
+             "12D3KooWB": make_status(role="diloco", outer_round=1, reachable=False),
+             "12D3KooWC": make_status(role="diloco", outer_round=0)}
+
+    async def read_status(node, run_id):
+        return peers, None
+
+    monkeypatch.setattr(peerd.daemon, "read_status", read_status)
+    assert main(["status", "--run-id", "demo", "--initial-peers", PEER]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split()[-1] == "reachable"
+    cells = {line.split()[0]: line for line in lines[2:]}
+    assert cells["12D3KooWA"].endswith(" yes") and cells["12D3KooWB"].endswith(" no")
+    assert cells["12D3KooWC"].endswith(" -")
