@@ -65,6 +65,9 @@ def _node_flags(p: argparse.ArgumentParser, listen_default: Optional[str] = None
     g.add_argument("--transport", choices=("p2pd", "libp2p", "auto"),
                    help="libp2p implementation: p2pd (hivemind's Go daemon), libp2p (py-libp2p, pure Python) or "
                    "auto (p2pd where its binary runs, else py-libp2p; the default)")
+    g.add_argument("--relay", choices=("off", "auto", "always"),
+                   help="libp2p circuit relays: auto (relay for others; use a relay when behind a NAT; the default), "
+                   "always (always reserve a relay slot) or off")
     p.add_argument("--log-format", choices=("text", "json"), default="text",
                    help="text for people, json (one object per line) for log shippers")
     p.add_argument("--log-level", metavar="LEVEL", help="DEBUG, INFO, WARNING... (default: $PEERD_LOGLEVEL or INFO)")
@@ -180,6 +183,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-id", type=_run_id, default=os.environ.get("PEERD_RUN_ID"),
                    help="name of the run (default $PEERD_RUN_ID)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    _node_flags(p)
+
+    p = sub.add_parser("doctor", help="check that this machine can join a run: one line per check, OK or FAIL",
+                       description="Check the basics a volunteer's machine needs to join RUN_ID: the p2pd binary, "
+                       "py-libp2p, the bootstrap peers, the run's configuration, whether other peers can dial this "
+                       "machine back (and the fix if not), the clock, the training device. One line per check with "
+                       "OK or FAIL and a fix; exit code 0 if all are OK, 1 otherwise.")
+    p.add_argument("--run-id", type=_run_id, default=os.environ.get("PEERD_RUN_ID"),
+                   help="name of the run (default $PEERD_RUN_ID)")
+    p.add_argument("--checkpoint-dir", metavar="DIR", help=argparse.SUPPRESS)
     _node_flags(p)
 
     p = sub.add_parser("eval", help="held-out loss of a SWARM run's model through its live stage servers",
@@ -320,7 +333,8 @@ FLAG_NAMES = {"upload_limit_mb_s": "--upload-limit", "download_limit_mb_s": "--d
 
 
 def _node_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    names = ("initial_peers", "host_maddrs", "announce_maddrs", "identity", "nat_port_map", "transport") + NODE_FLAGS
+    names = ("initial_peers", "host_maddrs", "announce_maddrs", "identity", "nat_port_map", "transport",
+             "relay") + NODE_FLAGS
     return {name: getattr(args, name, None) for name in names}
 
 
@@ -378,12 +392,27 @@ def _cmd_status(args: argparse.Namespace) -> int:
         header += ("stage",)
         rows = [header] + [(*r, str(live[r[0]].get("stage") if live[r[0]].get("stage") is not None else "-"))
                            for r in rows[1:]]
+    if any(s.get("reachable") is not None for s in live.values()):
+        header += ("reachable",)
+        names = {True: "yes", False: "no", None: "-"}
+        rows = [header] + [(*r, names[live[r[0]].get("reachable")]) for r in rows[1:]]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     for r in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
     for line in _stage_lines(live, (config or {}).get("swarm", {}).get("stages")):
         print(line)
     return 0
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from peerd.doctor import run_doctor
+
+    _require_run_id(args)
+    node = _node_config(args)
+    checks = run_doctor(node, args.run_id)
+    for check in checks:
+        print(check.line(), flush=True)
+    return 0 if all(c.ok for c in checks) else 1
 
 
 #: Port of `peerd dashboard` when none is given.
@@ -711,7 +740,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 COMMANDS = {"join": _cmd_join, "bootstrap": _cmd_bootstrap, "status": _cmd_status, "config": _cmd_config,
             "dashboard": _cmd_dashboard, "pause": _cmd_pause_resume, "resume": _cmd_pause_resume, "health": _cmd_health,
             "install-service": _cmd_install_service, "export": _cmd_export, "generate": _cmd_generate,
-            "eval": _cmd_eval, "tokenizer": _cmd_tokenizer}
+            "eval": _cmd_eval, "tokenizer": _cmd_tokenizer, "doctor": _cmd_doctor}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -60,6 +60,9 @@ DEFAULT_CONTROL_SOCKETS = {"worker": "peerd.sock", "bootstrap": "bootstrap.sock"
 #: Values of the node config key ``transport``.
 TRANSPORTS = ("p2pd", "libp2p", "auto")
 
+#: Values of the node config key ``relay``.
+RELAY_MODES = ("off", "auto", "always")
+
 #: Values of the node config key ``swarm_role``.
 SWARM_ROLES = ("auto", "server", "trainer")
 
@@ -98,6 +101,12 @@ class NodeConfig:
     which and why). Both speak the same protocols: one swarm may hold peers of both kinds."""
     nat_port_map: bool = False
     """Ask the home router for a port mapping (UPnP/NAT-PMP). Off by default: it probes the local gateway."""
+    relay: str = "auto"
+    """libp2p circuit relays (p2pd transport): ``auto`` = this peer relays for others and, when libp2p's AutoNAT
+    finds it behind a NAT, reserves a slot on a relay (the initial peers by default) so others reach it through
+    there; ``always`` = reserve a relay slot even where AutoNAT finds nothing wrong; ``off`` = no relays, as before.
+    The dial-back check at join (:mod:`protocols.reachability`) says whether others can dial this peer directly.
+    The py-libp2p transport has no relays yet and ignores it."""
     log_every_steps: int = 10
     """Log a progress line every this many inner steps; the loss is read back from the device only then."""
     micro_batch_size: int = 0
@@ -189,6 +198,9 @@ class NodeConfig:
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.transport not in TRANSPORTS:
             raise ConfigError(f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
+        if self.relay not in RELAY_MODES:
+            raise ConfigError(f"relay must be one of {', '.join(RELAY_MODES)}, got {self.relay!r}", key="relay",
+                              reason=f"must be one of {', '.join(RELAY_MODES)}, got {self.relay!r}")
         if self.data_plane not in ("p2p", "direct"):
             raise ConfigError(f"data_plane must be p2p or direct, got {self.data_plane!r}")
         if not 0 <= self.data_port <= 65535:

@@ -194,9 +194,10 @@ async def join(run_id: RunRef | str, node: NodeConfig, local_run: Optional[RunCo
         apply_cpu_threads(node.threads)
         apply_gpu_memory_fraction(node.gpu_memory_fraction, pick_device(node.device))
         transport = await open_transport(node, hold=hold)
-        keeper = data_plane = files = dashboard = None
+        keeper = data_plane = files = dashboard = dialback = reach = None
         try:
             logger.info("listening on %s", " ".join(transport.visible_maddrs()))
+            dialback = await serve_dialback(transport)
             record = await resolve_run_config(transport, ref, local_run, pin_path(node.checkpoint_path, ref))
             run = record.run
             if node.stage is not None and run.stage_error(node.stage):  # a config from the DHT: checked only now
@@ -220,6 +221,7 @@ async def join(run_id: RunRef | str, node: NodeConfig, local_run: Optional[RunCo
                 return  # stopped while waiting for the tokenizer file
             role = role_class(parallelism(run))(ctx)
             services.watch_peers(role_transport.discovery, ctx.namespace.status_key)
+            reach = asyncio.ensure_future(_check_reachability(transport, node, ctx))
             if node.dashboard_port is not None:
                 dashboard = await start_dashboard(node, ref, transport.discovery, services)
             services.ready(f"joined run {run_id}")
@@ -227,6 +229,10 @@ async def join(run_id: RunRef | str, node: NodeConfig, local_run: Optional[RunCo
             if ctx.status.conflict is not None:
                 raise ctx.status.conflict
         finally:
+            if reach is not None:
+                reach.cancel()
+            if dialback is not None:
+                await dialback.stop()
             if dashboard is not None:
                 await dashboard.stop()
             if keeper is not None:
@@ -236,6 +242,41 @@ async def join(run_id: RunRef | str, node: NodeConfig, local_run: Optional[RunCo
             if data_plane is not None:
                 await data_plane.streams.stop()
             await transport.shutdown()
+
+
+async def serve_dialback(transport):
+    """Serve the dial-back check (:mod:`protocols.reachability`) for any peer; None if it cannot be served."""
+    from peerd.transport.dialback import dialback_service
+
+    service = dialback_service(transport)
+    try:
+        await service.start(transport)
+    except Exception as e:  # noqa: BLE001 - a peer that cannot help others check still trains
+        logger.warning("not serving the dial-back check: %s", e)
+        return None
+    return service
+
+
+async def _check_reachability(transport, node: NodeConfig, ctx) -> None:
+    """The join's reachability line; the status record carries the verdict. A peer that listens on loopback only
+    (tests, the local demo) is reachable from this machine alone: it says so and asks nobody."""
+    from peerd.transport.dialback import listens_on_loopback_only, watch_reachability
+
+    if listens_on_loopback_only(node.host_maddrs):
+        logger.info("reachable from this machine only: listening on loopback (host_maddrs %s); set host_maddrs to "
+                    "/ip4/0.0.0.0/tcp/PORT for peers on other machines", " ".join(node.host_maddrs),
+                    extra={"event": "reachability", "reachable": None})
+        return
+
+    def record(verdict) -> None:
+        ctx.status.reachable = verdict.reachable
+
+    try:
+        await watch_reachability(transport, node, ctx.namespace.status_key, on_verdict=record)
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the check informs the volunteer; it never stops training
+        logger.warning("the reachability check failed: %s", e)
 
 
 async def start_dashboard(node: NodeConfig, ref: RunRef, discovery, services: VolunteerServices):
@@ -264,13 +305,17 @@ async def bootstrap(node: NodeConfig, on_ready=print) -> None:
     hold = hold_identity(node.identity_path_for("bootstrap"))
     async with VolunteerServices(node, "bootstrap", stop) as services:
         transport = await open_transport(node, role="bootstrap", hold=hold)
+        dialback = None
         try:
+            dialback = await serve_dialback(transport)
             for maddr in transport.visible_maddrs():
                 on_ready(maddr)
             logger.info("bootstrap node up; give peers --initial-peers with one of the addresses above")
             services.ready("bootstrap node up")
             await stop.wait()
         finally:
+            if dialback is not None:
+                await dialback.stop()
             await transport.shutdown()
 
 

@@ -63,6 +63,8 @@ class StatusBoard:
         self._describe: Callable[[], dict[str, Any]] = lambda: {"role": "starting"}
         self._filter = StatusFilter(logger)
         self.history = RecentHistory()
+        self.reachable: Optional[bool] = None
+        """What the dial-back check found (:mod:`protocols.reachability`), carried in every record."""
         if events is not None:  # the role's events feed the compact history every record carries
             events.subscribe(self.history)
 
@@ -72,7 +74,8 @@ class StatusBoard:
     async def publish(self, **override: Any) -> None:
         """Store the current record now (``override`` replaces fields of ``describe()``, e.g. ``role="left"``).
         A failed store is not an error: the next one comes within ``interval_s``."""
-        record = make_status(**{"history": self.history.compact(), **self._describe(), **override,
+        record = make_status(**{"history": self.history.compact(), "reachable": self.reachable, **self._describe(),
+                                **override,
                                 "instance": self.instance})
         with contextlib.suppress(Exception):
             await self.discovery.store(self.key, self.peer_id, record, self.discovery.time() + self.ttl_s)

@@ -67,6 +67,7 @@ async def open_transport(node: NodeConfig, role: str = "worker", client_mode: bo
             nat_port_map=node.nat_port_map,
             client_mode=client_mode,
             record_validators=[OwnerRecordValidator()],
+            relay=node.relay,
         )
     except BaseException:
         hold.release()

@@ -34,6 +34,8 @@ logger = logging.getLogger(__name__)
 
 #: How often the DHT process checks that the daemon that started it is alive, in seconds.
 PARENT_POLL_S = 0.25
+#: Most remote addresses of incoming streams remembered (one per peer).
+OBSERVED_MAX = 4096
 #: How long p2pd gets to exit on SIGTERM once the daemon is gone, before SIGKILL.
 ORPHAN_GRACE_S = 1.0
 
@@ -109,6 +111,22 @@ class _TiedDHT(hivemind.DHT):
         super().run()
 
 
+def relay_options(relay: str, client_mode: bool = False) -> dict[str, Any]:
+    """hivemind ``P2P.create`` options of the node config's ``relay``: ``off`` = no circuit relay at all;
+    ``auto`` = the relay transport and relay service on (a reachable peer relays for others: p2pd's
+    ``-relayService`` is on with ``-relay``) plus auto-relay (p2pd reserves a slot on a relay, the bootstrap peers by
+    default, once its AutoNAT finds it unreachable); ``always`` = as auto, with the reachability forced private so
+    it keeps a relay slot whatever AutoNAT says. A short-lived client (``client_mode``) never reserves a slot."""
+    if relay not in ("off", "auto", "always"):
+        raise ValueError(f"relay must be off, auto or always, got {relay!r}")
+    if relay == "off":
+        return {"use_relay": False, "use_auto_relay": False}
+    options: dict[str, Any] = {"use_relay": True, "use_auto_relay": not client_mode}
+    if relay == "always" and not client_mode:
+        options["force_reachability"] = "private"
+    return options
+
+
 class HivemindDiscovery:
     """:class:`protocols.interfaces.Discovery` on a running :class:`hivemind.DHT`."""
 
@@ -144,6 +162,9 @@ class HivemindStreams:
         self.p2p = p2p
         self._peer_id = p2p.peer_id.to_base58()
         self._served: set[str] = set()
+        self.observed: dict[str, str] = {}
+        """PeerID -> remote multiaddr of the last stream it opened to us (what the dial-back check calls the
+        address a request came from); at most OBSERVED_MAX entries, oldest dropped first."""
 
     @property
     def peer_id(self) -> str:
@@ -154,6 +175,7 @@ class HivemindStreams:
             raise ValueError(f"handler {name!r} is already served")
 
         async def serve(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            self._observe(info)
             try:
                 await handler(info.peer_id.to_base58(), reader, writer)
             except Exception:
@@ -166,6 +188,15 @@ class HivemindStreams:
 
         await self.p2p.add_binary_stream_handler(name, serve)
         self._served.add(name)
+
+    def _observe(self, info: Any) -> None:
+        with contextlib.suppress(Exception):
+            peer, addr = info.peer_id.to_base58(), str(info.addr)
+            if addr:
+                self.observed.pop(peer, None)
+                self.observed[peer] = addr
+                if len(self.observed) > OBSERVED_MAX:
+                    del self.observed[next(iter(self.observed))]
 
     async def remove_handler(self, name: str) -> None:
         if name in self._served:
@@ -205,12 +236,14 @@ class HivemindTransport:
         client_mode: bool = False,
         startup_timeout_s: float = 30.0,
         record_validators: Sequence[Any] = (),
+        relay: str = "off",
     ) -> "HivemindTransport":
         """Start a DHT node (child process + p2pd) and attach streams to it.
 
         ``record_validators`` (hivemind ``RecordValidatorBase`` instances, e.g.
         :class:`peerd.transport.records.OwnerRecordValidator`) check every record this node is asked to store and
-        every record it reads from others.
+        every record it reads from others. ``relay`` (node config ``relay``): ``off``, ``auto`` or ``always``
+        (:func:`relay_options`).
 
         Raises ConnectionError if none of ``initial_peers`` can be reached.
         """
@@ -219,8 +252,7 @@ class HivemindTransport:
             host_maddrs=list(host_maddrs),
             identity_path=identity_path,
             nat_port_map=nat_port_map,
-            use_relay=False,
-            use_auto_relay=False,
+            **relay_options(relay, client_mode),
             use_ipfs=False,
             check_if_identity_free=False,
             client_mode=client_mode,

@@ -192,9 +192,10 @@ class LibP2PTransport(HivemindTransport):
         client_mode: bool = False,
         startup_timeout_s: float = 30.0,
         record_validators: Sequence[Any] = (),
+        relay: str = "off",
     ) -> "LibP2PTransport":
-        """Start the py-libp2p daemon, then a DHT node on it (child process). ``nat_port_map`` is accepted for
-        symmetry and ignored: py-libp2p's UPnP stays off. Raises ConnectionError if the daemon or the DHT node
+        """Start the py-libp2p daemon, then a DHT node on it (child process). ``nat_port_map`` and ``relay`` are
+        accepted for symmetry and ignored: py-libp2p's UPnP stays off and this daemon has no circuit relay. Raises ConnectionError if the daemon or the DHT node
         cannot start or none of ``initial_peers`` answers."""
         problem = libp2p_available()
         if problem is not None:

@@ -1,0 +1,207 @@
+"""Dialing a peer back on a fresh connection, and running the reachability check of :mod:`protocols.reachability`.
+
+A daemon is already connected to the peer that asks it (the request came over that connection), so dialing through
+the daemon's own libp2p node would reuse it and prove nothing. :func:`p2pd_dial` starts a throw-away p2pd with a
+new random identity that does not listen and shares no connection with anyone, asks it to connect to the asking
+PeerID at each address in turn (libp2p's handshake checks that the remote key is that PeerID) and stops it: about
+one second of CPU per check, which the service's rate limits bound. Where p2pd cannot run (py-libp2p peers on
+machines without the binary), :func:`tcp_dial` opens a TCP connection and completes libp2p's multistream-select
+greeting (``/multistream/1.0.0``): proof that a libp2p node answers there, though not which one.
+
+:func:`observed_addr` tells the service where a request came from: the remote address of the stream it arrived on,
+which the p2pd stream handlers record (:class:`peerd.transport.hivemind_backend.HivemindStreams`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any, Optional, Sequence
+
+from protocols.reachability import ASK_TIMEOUT_S, DialBackService, Verdict, check_reachability
+
+logger = logging.getLogger(__name__)
+
+MULTISTREAM = b"/multistream/1.0.0\n"
+
+
+async def p2pd_dial(peer_id: str, addrs: Sequence[str], timeout_s: float) -> dict[str, tuple[bool, str]]:
+    """``{addr: (ok, why)}``: a fresh p2pd (new identity, not listening, no relays, no NAT mapping) connects to
+    ``peer_id`` at ``addrs`` one after another, each within ``timeout_s`` seconds, until one answers (the rest are
+    reported not dialed: once connected, p2pd also dials the addresses the peer announced to it, so a later result
+    would not be that address's own)."""
+    from hivemind.p2p import P2P, PeerID
+    from multiaddr import Multiaddr
+
+    target = PeerID.from_base58(peer_id)
+    prober = await P2P.create(host_maddrs=[], no_listen=True, nat_port_map=False, use_relay=False,
+                              use_auto_relay=False, auto_nat=False, check_if_identity_free=False,
+                              startup_timeout=max(15.0, timeout_s))
+    out: dict[str, tuple[bool, str]] = {}
+    try:
+        for addr in addrs:
+            reached = next((a for a, (ok, _) in out.items() if ok), None)
+            if reached is not None:  # p2pd now knows the addresses the peer told it: a later dial proves nothing
+                out[addr] = (False, f"not dialed: already reached at {reached}")
+                continue
+            started = time.monotonic()
+            try:
+                await asyncio.wait_for(prober._client.connect(target, [Multiaddr(addr)]), timeout_s)
+            except asyncio.TimeoutError:
+                out[addr] = (False, f"no answer within {timeout_s:.0f} s")
+                continue
+            except Exception as e:  # noqa: BLE001 - p2pd reports every dial failure as a control error
+                out[addr] = (False, f"dial failed: {str(e)[:150]}")
+                continue
+            out[addr] = (True, f"connected in {time.monotonic() - started:.2f} s")
+    finally:
+        with contextlib.suppress(Exception):
+            await prober.shutdown()
+    return out
+
+
+async def tcp_dial(peer_id: str, addrs: Sequence[str], timeout_s: float) -> dict[str, tuple[bool, str]]:
+    """``{addr: (ok, why)}``: a TCP connection to each of ``addrs`` that answers libp2p's multistream-select
+    greeting within ``timeout_s`` (does not verify ``peer_id``)."""
+    from protocols.reachability import parse_tcp
+
+    out: dict[str, tuple[bool, str]] = {}
+    for addr in addrs:
+        tcp = parse_tcp(addr)
+        if tcp is None:
+            out[addr] = (False, "not a TCP address")
+            continue
+        writer = None
+        try:
+            async def greet() -> bytes:
+                nonlocal writer
+                reader, writer = await asyncio.open_connection(tcp.host, tcp.port)
+                writer.write(bytes([len(MULTISTREAM)]) + MULTISTREAM)
+                await writer.drain()
+                return await reader.readexactly(1 + len(MULTISTREAM))
+
+            answer = await asyncio.wait_for(greet(), timeout_s)
+        except asyncio.TimeoutError:
+            out[addr] = (False, f"no answer within {timeout_s:.0f} s")
+        except (OSError, asyncio.IncompleteReadError) as e:
+            out[addr] = (False, f"dial failed: {e}")
+        else:
+            ok = answer[1:] == MULTISTREAM
+            out[addr] = (ok, "a libp2p node answered" if ok else "something else answered")
+        finally:
+            if writer is not None:
+                writer.close()
+    return out
+
+
+def default_dial():
+    """:func:`p2pd_dial` where the p2pd binary runs here, else :func:`tcp_dial`."""
+    from peerd.transport.libp2p_backend import p2pd_problem
+
+    return p2pd_dial if p2pd_problem() is None else tcp_dial
+
+
+def observed_addr(transport: Any, peer: str) -> Optional[str]:
+    """The remote multiaddr of the last stream ``peer`` opened to us, where the transport records it (else None)."""
+    streams = transport.streams
+    for _ in range(4):  # wrappers (pacing, admission, the direct data plane) keep the p2p streams inside
+        observed = getattr(streams, "observed", None)
+        if isinstance(observed, dict):
+            return observed.get(peer)
+        streams = getattr(streams, "_inner", None) or getattr(streams, "inner", None)
+        if streams is None:
+            return None
+    return None
+
+
+def dialback_service(transport: Any, dial=None, on_bad_peer=None) -> DialBackService:
+    """A (not yet started) dial-back service for ``transport``'s peers (start it with ``await s.start(transport)``)."""
+    return DialBackService(dial or default_dial(), observed=lambda peer: observed_addr(transport, peer),
+                           on_bad_peer=on_bad_peer)
+
+
+def peer_of(maddr: str) -> Optional[str]:
+    """The PeerID at the end of ``maddr`` (``.../p2p/<PeerID>``), else None."""
+    parts = maddr.rstrip("/").split("/")
+    return parts[-1] if len(parts) >= 2 and parts[-2] in ("p2p", "ipfs") else None
+
+
+def announced_addrs(transport: Any, announce_maddrs: Sequence[str] = ()) -> list[str]:
+    """What we ask helpers to dial: the configured ``announce_maddrs``, else the addresses we are visible at."""
+    addrs = list(announce_maddrs) or list(transport.visible_maddrs())
+    return [a for a in dict.fromkeys(addrs)]
+
+
+async def check_transport(transport: Any, helpers: Sequence[str], announce_maddrs: Sequence[str] = (),
+                          relay: str = "auto", timeout_s: float = ASK_TIMEOUT_S) -> Verdict:
+    """The dial-back verdict for this peer, asking ``helpers`` (PeerIDs; duplicates and ourselves skipped)."""
+    helpers = [h for h in dict.fromkeys(helpers) if h and h != transport.streams.peer_id]
+    verdict = await check_reachability(transport, helpers, announced_addrs(transport, announce_maddrs),
+                                       timeout_s=timeout_s)
+    verdict.relay_mode = relay
+    with contextlib.suppress(Exception):  # the daemon's current addresses: a relay slot adds a /p2p-circuit one
+        p2p = getattr(transport.streams, "p2p", None)
+        addrs = [str(a) for a in await p2p.get_visible_maddrs(latest=True)] if p2p else transport.visible_maddrs()
+        verdict.relayed = any("/p2p-circuit" in a for a in addrs)
+    return verdict
+
+
+async def helpers_for(node: Any, discovery: Any = None, status_key: Optional[str] = None) -> list[str]:
+    """Whom to ask: the PeerIDs of the node config's initial peers (bootstrap nodes are reachable by design), then
+    the run's live peers from their status records (shuffled), if ``discovery`` and ``status_key`` are given."""
+    import random
+
+    from peerd.status import StatusFilter
+
+    helpers = [p for p in map(peer_of, node.initial_peers) if p]
+    if discovery is not None and status_key is not None:
+        with contextlib.suppress(Exception):
+            live = [p for p, s in StatusFilter(logger)(await discovery.get(status_key)).items()
+                    if s.get("role") != "left"]
+            random.shuffle(live)
+            helpers += live
+    return list(dict.fromkeys(helpers))
+
+
+def log_verdict(verdict: Verdict) -> None:
+    """The one line a volunteer reads (a warning when others cannot dial this peer)."""
+    level = logging.WARNING if verdict.reachable is False else logging.INFO
+    logger.log(level, "%s", verdict.line(), extra={"event": "reachability", "reachable": verdict.reachable,
+                                                   "address": verdict.address, "relayed": verdict.relayed})
+
+
+async def watch_reachability(transport: Any, node: Any, status_key: Optional[str] = None, on_verdict=None,
+                             retry_s: float = 60.0, tries: int = 5) -> Optional[Verdict]:
+    """Run the check after joining and log its line; while nobody answered, check again every ``retry_s`` (at
+    most ``tries`` times). ``on_verdict(verdict)`` gets each verdict (the status board records ``reachable``)."""
+    verdict = None
+    for attempt in range(tries):
+        helpers = await helpers_for(node, transport.discovery, status_key)
+        verdict = await check_transport(transport, helpers, node.announce_maddrs, node.relay)
+        if on_verdict is not None:
+            on_verdict(verdict)
+        if verdict.reachable is not None or attempt == tries - 1:
+            log_verdict(verdict)
+            return verdict
+        if attempt == 0:
+            log_verdict(verdict)
+        await asyncio.sleep(retry_s)
+    return verdict
+
+
+def listens_on_loopback_only(host_maddrs: Sequence[str]) -> bool:
+    """True if every listen address is a loopback IP (nobody on another machine can dial us)."""
+    import ipaddress
+
+    hosts = []
+    for maddr in host_maddrs:
+        parts = maddr.split("/")
+        if len(parts) < 3 or parts[1] not in ("ip4", "ip6"):
+            return False
+        hosts.append(parts[2])
+    try:
+        return bool(hosts) and all(ipaddress.ip_address(h).is_loopback for h in hosts)
+    except ValueError:
+        return False
