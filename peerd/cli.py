@@ -70,6 +70,11 @@ def _node_flags(p: argparse.ArgumentParser, listen_default: Optional[str] = None
     p.add_argument("--log-level", metavar="LEVEL", help="DEBUG, INFO, WARNING... (default: $PEERD_LOGLEVEL or INFO)")
 
 
+def _device_list(text: str) -> tuple[str, ...]:
+    """``--local-devices cuda:0,cuda:1`` -> ("cuda:0", "cuda:1")."""
+    return tuple(d.strip() for d in text.split(",") if d.strip())
+
+
 def _worker_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("worker")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), help="where to train (default auto)")
@@ -92,6 +97,9 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
                    help="compile the model with torch.compile (warm-up left out of tokens/s; default off)")
     g.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=None,
                    help="recompute activations in the backward pass to fit bigger micro-batches (default off)")
+    g.add_argument("--local-devices", type=_device_list, metavar="DEV,DEV,...",
+                   help="DiLoCo runs: train as one peer on several devices of this machine, e.g. cuda:0,cuda:1 "
+                   "(inner steps data-parallel across them; default: one device)")
     g = p.add_argument_group("volunteer limits and services")
     g.add_argument("--gpu-memory-fraction", type=float, metavar="F",
                    help="let this process allocate at most this share (0-1] of the GPU's memory (default no limit)")
@@ -310,7 +318,7 @@ def _node_config(args: argparse.Namespace) -> NodeConfig:
 #: Node config keys that commands may take as flags (besides the addresses and identity of every DHT command).
 NODE_FLAGS = ("device", "threads", "checkpoint_dir", "data", "gpu_memory_fraction", "upload_limit_mb_s",
               "download_limit_mb_s", "active_hours", "metrics_port", "control_socket", "stage", "swarm_role",
-              "micro_batch_size", "precision", "compile", "activation_checkpointing",
+              "micro_batch_size", "precision", "compile", "activation_checkpointing", "local_devices",
               "dashboard_port", "dashboard_host", "dashboard_token")
 
 

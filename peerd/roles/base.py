@@ -141,7 +141,8 @@ class RunContext:
         status = StatusBoard(transport.discovery, ns.status_key, transport.streams.peer_id, node.status_interval_s,
                              node.status_ttl_s, stop, events, instance)
         return cls(run_id, ns, run, node, transport, stop, gate or PauseGate(), bans, status,
-                   CheckpointStore(checkpoint_path(node.checkpoint_path, run_id)), events, pick_device(node.device))
+                   CheckpointStore(checkpoint_path(node.checkpoint_path, run_id)), events,
+                   pick_device(node.local_devices[0] if node.local_devices else node.device))
 
 
 async def held_out_loss(model: torch.nn.Module, eval_tokens: Any, run: RunConfig) -> Optional[float]:

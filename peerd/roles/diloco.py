@@ -201,6 +201,8 @@ class DiLoCoRole:
                 with contextlib.suppress(Exception):
                     await self._eval_task
             self._save_checkpoint(final=True)
+            if self._local_dp is not None:
+                self._local_dp.close()
             await self.ctx.status.publish(role="left")
             for component in self.components:
                 with contextlib.suppress(Exception):
@@ -228,14 +230,29 @@ class DiLoCoRole:
             else:  # a node preset may ask for it whatever the run's model: train without it
                 logger.warning("activation_checkpointing: model %r does not support it; training without it",
                                self.run_cfg.model)
+        self._local_dp = None
+        if len(node.local_devices) > 1:  # several devices, one peer: the helpers compile their own replicas
+            from peerd.local_dp import LocalDataParallel, LocalDevicesError, replica_spec
+
+            try:
+                self._local_dp = LocalDataParallel(self.model, node.local_devices,
+                                                   replica_spec(self.run_cfg, node, self.ctx.tokenizer.vocab_size,
+                                                                self.precision))
+            except LocalDevicesError as e:
+                raise ConfigError(str(e), key="local_devices", reason=str(e)) from None
+            logger.info("training on %d local devices as one peer: %s", len(node.local_devices),
+                        ", ".join(node.local_devices))
         # The compiled module shares the parameters; everything else (flatten, checkpoints) uses self.model.
-        self._forward = torch.compile(self.model) if node.compile else self.model
+        self._forward = torch.compile(self.model) if node.compile and self._local_dp is None else self.model
         self._warmup_steps = 1 if node.compile else 0  # the first call compiles: not counted in tokens/s
         self._new_optimizer()
 
     def _new_optimizer(self) -> None:
         """A fresh inner optimizer (and the step that drives it)."""
         self.optimizer = make_inner_optimizer(self.model.parameters(), self.hp, torch.device(self.device).type)
+        if self._local_dp is not None:
+            self.inner_step = self._local_dp.inner_step(self.optimizer, self.precision)
+            return
         self.inner_step = InnerStep(self.model, self.optimizer, batch_size=self.run_cfg.batch_size,
                                     micro_batch_size=self.ctx.node.micro_batch_size, precision=self.precision,
                                     grad_clip_norm=self.hp.grad_clip_norm, forward=self._forward)

@@ -1,7 +1,7 @@
 """Several local devices as one peer: 2 processes (gloo, CPU) take the same inner steps as one process on the
 whole batch, and stay bit-identical to the daemon's model after outer-round writes and a new optimizer."""
 
-import functools
+import asyncio
 
 import pytest
 import torch
@@ -10,7 +10,11 @@ from peerd.config import ConfigError, NodeConfig
 from peerd.inner_step import InnerStep, Precision
 from peerd.local_dp import LocalDataParallel, LocalDevicesError, ReplicaSpec, check_local_devices, slice_size
 from peerd.models import build_model
-from protocols.diloco import DiLoCoHyperparams, flatten_parameters, make_inner_optimizer, set_lr
+from peerd.roles.base import RunContext
+from peerd.roles.diloco import DiLoCoRole
+from peerd.run_config import AveragingConfig, RunConfig
+from peerd.transport.inprocess import Hub
+from protocols.diloco import DiLoCoHyperparams, flatten_parameters, set_lr
 
 HP = DiLoCoHyperparams(inner_steps=3, warmup_steps=1, inner_lr=1e-3, grad_clip_norm=1.0)
 B, T = 8, 16
@@ -107,22 +111,32 @@ def test_two_cpu_processes_step_like_one_process_on_the_whole_batch():
     assert all(not h.is_alive() for h in dp._helpers)
 
 
+def _role(tmp_path, **node) -> DiLoCoRole:
+    run = RunConfig(model="tiny", seq_len=T, batch_size=B, eval_batches=0, diloco=HP,
+                    averaging=AveragingConfig.from_flat(compression="none", min_group_size=2))
+    config = NodeConfig(checkpoint_dir=str(tmp_path), threads=1, device="cpu", **node)
+    return DiLoCoRole(RunContext.build("unit", run, config, Hub().transport("solo")))
+
+
 @pytest.mark.timeout(60)
-def test_the_run_inner_adamw_keeps_replicas_bit_identical_across_a_new_optimizer():
-    torch.set_num_threads(1)
-    spec = ReplicaSpec("tiny", T, 1, 256, HP, B, grad_clip_norm=HP.grad_clip_norm, threads=1)
-    model = build_model("tiny", T, seed=1)
-    dp = LocalDataParallel(model, ["cpu", "cpu"], spec)
+def test_a_diloco_role_on_two_local_devices_keeps_its_replicas_identical(tmp_path):
+    with pytest.raises(ConfigError, match="multiple of the 3 local devices"):
+        _role(tmp_path / "three", local_devices=("cpu", "cpu", "cpu"))
+    role = _role(tmp_path, local_devices=("cpu", "cpu"), micro_batch_size=2)
     try:
-        batches = _batches(4, seed=1)
-        for _ in range(2):  # the second optimizer starts empty while the helper's AdamW holds two steps' moments
-            opt = make_inner_optimizer(model.parameters(), HP)
-            step = dp.inner_step(opt)
-            for _ in range(2):
-                set_lr(opt, 1e-3)
-                assert torch.isfinite(step(*next(batches)))
-            assert int(opt.state[next(model.parameters())]["step"]) == 2
-            digests = dp.replica_digests()
-            assert len(digests) == 2 and digests[0] == digests[1]
+        async def main():
+            await role._train_until_quota()
+            assert role.steps_since_sync == 3 and role.stats.tokens == 3 * B * T
+            assert role.inner_step.accumulation == 2  # 4 sequences per device in micro-batches of 2
+            assert len(set(role._local_dp.replica_digests())) == 1
+            # an outer round (theta_local := theta_outer) and a fresh inner AdamW, as after a diverged round
+            role._new_optimizer()
+            role._restart_local()
+            await role._train_until_quota()
+            assert int(role.optimizer.state[next(role.model.parameters())]["step"]) == 3
+            assert len(set(role._local_dp.replica_digests())) == 1
+            assert role.stats.last_loss is not None and role.stats.last_loss < 6.0
+
+        asyncio.run(main())
     finally:
-        dp.close()
+        role._local_dp.close()
