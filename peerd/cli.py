@@ -663,13 +663,10 @@ def _generate_through_swarm(args: argparse.Namespace) -> int:
     node = load_node_config(None, overrides={"initial_peers": args.initial_peers})
 
     async def go() -> tuple[str, tuple[int, ...]]:
-        async with open_swarm_client(node, run_id) as (trainer, run):
-            if run.tokenizer != "bytes":
-                raise UsageError(f"peerd generate: run {run_id!r} uses tokenizer {run.tokenizer[:20]}...; sampling "
-                                 "through a swarm supports byte-level runs only")
+        async with open_swarm_client(node, run_id) as (trainer, run, tokenizer):
             try:
                 return await generate_swarm(trainer, args.prompt, args.max_tokens, args.temperature, args.top_k,
-                                            args.seed, seq_len=run.seq_len)
+                                            args.seed, seq_len=run.seq_len, tokenizer=tokenizer)
             except NoPath as e:
                 raise ConnectionError(f"run {run_id}: {e}") from None
 
@@ -680,7 +677,11 @@ def _generate_through_swarm(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from peerd.data import load_corpus
+    import dataclasses
+    import math
+
+    from peerd.data import load_corpus, tokenize_corpus
+    from peerd.roles.base import eval_units
     from peerd.swarm_infer import evaluate_swarm, open_swarm_client
     from protocols.skippipe import NoPath
 
@@ -692,27 +693,41 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         raise UsageError("peerd eval: --initial-peers is required (any peer of the run)")
 
     async def go():
-        async with open_swarm_client(node, run_id) as (trainer, run):
+        async with open_swarm_client(node, run_id) as (trainer, run, tokenizer):
             if run.dataset == "local" and not args.data:
                 raise UsageError(f"peerd eval: run {run_id!r} trains on local data: pass --data PATH|GLOB")
-            if run.tokenizer != "bytes":
-                raise UsageError(f"peerd eval: run {run_id!r} uses tokenizer {run.tokenizer[:20]}...; evaluation "
-                                 "through a swarm supports byte-level runs only")
-            tokens = load_corpus(args.data or "shakespeare").eval
+            tokens = tokenize_corpus(load_corpus(args.data or "shakespeare"), tokenizer).eval
             batches = args.batches or run.eval_batches or 4
+            units = eval_units(tokenizer, tokens, dataclasses.replace(run, eval_batches=batches))
             try:
-                return await evaluate_swarm(trainer, tokens, run.seq_len, run.batch_size, batches)
+                return await evaluate_swarm(trainer, tokens, run.seq_len, run.batch_size, batches), units
             except NoPath as e:  # the first or the last stage is unreachable: a runtime failure, one line
                 raise ConnectionError(f"run {run_id}: {e}") from None
 
-    result = _run_async(go())
+    result, units = _run_async(go())
+    where = (f"through stages {', '.join(map(str, result.path))}; skipped: "
+             f"{', '.join(map(str, result.skipped)) or 'none'}")
+    if units["eval_unit"] == "byte":
+        if args.json:
+            print(json.dumps({"run_id": run_id, "nats_per_byte": result.nats_per_byte,
+                              "perplexity": result.perplexity, "tokens": result.tokens, "path": list(result.path),
+                              "skipped": list(result.skipped)}))
+        else:
+            print(f"run {run_id}: eval {result.nats_per_byte:.4f} nats/byte (perplexity {result.perplexity:.2f}) "
+                  f"over {result.tokens} bytes {where}")
+        return 0
+    # a BPE run: the loss is per token; per byte (the text its tokens stand for) it compares across tokenizers
+    per_token, bytes_per_token = result.nats_per_byte, units.get("eval_bytes_per_token")
+    per_byte = per_token / bytes_per_token if bytes_per_token else None
     if args.json:
-        print(json.dumps({"run_id": run_id, "nats_per_byte": result.nats_per_byte, "perplexity": result.perplexity,
-                          "tokens": result.tokens, "path": list(result.path), "skipped": list(result.skipped)}))
+        print(json.dumps({"run_id": run_id, "nats_per_token": per_token, "nats_per_byte": per_byte,
+                          "bits_per_byte": per_byte / math.log(2) if per_byte is not None else None,
+                          "perplexity": result.perplexity, "tokens": result.tokens, "path": list(result.path),
+                          "skipped": list(result.skipped)}))
     else:
-        print(f"run {run_id}: eval {result.nats_per_byte:.4f} nats/byte (perplexity {result.perplexity:.2f}) over "
-              f"{result.tokens} bytes through stages {', '.join(map(str, result.path))}; skipped: "
-              f"{', '.join(map(str, result.skipped)) or 'none'}")
+        bits = f", {per_byte / math.log(2):.4f} bits/byte" if per_byte is not None else ""
+        print(f"run {run_id}: eval {per_token:.4f} nats/token (perplexity {result.perplexity:.2f}{bits}) over "
+              f"{result.tokens} tokens {where}")
     return 0
 
 

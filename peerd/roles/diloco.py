@@ -68,7 +68,7 @@ from peerd.events import (
 )
 from peerd.inner_step import InnerStep, enable_tf32, micro_batch_count, resolve_precision
 from peerd.models import build_model
-from peerd.roles.base import RunContext, held_out_loss
+from peerd.roles.base import RunContext, eval_units, held_out_loss
 from peerd.roles.fragments import FragmentState, fragment, whole_model
 from peerd.roles.outer_sync import Refused, RoundFailure, RoundResult, make_outer_sync
 from peerd.roles.state_sync import StateSync
@@ -117,6 +117,7 @@ class DiLoCoRole:
             torch.set_num_threads(node.threads)
         corpus = ctx.training_corpus()
         self.eval_tokens = corpus.eval
+        self._units = eval_units(ctx.tokenizer, self.eval_tokens, run)  # what the eval fields of events are per
         self.sampler = WindowSampler(corpus.train, run.seq_len, run.batch_size, seed=self.peer_id)
         self.model = build_model(run.model, run.seq_len, run.seed, ctx.tokenizer.vocab_size).to(self.device)
         self._setup_inner_step(node)
@@ -359,7 +360,7 @@ class DiLoCoRole:
         self.ctx.events.publish(RoundDone(
             self.outer.outer_round, n, outcome.bytes_sent, outcome.bytes_received, outcome.allreduce_s,
             outcome.excluded, outcome.attempts, round(time.perf_counter() - started, 3), weight, steps, dp_bytes,
-            self.outer.digest(), self.sync.method, eval_loss, self.stats.tokens,
+            self.outer.digest(), self.sync.method, eval_loss, self.stats.tokens, **self._units,
         ))
 
     def _straggler_carry(self) -> Optional[tuple[int, torch.Tensor, int]]:
@@ -461,7 +462,7 @@ class DiLoCoRole:
         self.ctx.events.publish(RoundDone(
             self.outer.outer_round, n, cycle["sent"], cycle["received"], round(cycle["seconds"], 3), cycle["excluded"],
             cycle["attempts"], round(time.perf_counter() - cycle["started"], 3), cycle["weight"], cycle["steps"],
-            dp_bytes, self._digest(), self.sync.method, eval_loss, self.stats.tokens,
+            dp_bytes, self._digest(), self.sync.method, eval_loss, self.stats.tokens, **self._units,
         ))
 
     def _seek(self, step_in_cycle: int, next_fragment: int) -> None:
@@ -529,7 +530,8 @@ class DiLoCoRole:
         if self._landed is None:
             return
         fields, self._landed = self._landed, None
-        self.ctx.events.publish(RoundDone(*fields[:13], await self._round_eval(), self.stats.tokens))
+        self.ctx.events.publish(RoundDone(*fields[:13], await self._round_eval(), self.stats.tokens,
+                                          **self._units))
 
     async def _background_exchange(self, delta: torch.Tensor, weight: float, steps: int, live: dict, syncing: int):
         """All-reduce ``delta`` (P,) for the round after theta_outer; ``(outcome, delta, weight, steps, started)``.
@@ -734,7 +736,8 @@ class DiLoCoRole:
             with contextlib.suppress(Exception):
                 await self._eval_task
         if self._eval_model is None:
-            self._eval_model = build_model(self.run_cfg.model, self.run_cfg.seq_len, self.run_cfg.seed).to(self.device)
+            self._eval_model = build_model(self.run_cfg.model, self.run_cfg.seq_len, self.run_cfg.seed,
+                                           self.ctx.tokenizer.vocab_size).to(self.device)
         # With fragments, theta_local of the fragments synced earlier in the cycle has moved on: the model evaluated
         # is theta_outer (the same on every peer), put together from the fragments. At a round boundary no inner
         # step runs: the parameters copied hold still.
@@ -755,12 +758,12 @@ class DiLoCoRole:
         if loss is not None:
             self.stats.last_eval = loss
         if self.ctx.node.background_eval:
-            self.ctx.events.publish(Evaluated(outer_round, loss, tokens))
+            self.ctx.events.publish(Evaluated(outer_round, loss, tokens, **self._units))
         return loss
 
     async def _evaluate_and_publish(self) -> None:
         eval_loss = await self._evaluate()
-        self.ctx.events.publish(Evaluated(self.outer.outer_round, eval_loss, self.stats.tokens))
+        self.ctx.events.publish(Evaluated(self.outer.outer_round, eval_loss, self.stats.tokens, **self._units))
 
     def _status_fields(self) -> dict:
         role = "paused" if self.ctx.gate.paused else SYNCING if self._syncing else ROLE
