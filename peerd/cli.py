@@ -81,7 +81,8 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, metavar="N", help="CPU threads for torch (default: torch's choice)")
     g.add_argument("--checkpoint-dir", metavar="DIR",
                    help="checkpoint folder, also holds the control socket (default ~/.peerd/checkpoints)")
-    g.add_argument("--data", metavar="PATH|GLOB", help="train on this local UTF-8 text instead of the run's corpus")
+    g.add_argument("--data", metavar="PATH|GLOB", help="train on this local corpus instead of the run's: UTF-8 text files, .jsonl "
+                   "(a \"text\" field per line) or .parquet (a text column)")
     g.add_argument("--stage", type=int, metavar="K", help="SWARM runs: serve pipeline stage K (default: the bottleneck)")
     g.add_argument("--role", choices=("auto", "server", "trainer"), dest="swarm_role",
                    help="SWARM runs: trainer (also push micro-batches), server (serve only); default auto "
