@@ -249,7 +249,11 @@ class LocalDataParallel:
         return DataParallelStep(self, optimizer, precision)
 
     def _send(self, command: tuple) -> None:
-        for pipe in self._pipes:
+        """Send ``command`` to every helper. Raises RuntimeError naming a helper that has exited (its own error,
+        e.g. out of memory on its GPU, is in this daemon's stderr), so the step fails instead of waiting for it."""
+        for rank, (pipe, helper) in enumerate(zip(self._pipes, self._helpers), start=1):
+            if helper.exitcode is not None:
+                raise RuntimeError(f"the local-device helper for {self.devices[rank]} exited (code {helper.exitcode})")
             pipe.send(command)
 
     def replica_digests(self) -> list[str]:
@@ -266,8 +270,9 @@ class LocalDataParallel:
         if self._closed:
             return
         self._closed = True
-        with contextlib.suppress(OSError, ValueError):
-            self._send((_STOP,))
+        for pipe in self._pipes:
+            with contextlib.suppress(OSError, ValueError):  # a helper that already exited
+                pipe.send((_STOP,))
         for helper in self._helpers:
             helper.join(timeout_s)
             if helper.is_alive():

@@ -84,7 +84,7 @@ def test_two_cpu_processes_step_like_one_process_on_the_whole_batch():
             torch.testing.assert_close(flatten_parameters(model), flatten_parameters(reference), rtol=1e-5,
                                        atol=1e-6)
 
-        batches = _batches(6)
+        batches = _batches(7)
         for i in range(3):
             both(*next(batches), 0.1 * (i + 1))
         digests = dp.replica_digests()
@@ -106,6 +106,12 @@ def test_two_cpu_processes_step_like_one_process_on_the_whole_batch():
         for _ in range(2):
             both(*next(batches), 0.1)
         assert len(set(dp.replica_digests())) == 1
+
+        # a helper that died (out of memory on its GPU, killed): the next step says so instead of waiting for it
+        dp._helpers[0].kill()
+        dp._helpers[0].join(10)
+        with pytest.raises(RuntimeError, match="helper for cpu exited"):
+            step(*next(batches))
     finally:
         dp.close()
     assert all(not h.is_alive() for h in dp._helpers)
