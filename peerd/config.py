@@ -211,9 +211,11 @@ class NodeConfig:
         problem = local_devices_problem(self.local_devices)
         if problem:
             raise ConfigError(f"local_devices: {problem}", key="local_devices", reason=problem)
-        if self.local_devices and self.device not in ("auto", self.local_devices[0]):
+        if self.local_devices and self.device not in ("auto", self.local_devices[0],
+                                                      self.local_devices[0].split(":")[0]):
             reason = (f"device {self.device!r} contradicts local_devices (the first of them, "
-                      f"{self.local_devices[0]!r}, is the peer's device): leave device at auto")
+                      f"{self.local_devices[0]!r}, is the peer's device): leave device at auto or "
+                      f"{self.local_devices[0].split(':')[0]}")
             raise ConfigError(f"local_devices: {reason}", key="local_devices", reason=reason)
         if not self.gpu and any(d.startswith("cuda") for d in self.local_devices):
             raise ConfigError("local_devices names GPUs but gpu = false", key="gpu",

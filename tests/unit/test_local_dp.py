@@ -46,6 +46,9 @@ def test_local_devices_are_validated_without_touching_a_device():
             NodeConfig(local_devices=tuple(bad))
     with pytest.raises(ConfigError, match="contradicts local_devices"):
         NodeConfig(device="cpu", local_devices=("cuda:0", "cuda:1"))
+    with pytest.raises(ConfigError, match="contradicts local_devices"):
+        NodeConfig(device="cuda:1", local_devices=("cuda:0", "cuda:1"))
+    assert NodeConfig(device="cuda", local_devices=("cuda:0", "cuda:1")).local_devices == ("cuda:0", "cuda:1")
     with pytest.raises(ConfigError, match="gpu = false"):
         NodeConfig(gpu=False, local_devices=("cuda:0", "cuda:1"))
     assert NodeConfig(local_devices=("cpu", "cpu")).local_devices == ("cpu", "cpu")
