@@ -131,7 +131,7 @@ def _role(tmp_path, **node) -> DiLoCoRole:
 def test_a_diloco_role_on_two_local_devices_keeps_its_replicas_identical(tmp_path):
     with pytest.raises(ConfigError, match="multiple of the 3 local devices"):
         _role(tmp_path / "three", local_devices=("cpu", "cpu", "cpu"))
-    role = _role(tmp_path, local_devices=("cpu", "cpu"), micro_batch_size=2)
+    role = _role(tmp_path, local_devices=("cpu", "cpu"), micro_batch_size=2, activation_checkpointing=True)
     try:
         async def main():
             await role._train_until_quota()
