@@ -192,7 +192,8 @@ async def join(run_id: RunRef | str, node: NodeConfig, local_run: Optional[RunCo
     hold = hold_identity(node.identity_path_for("worker"))  # before any service: a second daemon stops right here
     async with VolunteerServices(node, "diloco", stop, run_id=run_id) as services:
         apply_cpu_threads(node.threads)
-        apply_gpu_memory_fraction(node.gpu_memory_fraction, pick_device(node.device))
+        apply_gpu_memory_fraction(node.gpu_memory_fraction,  # the helpers of other local devices apply their own
+                                  pick_device(node.local_devices[0] if node.local_devices else node.device))
         transport = await open_transport(node, hold=hold)
         keeper = data_plane = files = dashboard = None
         try:

@@ -107,6 +107,8 @@ class ReplicaSpec:
     activation_checkpointing: bool = False
     threads: int = 0
     """CPU threads for torch in each helper (0 = torch's default)."""
+    gpu_memory_fraction: float = 0.0
+    """The node's cap on each GPU's memory for this peer (0 = none), applied by every helper to its own GPU."""
     optimizer: Optional[Callable[[Iterable[nn.Parameter], str], torch.optim.Optimizer]] = None
     """Picklable ``(parameters, device_type) -> optimizer`` of the same kind as rank 0's (a module-level function
     or a ``functools.partial``); None = the run's inner AdamW (:func:`protocols.diloco.make_inner_optimizer`)."""
@@ -114,6 +116,12 @@ class ReplicaSpec:
 
 def _backend(devices: Sequence[str]) -> str:
     return "nccl" if devices[0].startswith("cuda") else "gloo"
+
+
+def _current(device: torch.device):
+    """Make ``device`` the calling thread's current CUDA device (the role's steps run on pool threads, each with its
+    own current device, and NCCL's object collectives use it); nothing on a CPU."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _comm_device(device: torch.device) -> torch.device:
@@ -258,12 +266,13 @@ class LocalDataParallel:
 
     def replica_digests(self) -> list[str]:
         """Every rank's :func:`parameter_digest`, rank order (a health check: all equal after any step)."""
-        if not self._started:
-            self._start()
-        self._send((_DIGEST,))
-        digests: list = [None] * self.world
-        dist.all_gather_object(digests, parameter_digest(self.model))
-        return digests
+        with _current(self.device):
+            if not self._started:
+                self._start()
+            self._send((_DIGEST,))
+            digests: list = [None] * self.world
+            dist.all_gather_object(digests, parameter_digest(self.model))
+            return digests
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop the helpers and leave the process group; idempotent."""
@@ -310,6 +319,11 @@ class DataParallelStep:
         dp = self.dp
         if x.shape[0] != dp.spec.batch_size:
             raise ValueError(f"expected a batch of {dp.spec.batch_size} sequences, got {x.shape[0]}")
+        with _current(dp.device):
+            return self._step(x, y)
+
+    def _step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        dp = self.dp
         if not dp._started:
             dp._start()
         if self._inner is None:
@@ -338,6 +352,8 @@ def _helper_main(rank: int, devices: Sequence[str], store: str, spec: ReplicaSpe
     device = torch.device(devices[rank])
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        if spec.gpu_memory_fraction:
+            torch.cuda.set_per_process_memory_fraction(spec.gpu_memory_fraction, device)
     enable_tf32(device)
     comm = _comm_device(device)
     world = len(devices)
@@ -383,7 +399,8 @@ def replica_spec(run, node, vocab_size: int, precision: Precision) -> ReplicaSpe
     return ReplicaSpec(model=run.model, seq_len=run.seq_len, seed=run.seed, vocab_size=vocab_size, hp=run.diloco,
                        batch_size=run.batch_size, micro_batch_size=node.micro_batch_size, precision=precision.name,
                        grad_clip_norm=run.diloco.grad_clip_norm, compile=node.compile,
-                       activation_checkpointing=node.activation_checkpointing, threads=node.threads)
+                       activation_checkpointing=node.activation_checkpointing, threads=node.threads,
+                       gpu_memory_fraction=node.gpu_memory_fraction)
 
 
 __all__ = ["COLLECTIVE_TIMEOUT_S", "DataParallelStep", "LocalDataParallel", "LocalDevicesError", "ReplicaSpec",
