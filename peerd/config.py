@@ -57,6 +57,22 @@ DEFAULT_CONTROL_SOCKETS = {"worker": "peerd.sock", "bootstrap": "bootstrap.sock"
 # --------------------------------------------------------------------------------------------------------- node config
 
 
+def local_devices_problem(devices: Any) -> Optional[str]:
+    """Why ``devices`` is no valid ``local_devices`` value, or None: each entry ``cpu`` or ``cuda:N``, all of one
+    kind (NCCL and gloo do not mix in one group), no GPU twice (two replicas on one GPU only share its compute);
+    ``cpu`` may repeat (several processes on one machine's cores). Checks no device (no torch import)."""
+    devices = tuple(devices)
+    for d in devices:
+        if not isinstance(d, str) or not (d == "cpu" or (d.startswith("cuda:") and d[5:].isdigit())):
+            return f"entries must be cpu or cuda:N, got {d!r}"
+    if len({d.split(":")[0] for d in devices}) > 1:
+        return f"mixes CPUs and GPUs ({', '.join(devices)}): use one kind"
+    gpus = [d for d in devices if d != "cpu"]
+    if len(set(gpus)) != len(gpus):
+        return f"names a GPU twice ({', '.join(devices)})"
+    return None
+
+
 #: Values of the node config key ``transport``.
 TRANSPORTS = ("p2pd", "libp2p", "auto")
 
@@ -84,6 +100,11 @@ class NodeConfig:
     """Where outer-round checkpoints are written (one subfolder per run id)."""
     device: str = "auto"
     """auto | cpu | cuda | cuda:N."""
+    local_devices: tuple[str, ...] = ()
+    """Several devices of this machine as one peer, e.g. ``["cuda:0", "cuda:1"]``: one PeerID and one
+    pseudo-gradient per outer round, each inner step data-parallel across them (the first is the daemon's own;
+    :mod:`peerd.local_dp`). All GPUs (``cuda:N``, each once) or all ``cpu``; the run's ``batch_size`` must be a
+    multiple of their number. DiLoCo runs only. () = one device (``device``)."""
     threads: int = 0
     """CPU threads for torch (0 = torch's default)."""
     data: Optional[str] = None
@@ -196,6 +217,18 @@ class NodeConfig:
                                   reason=f"{str(path)!r} is a folder, not a key file")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        problem = local_devices_problem(self.local_devices)
+        if problem:
+            raise ConfigError(f"local_devices: {problem}", key="local_devices", reason=problem)
+        if self.local_devices and self.device not in ("auto", self.local_devices[0],
+                                                      self.local_devices[0].split(":")[0]):
+            reason = (f"device {self.device!r} contradicts local_devices (the first of them, "
+                      f"{self.local_devices[0]!r}, is the peer's device): leave device at auto or "
+                      f"{self.local_devices[0].split(':')[0]}")
+            raise ConfigError(f"local_devices: {reason}", key="local_devices", reason=reason)
+        if not self.gpu and any(d.startswith("cuda") for d in self.local_devices):
+            raise ConfigError("local_devices names GPUs but gpu = false", key="gpu",
+                              reason="gpu = false contradicts GPUs in local_devices")
         if self.transport not in TRANSPORTS:
             raise ConfigError(f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
         if self.relay not in RELAY_MODES:

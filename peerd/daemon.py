@@ -192,7 +192,8 @@ async def join(run_id: RunRef | str, node: NodeConfig, local_run: Optional[RunCo
     hold = hold_identity(node.identity_path_for("worker"))  # before any service: a second daemon stops right here
     async with VolunteerServices(node, "diloco", stop, run_id=run_id) as services:
         apply_cpu_threads(node.threads)
-        apply_gpu_memory_fraction(node.gpu_memory_fraction, pick_device(node.device))
+        apply_gpu_memory_fraction(node.gpu_memory_fraction,  # the helpers of other local devices apply their own
+                                  pick_device(node.local_devices[0] if node.local_devices else node.device))
         transport = await open_transport(node, hold=hold)
         keeper = data_plane = files = dashboard = dialback = reach = None
         try:
@@ -202,6 +203,9 @@ async def join(run_id: RunRef | str, node: NodeConfig, local_run: Optional[RunCo
             run = record.run
             if node.stage is not None and run.stage_error(node.stage):  # a config from the DHT: checked only now
                 raise ConfigError(f"peerd join: {run.stage_error(node.stage)}")
+            if len(node.local_devices) > 1 and parallelism(run) != "diloco":
+                raise ConfigError(f"peerd join: local_devices: run {run_id!r} is a {parallelism(run)} run; several"
+                                  " local devices as one peer are supported for DiLoCo runs only", key="local_devices")
             if run.allowlist and transport.peer_id not in run.allowlist:
                 raise RunConfigConflict(f"this peer ({transport.peer_id}) is not on the allowlist of run {run_id!r};"
                                         " ask the run's creator to add it")

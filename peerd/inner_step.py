@@ -92,7 +92,7 @@ class InnerStep:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, batch_size: int,
                  micro_batch_size: int = 0, precision: Optional[Precision] = None, grad_clip_norm: float = 0.0,
-                 forward: Optional[Callable] = None) -> None:
+                 forward: Optional[Callable] = None, no_sync: Optional[Callable[[], ContextManager]] = None) -> None:
         """
         Args:
             model: returns ``(logits, loss)`` for ``model(x, y)``, loss the mean cross-entropy (nats/token).
@@ -102,6 +102,8 @@ class InnerStep:
             precision: default fp32 on the model's device.
             grad_clip_norm: clip the total gradient norm (after unscaling) to this; 0 = off.
             forward: callable used instead of ``model`` for the passes (a ``torch.compile``d model).
+            no_sync: context for every micro-batch but the last (DistributedDataParallel's ``no_sync``): gradients
+                are exchanged once per step, not once per micro-batch.
 
         Raises:
             ValueError: ``micro_batch_size`` does not divide ``batch_size``.
@@ -117,6 +119,7 @@ class InnerStep:
         self.precision = precision
         self.grad_clip_norm = grad_clip_norm
         self.forward = forward if forward is not None else model
+        self.no_sync = no_sync
         self.scaler = torch.amp.GradScaler(precision.device_type) if precision.loss_scaling else None
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -130,13 +133,15 @@ class InnerStep:
             raise ValueError(f"expected a batch of {self.batch_size} sequences, got {x.shape[0]}")
         self.optimizer.zero_grad(set_to_none=True)
         total: Optional[torch.Tensor] = None
-        for xs, ys in zip(x.split(self.micro_batch_size), y.split(self.micro_batch_size)):
-            with self.precision.autocast():
-                _, loss = self.forward(xs, ys)
-            loss = loss.float()
-            if self.accumulation > 1:  # one micro-batch: leave the loss untouched (bit-identical to a plain step)
-                loss = loss / self.accumulation
-            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        for i, (xs, ys) in enumerate(zip(x.split(self.micro_batch_size), y.split(self.micro_batch_size))):
+            last = i == self.accumulation - 1
+            with (self.no_sync() if self.no_sync is not None and not last else contextlib.nullcontext()):
+                with self.precision.autocast():
+                    _, loss = self.forward(xs, ys)
+                loss = loss.float()
+                if self.accumulation > 1:  # one micro-batch: leave the loss untouched (bit-identical to a plain step)
+                    loss = loss / self.accumulation
+                (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
             total = loss.detach() if total is None else total + loss.detach()
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)

@@ -29,6 +29,9 @@ __all__ = ["SwarmEval", "evaluate_swarm", "generate_swarm", "open_swarm_client",
 
 logger = logging.getLogger(__name__)
 
+TOKENIZER_TIMEOUT_S = 60.0
+"""How long ``peerd eval``/``generate`` wait for a live peer to serve a BPE run's tokenizer file (seconds)."""
+
 
 @dataclass(frozen=True)
 class SwarmEval:
@@ -101,14 +104,17 @@ async def evaluate_swarm(trainer: PipelineTrainer, eval_tokens: torch.Tensor, se
 
 
 async def generate_swarm(trainer: PipelineTrainer, prompt: str, max_new_tokens: int, temperature: float = 0.8,
-                         top_k: int = 50, seed: int = 0, seq_len: Optional[int] = None) -> tuple[str, tuple[int, ...]]:
-    """``prompt`` followed by ``max_new_tokens`` bytes sampled through the reachable stages (as
-    :func:`peerd.generate.generate_text`, one ``infer`` per byte, context cropped to ``seq_len``), and the stages
+                         top_k: int = 50, seed: int = 0, seq_len: Optional[int] = None,
+                         tokenizer: Any = None) -> tuple[str, tuple[int, ...]]:
+    """``prompt`` followed by ``max_new_tokens`` tokens of ``tokenizer`` (default bytes; a BPE run's
+    :class:`peerd.tokenizer.BpeTokenizer`) sampled through the reachable stages (as
+    :func:`peerd.generate.generate_text`, one ``infer`` per token, context cropped to ``seq_len``), and the stages
     skipped. Raises NoPath as :func:`evaluate_swarm`, ValueError for an empty prompt."""
     from peerd.data import ByteTokenizer
     from peerd.generate import next_token
 
-    ids = ByteTokenizer.encode(prompt).long()
+    tokenizer = tokenizer if tokenizer is not None else ByteTokenizer
+    ids = tokenizer.encode(prompt).long()
     if ids.numel() == 0:
         raise ValueError("the prompt must not be empty")
     generator = torch.Generator().manual_seed(seed)
@@ -117,15 +123,18 @@ async def generate_swarm(trainer: PipelineTrainer, prompt: str, max_new_tokens: 
         context = ids[-seq_len:] if seq_len else ids
         logits, path = await _through_reachable(trainer, context[None], None)  # (1, V)
         ids = torch.cat((ids, next_token(logits[0], temperature, top_k, generator).view(1)))
-    return ByteTokenizer.decode(ids), tuple(k for k in range(trainer.num_stages) if k not in path)
+    return tokenizer.decode(ids), tuple(k for k in range(trainer.num_stages) if k not in path)
 
 
 @contextlib.asynccontextmanager
 async def open_swarm_client(node: Any, run_id: str):
-    """``(trainer, run)`` for the SWARM run ``run_id``: a short-lived DHT client (``node.initial_peers``), the
-    run's published config, and a :class:`PipelineTrainer` whose wiring holds the announced stage servers.
+    """``(trainer, run, tokenizer)`` for the SWARM run ``run_id``: a short-lived DHT client
+    (``node.initial_peers``), the run's published config, a :class:`PipelineTrainer` whose wiring holds the
+    announced stage servers, and the run's tokenizer (bytes, or its BPE from ``node``'s tokenizer cache or fetched
+    from the run's live peers into it: :func:`peerd.roles.tokenizer_sync.fetch_run_tokenizer`).
 
-    Raises ConnectionError if the run has no (unambiguous) published config or is not a SWARM run.
+    Raises ConnectionError if the run has no (unambiguous) published config, is not a SWARM run, or no peer served
+    its tokenizer file in time.
     """
     from peerd.daemon import read_status
     from peerd.namespace import RunNamespace, as_run_ref
@@ -155,6 +164,11 @@ async def open_swarm_client(node: Any, run_id: str):
 
         trainer = PipelineTrainer(transport.streams, lambda k: ns.scoped(stage=k).prefix("swarm"), wiring,
                                   run.swarm, d_model=MODEL_SIZES[run.model]["d_model"])
-        yield trainer, run
+        from peerd.roles.tokenizer_sync import fetch_run_tokenizer
+        from peerd.tokenizer import TokenizerCache, tokenizer_dir
+
+        tokenizer = await fetch_run_tokenizer(run.tokenizer, TokenizerCache(tokenizer_dir(node)), transport, ns,
+                                              TOKENIZER_TIMEOUT_S)
+        yield trainer, run, tokenizer
     finally:
         await transport.shutdown()

@@ -102,6 +102,16 @@ class BpeTokenizer:
         """Ids of each text (encoded in parallel)."""
         return [enc.ids for enc in self._tok.encode_batch(texts)]
 
+    def token_bytes(self) -> "torch.Tensor":
+        """Bytes of text each token id stands for, int64 (vocab_size,): a byte-level BPE's token strings spell
+        bytes in GPT-2's byte alphabet, one character per byte."""
+        import torch
+
+        lengths = torch.zeros(self.vocab_size, dtype=torch.int64)
+        for token, i in self._tok.get_vocab().items():
+            lengths[i] = len(token)
+        return lengths
+
     def decode(self, tokens: Union[torch.Tensor, Sequence[int]]) -> str:
         """Text of token ids (any 1-D int tensor or sequence); ids out of range raise ValueError."""
         import torch

@@ -17,7 +17,8 @@ MFU is not reported (no meaningful peak), and the script says so.
 Each side is measured ``--repeats`` times, interleaved, and the best of each is reported.
 
 Usage: python scripts/bench_gpu.py [--device cuda] [--presets small 125m ...] [--steps 30] [--batch-size 16]
-       [--seq-len 1024] [--precision auto] [--compile] [--micro-batch-size M] [--md docs/benchmarks.md]
+       [--seq-len 1024] [--precision auto] [--compile] [--micro-batch-size M] [--local-devices cuda:0,cuda:1]
+       [--md docs/benchmarks.md]
 """
 
 from __future__ import annotations
@@ -96,13 +97,24 @@ def plain_loop(preset: str, args, device: torch.device) -> float:
     return args.steps * args.batch_size * args.seq_len / (time.perf_counter() - started)
 
 
-def peerd_role(preset: str, args, device: torch.device, tmp: str) -> float:
-    """Tokens/s of the DiLoCo role's inner steps."""
+def peerd_role(preset: str, args, device: torch.device, tmp: str, local_devices: tuple[str, ...] = ()) -> float:
+    """Tokens/s of the DiLoCo role's inner steps (on ``local_devices`` as one peer if given)."""
     run = RunConfig(model=preset, seq_len=args.seq_len, batch_size=args.batch_size, eval_batches=0,
                     diloco=DiLoCoHyperparams(inner_steps=10**9, warmup_steps=1))
-    node = NodeConfig(checkpoint_dir=os.path.join(tmp, preset), device=device.type, precision=args.precision,
-                      compile=args.compile, micro_batch_size=args.micro_batch_size, log_every_steps=10**9)
+    node = NodeConfig(checkpoint_dir=os.path.join(tmp, preset), device=local_devices[0] if local_devices else
+                      device.type, precision=args.precision, compile=args.compile, local_devices=local_devices,
+                      micro_batch_size=args.micro_batch_size, log_every_steps=10**9)
     role = DiLoCoRole(RunContext.build("bench-gpu", run, node, Hub().transport("bench")))
+    try:
+        return _time_role(role, args, device)
+    finally:
+        if role._local_dp is not None:
+            role._local_dp.close()
+
+
+def _time_role(role: DiLoCoRole, args, device: torch.device) -> float:
+    """Tokens/s of ``role``'s inner steps after ``args.warmup`` untimed ones (the first also joins the local
+    process group when there are several devices)."""
 
     async def main() -> float:
         role.round_quota = args.warmup + (1 if args.compile else 0)
@@ -141,8 +153,11 @@ def main() -> int:
     ap.add_argument("--compile", action="store_true", help="torch.compile both sides")
     ap.add_argument("--micro-batch-size", type=int, default=0, help="peerd's micro-batch (0 = whole batch)")
     ap.add_argument("--peak-tflops", type=float, default=0.0, help="the device's dense bf16 peak (default: table)")
+    ap.add_argument("--local-devices", help="also time peerd as one peer on these devices (e.g. cuda:0,cuda:1; "
+                    "cpu,cpu on a CPU) and report its speed-up over one device")
     ap.add_argument("--md", help="write the results section into this markdown file")
     args = ap.parse_args()
+    local = tuple(d.strip() for d in (args.local_devices or "").split(",") if d.strip())
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
     gpu = device.type == "cuda"
@@ -163,32 +178,37 @@ def main() -> int:
             try:
                 if gpu:
                     torch.cuda.empty_cache()
-                plain = ours = 0.0
+                plain = ours = several = 0.0
                 for _ in range(args.repeats):  # interleaved, best of each: a noisy machine slows both alike
                     plain = max(plain, plain_loop(preset, args, device))
                     ours = max(ours, peerd_role(preset, args, device, tmp))
+                    if local:
+                        several = max(several, peerd_role(preset, args, device, tmp, local))
             except torch.OutOfMemoryError:
                 print(f"{preset}: out of memory at batch {args.batch_size}; try --micro-batch-size", flush=True)
-                rows.append((preset, None, None, None, None))
+                rows.append((preset, None, None, None, None, None))
                 continue
             fpt = flops_per_token(preset, args.seq_len)
             mfu = (ours * fpt / (peak * 1e12)) if peak else None
             plain_mfu = (plain * fpt / (peak * 1e12)) if peak else None
-            rows.append((preset, ours, plain, mfu, plain_mfu))
+            rows.append((preset, ours, plain, mfu, plain_mfu, several))
             print(f"{preset}: peerd {ours:,.0f} tok/s, plain loop {plain:,.0f} tok/s ({ours / plain:.3f})"
-                  + (f", MFU {mfu:.1%} vs {plain_mfu:.1%}" if mfu is not None else ""), flush=True)
+                  + (f", MFU {mfu:.1%} vs {plain_mfu:.1%}" if mfu is not None else "")
+                  + (f"; peerd on {len(local)} devices {several:,.0f} tok/s ({several / ours:.2f}x one device)"
+                     if local else ""), flush=True)
     if args.md:
         lines = [HEADING, "", f"Command: `python scripts/bench_gpu.py {' '.join(result_args(sys.argv[1:]))}`", "",
                  f"Machine: {machine_line()}; device {where}; peak {peak or 'n/a'} TFLOP/s.", "",
-                 "| preset | peerd tok/s | plain loop tok/s | peerd / plain | MFU peerd | MFU plain |",
-                 "|---|---:|---:|---:|---:|---:|"]
-        for preset, ours, plain, mfu, plain_mfu in rows:
+                 "| preset | peerd tok/s | plain loop tok/s | peerd / plain | MFU peerd | MFU plain |"
+                 + (f" peerd on {', '.join(local)} tok/s | x one device |" if local else ""),
+                 "|---|---:|---:|---:|---:|---:|" + ("---:|---:|" if local else "")]
+        for preset, ours, plain, mfu, plain_mfu, several in rows:
             if ours is None:
-                lines.append(f"| {preset} | OOM | | | | |")
+                lines.append(f"| {preset} | OOM | | | | |" + (" | |" if local else ""))
                 continue
             pct = (lambda v: f"{v:.1%}" if v is not None else "n/a")
             lines.append(f"| {preset} | {ours:,.0f} | {plain:,.0f} | {ours / plain:.3f} | {pct(mfu)} | "
-                         f"{pct(plain_mfu)} |")
+                         f"{pct(plain_mfu)} |" + (f" {several:,.0f} | {several / ours:.2f} |" if local else ""))
         replace_section(args.md, HEADING, "\n".join(lines) + "\n")
     return 0
 

@@ -141,7 +141,8 @@ class RunContext:
         status = StatusBoard(transport.discovery, ns.status_key, transport.streams.peer_id, node.status_interval_s,
                              node.status_ttl_s, stop, events, instance)
         return cls(run_id, ns, run, node, transport, stop, gate or PauseGate(), bans, status,
-                   CheckpointStore(checkpoint_path(node.checkpoint_path, run_id)), events, pick_device(node.device))
+                   CheckpointStore(checkpoint_path(node.checkpoint_path, run_id)), events,
+                   pick_device(node.local_devices[0] if node.local_devices else node.device))
 
 
 async def held_out_loss(model: torch.nn.Module, eval_tokens: Any, run: RunConfig) -> Optional[float]:
@@ -154,6 +155,21 @@ async def held_out_loss(model: torch.nn.Module, eval_tokens: Any, run: RunConfig
     result = await asyncio.get_running_loop().run_in_executor(
         None, lambda: evaluate(model, eval_tokens, run.seq_len, run.batch_size, run.eval_batches))
     return result.nats_per_byte
+
+
+def eval_units(tokenizer: Any, eval_tokens: Any, run: RunConfig) -> dict:
+    """The unit fields of :class:`peerd.events.Evaluated` / ``RoundDone`` for this run's held-out loss:
+    ``{"eval_unit": "byte"}`` for byte-level runs; for a BPE run ``"token"`` and the bytes per token over exactly
+    the targets :func:`held_out_loss` predicts (the first ``eval_batches * batch_size`` windows), which converts
+    its nats/token into bits/byte comparable across tokenizers."""
+    if not hasattr(tokenizer, "token_bytes"):
+        return {"eval_unit": "byte"}
+    windows = min((eval_tokens.numel() - 1) // run.seq_len, run.eval_batches * run.batch_size)
+    if windows <= 0:
+        return {"eval_unit": "token"}
+    targets = eval_tokens[1:windows * run.seq_len + 1].long()  # the union of every window's targets
+    total = int(tokenizer.token_bytes()[targets].sum())
+    return {"eval_unit": "token", "eval_bytes_per_token": round(total / targets.numel(), 6)}
 
 
 async def unless_stopped(ctx: RunContext, coro, what: str = "matchmaking") -> Any:

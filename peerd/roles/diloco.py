@@ -68,7 +68,7 @@ from peerd.events import (
 )
 from peerd.inner_step import InnerStep, enable_tf32, micro_batch_count, resolve_precision
 from peerd.models import build_model
-from peerd.roles.base import RunContext, held_out_loss
+from peerd.roles.base import RunContext, eval_units, held_out_loss
 from peerd.roles.fragments import FragmentState, fragment, whole_model
 from peerd.roles.outer_sync import Refused, RoundFailure, RoundResult, make_outer_sync
 from peerd.roles.state_sync import StateSync
@@ -117,6 +117,7 @@ class DiLoCoRole:
             torch.set_num_threads(node.threads)
         corpus = ctx.training_corpus()
         self.eval_tokens = corpus.eval
+        self._units = eval_units(ctx.tokenizer, self.eval_tokens, run)  # what the eval fields of events are per
         self.sampler = WindowSampler(corpus.train, run.seq_len, run.batch_size, seed=self.peer_id)
         self.model = build_model(run.model, run.seq_len, run.seed, ctx.tokenizer.vocab_size).to(self.device)
         self._setup_inner_step(node)
@@ -201,6 +202,8 @@ class DiLoCoRole:
                 with contextlib.suppress(Exception):
                     await self._eval_task
             self._save_checkpoint(final=True)
+            if self._local_dp is not None:
+                self._local_dp.close()
             await self.ctx.status.publish(role="left")
             for component in self.components:
                 with contextlib.suppress(Exception):
@@ -228,14 +231,29 @@ class DiLoCoRole:
             else:  # a node preset may ask for it whatever the run's model: train without it
                 logger.warning("activation_checkpointing: model %r does not support it; training without it",
                                self.run_cfg.model)
+        self._local_dp = None
+        if len(node.local_devices) > 1:  # several devices, one peer: the helpers compile their own replicas
+            from peerd.local_dp import LocalDataParallel, LocalDevicesError, replica_spec
+
+            try:
+                self._local_dp = LocalDataParallel(self.model, node.local_devices,
+                                                   replica_spec(self.run_cfg, node, self.ctx.tokenizer.vocab_size,
+                                                                self.precision))
+            except LocalDevicesError as e:
+                raise ConfigError(str(e), key="local_devices", reason=str(e)) from None
+            logger.info("training on %d local devices as one peer: %s", len(node.local_devices),
+                        ", ".join(node.local_devices))
         # The compiled module shares the parameters; everything else (flatten, checkpoints) uses self.model.
-        self._forward = torch.compile(self.model) if node.compile else self.model
+        self._forward = torch.compile(self.model) if node.compile and self._local_dp is None else self.model
         self._warmup_steps = 1 if node.compile else 0  # the first call compiles: not counted in tokens/s
         self._new_optimizer()
 
     def _new_optimizer(self) -> None:
         """A fresh inner optimizer (and the step that drives it)."""
         self.optimizer = make_inner_optimizer(self.model.parameters(), self.hp, torch.device(self.device).type)
+        if self._local_dp is not None:
+            self.inner_step = self._local_dp.inner_step(self.optimizer, self.precision)
+            return
         self.inner_step = InnerStep(self.model, self.optimizer, batch_size=self.run_cfg.batch_size,
                                     micro_batch_size=self.ctx.node.micro_batch_size, precision=self.precision,
                                     grad_clip_norm=self.hp.grad_clip_norm, forward=self._forward)
@@ -342,7 +360,7 @@ class DiLoCoRole:
         self.ctx.events.publish(RoundDone(
             self.outer.outer_round, n, outcome.bytes_sent, outcome.bytes_received, outcome.allreduce_s,
             outcome.excluded, outcome.attempts, round(time.perf_counter() - started, 3), weight, steps, dp_bytes,
-            self.outer.digest(), self.sync.method, eval_loss, self.stats.tokens,
+            self.outer.digest(), self.sync.method, eval_loss, self.stats.tokens, **self._units,
         ))
 
     def _straggler_carry(self) -> Optional[tuple[int, torch.Tensor, int]]:
@@ -444,7 +462,7 @@ class DiLoCoRole:
         self.ctx.events.publish(RoundDone(
             self.outer.outer_round, n, cycle["sent"], cycle["received"], round(cycle["seconds"], 3), cycle["excluded"],
             cycle["attempts"], round(time.perf_counter() - cycle["started"], 3), cycle["weight"], cycle["steps"],
-            dp_bytes, self._digest(), self.sync.method, eval_loss, self.stats.tokens,
+            dp_bytes, self._digest(), self.sync.method, eval_loss, self.stats.tokens, **self._units,
         ))
 
     def _seek(self, step_in_cycle: int, next_fragment: int) -> None:
@@ -512,7 +530,8 @@ class DiLoCoRole:
         if self._landed is None:
             return
         fields, self._landed = self._landed, None
-        self.ctx.events.publish(RoundDone(*fields[:13], await self._round_eval(), self.stats.tokens))
+        self.ctx.events.publish(RoundDone(*fields[:13], await self._round_eval(), self.stats.tokens,
+                                          **self._units))
 
     async def _background_exchange(self, delta: torch.Tensor, weight: float, steps: int, live: dict, syncing: int):
         """All-reduce ``delta`` (P,) for the round after theta_outer; ``(outcome, delta, weight, steps, started)``.
@@ -717,7 +736,8 @@ class DiLoCoRole:
             with contextlib.suppress(Exception):
                 await self._eval_task
         if self._eval_model is None:
-            self._eval_model = build_model(self.run_cfg.model, self.run_cfg.seq_len, self.run_cfg.seed).to(self.device)
+            self._eval_model = build_model(self.run_cfg.model, self.run_cfg.seq_len, self.run_cfg.seed,
+                                           self.ctx.tokenizer.vocab_size).to(self.device)
         # With fragments, theta_local of the fragments synced earlier in the cycle has moved on: the model evaluated
         # is theta_outer (the same on every peer), put together from the fragments. At a round boundary no inner
         # step runs: the parameters copied hold still.
@@ -738,12 +758,12 @@ class DiLoCoRole:
         if loss is not None:
             self.stats.last_eval = loss
         if self.ctx.node.background_eval:
-            self.ctx.events.publish(Evaluated(outer_round, loss, tokens))
+            self.ctx.events.publish(Evaluated(outer_round, loss, tokens, **self._units))
         return loss
 
     async def _evaluate_and_publish(self) -> None:
         eval_loss = await self._evaluate()
-        self.ctx.events.publish(Evaluated(self.outer.outer_round, eval_loss, self.stats.tokens))
+        self.ctx.events.publish(Evaluated(self.outer.outer_round, eval_loss, self.stats.tokens, **self._units))
 
     def _status_fields(self) -> dict:
         role = "paused" if self.ctx.gate.paused else SYNCING if self._syncing else ROLE

@@ -45,7 +45,7 @@ from peerd.inner_step import InnerStep, enable_tf32, micro_batch_count, resolve_
 from peerd.models import build_model
 from peerd.models.local_experts import train_only_experts
 from peerd.models.moe import MoETransformer, expert_parameter_names, shared_parameter_names
-from peerd.roles.base import RunContext, held_out_loss, unless_stopped
+from peerd.roles.base import RunContext, eval_units, held_out_loss, unless_stopped
 from peerd.roles.diloco import RoundStats
 from peerd.roles.spes_sync import SparseSync
 from peerd.roles.state_sync import StateSync
@@ -82,6 +82,7 @@ class SpesRole:
             torch.set_num_threads(node.threads)
         corpus = ctx.training_corpus()
         self.eval_tokens = corpus.eval
+        self._units = eval_units(ctx.tokenizer, self.eval_tokens, run)  # what the eval fields of events are per
         self.sampler = WindowSampler(corpus.train, run.seq_len, run.batch_size, seed=self.peer_id)
         model = build_model(run.model, run.seq_len, run.seed, ctx.tokenizer.vocab_size)
         if not isinstance(model, MoETransformer):
@@ -379,7 +380,7 @@ class SpesRole:
             self.outer_round, report.group_sizes.get("shared", 1), bytes_sent,
             report.allreduce_bytes_received + report.refresh_bytes_received, report.seconds, {}, 1,
             round(time.perf_counter() - started, 3), weight, steps, dp_bytes, self._digest(), ROLE, eval_loss,
-            self.stats.tokens))
+            self.stats.tokens, **self._units))
         await self.ctx.status.publish()
 
     def _snapshot_model(self) -> None:
@@ -476,7 +477,8 @@ class SpesRole:
         return loss
 
     async def _evaluate_and_publish(self) -> None:
-        self.ctx.events.publish(Evaluated(self.outer_round, await self._evaluate(), self.stats.tokens))
+        self.ctx.events.publish(Evaluated(self.outer_round, await self._evaluate(), self.stats.tokens,
+                                          **self._units))
 
     def _status_fields(self) -> dict:
         role = "paused" if self.ctx.gate.paused else ROLE

@@ -77,3 +77,25 @@ async def resolve_tokenizer(spec: str, cache: TokenizerCache, transport, ns: Run
                     peer)
         return tokenizer
     return None
+
+
+async def fetch_run_tokenizer(spec: str, cache: TokenizerCache, transport, ns: RunNamespace,
+                              timeout_s: float = 60.0) -> Union[type[ByteTokenizer], BpeTokenizer]:
+    """:func:`resolve_tokenizer` for a short-lived client (``peerd eval`` / ``peerd generate`` through a swarm):
+    the cached file, or one fetched from the run's live peers within ``timeout_s`` seconds (then cached).
+
+    Raises:
+        ConnectionError: no live peer delivered the file in time (one line for the command to print).
+        ValueError: a malformed spec.
+    """
+    stop = asyncio.Event()
+    timer = asyncio.get_running_loop().call_later(timeout_s, stop.set)
+    try:
+        tokenizer = await resolve_tokenizer(spec, cache, transport, ns, stop, retry_s=min(5.0, timeout_s / 4),
+                                            log_every_s=timeout_s)
+    finally:
+        timer.cancel()
+    if tokenizer is None:
+        raise ConnectionError(f"no live peer of the run served its tokenizer file ({spec[:20]}...) within "
+                              f"{timeout_s:.0f} s")
+    return tokenizer

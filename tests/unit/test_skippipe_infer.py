@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from peerd.data import load_corpus
+from peerd.data import ByteTokenizer, load_corpus
 from peerd.models import build_model, split_model
 from peerd.swarm_infer import evaluate_swarm, generate_swarm
 from peerd.transport.inprocess import Hub
@@ -104,7 +104,8 @@ def test_peerd_eval_and_generate_print_the_loss_and_the_skipped_stages(monkeypat
             await StageService(service_name(k), stages[k], run.swarm).start(hub.transport(name))
         wiring = Wiring(3)
         wiring.set_servers({k: [name] for k, name in live.items()})
-        yield PipelineTrainer(hub.transport("cli").streams, service_name, wiring, run.swarm, d_model=128), run
+        yield (PipelineTrainer(hub.transport("cli").streams, service_name, wiring, run.swarm, d_model=128), run,
+               ByteTokenizer)
 
     monkeypatch.setattr(swarm_infer, "open_swarm_client", fake_client)
     peers = ["--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWDptq23arqsipaxkBVToiQZPCgYnmBUo2eYGMRa9FzXeq"]
