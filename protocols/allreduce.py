@@ -580,27 +580,28 @@ class ButterflyAllReduce(Service):
     async def _seal_chunks(self, session: _ReduceSession) -> None:
         """Seal this peer's part chunk by chunk: chunk k once every member delivered it or was excluded (for
         centered_clip: once every chunk is complete), every chunk still open once the sender timeout passed."""
-        loop = asyncio.get_running_loop()
         last = len(session.bounds) - 1
         whole_part = session.reducer.aggregation != "mean"
-        for k in range(len(session.bounds)):
-            needed = last if whole_part else k
-            while not session.resolved(needed):
-                remaining = session.deadline - loop.time()
-                if remaining <= 0:
-                    if not session.late_logged:
-                        session.late_logged = True
-                        missing = [m for m in session.group.members if m not in session.excluded
-                                   and session.reducer.delivered.get(m, 0) <= needed]
-                        # senders that never connected are dead or failed locally: no ban (the next round may have
-                        # them back); a sender that connected but stalled mid-part is banned in rpc_reduce
-                        logger.info("averaging part from chunk %d on without %d late sender(s): %s", k, len(missing),
-                                    sorted(missing))
-                    break
-                session.changed.clear()
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(session.changed.wait(), remaining)
-            self._seal_next(session)
+        try:
+            async with asyncio.timeout_at(session.deadline):  # one timer for the part, not one per wake-up
+                while len(session.sealed) < len(session.bounds):
+                    needed = last if whole_part else len(session.sealed)
+                    if session.resolved(needed):
+                        self._seal_next(session)
+                    else:
+                        session.changed.clear()
+                        await session.changed.wait()
+        except TimeoutError:
+            k = len(session.sealed)
+            missing = [m for m in session.group.members if m not in session.excluded
+                       and session.reducer.delivered.get(m, 0) <= (last if whole_part else k)]
+            # senders that never connected are dead or failed locally: no ban (the next round may have them back);
+            # a sender that connected but stalled mid-part is banned in rpc_reduce
+            logger.info("averaging part from chunk %d on without %d late sender(s): %s", k, len(missing),
+                        sorted(missing))
+            session.late_logged = True
+            while len(session.sealed) < len(session.bounds):
+                self._seal_next(session)
         session.finished.set()
 
     async def _exchange(
@@ -714,14 +715,19 @@ class ButterflyAllReduce(Service):
                        weight: float) -> Optional[str]:
         """Read a member's chunks into our reducer; None, or the reason to exclude it."""
         peer, k = request.peer, 0
+
+        def on_frame(index: int, payload) -> None:
+            nonlocal k
+            k = index
+            if len(session.sealed) <= index:  # a chunk sealed without it (after the sender timeout) is only read
+                a, b = session.bounds[index]
+                session.reducer.add(peer, index, decode_chunk(session.codec, payload, b - a), weight,
+                                    finite_checked=True)
+                session.changed.set()
+            k = index + 1
+
         try:
-            async for payload in request.payload_frames(sizes, session.deadline + 1.0):
-                if len(session.sealed) <= k:  # a chunk sealed without it (after the sender timeout) is only read
-                    a, b = session.bounds[k]
-                    session.reducer.add(peer, k, decode_chunk(session.codec, payload, b - a), weight,
-                                        finite_checked=True)
-                    session.changed.set()
-                k += 1
+            await request.read_frames(sizes, on_frame, session.deadline + 1.0)
         except RpcTimeout:
             return (f"stalled: chunk {k} of {len(sizes)} not delivered within "
                     f"sender_timeout_s={self.config.sender_timeout_s}")
@@ -735,16 +741,15 @@ class ButterflyAllReduce(Service):
 
     async def _answer(self, request: Request, session: _ReduceSession, reply_sizes: list[int]) -> None:
         """Write each sealed chunk's aggregate to the member, in order, as soon as it is sealed."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.reducer_timeout_s
+        deadline = asyncio.get_running_loop().time() + self.config.reducer_timeout_s
         written = 0
         try:
-            for k in range(len(reply_sizes)):
-                while len(session.sealed) <= k:
-                    event = session.sealed_event
-                    await asyncio.wait_for(event.wait(), max(deadline - loop.time(), 0.0))
-                written += await request.reply_frame(k, reply_sizes, session.sealed[k])
-        except (asyncio.TimeoutError, RpcError) as e:
+            async with asyncio.timeout_at(deadline):  # one timer for the whole answer, not one per chunk
+                for k in range(len(reply_sizes)):
+                    while len(session.sealed) <= k:
+                        await session.sealed_event.wait()
+                    written += await request.reply_frame(k, reply_sizes, session.sealed[k])
+        except (TimeoutError, RpcError) as e:
             logger.info("could not answer %s for group %s: %r", request.peer, session.group.group_id, e)
             return
         session.bytes_sent += written

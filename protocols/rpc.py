@@ -576,6 +576,49 @@ class Request:
             self.stream.bytes_received += header_bytes + length
             yield data
 
+    async def read_frames(self, sizes: Sequence[int], on_frame: Callable[[int, Union[bytes, bytearray]], None],
+                          deadline: Optional[float] = None) -> None:
+        """Read the request payload framed as ``sizes`` (:func:`call_framed`), calling ``on_frame(k, payload)`` for
+        each frame in order as it arrives: :meth:`payload_frames` with one timer for the whole read instead of one
+        per frame (a pipelined reader pays the event loop per frame, so this matters per byte).
+
+        Checks the announced total and every frame's size before reading it. ``deadline`` (event loop time) bounds
+        the whole read. Raises ProtocolViolation (framed otherwise, truncated, malformed), RpcTimeout, Unreachable;
+        whatever ``on_frame`` raises propagates.
+        """
+        _check_framing(sizes)
+        if self._payload is not None:
+            raise RuntimeError("the payload was already read")
+        if self.size != sum(sizes) or self._first != sizes[0]:
+            raise ProtocolViolation(f"payload of {self.size} bytes in a first frame of {self._first}, expected "
+                                    f"{sum(sizes)} in {sizes[0]}")
+        self._payload = b""  # consumed here: payload() may not read it again
+        reader = self.stream.reader
+
+        async def read_all() -> None:
+            on_frame(0, await read_payload(reader, sizes[0]))
+            self.stream.bytes_received += sizes[0]
+            for k, size in enumerate(sizes[1:], 1):
+                header, length, header_bytes = await read_header(reader)
+                if header:
+                    raise ProtocolViolation(f"continuation frame with a header {sorted(header)}")
+                if length != size:
+                    raise ProtocolViolation(f"request frame {k} of {length} bytes, expected {size}")
+                on_frame(k, await read_payload(reader, length))
+                self.stream.bytes_received += header_bytes + length
+
+        what = f"reading the request of {self.peer}"
+        try:
+            if deadline is None:
+                await read_all()
+            else:
+                async with asyncio.timeout_at(deadline):  # one timer, no task
+                    await read_all()
+        except TimeoutError:
+            raise RpcTimeout(f"{what} did not finish by its deadline") from None
+        except (ConnectionError, OSError) as e:
+            raise Unreachable(f"{what}: {type(e).__name__}: {e}") from e
+
     async def reply_frame(self, k: int, sizes: Sequence[int], payload: Payload,
                           header: Optional[dict[str, Any]] = None, timeout_s: Optional[float] = None) -> int:
         """Write frame ``k`` of an answer framed as ``sizes`` (frames in order; ``header`` goes with frame 0);
