@@ -30,6 +30,8 @@ import asyncio
 import contextlib
 import logging
 import math
+from collections import deque
+from statistics import median
 from dataclasses import dataclass, field
 import time
 import warnings
@@ -261,8 +263,16 @@ def encode_chunk(codec: Codec, chunk: torch.Tensor, checked: bool = False) -> Un
 PARTITIONS = ("equal", "bandwidth")
 #: Announced rates that differ by less than this factor give equal parts (bandwidth partition only).
 RATE_SPREAD = 1.5
-#: Weight of the newest measurement in a member's announced rates (an exponential moving average).
-RATE_SMOOTHING = 0.5
+#: A member's announced rates are the median of its last RATE_HISTORY measured runs...
+RATE_HISTORY = 5
+#: ...and are announced only once RATE_MIN_RUNS runs were measured (before that: equal parts).
+RATE_MIN_RUNS = 3
+#: A run's measurement counts only if it moved at least this many bytes each way: short transfers measure latency
+#: and the event loop, not the link.
+RATE_MIN_BYTES = 4 << 20
+#: With bandwidth-proportional parts, every member within partition.FLOOR_SPREAD of the fastest reduces at least
+#: MIN_SHARE of an equal part, so that every honest reducer validates (and can exclude) every sender.
+MIN_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -396,10 +406,13 @@ class ButterflyAllReduce(Service):
         self._sessions: dict[str, _ReduceSession] = {}
         self._session_ready: dict[str, asyncio.Event] = {}
         self.rates: Optional[dict[str, float]] = None
-        """This peer's rates in bytes/s, ``{"up", "down"}``: set by the operator, or measured on every run from the
-        all-reduce's own transfers (a moving average). A run's estimate is the sum over its concurrent streams of
-        each stream's bytes over that stream's own duration: a stream slowed by the other end's link counts at its
-        own pace, so the sum approaches this peer's link rate when it is the bottleneck."""
+        """This peer's rates in bytes/s, ``{"up", "down"}``: set by the operator, or measured from the all-reduce's
+        own transfers: the median of the last :data:`RATE_HISTORY` runs that moved at least :data:`RATE_MIN_BYTES`
+        each way, once there are :data:`RATE_MIN_RUNS` of them (a median: one run slowed or sped up by other load
+        on the host does not move it). A run's estimate is the sum over its concurrent streams of each stream's
+        bytes over that stream's own duration: a stream slowed by the other end's link counts at its own pace, so
+        the sum approaches this peer's link rate when it is the bottleneck."""
+        self._rate_history: deque = deque(maxlen=RATE_HISTORY)
 
     @property
     def handler_name(self) -> str:
@@ -433,7 +446,7 @@ class ButterflyAllReduce(Service):
             else:
                 # rates within RATE_SPREAD of each other are measurement noise: equal parts are as good, and stable
                 if sum(rates) > 0 and max(rates) > RATE_SPREAD * min(rates):
-                    return proportional_sizes(numel, rates)
+                    return proportional_sizes(numel, rates, MIN_SHARE)
         return partition_sizes(numel, len(group.members))
 
     def _round_trip(self, part: torch.Tensor) -> torch.Tensor:
@@ -542,16 +555,17 @@ class ButterflyAllReduce(Service):
             )
 
     def _measure(self, uploads: list[tuple[int, float]], downloads: list[tuple[int, float]]) -> None:
-        """Fold one run's streams, ``(bytes, seconds)`` each, into :attr:`rates` (bytes/s)."""
+        """Fold one run's streams, ``(bytes, seconds)`` each, into :attr:`rates` (bytes/s): see there."""
         up = sum(b / t for b, t in uploads if t > 0)
         down = sum(b / t for b, t in downloads if t > 0)
         if up <= 0 or down <= 0:
             return
-        if self.rates is None:
-            self.rates = {"up": up, "down": down}
-        else:  # a run's estimate is a lower bound of the link: take a higher one at once, a lower one gradually
-            self.rates = {key: max(new, (1 - RATE_SMOOTHING) * self.rates[key] + RATE_SMOOTHING * new)
-                          for key, new in (("up", up), ("down", down))}
+        if sum(b for b, _ in uploads) < RATE_MIN_BYTES or sum(b for b, _ in downloads) < RATE_MIN_BYTES:
+            return
+        self._rate_history.append((up, down))
+        if len(self._rate_history) >= RATE_MIN_RUNS:
+            self.rates = {"up": median(u for u, _ in self._rate_history),
+                          "down": median(d for _, d in self._rate_history)}
 
     async def _wait_answers_written(self, session: _ReduceSession, grace_s: float = 2.0) -> None:
         """Let our answers to the other contributors finish (briefly), so the byte counts are complete."""
