@@ -32,8 +32,10 @@ from typing import Any, Callable, Optional
 
 logger = logging.getLogger(__name__)
 
-#: The handshake name of a multiplexed connection (never a handler name: those are ``<service>.<method>``).
-MUX_NAME = "/peerd/mux/1"
+#: The handshake name of a multiplexed connection (never a handler name: those are ``<service>.<method>``). Version 2
+#: raised MAX_FRAME_BYTES from 256 KiB to 1 MiB; a version-1 peer answers "not served" and the stream falls back to
+#: the inner streams (p2pd) instead of breaking on a frame larger than it accepts.
+MUX_NAME = "/peerd/mux/2"
 _HEAD = struct.Struct(">IBI")
 OPEN, DATA, FIN, RESET, WINDOW = range(5)
 #: Per-stream credit (bytes): above a 100 Mbit/s x 300 ms bandwidth-delay product.
@@ -173,7 +175,7 @@ class MuxStream:
                 self._chunks.appendleft(part)
                 self._buffered += len(part)
             raise
-        return b"".join(parts)
+        return parts[0] if len(parts) == 1 else b"".join(parts)  # a frame that arrived whole: as it arrived
 
     async def read(self, n: int = -1) -> bytes:
         """Up to ``n`` bytes (all buffered if ``n < 0``), waiting for one; b"" at the end. ConnectionResetError if
