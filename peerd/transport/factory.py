@@ -114,7 +114,7 @@ async def start_data_plane(node: NodeConfig, transport: HivemindTransport) -> Op
         return None
     discovery: SignedDiscovery = transport.discovery
     # warm multiplexed connections: as fast or faster than a connection per stream in every measured scenario, and
-    # ~2.7x faster than p2pd's streams with 8 peers at 100 Mbit/s (docs/benchmarks.md)
+    # 1.2x faster than p2pd's streams with 8 peers at 100 Mbit/s, at 0.6x the CPU (docs/benchmarks.md)
     streams = DirectStreams(transport.streams, discovery, discovery.signer, host, node.data_port, announce,
                             multiplex=True)
     await streams.start()
