@@ -48,7 +48,7 @@ from protocols.robust import AGGREGATIONS, centered_clip
 from protocols.partition import (
     CHUNK_ALIGN, CHUNK_NUMEL, chunk_bounds, partition_sizes, proportional_sizes, valid_rate,
 )
-from protocols.rpc import Refused, Request, RpcError, RpcTimeout, Service, call_framed
+from protocols.rpc import Refused, Request, RpcError, RpcTimeout, Service, call_framed, until
 from protocols.wire import ProtocolViolation, require
 
 logger = logging.getLogger(__name__)
@@ -596,16 +596,19 @@ class ButterflyAllReduce(Service):
         centered_clip: once every chunk is complete), every chunk still open once the sender timeout passed."""
         last = len(session.bounds) - 1
         whole_part = session.reducer.aggregation != "mean"
+
+        async def seal_in_order() -> None:
+            while len(session.sealed) < len(session.bounds):
+                needed = last if whole_part else len(session.sealed)
+                if session.resolved(needed):
+                    self._seal_next(session)
+                else:
+                    session.changed.clear()
+                    await session.changed.wait()
+
         try:
-            async with asyncio.timeout_at(session.deadline):  # one timer for the part, not one per wake-up
-                while len(session.sealed) < len(session.bounds):
-                    needed = last if whole_part else len(session.sealed)
-                    if session.resolved(needed):
-                        self._seal_next(session)
-                    else:
-                        session.changed.clear()
-                        await session.changed.wait()
-        except TimeoutError:
+            await until(seal_in_order(), session.deadline)  # one timer for the part, not one per wake-up
+        except asyncio.TimeoutError:
             k = len(session.sealed)
             missing = [m for m in session.group.members if m not in session.excluded
                        and session.reducer.delivered.get(m, 0) <= (last if whole_part else k)]
@@ -757,13 +760,17 @@ class ButterflyAllReduce(Service):
         """Write each sealed chunk's aggregate to the member, in order, as soon as it is sealed."""
         deadline = asyncio.get_running_loop().time() + self.config.reducer_timeout_s
         written = 0
+
+        async def answer_in_order() -> None:
+            nonlocal written
+            for k in range(len(reply_sizes)):
+                while len(session.sealed) <= k:
+                    await session.sealed_event.wait()
+                written += await request.reply_frame(k, reply_sizes, session.sealed[k])
+
         try:
-            async with asyncio.timeout_at(deadline):  # one timer for the whole answer, not one per chunk
-                for k in range(len(reply_sizes)):
-                    while len(session.sealed) <= k:
-                        await session.sealed_event.wait()
-                    written += await request.reply_frame(k, reply_sizes, session.sealed[k])
-        except (TimeoutError, RpcError) as e:
+            await until(answer_in_order(), deadline)  # one timer for the whole answer, not one per chunk
+        except (asyncio.TimeoutError, RpcError) as e:
             logger.info("could not answer %s for group %s: %r", request.peer, session.group.group_id, e)
             return
         session.bytes_sent += written

@@ -55,7 +55,7 @@ from protocols.wire import (
 
 __all__ = [
     "CHUNK_BYTES", "Message", "ProtocolViolation", "Refused", "Reply", "Request", "RpcError", "RpcStream",
-    "RpcTimeout", "Service", "Unreachable", "call", "call_framed", "handler_name", "open_stream",
+    "RpcTimeout", "Service", "Unreachable", "call", "call_framed", "handler_name", "open_stream", "until",
 ]
 
 logger = logging.getLogger(__name__)
@@ -239,6 +239,19 @@ def _reply_message(message: Message) -> Optional[Message]:
         code, reason = message.header.get("code", "refused"), message.header.get("reason", "")
         raise Refused(str(reason)[:1000], str(code)[:64])
     raise ProtocolViolation(f"reply status {status!r} is not ok, refused or end")
+
+
+async def until(awaitable: Awaitable[Any], deadline: Optional[float]) -> Any:
+    """Await ``awaitable`` until ``deadline`` (event-loop time; None: no deadline). Raises asyncio.TimeoutError past
+    it. On Python 3.11+ this is one timer (``asyncio.timeout_at``), no task: cheap enough to bound a whole pipelined
+    exchange where a ``wait_for`` per step would cost a task and a timer per frame; older Pythons use ``wait_for``."""
+    if deadline is None:
+        return await awaitable
+    timeout_at = getattr(asyncio, "timeout_at", None)
+    if timeout_at is None:
+        return await asyncio.wait_for(awaitable, max(deadline - asyncio.get_running_loop().time(), 0.0))
+    async with timeout_at(deadline):
+        return await awaitable
 
 
 async def _guard(awaitable: Awaitable[Any], timeout_s: Optional[float], what: str) -> Any:
@@ -609,12 +622,8 @@ class Request:
 
         what = f"reading the request of {self.peer}"
         try:
-            if deadline is None:
-                await read_all()
-            else:
-                async with asyncio.timeout_at(deadline):  # one timer, no task
-                    await read_all()
-        except TimeoutError:
+            await until(read_all(), deadline)
+        except asyncio.TimeoutError:
             raise RpcTimeout(f"{what} did not finish by its deadline") from None
         except (ConnectionError, OSError) as e:
             raise Unreachable(f"{what}: {type(e).__name__}: {e}") from e
