@@ -30,6 +30,8 @@ import asyncio
 import contextlib
 import logging
 import math
+from collections import deque
+from statistics import median
 from dataclasses import dataclass, field
 import time
 import warnings
@@ -46,7 +48,7 @@ from protocols.robust import AGGREGATIONS, centered_clip
 from protocols.partition import (
     CHUNK_ALIGN, CHUNK_NUMEL, chunk_bounds, partition_sizes, proportional_sizes, valid_rate,
 )
-from protocols.rpc import Refused, Request, RpcError, RpcTimeout, Service, call_framed
+from protocols.rpc import Refused, Request, RpcError, RpcTimeout, Service, call_framed, until
 from protocols.wire import ProtocolViolation, require
 
 logger = logging.getLogger(__name__)
@@ -261,8 +263,16 @@ def encode_chunk(codec: Codec, chunk: torch.Tensor, checked: bool = False) -> Un
 PARTITIONS = ("equal", "bandwidth")
 #: Announced rates that differ by less than this factor give equal parts (bandwidth partition only).
 RATE_SPREAD = 1.5
-#: Weight of the newest measurement in a member's announced rates (an exponential moving average).
-RATE_SMOOTHING = 0.5
+#: A member's announced rates are the median of its last RATE_HISTORY measured runs...
+RATE_HISTORY = 5
+#: ...and are announced only once RATE_MIN_RUNS runs were measured (before that: equal parts).
+RATE_MIN_RUNS = 3
+#: A run's measurement counts only if it moved at least this many bytes each way: short transfers measure latency
+#: and the event loop, not the link.
+RATE_MIN_BYTES = 4 << 20
+#: With bandwidth-proportional parts, every member within partition.FLOOR_SPREAD of the fastest reduces at least
+#: MIN_SHARE of an equal part, so that every honest reducer validates (and can exclude) every sender.
+MIN_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -396,10 +406,13 @@ class ButterflyAllReduce(Service):
         self._sessions: dict[str, _ReduceSession] = {}
         self._session_ready: dict[str, asyncio.Event] = {}
         self.rates: Optional[dict[str, float]] = None
-        """This peer's rates in bytes/s, ``{"up", "down"}``: set by the operator, or measured on every run from the
-        all-reduce's own transfers (a moving average). A run's estimate is the sum over its concurrent streams of
-        each stream's bytes over that stream's own duration: a stream slowed by the other end's link counts at its
-        own pace, so the sum approaches this peer's link rate when it is the bottleneck."""
+        """This peer's rates in bytes/s, ``{"up", "down"}``: set by the operator, or measured from the all-reduce's
+        own transfers: the median of the last :data:`RATE_HISTORY` runs that moved at least :data:`RATE_MIN_BYTES`
+        each way, once there are :data:`RATE_MIN_RUNS` of them (a median: one run slowed or sped up by other load
+        on the host does not move it). A run's estimate is the sum over its concurrent streams of each stream's
+        bytes over that stream's own duration: a stream slowed by the other end's link counts at its own pace, so
+        the sum approaches this peer's link rate when it is the bottleneck."""
+        self._rate_history: deque = deque(maxlen=RATE_HISTORY)
 
     @property
     def handler_name(self) -> str:
@@ -433,7 +446,7 @@ class ButterflyAllReduce(Service):
             else:
                 # rates within RATE_SPREAD of each other are measurement noise: equal parts are as good, and stable
                 if sum(rates) > 0 and max(rates) > RATE_SPREAD * min(rates):
-                    return proportional_sizes(numel, rates)
+                    return proportional_sizes(numel, rates, MIN_SHARE)
         return partition_sizes(numel, len(group.members))
 
     def _round_trip(self, part: torch.Tensor) -> torch.Tensor:
@@ -542,16 +555,17 @@ class ButterflyAllReduce(Service):
             )
 
     def _measure(self, uploads: list[tuple[int, float]], downloads: list[tuple[int, float]]) -> None:
-        """Fold one run's streams, ``(bytes, seconds)`` each, into :attr:`rates` (bytes/s)."""
+        """Fold one run's streams, ``(bytes, seconds)`` each, into :attr:`rates` (bytes/s): see there."""
         up = sum(b / t for b, t in uploads if t > 0)
         down = sum(b / t for b, t in downloads if t > 0)
         if up <= 0 or down <= 0:
             return
-        if self.rates is None:
-            self.rates = {"up": up, "down": down}
-        else:  # a run's estimate is a lower bound of the link: take a higher one at once, a lower one gradually
-            self.rates = {key: max(new, (1 - RATE_SMOOTHING) * self.rates[key] + RATE_SMOOTHING * new)
-                          for key, new in (("up", up), ("down", down))}
+        if sum(b for b, _ in uploads) < RATE_MIN_BYTES or sum(b for b, _ in downloads) < RATE_MIN_BYTES:
+            return
+        self._rate_history.append((up, down))
+        if len(self._rate_history) >= RATE_MIN_RUNS:
+            self.rates = {"up": median(u for u, _ in self._rate_history),
+                          "down": median(d for _, d in self._rate_history)}
 
     async def _wait_answers_written(self, session: _ReduceSession, grace_s: float = 2.0) -> None:
         """Let our answers to the other contributors finish (briefly), so the byte counts are complete."""
@@ -580,27 +594,31 @@ class ButterflyAllReduce(Service):
     async def _seal_chunks(self, session: _ReduceSession) -> None:
         """Seal this peer's part chunk by chunk: chunk k once every member delivered it or was excluded (for
         centered_clip: once every chunk is complete), every chunk still open once the sender timeout passed."""
-        loop = asyncio.get_running_loop()
         last = len(session.bounds) - 1
         whole_part = session.reducer.aggregation != "mean"
-        for k in range(len(session.bounds)):
-            needed = last if whole_part else k
-            while not session.resolved(needed):
-                remaining = session.deadline - loop.time()
-                if remaining <= 0:
-                    if not session.late_logged:
-                        session.late_logged = True
-                        missing = [m for m in session.group.members if m not in session.excluded
-                                   and session.reducer.delivered.get(m, 0) <= needed]
-                        # senders that never connected are dead or failed locally: no ban (the next round may have
-                        # them back); a sender that connected but stalled mid-part is banned in rpc_reduce
-                        logger.info("averaging part from chunk %d on without %d late sender(s): %s", k, len(missing),
-                                    sorted(missing))
-                    break
-                session.changed.clear()
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(session.changed.wait(), remaining)
-            self._seal_next(session)
+
+        async def seal_in_order() -> None:
+            while len(session.sealed) < len(session.bounds):
+                needed = last if whole_part else len(session.sealed)
+                if session.resolved(needed):
+                    self._seal_next(session)
+                else:
+                    session.changed.clear()
+                    await session.changed.wait()
+
+        try:
+            await until(seal_in_order(), session.deadline)  # one timer for the part, not one per wake-up
+        except asyncio.TimeoutError:
+            k = len(session.sealed)
+            missing = [m for m in session.group.members if m not in session.excluded
+                       and session.reducer.delivered.get(m, 0) <= (last if whole_part else k)]
+            # senders that never connected are dead or failed locally: no ban (the next round may have them back);
+            # a sender that connected but stalled mid-part is banned in rpc_reduce
+            logger.info("averaging part from chunk %d on without %d late sender(s): %s", k, len(missing),
+                        sorted(missing))
+            session.late_logged = True
+            while len(session.sealed) < len(session.bounds):
+                self._seal_next(session)
         session.finished.set()
 
     async def _exchange(
@@ -714,14 +732,19 @@ class ButterflyAllReduce(Service):
                        weight: float) -> Optional[str]:
         """Read a member's chunks into our reducer; None, or the reason to exclude it."""
         peer, k = request.peer, 0
+
+        def on_frame(index: int, payload) -> None:
+            nonlocal k
+            k = index
+            if len(session.sealed) <= index:  # a chunk sealed without it (after the sender timeout) is only read
+                a, b = session.bounds[index]
+                session.reducer.add(peer, index, decode_chunk(session.codec, payload, b - a), weight,
+                                    finite_checked=True)
+                session.changed.set()
+            k = index + 1
+
         try:
-            async for payload in request.payload_frames(sizes, session.deadline + 1.0):
-                if len(session.sealed) <= k:  # a chunk sealed without it (after the sender timeout) is only read
-                    a, b = session.bounds[k]
-                    session.reducer.add(peer, k, decode_chunk(session.codec, payload, b - a), weight,
-                                        finite_checked=True)
-                    session.changed.set()
-                k += 1
+            await request.read_frames(sizes, on_frame, session.deadline + 1.0)
         except RpcTimeout:
             return (f"stalled: chunk {k} of {len(sizes)} not delivered within "
                     f"sender_timeout_s={self.config.sender_timeout_s}")
@@ -735,15 +758,18 @@ class ButterflyAllReduce(Service):
 
     async def _answer(self, request: Request, session: _ReduceSession, reply_sizes: list[int]) -> None:
         """Write each sealed chunk's aggregate to the member, in order, as soon as it is sealed."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.reducer_timeout_s
+        deadline = asyncio.get_running_loop().time() + self.config.reducer_timeout_s
         written = 0
-        try:
+
+        async def answer_in_order() -> None:
+            nonlocal written
             for k in range(len(reply_sizes)):
                 while len(session.sealed) <= k:
-                    event = session.sealed_event
-                    await asyncio.wait_for(event.wait(), max(deadline - loop.time(), 0.0))
+                    await session.sealed_event.wait()
                 written += await request.reply_frame(k, reply_sizes, session.sealed[k])
+
+        try:
+            await until(answer_in_order(), deadline)  # one timer for the whole answer, not one per chunk
         except (asyncio.TimeoutError, RpcError) as e:
             logger.info("could not answer %s for group %s: %r", request.peer, session.group.group_id, e)
             return

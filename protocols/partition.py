@@ -11,6 +11,13 @@ needs ``T_i = V (1 + (N - 2) x_i) / r_i``. :func:`proportional_fractions` minimi
 the next member's floor ``V / r_j``); a member with rate 0 reduces nothing. N = 2 moves V each way whatever the
 split: the parts are then proportional to r_i.
 
+**Floor.** Rates measured on a shared host or from short transfers are noisy: two members on equal links can
+measure 2x apart. Left alone, the split would then give one honest member a sliver or nothing, and a reducer with no
+part validates no sender (it cannot see, exclude or ban a sender of garbage). So ``min_share`` keeps every member
+within :data:`FLOOR_SPREAD` of the fastest at ``min_share / N`` of the vector at least (the split is mixed with an
+equal split of those members); a member slower than that (a truly slow or ~0 link) keeps its optimal share, which is
+often 0.
+
 **Chunks.** A part travels in chunks of :data:`CHUNK_NUMEL` values (a multiple of every codec's block, 4096 =
 SparseLoCo's top-k chunk, so a chunk encodes and decodes to the same values as the whole part would); a reducer
 answers chunk k as soon as every sender's chunk k is in.
@@ -29,6 +36,8 @@ CHUNK_NUMEL = 128 * 1024
 CHUNK_ALIGN = 4096
 #: Largest rate (bytes/s) a member may announce: 1 Tbit/s.
 MAX_RATE = 125e9
+#: Members at least 1/FLOOR_SPREAD as fast as the fastest keep the ``min_share`` floor (see the module docstring).
+FLOOR_SPREAD = 4.0
 
 
 def partition_sizes(numel: int, n_parts: int) -> list[int]:
@@ -39,10 +48,27 @@ def partition_sizes(numel: int, n_parts: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(n_parts)]
 
 
-def proportional_fractions(rates: Sequence[float]) -> list[float]:
+def proportional_fractions(rates: Sequence[float], min_share: float = 0.0) -> list[float]:
     """Fractions x_i (sum 1, each in [0, 1]) of the vector each member reduces, minimizing the slowest member's time
     under the model of this module. ``rates``: each member's usable rate min(upload, download) (any unit, >= 0,
-    finite). Raises ValueError if a rate is negative or not finite, or every rate is 0."""
+    finite). ``min_share`` in [0, 1]: every member within :data:`FLOOR_SPREAD` of the fastest gets at least
+    ``min_share / N`` (the optimum mixed with an equal split of those members; 0 = the optimum). Raises ValueError if
+    a rate is negative or not finite, every rate is 0, or ``min_share`` is outside [0, 1]."""
+    if not 0.0 <= min_share <= 1.0:
+        raise ValueError(f"min_share must be in [0, 1], got {min_share}")
+    fractions = _optimal_fractions(rates)
+    if min_share <= 0:
+        return fractions
+    fastest = max(rates)
+    floored = [i for i, r in enumerate(rates) if r > 0 and r * FLOOR_SPREAD >= fastest]
+    beta = min_share * len(floored) / len(rates)  # each floored member gets beta / len(floored) = min_share / N
+    mixed = [(1.0 - beta) * f for f in fractions]
+    for i in floored:
+        mixed[i] += beta / len(floored)
+    return mixed
+
+
+def _optimal_fractions(rates: Sequence[float]) -> list[float]:
     rates = [float(r) for r in rates]
     if not rates or any(not math.isfinite(r) or r < 0 for r in rates):
         raise ValueError(f"rates must be finite and >= 0, got {rates}")
@@ -66,12 +92,13 @@ def proportional_fractions(rates: Sequence[float]) -> list[float]:
     return [s / norm for s in shares]
 
 
-def proportional_sizes(numel: int, rates: Sequence[float]) -> list[int]:
-    """Integer part sizes (sum ``numel``) following :func:`proportional_fractions`: floors, then the remaining
-    elements one each to the largest remainders (ties to the lower index); a member with rate 0 gets 0."""
+def proportional_sizes(numel: int, rates: Sequence[float], min_share: float = 0.0) -> list[int]:
+    """Integer part sizes (sum ``numel``) following :func:`proportional_fractions` (``min_share`` likewise): floors,
+    then the remaining elements one each to the largest remainders (ties to the lower index); a member with rate 0
+    gets 0."""
     if numel < 0:
         raise ValueError(f"numel must be >= 0, got {numel}")
-    fractions = proportional_fractions(rates)
+    fractions = proportional_fractions(rates, min_share)
     exact = [f * numel for f in fractions]
     sizes = [int(math.floor(e)) for e in exact]
     left = numel - sum(sizes)

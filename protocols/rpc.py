@@ -55,7 +55,7 @@ from protocols.wire import (
 
 __all__ = [
     "CHUNK_BYTES", "Message", "ProtocolViolation", "Refused", "Reply", "Request", "RpcError", "RpcStream",
-    "RpcTimeout", "Service", "Unreachable", "call", "call_framed", "handler_name", "open_stream",
+    "RpcTimeout", "Service", "Unreachable", "call", "call_framed", "handler_name", "open_stream", "until",
 ]
 
 logger = logging.getLogger(__name__)
@@ -239,6 +239,19 @@ def _reply_message(message: Message) -> Optional[Message]:
         code, reason = message.header.get("code", "refused"), message.header.get("reason", "")
         raise Refused(str(reason)[:1000], str(code)[:64])
     raise ProtocolViolation(f"reply status {status!r} is not ok, refused or end")
+
+
+async def until(awaitable: Awaitable[Any], deadline: Optional[float]) -> Any:
+    """Await ``awaitable`` until ``deadline`` (event-loop time; None: no deadline). Raises asyncio.TimeoutError past
+    it. On Python 3.11+ this is one timer (``asyncio.timeout_at``), no task: cheap enough to bound a whole pipelined
+    exchange where a ``wait_for`` per step would cost a task and a timer per frame; older Pythons use ``wait_for``."""
+    if deadline is None:
+        return await awaitable
+    timeout_at = getattr(asyncio, "timeout_at", None)
+    if timeout_at is None:
+        return await asyncio.wait_for(awaitable, max(deadline - asyncio.get_running_loop().time(), 0.0))
+    async with timeout_at(deadline):
+        return await awaitable
 
 
 async def _guard(awaitable: Awaitable[Any], timeout_s: Optional[float], what: str) -> Any:
@@ -575,6 +588,45 @@ class Request:
             data = await _guard(read_payload(reader, length), left(), what)
             self.stream.bytes_received += header_bytes + length
             yield data
+
+    async def read_frames(self, sizes: Sequence[int], on_frame: Callable[[int, Union[bytes, bytearray]], None],
+                          deadline: Optional[float] = None) -> None:
+        """Read the request payload framed as ``sizes`` (:func:`call_framed`), calling ``on_frame(k, payload)`` for
+        each frame in order as it arrives: :meth:`payload_frames` with one timer for the whole read instead of one
+        per frame (a pipelined reader pays the event loop per frame, so this matters per byte).
+
+        Checks the announced total and every frame's size before reading it. ``deadline`` (event loop time) bounds
+        the whole read. Raises ProtocolViolation (framed otherwise, truncated, malformed), RpcTimeout, Unreachable;
+        whatever ``on_frame`` raises propagates.
+        """
+        _check_framing(sizes)
+        if self._payload is not None:
+            raise RuntimeError("the payload was already read")
+        if self.size != sum(sizes) or self._first != sizes[0]:
+            raise ProtocolViolation(f"payload of {self.size} bytes in a first frame of {self._first}, expected "
+                                    f"{sum(sizes)} in {sizes[0]}")
+        self._payload = b""  # consumed here: payload() may not read it again
+        reader = self.stream.reader
+
+        async def read_all() -> None:
+            on_frame(0, await read_payload(reader, sizes[0]))
+            self.stream.bytes_received += sizes[0]
+            for k, size in enumerate(sizes[1:], 1):
+                header, length, header_bytes = await read_header(reader)
+                if header:
+                    raise ProtocolViolation(f"continuation frame with a header {sorted(header)}")
+                if length != size:
+                    raise ProtocolViolation(f"request frame {k} of {length} bytes, expected {size}")
+                on_frame(k, await read_payload(reader, length))
+                self.stream.bytes_received += header_bytes + length
+
+        what = f"reading the request of {self.peer}"
+        try:
+            await until(read_all(), deadline)
+        except asyncio.TimeoutError:
+            raise RpcTimeout(f"{what} did not finish by its deadline") from None
+        except (ConnectionError, OSError) as e:
+            raise Unreachable(f"{what}: {type(e).__name__}: {e}") from e
 
     async def reply_frame(self, k: int, sizes: Sequence[int], payload: Payload,
                           header: Optional[dict[str, Any]] = None, timeout_s: Optional[float] = None) -> int:

@@ -172,7 +172,8 @@ class AllReduceSync(OuterSync):
             key = f"round{r}" if attempt == 1 else f"round{r}.attempt{attempt}"
             try:
                 group = await unless_stopped(
-                    self.ctx, self.matchmaker.form_group(key, {"digest": outer.digest()}, expected_size=expected))
+                    self.ctx, self.matchmaker.form_group(key, {"digest": outer.digest(), **self.allreduce.announce()},
+                                                   expected_size=expected))
                 if group is None:
                     return None
                 result = await bounded_on_stop(self.ctx, self.allreduce.run(group, pseudo_gradient, weight))

@@ -310,6 +310,11 @@ class _Connection(asyncio.BufferedProtocol):
     def pause_writing(self) -> None:
         self._writing_paused = True
 
+    @property
+    def writing_paused(self) -> bool:
+        """The transport's write buffer is above its high-water mark: :meth:`drain` would wait."""
+        return self._writing_paused
+
     def resume_writing(self) -> None:
         self._writing_paused = False
         if self._drain_waiter is not None and not self._drain_waiter.done():
@@ -336,8 +341,9 @@ class _Connection(asyncio.BufferedProtocol):
             return ConnectionResetError(f"connection lost: {self._error!r}")
         return asyncio.IncompleteReadError(partial, n)
 
-    async def readexactly(self, n: int) -> bytes:
-        """Exactly ``n`` bytes. Raises IncompleteReadError at EOF, ConnectionResetError if the connection broke."""
+    async def readexactly(self, n: int) -> bytes | bytearray:
+        """Exactly ``n`` bytes (a bytearray for a large read). Raises IncompleteReadError at EOF,
+        ConnectionResetError if the connection broke."""
         if n < 0:
             raise ValueError("readexactly size can not be less than zero")
         if self._waiter is not None:
@@ -374,7 +380,7 @@ class _Connection(asyncio.BufferedProtocol):
                 self._buffer[:0] = memoryview(result)[:self._target_filled]
                 self._target = None
             raise
-        return bytes(result)
+        return result  # a bytearray: copying it into bytes would cost a pass over every byte of a large read
 
     async def read(self, n: int = -1) -> bytes:
         """Up to ``n`` buffered bytes (all if ``n < 0``), waiting for at least one; b"" at EOF. Raises

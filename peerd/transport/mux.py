@@ -32,14 +32,19 @@ from typing import Any, Callable, Optional
 
 logger = logging.getLogger(__name__)
 
-#: The handshake name of a multiplexed connection (never a handler name: those are ``<service>.<method>``).
-MUX_NAME = "/peerd/mux/1"
+#: The handshake name of a multiplexed connection (never a handler name: those are ``<service>.<method>``). Version 2
+#: raised MAX_FRAME_BYTES from 256 KiB to 1 MiB; a version-1 peer answers "not served" and the stream falls back to
+#: the inner streams (p2pd) instead of breaking on a frame larger than it accepts.
+MUX_NAME = "/peerd/mux/2"
 _HEAD = struct.Struct(">IBI")
 OPEN, DATA, FIN, RESET, WINDOW = range(5)
 #: Per-stream credit (bytes): above a 100 Mbit/s x 300 ms bandwidth-delay product.
 WINDOW_BYTES = 8 << 20
-#: Largest payload of one frame (bytes): keeps streams interleaved fairly.
-MAX_FRAME_BYTES = 256 << 10
+#: Largest payload of one frame (bytes): keeps streams interleaved fairly, and holds a whole all-reduce chunk
+#: (131,072 fp32 values, 512 KiB) plus its frame prefix, so that its reader takes it without joining pieces.
+MAX_FRAME_BYTES = 1 << 20
+#: Writes shorter than this (frame prefixes, headers, small messages) are coalesced into one frame (bytes).
+_SMALL_BYTES = 64 << 10
 #: Streams one connection may carry at once; more OPENs are reset.
 MAX_STREAMS = 1024
 _MAX_NAME_BYTES = 256
@@ -61,6 +66,8 @@ class MuxStream:
         self._send_window = WINDOW_BYTES
         self._credit = asyncio.Event()
         self._pending: deque = deque()
+        self._pending_bytes = 0
+        self._flush_scheduled = False
         self._flushed = asyncio.Event()
         self._flushed.set()
         self._pump: Optional[asyncio.Task] = None
@@ -130,7 +137,8 @@ class MuxStream:
                     self._chunks[0] = memoryview(chunk)[need:]
                     need = 0
             data = b"".join(parts)
-        data = bytes(data) if not isinstance(data, bytes) else data
+        if isinstance(data, memoryview):  # a whole frame is returned as received (bytes or bytearray), no copy
+            data = bytes(data)
         self._buffered -= n
         self._unacked += n
         if self._unacked >= WINDOW_BYTES // 2 and not self._session.closed:
@@ -167,7 +175,7 @@ class MuxStream:
                 self._chunks.appendleft(part)
                 self._buffered += len(part)
             raise
-        return b"".join(parts)
+        return parts[0] if len(parts) == 1 else b"".join(parts)  # a frame that arrived whole: as it arrived
 
     async def read(self, n: int = -1) -> bytes:
         """Up to ``n`` bytes (all buffered if ``n < 0``), waiting for one; b"" at the end. ConnectionResetError if
@@ -189,14 +197,63 @@ class MuxStream:
         if self._closed or self._error is not None:
             raise ConnectionResetError(f"stream {self.id} is closed: {self._error!r}")
         view = memoryview(data).cast("B")
-        if view.nbytes:
-            self._pending.append(view)
-            self._flushed.clear()
+        if not view.nbytes:
+            return
+        self._pending.append(view)
+        self._pending_bytes += view.nbytes
+        self._flushed.clear()
+        if self._pump is not None and not self._pump.done():
+            return  # the pump waits for credit and sends in order
+        if view.nbytes >= _SMALL_BYTES:
+            self._flush()  # a frame's payload: send it with the small writes before it (its prefix, its header)
+        elif not self._flush_scheduled:  # small writes wait for the rest of their frame, drain() or this callback
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        """Send what the window allows, synchronously: consecutive small writes go out as one DATA frame, a large
+        one starts its own frame(s), so the reader receives a whole RPC payload as one frame (no copy to join it).
+        Whatever the window does not allow is left to the pump."""
+        self._flush_scheduled = False
+        if self._pump is not None and not self._pump.done():
+            return
+        try:
+            while self._pending and self._send_window > 0 and self._error is None:
+                self._send_frame()
+        except (ConnectionError, OSError) as e:
+            self._fail(e)
+            self._pending.clear()
+            self._pending_bytes = 0
+        if self._pending and self._error is None:
             self._start_pump()
+        elif not self._pending:
+            self._flushed.set()
+
+    def _send_frame(self) -> None:
+        """One DATA frame of at most min(window, MAX_FRAME_BYTES) bytes from the head of the pending writes."""
+        limit = min(self._send_window, MAX_FRAME_BYTES)
+        parts, size = [], 0
+        while self._pending and size < limit:
+            view = self._pending[0]
+            if parts and view.nbytes >= _SMALL_BYTES:
+                break  # a large write starts its own frame
+            n = min(view.nbytes, limit - size)
+            parts.append(view[:n] if n < view.nbytes else view)
+            size += n
+            if n == view.nbytes:
+                self._pending.popleft()
+            else:
+                self._pending[0] = view[n:]
+        self._pending_bytes -= size
+        self._send_window -= size
+        self._session.send(DATA, self.id, parts)
 
     async def drain(self) -> None:
         """Wait until everything written was handed to the connection (and the connection drained)."""
-        await self._flushed.wait()
+        if self._pending and (self._pump is None or self._pump.done()):
+            self._flush()
+        if self._pending:
+            await self._flushed.wait()
         if self._error is not None:
             raise ConnectionResetError(f"stream reset: {self._error}")
         await self._session.drain()
@@ -241,20 +298,14 @@ class MuxStream:
                     await self._credit.wait()
                 if self._error is not None:
                     break
-                view = self._pending[0]
-                n = min(view.nbytes, self._send_window, MAX_FRAME_BYTES)
-                self._session.send(DATA, self.id, view[:n])
-                self._send_window -= n
-                if n == view.nbytes:
-                    self._pending.popleft()
-                else:
-                    self._pending[0] = view[n:]
+                self._send_frame()
                 await self._session.drain()
         except (ConnectionError, OSError) as e:
             self._fail(e)
         finally:
             if self._error is not None:
                 self._pending.clear()
+                self._pending_bytes = 0
             if not self._pending:
                 self._flushed.set()
             self._session.forget_if_done(self)
@@ -295,18 +346,27 @@ class MuxSession:
         return stream
 
     def send(self, kind: int, stream_id: int, payload: Any = b"") -> None:
-        """Write one frame (header and payload back to back: frames of streams never interleave)."""
+        """Write one frame (header and payload back to back: frames of streams never interleave); ``payload`` is a
+        bytes-like object or a list of them. A short frame is written as one buffer (one send, not several)."""
         if self.closed:
             raise ConnectionResetError(f"the connection to {self.peer} is closed")
-        length = memoryview(payload).nbytes
-        self.conn.write(_HEAD.pack(stream_id, kind, length))
-        if length:
-            self.conn.write(payload)
+        parts = payload if isinstance(payload, list) else [payload]
+        length = sum(memoryview(p).nbytes for p in parts)
+        head = _HEAD.pack(stream_id, kind, length)
+        if length < _SMALL_BYTES:
+            self.conn.write(b"".join([head, *parts]) if length else head)
+            return
+        self.conn.write(head)
+        for part in parts:
+            self.conn.write(part)
 
     async def drain(self) -> None:
         """Wait until the connection takes more bytes; every stream waits on the same drain (a connection may
-        support only one waiter at a time)."""
+        support only one waiter at a time). Returns at once, without a task, while the connection is not paused."""
         if self._draining is None or self._draining.done():
+            if getattr(self.conn, "writing_paused", True) is False:
+                await self.conn.drain()  # not paused: returns at once (or raises if the connection was lost)
+                return
             self._draining = asyncio.ensure_future(self.conn.drain())
         await asyncio.shield(self._draining)
 

@@ -370,11 +370,38 @@ def test_rates_within_the_spread_give_equal_parts_and_missing_rates_too():
     assert equal.part_sizes(far, 10) == [4, 3, 3]
 
 
-def test_measured_rates_rise_at_once_and_fall_gradually():
+def test_measured_rates_are_the_median_of_recent_long_runs_and_announced_only_after_enough_runs():
+    from protocols.allreduce import RATE_HISTORY, RATE_MIN_BYTES, RATE_MIN_RUNS
+
     ar = ButterflyAllReduce(Hub().transport("a"), "run", _cfg())
-    ar._measure([(100, 1.0)], [(50, 1.0)])
-    assert ar.rates == {"up": 100.0, "down": 50.0}
-    ar._measure([(300, 1.0)], [(10, 1.0)])  # a faster run: the link is at least that fast
-    assert ar.rates["up"] == 300.0 and 10.0 < ar.rates["down"] < 50.0
-    ar._measure([], [])  # nothing measured: unchanged
-    assert ar.rates["up"] == 300.0
+    big = RATE_MIN_BYTES
+    ar._measure([(big, 1.0)], [(big // 10, 1.0)])  # too few bytes down: latency, not the link
+    ar._measure([], [])  # nothing measured
+    assert ar.rates is None and ar.announce() == {}
+    for up in (100.0, 300.0, 200.0)[:RATE_MIN_RUNS - 1]:
+        ar._measure([(big, big / up)], [(big, big / (up / 2))])
+        assert ar.rates is None and ar.announce() == {}  # not enough runs yet: equal parts
+    ar._measure([(big, big / 200.0)], [(big, big / 100.0)])
+    assert ar.rates == {"up": pytest.approx(200.0), "down": pytest.approx(100.0)}
+    assert ar.announce() == {"rates": ar.rates}
+    ar._measure([(big, big / 200.0)], [(big, big / 100.0)])
+    ar._measure([(big, big / 10_000.0)], [(big, big / 1.0)])  # one outlier run (host load) moves nothing
+    assert ar.rates == {"up": pytest.approx(200.0), "down": pytest.approx(100.0)}
+    for _ in range(RATE_HISTORY):  # a link that really changed takes over once most recent runs say so
+        ar._measure([(big, big / 50.0)], [(big, big / 50.0)])
+    assert ar.rates == {"up": pytest.approx(50.0), "down": pytest.approx(50.0)}
+
+
+def test_noisy_rates_within_the_floor_spread_leave_every_member_a_part():
+    from protocols.matchmaking import Group
+    from protocols.partition import FLOOR_SPREAD
+
+    ar = ButterflyAllReduce(Hub().transport("a"), "run", _cfg())
+    members = ("a", "b", "c", "d")
+    # equal links measured 3x apart on a loaded host: without the floor "d" would reduce nothing
+    noisy = Group("g", "k", "a", members, {m: {"rates": {"up": r, "down": r}}
+                                           for m, r in zip(members, (300, 300, 250, 100))})
+    assert 3 < FLOOR_SPREAD
+    sizes = ar.part_sizes(noisy, 4096)
+    assert sum(sizes) == 4096 and min(sizes) >= 4096 // 4 // 4 - 1  # MIN_SHARE of an equal part (float rounding)
+    assert sizes[0] > sizes[3]  # still proportional above the floor

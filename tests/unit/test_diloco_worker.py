@@ -185,3 +185,23 @@ def test_diverged_local_training_sits_the_round_out_and_restarts_from_theta_oute
         assert worker.stats.rounds_ok == 1 and bool(torch.isfinite(worker.outer.theta).all())
 
     asyncio.run(main())
+
+
+def test_the_allreduce_round_announces_the_measured_rates_in_its_group_info(tmp_path):
+    from protocols.matchmaking import MatchmakingFailed
+
+    async def main():
+        worker = _worker(Hub(), "alone", _run(min_group_size=2), tmp_path)
+        infos = []
+
+        async def capture(key, info, **kwargs):
+            infos.append(info)
+            raise MatchmakingFailed("captured")  # the round ends here: only its group info is under test
+
+        worker.sync.matchmaker.form_group = capture
+        worker.sync.allreduce.rates = {"up": 1.25e7, "down": 2.5e7}  # as measured after a few long runs
+        outcome = await worker.sync.exchange(torch.zeros(worker.sync.state.outer.numel), 1.0, {}, 0)
+        assert not isinstance(outcome, tuple)  # the round failed (no group), as arranged
+        assert infos == [{"digest": worker.sync.state.outer.digest(), "rates": {"up": 1.25e7, "down": 2.5e7}}]
+
+    asyncio.run(main())

@@ -127,3 +127,48 @@ def test_streams_over_one_connection_are_independent_and_flow_controlled():
                 await streams.stop()
 
     asyncio.run(main())
+
+
+def test_a_frames_small_writes_share_one_mux_frame_and_its_payload_arrives_whole():
+    """The prefix and header of an RPC frame go out as one mux frame, a 512 KiB payload (one all-reduce chunk) as
+    another, and the reader gets that payload as the very buffer that arrived (no pieces joined)."""
+    from peerd.transport import mux
+    from protocols.wire import write_frame
+
+    async def main():
+        hub = Hub()
+        peers = await _peers(hub, 2)
+        a, b = peers[0][0], peers[1][0]
+        frames, got = [], {}
+        dispatch = mux.MuxSession._dispatch
+
+        def counting(session, stream_id, kind, payload):
+            if kind == mux.DATA:
+                frames.append((session.peer, len(payload), payload))
+            return dispatch(session, stream_id, kind, payload)
+
+        async def sink(peer, reader, writer):
+            prefix = await reader.readexactly(8)
+            header = await reader.readexactly(int.from_bytes(prefix[:4], "big"))
+            got["payload"] = await reader.readexactly(int.from_bytes(prefix[4:], "big"))
+            got["header"] = header
+            writer.write(b"ok")
+            await writer.drain()
+
+        await b.add_handler("sink", sink)
+        mux.MuxSession._dispatch = counting
+        try:
+            payload = bytes(range(256)) * (2048 + 1)  # 512 KiB + 256 bytes: more than the old 256 KiB frame
+            reader, writer = await a.open(b.peer_id, "sink")
+            await write_frame(writer, {"k": 1}, payload)
+            assert await asyncio.wait_for(reader.readexactly(2), 10.0) == b"ok"
+            writer.close()
+        finally:
+            mux.MuxSession._dispatch = dispatch
+            for streams, _, _ in peers:
+                await streams.stop()
+        to_b = [(size, data) for peer, size, data in frames if peer == a.peer_id]
+        assert [size for size, _ in to_b] == [8 + len(got["header"]), len(payload)]
+        assert got["payload"] == payload and got["payload"] is to_b[1][1]
+
+    asyncio.run(main())

@@ -80,3 +80,22 @@ def test_chunk_bounds():
     assert chunk_bounds(0, 4) == [(0, 0)]
     with pytest.raises(ValueError):
         chunk_bounds(5, 0)
+
+
+@pytest.mark.parametrize("rates", [[100, 100, 60, 30], [5, 4, 3, 2], [10, 9, 1], [100, 100, 20, 20], [7, 0, 7]])
+def test_min_share_floors_members_within_the_spread_and_nobody_else(rates):
+    from protocols.partition import FLOOR_SPREAD
+
+    n = len(rates)
+    floored = proportional_fractions(rates, min_share=0.25)
+    optimal = proportional_fractions(rates)
+    assert sum(floored) == pytest.approx(1.0)
+    for f, o, r in zip(floored, optimal, rates):
+        if r > 0 and r * FLOOR_SPREAD >= max(rates):
+            assert f >= 0.25 / n - 1e-12
+        else:  # a truly slow (or zero-rate) member keeps its optimal share: 0 here
+            assert o == 0 and f == 0
+    sizes = proportional_sizes(1000, rates, min_share=0.25)
+    assert sum(sizes) == 1000 and all(s >= 0 for s in sizes)
+    with pytest.raises(ValueError):
+        proportional_fractions(rates, min_share=1.5)
