@@ -146,6 +146,7 @@ class _LinkWriter:
         if self._closed or not self._hub.connected(self._owner, self._remote):
             raise ConnectionResetError(f"stream {self._owner} -> {self._remote} is closed")
         payload = bytes(data)
+        self._hub.bytes_sent += len(payload)
         self._send(self._deliver_at(len(payload)), payload)
 
     def _send(self, arrival: float, payload: Optional[bytes]) -> None:
@@ -211,6 +212,8 @@ class SimHub(Hub):
     """A :class:`Hub` whose streams cross simulated links and whose discovery runs on the loop's virtual clock."""
 
     links: LinkModel = field(default_factory=LinkModel)
+    bytes_sent: int = 0
+    """Bytes written to every simulated link so far (all peers, both directions)."""
     _latencies: dict = field(default_factory=dict, repr=False)
     _uplinks: dict = field(default_factory=dict, repr=False)
 
@@ -270,6 +273,8 @@ class SimResult:
     wall_s: float
     virtual_s: float
     final: dict[str, torch.Tensor]
+    bytes_sent: int = 0
+    """Bytes all peers wrote to their links over the whole run (matchmaking and averaging)."""
 
 
 def spread(vectors: list[torch.Tensor]) -> float:
@@ -341,7 +346,8 @@ async def _moshpit(n: int, rounds: int, group_size: int, numel: int, links: Link
         stats.append(RoundStats(r + 1, len(survivors), len(ok), sizes, _percentile(times, 0.5),
                                 _percentile(times, 0.95), spread([state[p] for p in survivors])))
         alive = survivors
-    return SimResult(n, stats, time.perf_counter() - started, loop.time(), {p: state[p] for p in alive})
+    return SimResult(n, stats, time.perf_counter() - started, loop.time(), {p: state[p] for p in alive},
+                     hub.bytes_sent)
 
 
 def simulate_moshpit(n: int, rounds: int, group_size: int = 4, numel: int = 64, links: LinkModel = LinkModel(),
@@ -392,7 +398,8 @@ async def _gossip(n: int, rounds: int, partners: int, numel: int, links: LinkMod
         stats.append(RoundStats(r + 1, n, sum(e > 0 for e, _ in outcomes.values()), {2: exchanges[-1]},
                                 _percentile(times, 0.5), _percentile(times, 0.95),
                                 spread([state[p][0] for p in names])))
-    return SimResult(n, stats, time.perf_counter() - started, loop.time(), {p: state[p][0] for p in names}), exchanges
+    return (SimResult(n, stats, time.perf_counter() - started, loop.time(), {p: state[p][0] for p in names},
+                      hub.bytes_sent), exchanges)
 
 
 def simulate_gossip(n: int, rounds: int, partners: int = 1, numel: int = 64, links: LinkModel = LinkModel(),
