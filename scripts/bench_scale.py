@@ -268,7 +268,7 @@ def plot(rows: list[dict], curves: Optional[dict], png: str) -> bool:
         mosh_ax.set_yscale("log")
         mosh_ax.set_xlabel("round")
         mosh_ax.set_ylabel("spread / initial spread")
-        mosh_ax.set_title(f"Moshpit convergence, {curves['moshpit_peers']} simulated peers (4^4 grid)")
+        mosh_ax.set_title(f"Moshpit convergence, {curves['moshpit_peers']} simulated peers, groups of 4")
         mosh_ax.legend(fontsize=8)
         ex = curves["gossip_exchanges"]
         gossip_ax.plot(ex, curves["gossip_spread"], marker="o", label="simulated (1 partner per peer per round)")
