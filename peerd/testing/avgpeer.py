@@ -113,7 +113,7 @@ async def run_peer(args: argparse.Namespace, index: int, path: str, network) -> 
         )
         for component in (mm, ar, gossip):
             await component.start()
-        moshpit = MoshpitAverager(mm, ar, args.group_size)
+        moshpit = MoshpitAverager(mm, ar, args.group_size, args.rendezvous)
 
         deadline = time.time() + args.start_timeout_s
         while len(await members()) < args.expect - 1 and time.time() < deadline:
@@ -217,6 +217,9 @@ def main() -> None:
     p.add_argument("--weight", type=float, default=1.0)
     p.add_argument("--compression", choices=CODECS, default="none")
     p.add_argument("--group-size", type=int, default=2, help="moshpit target group size M")
+    p.add_argument("--rendezvous", choices=("round", "group"), default="round",
+                   help="moshpit: one rendezvous of all peers per round (round), or each peer meets only its grid "
+                        "groupmates (group: the sharded rendezvous, for large swarms whose views agree)")
     p.add_argument("--partners", type=int, default=2, help="gossip partners per round k")
     p.add_argument("--timeout-s", type=float, default=10.0)
     p.add_argument("--matchmaking-timeout-s", type=float, default=10.0)
