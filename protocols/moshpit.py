@@ -20,8 +20,8 @@ rendezvous of the round's other late peers (``on_late="next"``) and averages on 
 
 That rendezvous costs O(N) per peer (one leader admits all N peers, and each of the N answers carries the whole
 member list: O(N^2) bytes per round), which is fine for tens to hundreds of peers and not for thousands. The
-*sharded* rendezvous (``MoshpitAverager(..., rendezvous="group")``) is the paper's own matchmaking (Sec. 3.2: peers
-meet under their group key in the DHT): each peer computes its grid group from its own view of the live peers and
+*sharded* rendezvous (``MoshpitAverager(..., rendezvous="group")``) matchmakes the way the paper's peers do (each
+looks up its group key in the DHT and meets only the peers under it): each peer computes its grid group from its own view of the live peers and
 matchmakes only with the peers sharing that group key, so a leader admits at most M peers and an answer lists only
 the group's members: O(M) per peer and round. It needs views that agree: a peer whose view differs computes
 another grid, its would-be groupmates seal short after one idle window, and it averages with whoever shares its key
@@ -228,7 +228,6 @@ class MoshpitAverager:
             raise MatchmakingFailed(f"grid group {group.key} of {len(group.members)} peer(s) is smaller than "
                                     f"min_group_size={self.matchmaker.config.min_group_size}")
         return await self.allreduce.run(group, tensor, weight)
-
 
     async def _average_sharded(self, outer_round: int, tensor: torch.Tensor, weight: float,
                                live_peers: Sequence[str]) -> AllReduceResult:
