@@ -21,9 +21,9 @@ rendezvous of the round's other late peers (``on_late="next"``) and averages on 
 That rendezvous costs O(N) per peer (one leader admits all N peers, and each of the N answers carries the whole
 member list: O(N^2) bytes per round), which is fine for tens to hundreds of peers and not for thousands. The
 *sharded* rendezvous (``MoshpitAverager(..., rendezvous="group")``) matchmakes the way the paper's peers do (each
-looks up its group key in the DHT and meets only the peers under it): each peer computes its grid group from its own view of the live peers and
-matchmakes only with the peers sharing that group key, so a leader admits at most M peers and an answer lists only
-the group's members: O(M) per peer and round. It needs views that agree: a peer whose view differs computes
+looks up its group key in the DHT and meets only the peers under it): each peer computes its grid group from its
+own view of the live peers and matchmakes only with the peers sharing that group key, so a leader admits at most M
+peers and an answer lists only the group's members: O(M) per peer and round. It needs views that agree: a peer whose view differs computes
 another grid, its would-be groupmates seal short after one idle window, and it averages with whoever shares its key
 (late peers still join the next group of late peers instead of failing).
 
