@@ -245,6 +245,8 @@ def plot(rows: list[dict], curves: Optional[dict], png: str) -> bool:
         ax.set_ylabel(label)
         ax.legend(fontsize=8)
     ok_ax.set_ylim(0, 105)
+    time_ax.set_yscale("log")
+    mem_ax.set_yscale("log")
     ok_ax.set_title("Moshpit matchmaking success")
     time_ax.set_title("round time (real: wall; simulated: virtual)")
     mem_ax.set_title("memory per peer")
@@ -307,6 +309,9 @@ def main() -> None:
                    help="Moshpit curves: share of the alive peers that crash in each round (none: no curves)")
     p.add_argument("--gossip-peers", type=int, default=64, help="simulated peers of the gossip decay curve")
     p.add_argument("--gossip-rounds", type=int, default=8)
+    p.add_argument("--json", default=None, help="also write the rows and curves here (JSON)")
+    p.add_argument("--rows-from", default=None,
+                   help="take the rows from a --json file of an earlier run instead of running --real/--sim again")
     p.add_argument("--sim-child", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--curves-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -325,13 +330,19 @@ def main() -> None:
     if any(not 0.0 <= f < 1.0 for f in args.failure_rates):
         p.error("--failure-rates must be in [0, 1)")
     rows = []
-    for n in args.real:
+    if args.rows_from:
+        with open(args.rows_from) as f:
+            rows = json.load(f)["rows"]
+    for n in [] if args.rows_from else args.real:
         rows.append(run_real(n, args))
         print(fmt_row(rows[-1]), flush=True)
-    for n in args.sim:
+    for n in [] if args.rows_from else args.sim:
         rows.append(run_sim(n, args))
         print(fmt_row(rows[-1]), flush=True)
     curves = run_curves(args) if args.png and args.failure_rates else None
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "curves": curves}, f, indent=1)
     png_rel = None
     if args.png and plot(rows, curves, args.png):
         png_rel = os.path.relpath(args.png, os.path.dirname(os.path.abspath(args.md)) if args.md else ".")
