@@ -77,7 +77,8 @@ def run_real(n: int, args: argparse.Namespace) -> dict:
         for first in range(0, n, PER_PROCESS):
             argv = [sys.executable, "-m", "peerd.testing.avgpeer", "--index", str(first),
                     "--peers", str(min(PER_PROCESS, n - first)), "--expect", str(n), "--topology", "moshpit",
-                    "--group-size", "4", "--rounds", str(args.rounds), "--numel", str(args.numel),
+                    "--group-size", "4", "--rendezvous", args.rendezvous, "--rounds", str(args.rounds),
+                    "--numel", str(args.numel),
                     "--compression", "fp16", "--out", str(workdir / "a{index}.jsonl"), "--initial-peers", maddr,
                     "--matchmaking-timeout-s", str(args.matchmaking_timeout_s), "--arrival-jitter-s", str(args.jitter_s),
                     "--max-wait-s", str(args.max_wait_s), "--timeout-s", "30", "--member-ttl-s", "30",
@@ -294,6 +295,8 @@ def main() -> None:
     p.add_argument("--numel", type=int, default=10_000, help="values per real peer")
     p.add_argument("--sim-numel", type=int, default=16, help="values per simulated peer")
     p.add_argument("--sim-rounds", type=int, default=None, help="rounds of the simulated rows (default --rounds)")
+    p.add_argument("--rendezvous", choices=("round", "group"), default="round",
+                   help="real rows: Moshpit's rendezvous (the simulated rows always use the sharded one, group)")
     p.add_argument("--jitter-s", type=float, default=4.0, help="real: arrivals spread over this many seconds")
     p.add_argument("--matchmaking-timeout-s", type=float, default=2.0)
     p.add_argument("--max-wait-s", type=float, default=60.0)
