@@ -18,6 +18,15 @@ all-reduce and no other. A peer that dies before the seal costs the rendezvous i
 survivors' groups are then computed without it. A peer that reaches the rendezvous after its seal joins the
 rendezvous of the round's other late peers (``on_late="next"``) and averages on their grid.
 
+That rendezvous costs O(N) per peer (one leader admits all N peers, and each of the N answers carries the whole
+member list: O(N^2) bytes per round), which is fine for tens to hundreds of peers and not for thousands. The
+*sharded* rendezvous (``MoshpitAverager(..., rendezvous="group")``) matchmakes the way the paper's peers do (each
+looks up its group key in the DHT and meets only the peers under it): each peer computes its grid group from its
+own view of the live peers and matchmakes only with the peers sharing that group key, so a leader admits at most M
+peers and an answer lists only the group's members: O(M) per peer and round. It needs views that agree: a peer whose view differs computes
+another grid, its would-be groupmates seal short after one idle window, and it averages with whoever shares its key
+(late peers still join the next group of late peers instead of failing).
+
 Defaults follow the paper's experiments: target group size M = 4 (paper: groups of 4-32); the grid dimension is
 floor or ceil of log_M N with side ceil(N^(1/d)), preferring grids without lone peers (see :meth:`Grid.for_peers`).
 """
@@ -172,28 +181,44 @@ def partition(everyone: tuple[str, ...], outer_round: int, target_group_size: in
 # ------------------------------------------------------------------------------------------------------------ runner
 
 
-class MoshpitAverager:
-    """One moshpit round = a rendezvous of the round's peers (matchmaking under ``moshpit.r<round>``), the grid built
-    from its sealed member list, then a butterfly all-reduce inside this peer's grid group."""
+RENDEZVOUS = ("round", "group")
 
-    def __init__(self, matchmaker: Matchmaker, allreduce: ButterflyAllReduce, target_group_size: int = 4):
+
+class MoshpitAverager:
+    """One moshpit round = a rendezvous, then a butterfly all-reduce inside this peer's grid group.
+
+    ``rendezvous="round"`` (default): all of the round's peers matchmake under ``moshpit.r<round>`` and the grid is
+    built from the sealed member list (identical on every member, whatever their views; O(N) per peer).
+    ``rendezvous="group"``: the sharded rendezvous: the grid comes from this peer's view ``live_peers`` and the peer
+    matchmakes only under its own group key with the groupmates that grid gives it (O(M) per peer: thousands of
+    peers; views must agree).
+    """
+
+    def __init__(self, matchmaker: Matchmaker, allreduce: ButterflyAllReduce, target_group_size: int = 4,
+                 rendezvous: str = "round"):
         if target_group_size < 2:
             raise ValueError(f"target_group_size must be >= 2, got {target_group_size}")
+        if rendezvous not in RENDEZVOUS:
+            raise ValueError(f"rendezvous must be one of {RENDEZVOUS}, got {rendezvous!r}")
         self.matchmaker = matchmaker
         self.allreduce = allreduce
         self.target_group_size = target_group_size
+        self.rendezvous = rendezvous
 
     async def average(
         self, outer_round: int, tensor: torch.Tensor, weight: float, live_peers: Sequence[str]
     ) -> AllReduceResult:
         """Average ``tensor`` (P,) fp32 with this round's grid group.
 
-        ``live_peers`` (this peer's view of who is training) only tells the rendezvous how many peers to wait for
-        before sealing early; the grid itself comes from the sealed rendezvous. Raises MatchmakingFailed (no
-        rendezvous within the matchmaking timeout, or a grid group below ``min_group_size``) or AllReduceFailed (the
-        group's all-reduce failed).
+        With ``rendezvous="round"``, ``live_peers`` (this peer's view of who is training) only tells the rendezvous
+        how many peers to wait for before sealing early; the grid itself comes from the sealed rendezvous. With
+        ``rendezvous="group"`` the grid is built from ``live_peers``. Raises MatchmakingFailed (no rendezvous within
+        the matchmaking timeout, or a grid group below ``min_group_size``) or AllReduceFailed (the group's
+        all-reduce failed).
         """
         me = self.matchmaker.peer_id
+        if self.rendezvous == "group":
+            return await self._average_sharded(outer_round, tensor, weight, live_peers)
         expected = len(set(live_peers) | {me})
         # a peer that comes after the seal averages with the other late peers rather than failing its round
         rendezvous = await self.matchmaker.form_group(f"moshpit.r{outer_round}", {}, expected_size=expected,
@@ -204,3 +229,29 @@ class MoshpitAverager:
                                     f"min_group_size={self.matchmaker.config.min_group_size}")
         return await self.allreduce.run(group, tensor, weight)
 
+    async def _average_sharded(self, outer_round: int, tensor: torch.Tensor, weight: float,
+                               live_peers: Sequence[str]) -> AllReduceResult:
+        me = self.matchmaker.peer_id
+        groups = partition(_sorted_peers(live_peers), outer_round, self.target_group_size)
+        if me not in groups:
+            groups = partition(_sorted_peers([*live_peers, me]), outer_round, self.target_group_size)
+        key, mates = groups[me]
+        group = await self.matchmaker.form_group(key, {}, expected_size=len(mates), on_late="next")
+        if len(group.members) < self.matchmaker.config.min_group_size:
+            raise MatchmakingFailed(f"group {group.key} of {len(group.members)} peer(s) is smaller than "
+                                    f"min_group_size={self.matchmaker.config.min_group_size}")
+        return await self.allreduce.run(group, tensor, weight)
+
+
+_last_sorted: list = [None, ()]  # (the last tuple given, its sorted form): peers of one process share one view
+
+
+def _sorted_peers(peers: Sequence[str]) -> tuple[str, ...]:
+    """``peers`` sorted, without duplicates. The same tuple passed again (every simulated peer of a swarm passes
+    the swarm's view) is sorted once, not once per peer: O(N) per peer would be O(N^2) per simulated round."""
+    if isinstance(peers, tuple) and peers is _last_sorted[0]:
+        return _last_sorted[1]
+    result = tuple(sorted(set(peers)))
+    if isinstance(peers, tuple):
+        _last_sorted[:] = [peers, result]
+    return result

@@ -113,7 +113,7 @@ async def run_peer(args: argparse.Namespace, index: int, path: str, network) -> 
         )
         for component in (mm, ar, gossip):
             await component.start()
-        moshpit = MoshpitAverager(mm, ar, args.group_size)
+        moshpit = MoshpitAverager(mm, ar, args.group_size, args.rendezvous)
 
         deadline = time.time() + args.start_timeout_s
         while len(await members()) < args.expect - 1 and time.time() < deadline:
@@ -188,7 +188,8 @@ async def _allreduce(mm: Matchmaker, ar: ButterflyAllReduce, r: int, state: dict
     record["failed_attempts"] = []
     for attempt in range(1, attempts + 1):
         key = f"allreduce.r{r}" if attempt == 1 else f"allreduce.r{r}.attempt{attempt}"
-        group = await mm.form_group(key, {}, expected_size=expected)
+        # a peer that comes after the seal averages with the other late peers rather than failing its round
+        group = await mm.form_group(key, {}, expected_size=expected, on_late="next")
         record.update(attempts=attempt, members=list(group.members))
         try:
             return await ar.run(group, state["x"], state["w"])
@@ -216,6 +217,9 @@ def main() -> None:
     p.add_argument("--weight", type=float, default=1.0)
     p.add_argument("--compression", choices=CODECS, default="none")
     p.add_argument("--group-size", type=int, default=2, help="moshpit target group size M")
+    p.add_argument("--rendezvous", choices=("round", "group"), default="round",
+                   help="moshpit: one rendezvous of all peers per round (round), or each peer meets only its grid "
+                        "groupmates (group: the sharded rendezvous, for large swarms whose views agree)")
     p.add_argument("--partners", type=int, default=2, help="gossip partners per round k")
     p.add_argument("--timeout-s", type=float, default=10.0)
     p.add_argument("--matchmaking-timeout-s", type=float, default=10.0)

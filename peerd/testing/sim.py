@@ -132,8 +132,8 @@ class _LinkWriter:
         self._owner = owner
         self._remote = remote
         self._closed = False
-        self._latency = hub.links.latency(owner, remote)
-        self._bandwidth = min(hub.links.uplink(owner), hub.links.uplink(remote))
+        self._latency = hub.latency(owner, remote)
+        self._bandwidth = min(hub.uplink(owner), hub.uplink(remote))
         self._wire_free = 0.0  # virtual time at which the last byte queued so far has left the sender
         self._in_flight: collections.deque = collections.deque()  # (arrival time, bytes or None for the end)
 
@@ -146,6 +146,7 @@ class _LinkWriter:
         if self._closed or not self._hub.connected(self._owner, self._remote):
             raise ConnectionResetError(f"stream {self._owner} -> {self._remote} is closed")
         payload = bytes(data)
+        self._hub.bytes_sent += len(payload)
         self._send(self._deliver_at(len(payload)), payload)
 
     def _send(self, arrival: float, payload: Optional[bytes]) -> None:
@@ -153,16 +154,16 @@ class _LinkWriter:
         asyncio.get_running_loop().call_at(arrival, self._arrive)
 
     def _arrive(self) -> None:
-        # timers due at the same instant fire in no set order: deliver strictly from the front of the queue
-        now = asyncio.get_running_loop().time()
-        while self._in_flight and self._in_flight[0][0] <= now:
-            _, payload = self._in_flight.popleft()
-            if self._target.at_eof():
-                continue
-            if payload is None:
-                self._target.feed_eof()
-            elif self._hub.connected(self._owner, self._remote):
-                self._target.feed_data(payload)
+        # one timer per queued item, and items are queued in arrival order: each timer delivers the front item.
+        # (Comparing arrival times with the clock instead lost bytes: the loop runs a timer up to its clock
+        # resolution early, and the virtual clock's sums round, so "arrival <= now" could be false for a due item.)
+        _, payload = self._in_flight.popleft()
+        if self._target.at_eof():
+            return
+        if payload is None:
+            self._target.feed_eof()
+        elif self._hub.connected(self._owner, self._remote):
+            self._target.feed_data(payload)
 
     async def drain(self) -> None:
         if not self._hub.connected(self._owner, self._remote):
@@ -184,7 +185,7 @@ class _SimDiscovery(InProcessDiscovery):
 class _SimStreams(InProcessStreams):
     async def open(self, peer_id: str, name: str):
         hub: SimHub = self._hub  # type: ignore[assignment]
-        await asyncio.sleep(hub.links.latency(self._peer_id, peer_id))  # the stream opening costs one trip
+        await asyncio.sleep(hub.latency(self._peer_id, peer_id))  # the stream opening costs one trip
         handler = hub._handlers.get(peer_id, {}).get(name)
         if handler is None or not hub.connected(self._peer_id, peer_id):
             raise ConnectionRefusedError(f"{peer_id} does not serve {name!r}")
@@ -211,6 +212,25 @@ class SimHub(Hub):
     """A :class:`Hub` whose streams cross simulated links and whose discovery runs on the loop's virtual clock."""
 
     links: LinkModel = field(default_factory=LinkModel)
+    bytes_sent: int = 0
+    """Bytes written to every simulated link so far (all peers, both directions)."""
+    _latencies: dict = field(default_factory=dict, repr=False)
+    _uplinks: dict = field(default_factory=dict, repr=False)
+
+    def latency(self, a: str, b: str) -> float:
+        """The link's one-way latency (s), drawn once per pair (a draw hashes the pair: too slow for every stream)."""
+        pair = (a, b) if a < b else (b, a)
+        value = self._latencies.get(pair)
+        if value is None:
+            value = self._latencies[pair] = self.links.latency(a, b)
+        return value
+
+    def uplink(self, peer: str) -> float:
+        """The peer's uplink bandwidth (bytes/s), drawn once per peer."""
+        value = self._uplinks.get(peer)
+        if value is None:
+            value = self._uplinks[peer] = self.links.uplink(peer)
+        return value
 
     def transport(self, peer_id: str) -> InProcessTransport:
         self._handlers.setdefault(peer_id, {})
@@ -253,6 +273,8 @@ class SimResult:
     wall_s: float
     virtual_s: float
     final: dict[str, torch.Tensor]
+    bytes_sent: int = 0
+    """Bytes all peers wrote to their links over the whole run (matchmaking and averaging)."""
 
 
 def spread(vectors: list[torch.Tensor]) -> float:
@@ -279,7 +301,7 @@ def initial_vectors(names: list[str], numel: int, seed: int = 0) -> dict[str, to
 
 
 async def _moshpit(n: int, rounds: int, group_size: int, numel: int, links: LinkModel, failure_rate: float,
-                   seed: int, matchmaking_timeout_s: float, compression: str) -> SimResult:
+                   seed: int, matchmaking_timeout_s: float, compression: str, rendezvous: str) -> SimResult:
     started = time.perf_counter()
     hub = SimHub(links=links)
     names = peer_names(n)
@@ -292,7 +314,7 @@ async def _moshpit(n: int, rounds: int, group_size: int, numel: int, links: Link
         mm, ar = Matchmaker(transport, "sim", mm_cfg), ButterflyAllReduce(transport, "sim", ar_cfg)
         await mm.start()
         await ar.start()
-        averagers[p] = MoshpitAverager(mm, ar, group_size)
+        averagers[p] = MoshpitAverager(mm, ar, group_size, rendezvous)
     rng = random.Random(seed)
     alive = list(names)
     loop = asyncio.get_running_loop()
@@ -303,11 +325,12 @@ async def _moshpit(n: int, rounds: int, group_size: int, numel: int, links: Link
         for p in crashing:
             loop.call_later(rng.uniform(0.0, 1.0), hub.disconnect, p)
         outcomes: dict[str, tuple[bool, int, float]] = {}
+        view = tuple(alive)  # one object shared by every peer: the sharded rendezvous sorts it once
 
         async def one(p: str) -> None:
             t0 = loop.time()
             try:
-                res = await averagers[p].average(r, state[p], 1.0, alive)
+                res = await averagers[p].average(r, state[p], 1.0, view)
                 state[p] = res.averaged
                 outcomes[p] = (True, res.group_size, loop.time() - t0)
             except (MatchmakingFailed, AllReduceFailed, ConnectionError):
@@ -323,17 +346,22 @@ async def _moshpit(n: int, rounds: int, group_size: int, numel: int, links: Link
         stats.append(RoundStats(r + 1, len(survivors), len(ok), sizes, _percentile(times, 0.5),
                                 _percentile(times, 0.95), spread([state[p] for p in survivors])))
         alive = survivors
-    return SimResult(n, stats, time.perf_counter() - started, loop.time(), {p: state[p] for p in alive})
+    return SimResult(n, stats, time.perf_counter() - started, loop.time(), {p: state[p] for p in alive},
+                     hub.bytes_sent)
 
 
 def simulate_moshpit(n: int, rounds: int, group_size: int = 4, numel: int = 64, links: LinkModel = LinkModel(),
                      failure_rate: float = 0.0, seed: int = 0, matchmaking_timeout_s: float = 30.0,
-                     compression: str = "none") -> SimResult:
+                     compression: str = "none", rendezvous: str = "group") -> SimResult:
     """``rounds`` Moshpit rounds among ``n`` simulated peers, each starting from ``randn(numel)``; a fraction
     ``failure_rate`` of the alive peers crashes in each round (their groups' all-reduce fails, they are gone for
-    later rounds). Rounds are synchronous: round r+1 starts when every peer finished round r."""
+    later rounds). Rounds are synchronous: round r+1 starts when every peer finished round r.
+
+    ``rendezvous``: ``"group"`` (default: the sharded rendezvous, every peer meets only its groupmates; thousands of
+    peers) or ``"round"`` (one rendezvous of all peers per round, O(N^2) bytes: a few hundred peers at most); see
+    :class:`~protocols.moshpit.MoshpitAverager`."""
     return run_virtual(_moshpit(n, rounds, group_size, numel, links, failure_rate, seed, matchmaking_timeout_s,
-                                compression))
+                                compression, rendezvous))
 
 
 async def _gossip(n: int, rounds: int, partners: int, numel: int, links: LinkModel, seed: int,
@@ -370,7 +398,8 @@ async def _gossip(n: int, rounds: int, partners: int, numel: int, links: LinkMod
         stats.append(RoundStats(r + 1, n, sum(e > 0 for e, _ in outcomes.values()), {2: exchanges[-1]},
                                 _percentile(times, 0.5), _percentile(times, 0.95),
                                 spread([state[p][0] for p in names])))
-    return SimResult(n, stats, time.perf_counter() - started, loop.time(), {p: state[p][0] for p in names}), exchanges
+    return (SimResult(n, stats, time.perf_counter() - started, loop.time(), {p: state[p][0] for p in names},
+                      hub.bytes_sent), exchanges)
 
 
 def simulate_gossip(n: int, rounds: int, partners: int = 1, numel: int = 64, links: LinkModel = LinkModel(),

@@ -81,3 +81,18 @@ def test_gossip_consensus_decays_at_the_spectral_gap_rate():
     # iid uniformly random pairs shrink the squared spread by 1 - 1/(N-1) per exchange; a round in which every peer
     # starts one exchange is closer to a random matching (no pair averaged twice in a row), a little faster still
     assert all(0.9 <= r <= 1.35 for r in ratios), ratios
+
+
+@pytest.mark.timeout(60)
+def test_sharded_rendezvous_bytes_per_peer_do_not_grow_with_the_swarm():
+    """The sharded rendezvous meets only the groupmates: bytes per peer and round stay flat from 16 to 64 peers,
+    while one rendezvous of everyone sends every peer the whole member list (grows with N)."""
+    def per_peer(n, rendezvous):
+        result = simulate_moshpit(n, 1, group_size=4, numel=16, rendezvous=rendezvous)
+        assert result.rounds[0].succeeded == n and result.rounds[0].group_sizes == {4: n}
+        return result.bytes_sent / n
+
+    sharded = per_peer(64, "group") / per_peer(16, "group")
+    everyone = per_peer(64, "round") / per_peer(16, "round")
+    assert 0.8 < sharded < 1.2, sharded
+    assert everyone > 1.5, everyone
