@@ -85,8 +85,10 @@ def test_b2_nan_pseudo_gradient_is_excluded_banned_and_theta_stays_finite(swarm,
     honest, hostile, hostile_id = _hostile_run(swarm, tmp_path, "b2", Faults().corrupt(at_round=2, how="nan"),
                                                monkeypatch)
     fired = [e for e in hostile.of("fault") if e.get("action") == "corrupt"]
-    assert len(fired) == 1 and fired[0]["how"] == "nan" and fired[0]["outer_round"] == 2, hostile.of("fault")
-    assert fired[0]["where"] == "wire"
+    # One firing per attempt of round 2: on a slow machine the hostile peer may retry a failed round 2, and every
+    # attempt must put its NaN on the wire (never into its own state).
+    assert fired and all(e["how"] == "nan" and e["outer_round"] == 2 and e["where"] == "wire" for e in fired), (
+        hostile.of("fault"))
     for peer in honest:
         excluded = {p for e in peer.of("outer_round") for p in (e.get("excluded") or {})}
         assert hostile_id in excluded or any(e.get("peer") == hostile_id for e in peer.of("exclude")), (
