@@ -1,6 +1,5 @@
 """The command line: help, usage errors, run-config conflicts, status of a live run."""
 
-import concurrent.futures
 import json
 import os
 import signal
@@ -16,12 +15,6 @@ pytestmark = pytest.mark.timeout(180)
 
 def _peerd(*args, timeout=90):
     return subprocess.run(peerd_cmd(*args), capture_output=True, text=True, timeout=timeout)
-
-
-def _peerd_all(*commands, timeout=90):
-    """Run several ``peerd`` commands at once; their results (as :func:`_peerd`'s), in order."""
-    with concurrent.futures.ThreadPoolExecutor(len(commands)) as pool:
-        return list(pool.map(lambda args: _peerd(*args, timeout=timeout), commands))
 
 
 @pytest.mark.parametrize("command", [[], ["join"], ["bootstrap"], ["status"], ["config", "show"]])
@@ -83,25 +76,23 @@ def test_status_conflicting_config_and_missing_config(tmp_path):
         peer = swarm.start_peer("p0", "cli-run", endless)
         swarm.wait_for(lambda: bool(peer.of("eval")), 90, "the peer to start training")
 
-        conflicting = tmp_path / "other.toml"
-        conflicting.write_text(endless.read_text().replace('model = "tiny"', 'model = "small"'))
-        # four independent clients of the live run: started together, their start-ups overlap
-        status, table, refused, missing = _peerd_all(
-            ("status", "--run-id", "cli-run", "--initial-peers", maddr, "--json"),
-            ("status", "--run-id", "cli-run", "--initial-peers", maddr),
-            ("join", "--run-id", "cli-run", "--run-config", str(conflicting), "--config", str(LOCAL),
-             "--initial-peers", maddr, "--identity", str(tmp_path / "x.key"), "--checkpoint-dir", str(tmp_path / "x")),
-            ("join", "--run-id", "no-such-run", "--config", str(LOCAL), "--initial-peers", maddr,
-             "--identity", str(tmp_path / "y.key"), "--checkpoint-dir", str(tmp_path / "y")),
-        )
+        status = _peerd("status", "--run-id", "cli-run", "--initial-peers", maddr, "--json")
         assert status.returncode == 0, status.stderr
         peers = json.loads(status.stdout)["peers"]
         assert len(peers) == 1 and next(iter(peers.values()))["role"] == "diloco"
+        table = _peerd("status", "--run-id", "cli-run", "--initial-peers", maddr)
         assert table.returncode == 0 and "1 live peer" in table.stdout and "diloco" in table.stdout
 
+        conflicting = tmp_path / "other.toml"
+        conflicting.write_text(endless.read_text().replace('model = "tiny"', 'model = "small"'))
+        refused = _peerd("join", "--run-id", "cli-run", "--run-config", str(conflicting), "--config", str(LOCAL),
+                         "--initial-peers", maddr, "--identity", str(tmp_path / "x.key"),
+                         "--checkpoint-dir", str(tmp_path / "x"))
         assert refused.returncode == 1
         assert "disagrees" in refused.stderr and "model" in refused.stderr
 
+        missing = _peerd("join", "--run-id", "no-such-run", "--config", str(LOCAL), "--initial-peers", maddr,
+                         "--identity", str(tmp_path / "y.key"), "--checkpoint-dir", str(tmp_path / "y"))
         assert missing.returncode == 1
         assert "no configuration published" in missing.stderr and "--run-config" in missing.stderr
 
