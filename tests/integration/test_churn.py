@@ -2,8 +2,9 @@
 
 Two swarms of 4 real workers share one bootstrap node and train the same tiny run config side by side for the same
 number of outer rounds: ``a8-clean`` undisturbed, ``a8-churn`` with its peer ``victim`` killed (its whole process
-group: worker, DHT child, p2pd, as when a machine dies) at a random moment 15-25 s after each (re)join and restarted
-right away with the same identity and checkpoint folder. Running both at once keeps the test at ~2 minutes wall on an idle machine.
+group: worker, DHT child, p2pd, as when a machine dies) at a random moment 10-16 s after each (re)join and restarted
+right away with the same identity and checkpoint folder. Running both at once keeps the test at ~2 minutes wall on an
+idle machine.
 
 The churn lasts at least MIN_CHURN_S and until MIN_KILLS kills (at most MAX_CHURN_S); then every peer of both swarms is
 stopped with SIGTERM and the two swarms are compared at the last round R that all their stable peers completed: same
