@@ -526,14 +526,19 @@ class PipelineTrainer:
         return await call(self.streams, server, self.service_of(stage), method, header, payload,
                           timeout_s=self.config.call_timeout_s, max_reply_bytes=self.config.max_tensor_bytes)
 
-    async def _forward(self, stage: int, server: str, mb: str, x: torch.Tensor,
-                       checking: bool = False) -> torch.Tensor:
+    def _stage_input(self, stage: int, mb: str, x: torch.Tensor) -> tuple[dict[str, Any], Any]:
+        """The request header and payload of a ``forward`` or ``infer`` call into ``stage`` (not the last) for
+        micro-batch ``mb``: stage 0 takes token ids (int64 (B, T), see :func:`encode_tokens`), the others the
+        activations (float32 (B, T, d_model)) in the configured codec."""
         if stage == 0:
             tokens_header, payload = encode_tokens(x)
-            header = {"mb": mb, "tokens": tokens_header}
-        else:
-            x_header, payload = encode_tensor(x, self.config.codec)
-            header = {"mb": mb, "x": x_header}
+            return {"mb": mb, "tokens": tokens_header}, payload
+        x_header, payload = encode_tensor(x, self.config.codec)
+        return {"mb": mb, "x": x_header}, payload
+
+    async def _forward(self, stage: int, server: str, mb: str, x: torch.Tensor,
+                       checking: bool = False) -> torch.Tensor:
+        header, payload = self._stage_input(stage, mb, x)
         check = {"check": True} if checking else {}
         reply = await self._call(server, stage, "forward", {**header, **check}, payload)
         B, T = x.shape[:2]
@@ -645,12 +650,7 @@ class PipelineTrainer:
         x = tokens
         for k in visits[:-1]:
             async def forward(server: str, k: int = k, x: torch.Tensor = x) -> torch.Tensor:
-                if k == 0:
-                    header, payload = encode_tokens(x)
-                    header = {"mb": mb, "tokens": header}
-                else:
-                    x_header, payload = encode_tensor(x, self.config.codec)
-                    header = {"mb": mb, "x": x_header}
+                header, payload = self._stage_input(k, mb, x)
                 reply = await self._call(server, k, "infer", header, payload)
                 return self._reply_tensor(reply.header.get("y"), reply.payload, (*tokens.shape, self.d_model))
 
