@@ -146,10 +146,14 @@ def generate_paths(num_stages: int, skip_ratio: float, count: int, *,
     weights = [seconds[j] if seconds and seconds.get(j, 0) > 0 else fallback for j in middle]
     left = skip_counts(s_free * count, weights, cap) if s_free else [0] * len(middle)
     rng = random.Random(f"skippipe-paths:{seed}")
+    total = list(left)
     paths = []
     for _ in range(count):
         ties = {j: rng.random() for j in range(len(middle))}
-        skipped = sorted(range(len(middle)), key=lambda j: (-left[j], ties[j]))[:s_free]
+        # the stage with the largest share of its skips still to go is skipped next: skips interleave through the
+        # window in proportion, so a plan cut short (a server joined or was banned) keeps the planned ratio
+        skipped = sorted(range(len(middle)),
+                         key=lambda j: (-(left[j] / total[j] if total[j] else -1.0), ties[j]))[:s_free]
         for j in skipped:
             left[j] -= 1
         visit = [middle[j] for j in range(len(middle)) if j not in skipped]
