@@ -72,7 +72,7 @@ class Swarm:
         self._bootstrap: Optional[subprocess.Popen] = None
         self.children = ProcessSet()
 
-    def start_bootstrap(self, timeout_s: float = 30.0, *extra: str, env: Optional[dict] = None) -> str:
+    def start_bootstrap(self, timeout_s: float = 90.0, *extra: str, env: Optional[dict] = None) -> str:
         """Start ``peerd bootstrap`` (extra flags appended, ``env`` entries added); returns its multiaddr."""
         out = self.workdir / "bootstrap.out"
         with open(out, "w") as stdout, open(self.workdir / "bootstrap.err", "w") as stderr:
