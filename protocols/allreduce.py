@@ -259,6 +259,8 @@ def encode_chunk(codec: Codec, chunk: torch.Tensor, checked: bool = False) -> Un
 
 #: Partition modes: ``equal`` parts, or ``bandwidth``-proportional ones where every member announced its rates.
 PARTITIONS = ("equal", "bandwidth")
+#: How members combine their vectors: the butterfly ``reduce``, or ``gather`` (sparse codecs only).
+EXCHANGES = ("reduce", "gather")
 #: Announced rates that differ by less than this factor give equal parts (bandwidth partition only).
 RATE_SPREAD = 1.5
 #: Weight of the newest measurement in a member's announced rates (an exponential moving average).
@@ -286,6 +288,10 @@ class AllReduceConfig:
     partition: str = "bandwidth"
     """equal | bandwidth: bandwidth-proportional parts when every member announced ``rates`` in its group info
     (:meth:`ButterflyAllReduce.announce`), else equal parts."""
+    exchange: str = "reduce"
+    """reduce | gather. reduce: the butterfly all-reduce (this module). gather: every member sends its encoded
+    vector to every other and all sum the same bytes (:class:`protocols.allgather.SparseAllGather`, SparseLoCo);
+    needs a sparse ``compression`` (topk) and ``aggregation = "mean"``."""
 
     def __post_init__(self) -> None:
         get_codec(self.compression)
@@ -307,6 +313,13 @@ class AllReduceConfig:
             raise ValueError(f"chunk_numel must be a positive multiple of {CHUNK_ALIGN}, got {self.chunk_numel!r}")
         if self.partition not in PARTITIONS:
             raise ValueError(f"partition must be one of {PARTITIONS}, got {self.partition!r}")
+        if self.exchange not in EXCHANGES:
+            raise ValueError(f"exchange must be one of {EXCHANGES}, got {self.exchange!r}")
+        if self.exchange == "gather" and not get_codec(self.compression).sparse:
+            raise ValueError(f"exchange = 'gather' needs a sparse compression (topk), got {self.compression!r}: "
+                             "a dense vector is cheaper to all-reduce")
+        if self.exchange == "gather" and self.aggregation != "mean":
+            raise ValueError(f"exchange = 'gather' sums with aggregation = 'mean', got {self.aggregation!r}")
 
 
 class AllReduceFailed(Exception):
