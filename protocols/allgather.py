@@ -51,7 +51,6 @@ import torch
 
 from protocols.allreduce import AllReduceConfig, AllReduceFailed, AllReduceResult, finite, validate_weight
 from protocols.bans import BanList
-from protocols.codecs import get_codec
 from protocols.interfaces import Transport
 from protocols.matchmaking import Group
 from protocols.rpc import Refused, Request, RpcError, RpcTimeout, Service, call
@@ -109,7 +108,7 @@ class SparseAllGather(Service):
         self.config = config
         self.request_timeout_s = config.sender_timeout_s
         self.bans = bans if bans is not None else BanList()
-        self.codec = get_codec(config.compression)
+        self.codec = config.make_codec()
         if not self.codec.sparse:
             raise ValueError(f"the sparse all-gather needs a sparse codec, got {config.compression!r}")
         self.rates: Optional[dict[str, float]] = None

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from protocols.bans import BanList
-from protocols.codecs import Codec, all_finite, get_codec
+from protocols.codecs import Codec, TopKCompression, all_finite, get_codec
 from protocols.interfaces import StreamReader, StreamWriter, Transport
 from protocols.matchmaking import Group
 from protocols.robust import AGGREGATIONS, centered_clip
@@ -288,6 +288,9 @@ class AllReduceConfig:
     partition: str = "bandwidth"
     """equal | bandwidth: bandwidth-proportional parts when every member announced ``rates`` in its group info
     (:meth:`ButterflyAllReduce.announce`), else equal parts."""
+    topk_fraction: float = 0.02
+    """Sparse codec ``topk`` only: the fraction of each 4096-value chunk that travels (SparseLoCo's density), in
+    (0, 1]; every member of a run must use the same."""
     exchange: str = "reduce"
     """reduce | gather. reduce: the butterfly all-reduce (this module). gather: every member sends its encoded
     vector to every other and all sum the same bytes (:class:`protocols.allgather.SparseAllGather`, SparseLoCo);
@@ -313,6 +316,10 @@ class AllReduceConfig:
             raise ValueError(f"chunk_numel must be a positive multiple of {CHUNK_ALIGN}, got {self.chunk_numel!r}")
         if self.partition not in PARTITIONS:
             raise ValueError(f"partition must be one of {PARTITIONS}, got {self.partition!r}")
+        if (isinstance(self.topk_fraction, bool) or not isinstance(self.topk_fraction, (int, float))
+                or not 0 < self.topk_fraction <= 1):
+            raise ValueError(f"topk_fraction must be in (0, 1], got {self.topk_fraction!r}")
+        object.__setattr__(self, "topk_fraction", float(self.topk_fraction))  # equal configs print alike
         if self.exchange not in EXCHANGES:
             raise ValueError(f"exchange must be one of {EXCHANGES}, got {self.exchange!r}")
         if self.exchange == "gather" and not get_codec(self.compression).sparse:
@@ -320,6 +327,13 @@ class AllReduceConfig:
                              "a dense vector is cheaper to all-reduce")
         if self.exchange == "gather" and self.aggregation != "mean":
             raise ValueError(f"exchange = 'gather' sums with aggregation = 'mean', got {self.aggregation!r}")
+
+
+    def make_codec(self) -> Codec:
+        """The codec of ``compression``, with ``topk_fraction`` for ``topk``."""
+        if self.compression == "topk":
+            return TopKCompression(self.topk_fraction)
+        return get_codec(self.compression)
 
 
 class AllReduceFailed(Exception):
@@ -401,7 +415,7 @@ class ButterflyAllReduce(Service):
         self.config = config
         self.request_timeout_s = config.sender_timeout_s  # a sender stalled inside its header is banned
         self.bans = bans if bans is not None else BanList()
-        self.codec = get_codec(config.compression)
+        self.codec = config.make_codec()
         result = config.result_compression
         if result == "auto":
             result = "fp16" if self.codec.sparse else config.compression

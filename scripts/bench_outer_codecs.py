@@ -39,10 +39,11 @@ from protocols.matchmaking import MatchmakingConfig  # noqa: E402
 
 def run_config(a: argparse.Namespace, variant: str) -> RunConfig:
     """``variant``: ``up/answers`` codecs (``fp16`` alone = fp16/fp16) or ``topk-gather`` (the sparse all-gather,
-    no answers), optionally ``+F<n>`` fragments, ``+delayed`` and ``+sparseloco`` (SparseLoCo's outer step: no
-    outer momentum, outer lr 1, error feedback decay 0.95, arXiv 2508.15706)."""
+    no answers), optionally ``+F<n>`` fragments, ``+delayed``, ``+k<fraction>`` (top-k density, default 0.02) and
+    ``+sparseloco`` (SparseLoCo's outer step: no outer momentum, outer lr 1, error feedback decay 0.95, arXiv
+    2508.15706)."""
     codecs, *extra = variant.split("+")
-    exchange = "reduce"
+    exchange, topk_fraction = "reduce", AllReduceConfig.topk_fraction
     if codecs.endswith("-gather"):
         codecs, exchange = codecs[: -len("-gather")], "gather"
     up, _, down = codecs.partition("/")
@@ -50,6 +51,8 @@ def run_config(a: argparse.Namespace, variant: str) -> RunConfig:
     for item in extra:
         if item == "delayed":
             diloco["overlap"] = "delayed"
+        elif item.startswith("k") and item[1:].replace(".", "", 1).isdigit():
+            topk_fraction = float(item[1:])
         elif item == "sparseloco":
             diloco.update(outer_momentum=0.0, outer_lr=1.0, error_feedback_decay=0.95)
         elif item.startswith("F"):
@@ -59,7 +62,8 @@ def run_config(a: argparse.Namespace, variant: str) -> RunConfig:
     averaging = AveragingConfig(
         matchmaking_config=MatchmakingConfig(min_group_size=a.peers, matchmaking_timeout_s=30.0, request_timeout_s=5.0),
         allreduce_config=AllReduceConfig(compression=up, result_compression=down or "auto", sender_timeout_s=30.0,
-                                         reducer_timeout_s=60.0, exchange=exchange))
+                                         reducer_timeout_s=60.0, exchange=exchange,
+                                         topk_fraction=topk_fraction))
     return RunConfig(model=a.model, seq_len=a.seq_len, batch_size=a.batch, eval_batches=a.eval_batches,
                      max_outer_rounds=a.steps // a.h, eval_every=a.steps // a.h, diloco=DiLoCoHyperparams(**diloco),
                      averaging=averaging)
@@ -91,7 +95,8 @@ async def run_variant(a: argparse.Namespace, variant: str, workdir: str) -> dict
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variants", nargs="+", default=["fp16", "fp4/fp4", "topk/fp16", "topk/fp4"],
-                   help="up/answers codecs or topk-gather, + F<n> fragments, + delayed, + sparseloco; the first is the "
+                   help="up/answers codecs or topk-gather, + F<n> fragments, + delayed, + k<top-k fraction>, + sparseloco; "
+                        "the first is the "
                         "reference")
     p.add_argument("--peers", type=int, default=4)
     p.add_argument("--model", default="tiny", choices=("tiny", "small"))

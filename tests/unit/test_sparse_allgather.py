@@ -189,3 +189,22 @@ def test_gather_needs_a_sparse_codec_and_the_mean():
         AllReduceConfig(compression="topk", exchange="gather", aggregation="centered_clip")
     with pytest.raises(ValueError, match="exchange"):
         AllReduceConfig(compression="topk", exchange="scatter")
+
+
+def test_the_topk_fraction_sets_the_density_and_the_exact_size(averaging_peers):
+    config = AllReduceConfig(compression="topk", exchange="gather", topk_fraction=0.05, sender_timeout_s=1.0,
+                             reducer_timeout_s=2.0)
+    codec = config.make_codec()
+    assert codec.kept(8192) == 2 * 205 and codec.encoded_size(8192) == 16 + 2 * 410 + 410 // 4 + 1
+
+    async def main():
+        n, numel = 3, 8192
+        peers = await averaging_peers(Hub(), n, allreduce=config, allreduce_class=SparseAllGather)
+        results = await asyncio.gather(*[p.round("g5", torch.randn(numel), 1.0, expected=n) for p in peers])
+        for r in results:
+            assert int(torch.count_nonzero(r.sent)) <= codec.kept(numel)
+            assert (n - 1) * codec.encoded_size(numel) <= r.bytes_sent <= (n - 1) * (codec.encoded_size(numel) + 600)
+
+    asyncio.run(main())
+    with pytest.raises(ValueError, match="topk_fraction"):
+        AllReduceConfig(compression="topk", topk_fraction=0.0)
