@@ -30,7 +30,13 @@ Failure semantics:
   :attr:`AllReduceResult.excluded`, banned in the ban list, refused);
 - a member that refuses our vector fails our round (:class:`AllReduceFailed`: we cannot know its view), as a
   reducer's refusal fails a butterfly round;
-- a member that never answers (dead) is left out; its view does not constrain ours;
+- a member that never answers (dead), or had not started this gather within ``sender_timeout_s`` of our call
+  (refusal code ``unavailable``), is left out; its view does not constrain ours;
+- a member that heard the view of a member that did not hear its own, and lacks a vector that every view it heard
+  lists, fails its round (:class:`AllReduceFailed`): that member may count the vector, so the sums could differ
+  (a member that started late ends here);
+- a member that starts after our collection ended is late, not stalled: its vector is read and left out, and it
+  receives our final view;
 - a live member that lost an answer while another member did not can end with another sum (two faults in one
   round): its theta_outer digest then differs and the next matchmaking makes it download the state, as after any
   failed round.
@@ -86,6 +92,9 @@ class _GatherSession:
     """Set once our view is final: every member's vector in or refused, or the deadline passed."""
     bytes_sent: int = 0
     bytes_received: int = 0
+    answered: set = field(default_factory=set)
+    """Members our view was written to."""
+    answer_written: asyncio.Event = field(default_factory=asyncio.Event)
 
     def complete(self) -> bool:
         return all(m in self.contributions or m in self.excluded for m in self.group.members)
@@ -158,9 +167,17 @@ class SparseAllGather(Service):
         try:
             answers = await asyncio.gather(*[self._send(peer, header, payload, start) for peer in others])
             await collector
-            views = [have for have in answers if have is not None]
+            heard = {peer: have for peer, have in zip(others, answers) if have is not None}
+            views = list(heard.values())
             counted = [m for m in group.members if m in session.contributions
                        and all(view.get(m) == session.contributions[m].digest for view in views)]
+            unheard = await self._unheard(session, heard, start)
+            if unheard:  # they did not hear our view: what every view lists, they may count
+                theirs = [m for m in group.members if all(m in v and v[m] == views[0][m] for v in views)]
+                missed = [m for m in theirs if m not in counted]
+                if missed:
+                    raise AllReduceFailed(f"{unheard} did not hear our view and may count vectors we do not: "
+                                          f"{missed}")
             averaged = self._mean(numel, [session.contributions[m] for m in counted])
             sent = torch.zeros(numel, dtype=torch.float32)
             if me in counted:
@@ -179,6 +196,17 @@ class SparseAllGather(Service):
             collector.cancel()
             session.collected.set()  # answer the members still waiting with the view we have
             loop.call_later(self.config.reducer_timeout_s, self._forget, group.group_id)
+
+    async def _unheard(self, session: _GatherSession, heard: dict, start: float, grace_s: float = 2.0) -> list[str]:
+        """Members whose view we heard but that did not get ours (waiting briefly for our answers to be written)."""
+        loop = asyncio.get_running_loop()
+        deadline = min(loop.time() + grace_s, start + self.config.reducer_timeout_s)
+        waiting = set(heard) - set(session.excluded)  # a member whose vector we refused gets no answer
+        while not waiting <= session.answered and loop.time() < deadline:
+            session.answer_written.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(session.answer_written.wait(), deadline - loop.time())
+        return sorted(set(heard) - session.answered)
 
     @staticmethod
     def _mean(numel: int, contributions: list[_Contribution]) -> torch.Tensor:
@@ -218,6 +246,9 @@ class SparseAllGather(Service):
             reply = await call(self.transport.streams, peer, self.prefix, "gather", header, payload,
                                timeout_s=max(timeout, 0.0), max_reply_bytes=0)
         except Refused as e:
+            if e.code == "unavailable":  # it never started this gather (late or gone): it constrains nobody
+                logger.info("member %s is not in the gather: %s", peer, e.reason)
+                return None
             raise AllReduceFailed(f"member {peer} refused our vector: {e.reason}") from e
         except (RpcTimeout, RpcError) as e:
             if isinstance(e, ProtocolViolation):
@@ -267,7 +298,7 @@ class SparseAllGather(Service):
         except (asyncio.TimeoutError, KeyError) as e:
             if not self._sessions.get(group_id):
                 self._session_ready.pop(group_id, None)
-            raise Refused(f"unknown group: {e!r}") from None
+            raise Refused(f"unknown group: {e!r}", "unavailable") from None
         session.bytes_received += request.head_bytes
         reason = self._check_header(session, peer, header, request.size)
         if reason is None and self.bans.is_banned(peer):
@@ -277,8 +308,10 @@ class SparseAllGather(Service):
             raise Refused(reason)
         loop = asyncio.get_running_loop()
         numel, weight = header["numel"], float(header["weight"])
+        # a member that starts after our collection ended is late, not stalled: it still gets our (final) view
+        read_until = max(session.deadline, loop.time()) + self.config.sender_timeout_s
         try:
-            payload = await request.payload(request.size, max(session.deadline + 1.0 - loop.time(), 0.0))
+            payload = await request.payload(request.size, read_until - loop.time())
             positions, values = self.codec.decode_sparse(payload, numel)
         except RpcTimeout:
             reason = f"stalled: vector not delivered within sender_timeout_s={self.config.sender_timeout_s}"
@@ -298,6 +331,8 @@ class SparseAllGather(Service):
         except asyncio.TimeoutError:
             raise Refused("our view was not final within reducer_timeout_s", "timeout") from None
         session.bytes_sent += await request.reply({"have": session.have()})
+        session.answered.add(peer)
+        session.answer_written.set()
 
     def _check_header(self, session: _GatherSession, peer: str, header: dict, size: int) -> Optional[str]:
         """None if the request header is acceptable, else the reason to exclude the sender."""

@@ -39,9 +39,9 @@ from protocols.matchmaking import MatchmakingConfig  # noqa: E402
 
 def run_config(a: argparse.Namespace, variant: str) -> RunConfig:
     """``variant``: ``up/answers`` codecs (``fp16`` alone = fp16/fp16) or ``topk-gather`` (the sparse all-gather,
-    no answers), optionally ``+F<n>`` fragments, ``+delayed``, ``+k<fraction>`` (top-k density, default 0.02) and
-    ``+sparseloco`` (SparseLoCo's outer step: no outer momentum, outer lr 1, error feedback decay 0.95, arXiv
-    2508.15706)."""
+    no answers), optionally ``+F<n>`` fragments, ``+delayed``, ``+k<fraction>`` (top-k density, default 0.02),
+    ``+olr<lr>`` (outer lr) and ``+sparseloco`` (SparseLoCo's outer step: no outer momentum, outer lr 1, error
+    feedback decay 0.95, arXiv 2508.15706)."""
     codecs, *extra = variant.split("+")
     exchange, topk_fraction = "reduce", AllReduceConfig.topk_fraction
     if codecs.endswith("-gather"):
@@ -51,6 +51,8 @@ def run_config(a: argparse.Namespace, variant: str) -> RunConfig:
     for item in extra:
         if item == "delayed":
             diloco["overlap"] = "delayed"
+        elif item.startswith("olr") and item[3:].replace(".", "", 1).isdigit():
+            diloco["outer_lr"] = float(item[3:])
         elif item.startswith("k") and item[1:].replace(".", "", 1).isdigit():
             topk_fraction = float(item[1:])
         elif item == "sparseloco":
@@ -95,7 +97,8 @@ async def run_variant(a: argparse.Namespace, variant: str, workdir: str) -> dict
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variants", nargs="+", default=["fp16", "fp4/fp4", "topk/fp16", "topk/fp4"],
-                   help="up/answers codecs or topk-gather, + F<n> fragments, + delayed, + k<top-k fraction>, + sparseloco; "
+                   help="up/answers codecs or topk-gather, + F<n> fragments, + delayed, + k<top-k fraction>, "
+                        "+ olr<outer lr>, + sparseloco; "
                         "the first is the "
                         "reference")
     p.add_argument("--peers", type=int, default=4)

@@ -22,6 +22,13 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32)
 
 
+def _assert_close(actual, expected, rtol=1e-6, atol=1e-7):
+    """Elementwise |actual - expected| <= atol + rtol |expected| (torch.testing's first call imports for ~seconds)."""
+    assert actual.shape == expected.shape
+    assert bool(((actual - expected).abs() <= atol + rtol * expected.abs()).all()), \
+        float((actual - expected).abs().max())
+
+
 def _hand_mean(xs, ws):
     """sum_j w_j decode(topk(x_j)) / sum_j w_j, computed densely in fp64 then rounded."""
     codec = get_codec("topk")
@@ -46,7 +53,7 @@ def test_members_get_the_bit_identical_mean_of_the_decoded_topk_vectors(n, avera
             assert torch.equal(_bits(res.averaged), _bits(results[0].averaged))
             assert res.group_size == n and res.contributors == n and res.excluded == {}
             assert torch.equal(res.sent, codec.decode(codec.encode(x), numel))
-        torch.testing.assert_close(results[0].averaged, _hand_mean(xs, ws), rtol=1e-6, atol=1e-7)
+        _assert_close(results[0].averaged, _hand_mean(xs, ws))
         # the sparse union: at most n k non-zeros
         assert int((results[0].averaged != 0).sum()) <= n * codec.kept(numel)
 
@@ -103,7 +110,7 @@ def test_a_member_sending_garbage_is_excluded_and_banned_and_the_others_agree(ch
             assert bad in res.excluded and p.bans.is_banned(bad)
             assert res.contributors == 3
             assert torch.equal(_bits(res.averaged), _bits(honest[0].averaged))
-        torch.testing.assert_close(honest[0].averaged, _hand_mean(xs[:3], [1.0] * 3), rtol=1e-6, atol=1e-7)
+        _assert_close(honest[0].averaged, _hand_mean(xs[:3], [1.0] * 3))
 
     asyncio.run(main())
 
@@ -142,7 +149,29 @@ def test_a_member_dying_mid_gather_leaves_the_others_bit_identical(averaging_pee
         assert [res.contributors for res in honest] == [3, 3, 3]
         for res in honest:
             assert torch.equal(_bits(res.averaged), _bits(honest[0].averaged))
-        torch.testing.assert_close(honest[0].averaged, _hand_mean(xs[:3], [1.0] * 3), rtol=1e-6, atol=1e-7)
+        _assert_close(honest[0].averaged, _hand_mean(xs[:3], [1.0] * 3))
+
+    asyncio.run(main())
+
+
+def test_a_member_starting_after_the_others_collected_fails_alone_and_the_others_agree(averaging_peers):
+    async def main():
+        n, numel = 4, 10_000
+        peers = await averaging_peers(Hub(), n, allreduce=GATHER, allreduce_class=SparseAllGather)
+        g = torch.Generator().manual_seed(4)
+        xs = [torch.randn(numel, generator=g) for _ in range(n)]
+
+        async def member(i):
+            group = await peers[i].matchmaker.form_group("g6", {}, expected_size=n)
+            if i == 0:
+                await asyncio.sleep(1.5)  # past everyone's sender_timeout_s: its calls find final views
+            return await peers[i].allreduce.run(group, xs[i], 1.0)
+
+        results = await asyncio.gather(*[member(i) for i in range(n)], return_exceptions=True)
+        assert isinstance(results[0], AllReduceFailed)
+        for res in results[1:]:
+            assert res.contributors == 3 and torch.equal(_bits(res.averaged), _bits(results[1].averaged))
+        _assert_close(results[1].averaged, _hand_mean(xs[1:], [1.0] * 3))
 
     asyncio.run(main())
 
@@ -170,8 +199,7 @@ def test_a_member_sending_different_vectors_is_left_out_by_everyone_itself_inclu
             assert res.contributors == 3
             assert torch.equal(_bits(res.averaged), _bits(results[0].averaged))
         assert torch.count_nonzero(results[2].sent) == 0  # its error feedback keeps the whole vector
-        torch.testing.assert_close(results[0].averaged, _hand_mean([xs[0], xs[1], xs[3]], [1.0] * 3),
-                                   rtol=1e-6, atol=1e-7)
+        _assert_close(results[0].averaged, _hand_mean([xs[0], xs[1], xs[3]], [1.0] * 3))
 
     asyncio.run(main())
 
@@ -208,3 +236,61 @@ def test_the_topk_fraction_sets_the_density_and_the_exact_size(averaging_peers):
     asyncio.run(main())
     with pytest.raises(ValueError, match="topk_fraction"):
         AllReduceConfig(compression="topk", topk_fraction=0.0)
+
+
+def _gather_run(**diloco):
+    from peerd.run_config import AveragingConfig, RunConfig
+    from protocols.diloco import DiLoCoHyperparams
+
+    return RunConfig(
+        model="tiny", seq_len=32, batch_size=4, eval_batches=0, max_outer_rounds=2,
+        diloco=DiLoCoHyperparams(inner_steps=3, warmup_steps=2, inner_lr=1e-3, **diloco),
+        averaging=AveragingConfig.from_dict({
+            "matchmaking": {"min_group_size": 3, "matchmaking_timeout_s": 4.0, "request_timeout_s": 1.0},
+            "allreduce": {"compression": "topk", "exchange": "gather", "sender_timeout_s": 3.0,
+                          "reducer_timeout_s": 6.0}}))
+
+
+@pytest.mark.timeout(120)
+def test_diloco_workers_train_with_the_gather_and_sparseloco_outer_step_bit_identically(tmp_path):
+    from peerd.config import NodeConfig
+    from peerd.roles.base import RunContext
+    from peerd.roles.diloco import DiLoCoRole
+
+    async def main():
+        hub = Hub()
+        run = _gather_run(outer_momentum=0.0, outer_lr=1.0, error_feedback_decay=0.95)
+        workers = [DiLoCoRole(RunContext.build("unit", run, NodeConfig(checkpoint_dir=str(tmp_path / c), threads=1,
+                                                                        device="cpu"), hub.transport(f"peer-{c}")))
+                   for c in "abc"]
+        theta0 = workers[0].outer.theta.clone()
+        await asyncio.gather(*[w.run() for w in workers])
+        assert [w.outer.outer_round for w in workers] == [2, 2, 2]
+        assert len({w.outer.digest() for w in workers}) == 1 and not torch.equal(workers[0].outer.theta, theta0)
+        for w in workers:
+            assert isinstance(w.sync.allreduce, SparseAllGather)
+            assert w.sync.feedback.decay == 0.95 and float(w.sync.feedback.error.abs().sum()) > 0
+            assert w.stats.rounds_failed == 0
+
+    asyncio.run(main())
+
+
+def test_gather_config_is_validated_and_fingerprint_neutral_at_its_defaults():
+    from peerd.config import ConfigError
+    from peerd.run_config import AveragingConfig, RunConfig
+    from protocols.diloco import DiLoCoHyperparams
+
+    base = RunConfig(model="tiny")
+    same = RunConfig(model="tiny", diloco=DiLoCoHyperparams(error_feedback_decay=1.0),
+                     averaging=AveragingConfig.from_dict({"allreduce": {"exchange": "reduce", "topk_fraction": 0.02}}))
+    assert same.fingerprint() == base.fingerprint()
+    assert _gather_run().fingerprint() != _gather_run(error_feedback_decay=0.95).fingerprint()
+    parsed = RunConfig.from_dict({"averaging": {"allreduce": {"compression": "topk", "exchange": "gather"}}})
+    assert parsed.averaging.allreduce().exchange == "gather"
+    with pytest.raises(ConfigError, match="sparse"):
+        RunConfig.from_dict({"averaging": {"allreduce": {"compression": "fp16", "exchange": "gather"}}})
+    with pytest.raises(ConfigError, match="topk"):  # the mixing methods average outer states, not deltas
+        RunConfig.from_dict({"averaging": {"method": "gossip", "gossip": {"compression": "topk"},
+                                           "allreduce": {"compression": "topk", "exchange": "gather"}}})
+    with pytest.raises(ValueError, match="error_feedback_decay"):
+        DiLoCoHyperparams(error_feedback_decay=1.5)
