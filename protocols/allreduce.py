@@ -8,9 +8,10 @@ lets DiLoCo peers keep bit-identical theta_outer. Each member sends and receives
 
 Sparse codecs (``compression = "topk"``, SparseLoCo, arXiv 2508.15706): members' top-k selections have different
 indices, so a reducer cannot average encoded parts, and the mean of N sparse parts (up to N k values, not 2-bit) is
-not representable in the sparse codec. SparseLoCo all-gathers the sparse tensors instead; peerd keeps the butterfly:
-each reducer decodes every member's sparse part densely, averages in fp32 as for any codec, and answers with the mean
-encoded by a *dense* codec (``result_compression``, fp16 by default). This keeps the reducer fault handling and the
+not representable in the sparse codec. SparseLoCo all-gathers the sparse tensors instead (peerd's
+``exchange = "gather"``, :mod:`protocols.allgather`); with the default ``exchange = "reduce"`` peerd keeps the
+butterfly: each reducer decodes every member's sparse part densely, averages in fp32 as for any codec, and answers
+with the mean encoded by a *dense* codec (``result_compression``, fp16 by default). This keeps the reducer fault handling and the
 bit-identical guarantee unchanged (every member decodes the same answer bytes) and costs each member about (N-1)/N of
 the vector sparse up plus (N-1)/N dense down, independent of N, where a gather costs N-1 sparse vectors each way.
 The sender's error feedback needs what its own contribution decoded to: :attr:`AllReduceResult.sent`.

@@ -28,8 +28,9 @@ Codecs (little-endian; ``n`` = number of values):
   chunk of 4096 values the ``ceil(0.02 * chunk)`` largest magnitudes, each sent as a chunk-local uint16 index and a
   2-bit value (sign, and whether it is nearer the chunk's smallest or largest selected magnitude). Lossy by design:
   pair it with :class:`ErrorFeedback` so what is not sent is sent in later rounds. The butterfly all-reduce averages
-  it densely (see :mod:`protocols.allreduce`). Not in :data:`CODECS`: :func:`decode_tensor` accepts it only when
-  asked to.
+  it densely (see :mod:`protocols.allreduce`); the sparse all-gather sums the members' vectors as sent
+  (:mod:`protocols.allgather`, :meth:`TopKCompression.decode_sparse`). Not in :data:`CODECS`:
+  :func:`decode_tensor` accepts it only when asked to.
 
 A decoded tensor has the dtype and shape of the encoded one (a lossy codec's values converted back to that dtype).
 The 1-D fp32 interface of earlier releases (:meth:`Codec.encode` / :meth:`Codec.decode` with ``numel``, raising

@@ -246,7 +246,7 @@ def _gather_run(**diloco):
         model="tiny", seq_len=32, batch_size=4, eval_batches=0, max_outer_rounds=2,
         diloco=DiLoCoHyperparams(inner_steps=3, warmup_steps=2, inner_lr=1e-3, **diloco),
         averaging=AveragingConfig.from_dict({
-            "matchmaking": {"min_group_size": 3, "matchmaking_timeout_s": 4.0, "request_timeout_s": 1.0},
+            "matchmaking": {"min_group_size": 2, "matchmaking_timeout_s": 4.0, "request_timeout_s": 1.0},
             "allreduce": {"compression": "topk", "exchange": "gather", "sender_timeout_s": 3.0,
                           "reducer_timeout_s": 6.0}}))
 
@@ -262,10 +262,10 @@ def test_diloco_workers_train_with_the_gather_and_sparseloco_outer_step_bit_iden
         run = _gather_run(outer_momentum=0.0, outer_lr=1.0, error_feedback_decay=0.95)
         workers = [DiLoCoRole(RunContext.build("unit", run, NodeConfig(checkpoint_dir=str(tmp_path / c), threads=1,
                                                                         device="cpu"), hub.transport(f"peer-{c}")))
-                   for c in "abc"]
+                   for c in "ab"]
         theta0 = workers[0].outer.theta.clone()
         await asyncio.gather(*[w.run() for w in workers])
-        assert [w.outer.outer_round for w in workers] == [2, 2, 2]
+        assert [w.outer.outer_round for w in workers] == [2, 2]
         assert len({w.outer.digest() for w in workers}) == 1 and not torch.equal(workers[0].outer.theta, theta0)
         for w in workers:
             assert isinstance(w.sync.allreduce, SparseAllGather)
