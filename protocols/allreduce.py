@@ -8,9 +8,10 @@ lets DiLoCo peers keep bit-identical theta_outer. Each member sends and receives
 
 Sparse codecs (``compression = "topk"``, SparseLoCo, arXiv 2508.15706): members' top-k selections have different
 indices, so a reducer cannot average encoded parts, and the mean of N sparse parts (up to N k values, not 2-bit) is
-not representable in the sparse codec. SparseLoCo all-gathers the sparse tensors instead; peerd keeps the butterfly:
-each reducer decodes every member's sparse part densely, averages in fp32 as for any codec, and answers with the mean
-encoded by a *dense* codec (``result_compression``, fp16 by default). This keeps the reducer fault handling and the
+not representable in the sparse codec. SparseLoCo all-gathers the sparse tensors instead (peerd's
+``exchange = "gather"``, :mod:`protocols.allgather`); with the default ``exchange = "reduce"`` peerd keeps the
+butterfly: each reducer decodes every member's sparse part densely, averages in fp32 as for any codec, and answers
+with the mean encoded by a *dense* codec (``result_compression``, fp16 by default). This keeps the reducer fault handling and the
 bit-identical guarantee unchanged (every member decodes the same answer bytes) and costs each member about (N-1)/N of
 the vector sparse up plus (N-1)/N dense down, independent of N, where a gather costs N-1 sparse vectors each way.
 The sender's error feedback needs what its own contribution decoded to: :attr:`AllReduceResult.sent`.
@@ -41,7 +42,7 @@ import numpy as np
 import torch
 
 from protocols.bans import BanList
-from protocols.codecs import Codec, all_finite, get_codec
+from protocols.codecs import Codec, TopKCompression, all_finite, get_codec
 from protocols.interfaces import StreamReader, StreamWriter, Transport
 from protocols.matchmaking import Group
 from protocols.robust import AGGREGATIONS, centered_clip
@@ -261,6 +262,8 @@ def encode_chunk(codec: Codec, chunk: torch.Tensor, checked: bool = False) -> Un
 
 #: Partition modes: ``equal`` parts, or ``bandwidth``-proportional ones where every member announced its rates.
 PARTITIONS = ("equal", "bandwidth")
+#: How members combine their vectors: the butterfly ``reduce``, or ``gather`` (sparse codecs only).
+EXCHANGES = ("reduce", "gather")
 #: Announced rates that differ by less than this factor give equal parts (bandwidth partition only).
 RATE_SPREAD = 1.5
 #: A member's announced rates are the median of its last RATE_HISTORY measured runs...
@@ -296,6 +299,13 @@ class AllReduceConfig:
     partition: str = "bandwidth"
     """equal | bandwidth: bandwidth-proportional parts when every member announced ``rates`` in its group info
     (:meth:`ButterflyAllReduce.announce`), else equal parts."""
+    topk_fraction: float = 0.02
+    """Sparse codec ``topk`` only: the fraction of each 4096-value chunk that travels (SparseLoCo's density), in
+    (0, 1]; every member of a run must use the same."""
+    exchange: str = "reduce"
+    """reduce | gather. reduce: the butterfly all-reduce (this module). gather: every member sends its encoded
+    vector to every other and all sum the same bytes (:class:`protocols.allgather.SparseAllGather`, SparseLoCo);
+    needs a sparse ``compression`` (topk) and ``aggregation = "mean"``."""
 
     def __post_init__(self) -> None:
         get_codec(self.compression)
@@ -317,6 +327,24 @@ class AllReduceConfig:
             raise ValueError(f"chunk_numel must be a positive multiple of {CHUNK_ALIGN}, got {self.chunk_numel!r}")
         if self.partition not in PARTITIONS:
             raise ValueError(f"partition must be one of {PARTITIONS}, got {self.partition!r}")
+        if (isinstance(self.topk_fraction, bool) or not isinstance(self.topk_fraction, (int, float))
+                or not 0 < self.topk_fraction <= 1):
+            raise ValueError(f"topk_fraction must be in (0, 1], got {self.topk_fraction!r}")
+        object.__setattr__(self, "topk_fraction", float(self.topk_fraction))  # equal configs print alike
+        if self.exchange not in EXCHANGES:
+            raise ValueError(f"exchange must be one of {EXCHANGES}, got {self.exchange!r}")
+        if self.exchange == "gather" and not get_codec(self.compression).sparse:
+            raise ValueError(f"exchange = 'gather' needs a sparse compression (topk), got {self.compression!r}: "
+                             "a dense vector is cheaper to all-reduce")
+        if self.exchange == "gather" and self.aggregation != "mean":
+            raise ValueError(f"exchange = 'gather' sums with aggregation = 'mean', got {self.aggregation!r}")
+
+
+    def make_codec(self) -> Codec:
+        """The codec of ``compression``, with ``topk_fraction`` for ``topk``."""
+        if self.compression == "topk":
+            return TopKCompression(self.topk_fraction)
+        return get_codec(self.compression)
 
 
 class AllReduceFailed(Exception):
@@ -398,7 +426,7 @@ class ButterflyAllReduce(Service):
         self.config = config
         self.request_timeout_s = config.sender_timeout_s  # a sender stalled inside its header is banned
         self.bans = bans if bans is not None else BanList()
-        self.codec = get_codec(config.compression)
+        self.codec = config.make_codec()
         result = config.result_compression
         if result == "auto":
             result = "fp16" if self.codec.sparse else config.compression

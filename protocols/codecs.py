@@ -28,8 +28,9 @@ Codecs (little-endian; ``n`` = number of values):
   chunk of 4096 values the ``ceil(0.02 * chunk)`` largest magnitudes, each sent as a chunk-local uint16 index and a
   2-bit value (sign, and whether it is nearer the chunk's smallest or largest selected magnitude). Lossy by design:
   pair it with :class:`ErrorFeedback` so what is not sent is sent in later rounds. The butterfly all-reduce averages
-  it densely (see :mod:`protocols.allreduce`). Not in :data:`CODECS`: :func:`decode_tensor` accepts it only when
-  asked to.
+  it densely (see :mod:`protocols.allreduce`); the sparse all-gather sums the members' vectors as sent
+  (:mod:`protocols.allgather`, :meth:`TopKCompression.decode_sparse`). Not in :data:`CODECS`:
+  :func:`decode_tensor` accepts it only when asked to.
 
 A decoded tensor has the dtype and shape of the encoded one (a lossy codec's values converted back to that dtype).
 The 1-D fp32 interface of earlier releases (:meth:`Codec.encode` / :meth:`Codec.decode` with ``numel``, raising
@@ -467,7 +468,25 @@ class TopKCompression(Codec):
         packed = codes[:, 0] | (codes[:, 1] << 2) | (codes[:, 2] << 4) | (codes[:, 3] << 6)
         return scales.tobytes() + idx.tobytes() + packed.astype(np.uint8).tobytes()
 
-    def _decode_flat(self, view: memoryview, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def decode_sparse(self, buf: Buffer, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode untrusted ``buf`` (``numel`` values encoded) without densifying: ``(positions, values)``, int64
+        (K,) strictly increasing positions in [0, numel) and their fp32 (K,) values (``K`` = :meth:`kept`; a value
+        may be 0 where a chunk's magnitudes are 0). Raises ValueError on a wrong size or invalid metadata, as
+        :meth:`decode`."""
+        if isinstance(numel, bool) or not isinstance(numel, (int, np.integer)) or numel < 0:
+            raise ValueError(f"numel must be an int >= 0, got {numel!r}")
+        try:
+            view = memoryview(buf).cast("B")
+        except TypeError as e:
+            raise ValueError(f"buffer must be bytes-like and contiguous: {e}") from None
+        if view.nbytes != self.encoded_size(int(numel)):
+            raise ValueError(f"topk: expected {self.encoded_size(int(numel))} bytes for {numel} values, "
+                             f"got {view.nbytes}")
+        positions, values = self._sparse(view, int(numel))
+        return torch.from_numpy(positions), torch.from_numpy(values)
+
+    def _sparse(self, view: memoryview, numel: int) -> tuple[np.ndarray, np.ndarray]:
+        """Validated positions (int64, ascending) and fp32 values of a buffer of the exact size."""
         chunks = self._chunks(numel)
         kept = sum(k for _, _, k in chunks)
         scales = np.frombuffer(view, dtype="<f4", count=2 * len(chunks)).astype(np.float32).reshape(-1, 2)
@@ -488,8 +507,12 @@ class TopKCompression(Codec):
         if (same_chunk & (idx[1:] <= idx[:-1])).any():
             raise ValueError("topk: indices within a chunk must be strictly increasing")
         mags = scales[chunk_of, (codes & 1).astype(np.int64)]
+        return (starts + idx).astype(np.int64), np.where(codes & 2, -mags, mags).astype(np.float32)
+
+    def _decode_flat(self, view: memoryview, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        positions, values = self._sparse(view, numel)
         out = np.zeros(numel, dtype=np.float32)
-        out[starts + idx] = np.where(codes & 2, -mags, mags)
+        out[positions] = values
         return torch.from_numpy(out).to(dtype)
 
     def __repr__(self) -> str:

@@ -113,6 +113,13 @@ class DiLoCoHyperparams:
     outer state and outer round every H steps, staggered by H/F steps (:mod:`protocols.streaming`); F divides H.
     1 syncs the whole model at once."""
 
+    error_feedback_decay: float = 1.0
+    """beta of the sparse codecs' error feedback (``compression = "topk"``): ``e <- beta e + delta`` before each
+    round's top-k (:class:`protocols.codecs.ErrorFeedback`), in [0, 1]. SparseLoCo (arXiv 2508.15706, Algorithm 1)
+    replaces the outer Nesterov momentum by this decayed accumulator: set ``outer_momentum = 0`` and
+    ``outer_lr = 1`` (plain averaged descent, theta <- theta - alpha * mean of the sparse deltas) with beta < 1
+    (the paper uses 0.95); 1 keeps every unsent value undecayed (the previous behaviour)."""
+
     def __post_init__(self) -> None:
         def fail(field: str, requirement: str) -> None:
             raise ValueError(f"DiLoCoHyperparams.{field} must be {requirement}, got {getattr(self, field)!r}")
@@ -122,7 +129,7 @@ class DiLoCoHyperparams:
                 fail(field, "an int")
             object.__setattr__(self, field, int(getattr(self, field)))
         for field in ("inner_lr", "inner_weight_decay", "min_lr_ratio", "outer_lr", "outer_momentum",
-                      "grad_clip_norm"):
+                      "grad_clip_norm", "error_feedback_decay"):
             value = getattr(self, field)
             if not _is_real(value) or not math.isfinite(value):
                 fail(field, "a finite number")
@@ -157,6 +164,8 @@ class DiLoCoHyperparams:
             fail("outer_lr", "> 0")
         if not 0.0 <= self.outer_momentum < 1.0:
             fail("outer_momentum", "in [0, 1)")
+        if not 0.0 <= self.error_feedback_decay <= 1.0:
+            fail("error_feedback_decay", "in [0, 1]")
         if self.grad_clip_norm < 0:
             fail("grad_clip_norm", ">= 0 (0 disables clipping)")
 

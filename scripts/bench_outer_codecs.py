@@ -7,7 +7,8 @@ tokens. Per variant it prints the mean bytes each peer sent per outer round, the
 pseudo-gradients and answers, today's DiLoCo), and the held-out eval loss of theta_outer after the last round. Short
 defaults; everything runs on one machine's CPU, so it measures bytes and loss, not wall time.
 
-Example: ``python scripts/bench_outer_codecs.py --steps 60 --h 10 --variants fp16 fp4/fp4 topk/fp16 topk/fp4``
+Example: ``python scripts/bench_outer_codecs.py --steps 60 --h 10 --variants fp16 fp4/fp4 topk/fp16 topk/fp4``;
+``topk-gather`` and ``topk-gather+sparseloco`` for the sparse all-gather (:mod:`protocols.allgather`).
 """
 
 from __future__ import annotations
@@ -37,14 +38,25 @@ from protocols.matchmaking import MatchmakingConfig  # noqa: E402
 
 
 def run_config(a: argparse.Namespace, variant: str) -> RunConfig:
-    """``variant``: ``up/answers`` codecs (``fp16`` alone = fp16/fp16), optionally ``+F<n>`` fragments and
-    ``+delayed``."""
+    """``variant``: ``up/answers`` codecs (``fp16`` alone = fp16/fp16) or ``topk-gather`` (the sparse all-gather,
+    no answers), optionally ``+F<n>`` fragments, ``+delayed``, ``+k<fraction>`` (top-k density, default 0.02),
+    ``+olr<lr>`` (outer lr) and ``+sparseloco`` (SparseLoCo's outer step: no outer momentum, outer lr 1, error
+    feedback decay 0.95, arXiv 2508.15706)."""
     codecs, *extra = variant.split("+")
+    exchange, topk_fraction = "reduce", AllReduceConfig.topk_fraction
+    if codecs.endswith("-gather"):
+        codecs, exchange = codecs[: -len("-gather")], "gather"
     up, _, down = codecs.partition("/")
     diloco = dict(inner_steps=a.h, warmup_steps=a.warmup, inner_lr=a.lr)
     for item in extra:
         if item == "delayed":
             diloco["overlap"] = "delayed"
+        elif item.startswith("olr") and item[3:].replace(".", "", 1).isdigit():
+            diloco["outer_lr"] = float(item[3:])
+        elif item.startswith("k") and item[1:].replace(".", "", 1).isdigit():
+            topk_fraction = float(item[1:])
+        elif item == "sparseloco":
+            diloco.update(outer_momentum=0.0, outer_lr=1.0, error_feedback_decay=0.95)
         elif item.startswith("F"):
             diloco["fragments"] = int(item[1:])
         else:
@@ -52,7 +64,8 @@ def run_config(a: argparse.Namespace, variant: str) -> RunConfig:
     averaging = AveragingConfig(
         matchmaking_config=MatchmakingConfig(min_group_size=a.peers, matchmaking_timeout_s=30.0, request_timeout_s=5.0),
         allreduce_config=AllReduceConfig(compression=up, result_compression=down or "auto", sender_timeout_s=30.0,
-                                         reducer_timeout_s=60.0))
+                                         reducer_timeout_s=60.0, exchange=exchange,
+                                         topk_fraction=topk_fraction))
     return RunConfig(model=a.model, seq_len=a.seq_len, batch_size=a.batch, eval_batches=a.eval_batches,
                      max_outer_rounds=a.steps // a.h, eval_every=a.steps // a.h, diloco=DiLoCoHyperparams(**diloco),
                      averaging=averaging)
@@ -75,6 +88,7 @@ async def run_variant(a: argparse.Namespace, variant: str, workdir: str) -> dict
     digests = {w._digest() for w in workers}
     return dict(variant=variant, rounds=max(w.outer.outer_round for w in workers),
                 sent_per_round=sum(e.bytes_sent for e in rounds) / max(1, len(rounds)),
+                dp_per_round=sum(e.dp_equivalent_bytes for e in rounds) / max(1, len(rounds)),
                 eval=sum(evals) / len(evals) if evals and None not in evals else None,
                 identical=len(digests) == 1, failed=sum(w.stats.rounds_failed for w in workers),
                 wall_s=time.perf_counter() - started)
@@ -83,7 +97,10 @@ async def run_variant(a: argparse.Namespace, variant: str, workdir: str) -> dict
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variants", nargs="+", default=["fp16", "fp4/fp4", "topk/fp16", "topk/fp4"],
-                   help="up/answers codecs, + F<n> fragments, + delayed; the first is the reference")
+                   help="up/answers codecs or topk-gather, + F<n> fragments, + delayed, + k<top-k fraction>, "
+                        "+ olr<outer lr>, + sparseloco; "
+                        "the first is the "
+                        "reference")
     p.add_argument("--peers", type=int, default=4)
     p.add_argument("--model", default="tiny", choices=("tiny", "small"))
     p.add_argument("--seq-len", type=int, default=64)
@@ -110,15 +127,18 @@ def main() -> int:
         print(f"{v}: {r}", flush=True)
     ref = rows[0]
     print()
-    print(f"| variant | rounds | sent per peer per round | bytes vs {ref['variant']} | eval nats/byte | "
-          f"eval vs {ref['variant']} | theta_outer identical | failed rounds |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"| variant | rounds | sent per peer per round | bytes vs {ref['variant']} | vs per-step data parallel | "
+          f"eval nats/byte | eval vs {ref['variant']} | theta_outer identical | failed rounds |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         ratio = ref["sent_per_round"] / r["sent_per_round"] if r["sent_per_round"] else float("nan")
+        dp = r["dp_per_round"] / r["sent_per_round"] if r["sent_per_round"] else float("nan")
         ev = f"{r['eval']:.4f}" if r["eval"] is not None else "-"
         rel = f"{r['eval'] / ref['eval'] - 1:+.2%}" if r["eval"] is not None and ref["eval"] else "-"
-        print(f"| {r['variant']} | {r['rounds']} | {r['sent_per_round'] / 1e6:.3f} MB | {ratio:.1f}x | {ev} | {rel} | "
-              f"{r['identical']} | {r['failed']} |")
+        print(f"| {r['variant']} | {r['rounds']} | {r['sent_per_round'] / 1e6:.3f} MB | {ratio:.1f}x | {dp:.0f}x | "
+              f"{ev} | {rel} | {r['identical']} | {r['failed']} |")
+    print("\nper-step data parallel: a fp32 butterfly all-reduce of the gradients after every inner step "
+          "(2 (n-1)/n * 4 bytes per parameter per step, H steps per round)")
     return 0
 
 

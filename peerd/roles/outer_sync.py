@@ -27,6 +27,7 @@ import torch
 
 from peerd.roles.base import RunContext, bounded_on_stop, unless_stopped
 from peerd.roles.fragments import FragmentState
+from protocols.allgather import SparseAllGather
 from protocols.allreduce import AllReduceFailed, AllReduceResult, ButterflyAllReduce
 from protocols.codecs import ErrorFeedback
 from protocols.diloco import OuterState
@@ -112,9 +113,11 @@ class OuterSync:
         return Matchmaker(self.ctx.transport, self.state.fragment.scope, self.ctx.run.averaging.matchmaking(),
                           admit=admit, bans=self.ctx.bans)
 
-    def _allreduce(self) -> ButterflyAllReduce:
-        return ButterflyAllReduce(self.ctx.transport, self.state.fragment.scope, self.ctx.run.averaging.allreduce(),
-                                  bans=self.ctx.bans)
+    def _allreduce(self) -> Union[ButterflyAllReduce, SparseAllGather]:
+        """The butterfly all-reduce, or the sparse all-gather where ``[averaging.allreduce] exchange = "gather"``."""
+        config = self.ctx.run.averaging.allreduce()
+        cls = SparseAllGather if config.exchange == "gather" else ButterflyAllReduce
+        return cls(self.ctx.transport, self.state.fragment.scope, config, bans=self.ctx.bans)
 
     async def round(self, local: torch.Tensor, weight: float, live: dict[str, dict], syncing: int) -> RoundOutcome:
         raise NotImplementedError
@@ -131,6 +134,8 @@ class AllReduceSync(OuterSync):
     :class:`protocols.codecs.ErrorFeedback`: what the codec did not deliver in a completed round is added to the next
     round's pseudo-gradient (a failed round records nothing: its steps stay in theta_local). The error is local
     state, never sent; the DiLoCo role keeps it in its checkpoint.
+    ``exchange = "gather"`` swaps the butterfly for :class:`protocols.allgather.SparseAllGather` (members exchange
+    their top-k vectors instead of dense answers); ``[diloco] error_feedback_decay`` is SparseLoCo's beta.
     """
 
     method = "allreduce"
@@ -142,7 +147,8 @@ class AllReduceSync(OuterSync):
         self.matchmaker = self._matchmaker()
         self.allreduce = self._allreduce()
         self.components = (self.matchmaker, self.allreduce)
-        self.feedback = ErrorFeedback(state.outer.numel) if self.allreduce.codec.sparse else None
+        self.feedback = (ErrorFeedback(state.outer.numel, self.hp.error_feedback_decay)
+                         if self.allreduce.codec.sparse else None)
 
     async def round(self, local, weight, live, syncing):
         outer = self.state.outer

@@ -29,7 +29,6 @@ from peerd.namespace import RunNamespace
 from peerd.roles.fragments import Fragment, fragment
 from protocols.allreduce import AllReduceConfig, AllReduceFailed, ButterflyAllReduce
 from protocols.bans import BanList
-from protocols.codecs import get_codec
 from protocols.matchmaking import Group, Matchmaker, MatchmakingConfig, MatchmakingFailed
 from protocols.spes import PeerClaim, claim_record, holders_of, parse_claim
 from protocols.state_transfer import StateServer, StateSnapshot, StateTransferFailed, download_state
@@ -134,7 +133,7 @@ class SparseSync:
         self.server = _CountingStateServer(transport, self.served_prefix, self._snapshot)
         self.own = frozenset(own)
         self._served: Optional[StateSnapshot] = None
-        self.codec = get_codec(allreduce.compression)
+        self.codec = allreduce.make_codec()
         self.refresh_dtype = REFRESH_DTYPES.get(allreduce.compression, torch.float32)
 
     async def start(self) -> None:
