@@ -185,3 +185,19 @@ def test_diverged_local_training_sits_the_round_out_and_restarts_from_theta_oute
         assert worker.stats.rounds_ok == 1 and bool(torch.isfinite(worker.outer.theta).all())
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_stop_while_joining_leaves_without_evaluating(tmp_path):
+    """Ctrl-C before the first inner step: the peer checkpoints and leaves at once, without the start-up eval."""
+    async def main():
+        run = RunConfig(**{**_run(min_group_size=1).__dict__, "eval_batches": 2})
+        worker = _worker(Hub(), "stopped", run, tmp_path)
+        names = []
+        worker.ctx.events.subscribe(lambda e: names.append(e.name))
+        worker.ctx.stop.set()
+        await worker.run()
+        assert "eval" not in names and names[-1] == "leave"
+        assert list((tmp_path / "stopped").rglob("*.safetensors"))  # checkpointed on the way out
+
+    asyncio.run(main())
