@@ -204,6 +204,9 @@ async def join(run_id: RunRef | str, node: NodeConfig, local_run: Optional[RunCo
             except RunConfigConflict as e:
                 raise explain_config_conflict(e, node, local_run) from None
             run = record.run
+            if record.creator != transport.peer_id:  # the creator logged its "published" line already
+                logger.info("joining run %s: configuration %s signed by %s (model %s, %s)", run_id, record.fingerprint,
+                            record.creator, run.model, parallelism(run))
             if node.stage is not None and run.stage_error(node.stage):  # a config from the DHT: checked only now
                 raise ConfigError(f"peerd join: {run.stage_error(node.stage)}")
             if len(node.local_devices) > 1 and parallelism(run) != "diloco":
