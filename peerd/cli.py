@@ -165,7 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
 
-    p = sub.add_parser("join", help="join (or start) a training run as a DiLoCo worker",
+    p = sub.add_parser("join",
+                       help="join (or start) a training run in the role its run config names (DiLoCo, SWARM, SPES)",
                        description="Join training run RUN_ID: find its peers through the DHT, download the current "
                        "model if the run is under way, train, and average pseudo-gradients with the others every H "
                        "inner steps. The first peer of a run passes --run-config; later peers need only --run-id "
@@ -267,20 +268,23 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="write a checkpoint's model as a Hugging Face Llama (safetensors + config)",
                        description="Write the model of a DiLoCo checkpoint to DIR as model.safetensors + config.json, "
                        "which Hugging Face transformers loads with AutoModelForCausalLM.from_pretrained(DIR) "
-                       "(LlamaForCausalLM). Dense models only; the tokenizer is UTF-8 bytes (ids 0-255).")
+                       "(LlamaForCausalLM). Dense models only; token ids are UTF-8 bytes (0-255), or the run's BPE, "
+                       "written beside the model as tokenizer.json.")
     _model_source_flags(p)
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (created)")
 
     p = sub.add_parser("generate", help="sample text from a checkpoint's model",
                        description="Load the model of a DiLoCo checkpoint and print PROMPT followed by sampled text "
-                       "(byte-level tokens; temperature and top-k sampling).")
+                       "(in the run's tokens: bytes, or its BPE; temperature and top-k sampling), or sample through "
+                       "the live stage servers of a SWARM run (--run-id with --initial-peers).")
     _model_source_flags(p)
     p.add_argument("--prompt", required=True, metavar="TEXT", help="text to continue")
-    p.add_argument("--max-tokens", type=int, default=200, metavar="N", help="bytes to sample (default 200)")
+    p.add_argument("--max-tokens", type=int, default=200, metavar="N",
+                   help="tokens to sample (bytes, or BPE tokens in a BPE run; default 200)")
     p.add_argument("--temperature", type=float, default=0.8, metavar="T",
                    help="divide the logits by T; 0 = greedy (default 0.8)")
     p.add_argument("--top-k", type=int, default=50, metavar="K",
-                   help="sample among the K most likely bytes; 0 = all (default 50)")
+                   help="sample among the K most likely tokens; 0 = all (default 50)")
     p.add_argument("--seed", type=int, default=0, help="seed of the draws (default 0)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to run the model (default cpu)")
     p.add_argument("--initial-peers", nargs="+", metavar="MADDR",

@@ -199,8 +199,14 @@ async def join(run_id: RunRef | str, node: NodeConfig, local_run: Optional[RunCo
         try:
             logger.info("listening on %s", " ".join(transport.visible_maddrs()))
             dialback = await serve_dialback(transport)
-            record = await resolve_run_config(transport, ref, local_run, pin_path(node.checkpoint_path, ref))
+            try:
+                record = await resolve_run_config(transport, ref, local_run, pin_path(node.checkpoint_path, ref))
+            except RunConfigConflict as e:
+                raise explain_config_conflict(e, node, local_run) from None
             run = record.run
+            if record.creator != transport.peer_id:  # the creator logged its "published" line already
+                logger.info("joining run %s: configuration %s signed by %s (model %s, %s)", run_id, record.fingerprint,
+                            record.creator, run.model, parallelism(run))
             if node.stage is not None and run.stage_error(node.stage):  # a config from the DHT: checked only now
                 raise ConfigError(f"peerd join: {run.stage_error(node.stage)}")
             if len(node.local_devices) > 1 and parallelism(run) != "diloco":
@@ -246,6 +252,16 @@ async def join(run_id: RunRef | str, node: NodeConfig, local_run: Optional[RunCo
             if data_plane is not None:
                 await data_plane.streams.stop()
             await transport.shutdown()
+
+
+def explain_config_conflict(error: RunConfigConflict, node: NodeConfig,
+                            local_run: Optional[RunConfig]) -> RunConfigConflict:
+    """``error`` from :func:`resolve_run_config`, with a hint where the cause is likely this node's flags: a joiner
+    without ``--run-config`` and without initial peers searched only a DHT of its own (a common first slip)."""
+    if node.initial_peers or local_run is not None:
+        return error
+    return RunConfigConflict(f"{error}; no --initial-peers given, so this peer looked only in a DHT of its own: "
+                             "pass any peer's multiaddr (e.g. a bootstrap node's)")
 
 
 async def serve_dialback(transport):

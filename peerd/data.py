@@ -19,6 +19,7 @@ import glob
 import hashlib
 import importlib.util
 import json
+import logging
 import math
 import os
 from collections.abc import Sequence
@@ -39,6 +40,8 @@ EVAL_PLAYS: tuple[str, ...] = ("hamlet", "tempest", "twelfth_night", "julius_cae
 DOC_SEPARATOR = "\n\n"
 EVAL_FRACTION = 0.05
 """Share of the bytes of a local corpus (file or glob) held out, from its end, for evaluation."""
+
+logger = logging.getLogger(__name__)
 
 
 class DataError(RuntimeError):
@@ -125,6 +128,9 @@ def tokenize_corpus(corpus: Corpus, tokenizer, cache_dir: Optional[str | os.Path
         if os.path.exists(path):
             splits.append(memmap_tensor(path, np.int32))
         else:  # streamed: a corpus larger than memory is encoded piece by piece
+            # A silent minute on a slow CPU looks like a hang: say what runs, and that it runs once.
+            logger.info("tokenizing the %s split of %s (%s bytes) with the run's BPE; once, cached in %s", name,
+                        corpus.name, f"{split.numel():,}", path)
             splits.append(encode_bytes(split, tokenizer.encode_batch, DOC_SEPARATOR, path))
     return dataclasses.replace(corpus, train=splits[0], eval=splits[1])
 

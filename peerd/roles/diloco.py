@@ -180,7 +180,8 @@ class DiLoCoRole:
         status_task = asyncio.ensure_future(self.ctx.status.run())
         try:
             await self._catch_up(await self._live_peers())
-            await self._evaluate_and_publish()
+            if not self.ctx.stop.is_set():  # Ctrl-C while joining: leave now, not after a full evaluation
+                await self._evaluate_and_publish()
             while not self.ctx.stop.is_set() and not self._finished():
                 await self._wait_while_paused()
                 await self._train_until_quota()

@@ -127,6 +127,16 @@ def relay_options(relay: str, client_mode: bool = False) -> dict[str, Any]:
     return options
 
 
+def dht_start_error(error: BaseException, initial_peers: Sequence[str]) -> ConnectionError:
+    """The error a DHT node that could not start raises: ``error``, plus what to check where the cause is that no
+    initial peer answered (p2pd says "failed to connect to bootstrap peers", the light node times out)."""
+    message = f"could not start the DHT node: {error}"
+    if initial_peers and ("bootstrap peers" in str(error) or isinstance(error, TimeoutError)):
+        message += (f"; none of the {len(initial_peers)} initial peer(s) answered: check that the node at "
+                    f"{initial_peers[0]} is running and that the address and PeerID are its current ones")
+    return ConnectionError(message)
+
+
 class HivemindDiscovery:
     """:class:`protocols.interfaces.Discovery` on a running :class:`hivemind.DHT`."""
 
@@ -265,7 +275,7 @@ class HivemindTransport:
         try:
             dht = await loop.run_in_executor(None, lambda: _TiedDHT(start=True, **kwargs))
         except Exception as e:
-            raise ConnectionError(f"could not start the DHT node: {e}") from e
+            raise dht_start_error(e, initial_peers) from e
         p2p = await dht.replicate_p2p()
         return cls(dht, HivemindDiscovery(dht), HivemindStreams(p2p))
 

@@ -38,7 +38,9 @@ from hivemind.p2p.p2p_daemon_bindings.control import DEFAULT_MAX_MSG_SIZE
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from hivemind.utils.multiaddr import Multiaddr
 
-from peerd.transport.hivemind_backend import HivemindDiscovery, HivemindStreams, HivemindTransport, _TiedDHT
+from peerd.transport.hivemind_backend import (
+    HivemindDiscovery, HivemindStreams, HivemindTransport, _TiedDHT, dht_start_error,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -213,7 +215,7 @@ class LibP2PTransport(HivemindTransport):
                 record_validators=list(record_validators)))
         except Exception as e:
             await p2p.shutdown()
-            raise ConnectionError(f"could not start the DHT node: {e}") from e
+            raise dht_start_error(e, initial_peers) from e
         return cls(dht, HivemindDiscovery(dht), HivemindStreams(p2p))
 
     async def shutdown(self) -> None:

@@ -25,7 +25,7 @@ from hivemind.p2p import P2P, PeerID
 from multiaddr import Multiaddr
 from hivemind.utils import get_dht_time
 
-from peerd.transport.hivemind_backend import HivemindStreams
+from peerd.transport.hivemind_backend import HivemindStreams, dht_start_error
 from protocols.interfaces import Record
 
 logger = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ class LightTransport:
         except Exception as e:
             with contextlib.suppress(Exception):
                 await p2p.shutdown()
-            raise ConnectionError(f"could not start the DHT node: {e}") from e
+            raise dht_start_error(e, initial_peers) from e
         return cls(node, p2p, LightDiscovery(node), HivemindStreams(p2p))
 
     @property

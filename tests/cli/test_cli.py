@@ -49,6 +49,18 @@ def test_usage_errors_exit_2_with_one_clear_line(args, needle):
     assert len(lines) == 1 and needle in lines[0], result.stderr
 
 
+@pytest.mark.timeout(60)
+def test_python_dash_m_peerd_is_the_peerd_command():
+    """``python -m peerd`` (a virtualenv whose scripts are not on PATH) runs the same command line."""
+    ok = subprocess.run([sys.executable, "-m", "peerd", "join", "--help"], capture_output=True, text=True, timeout=50)
+    assert ok.returncode == 0, ok.stderr
+    assert "usage: peerd join" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "peerd", "join", "--no-such-flag"], capture_output=True, text=True,
+                         timeout=50)
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines() == ["peerd: unrecognized arguments: --no-such-flag (see `peerd --help`)"]
+
+
 def test_bad_config_file_exits_2_naming_the_key(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[node]\ndevise = 'cpu'\n")

@@ -205,3 +205,19 @@ def test_the_allreduce_round_announces_the_measured_rates_in_its_group_info(tmp_
         assert infos == [{"digest": worker.sync.state.outer.digest(), "rates": {"up": 1.25e7, "down": 2.5e7}}]
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_stop_while_joining_leaves_without_evaluating(tmp_path):
+    """Ctrl-C before the first inner step: the peer checkpoints and leaves at once, without the start-up eval."""
+    async def main():
+        run = RunConfig(**{**_run(min_group_size=1).__dict__, "eval_batches": 2})
+        worker = _worker(Hub(), "stopped", run, tmp_path)
+        names = []
+        worker.ctx.events.subscribe(lambda e: names.append(e.name))
+        worker.ctx.stop.set()
+        await worker.run()
+        assert "eval" not in names and names[-1] == "leave"
+        assert list((tmp_path / "stopped").rglob("*.safetensors"))  # checkpointed on the way out
+
+    asyncio.run(main())

@@ -7,7 +7,7 @@ from peerd.cli import main
 from peerd.config import ConfigError, NodeConfig
 from peerd.status import make_status, status_problem
 from peerd.transport.dialback import listens_on_loopback_only
-from peerd.transport.hivemind_backend import relay_options
+from peerd.transport.hivemind_backend import dht_start_error, relay_options
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -112,3 +112,15 @@ def test_status_table_has_a_reachable_column(monkeypatch, capsys):
     cells = {line.split()[0]: line for line in lines[2:]}
     assert cells["12D3KooWA"].endswith(" yes") and cells["12D3KooWB"].endswith(" no")
     assert cells["12D3KooWC"].endswith(" -")
+
+
+def test_a_dht_that_reached_no_initial_peer_says_what_to_check():
+    peer = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWBtPz6XL3brK5mWeGxqXyUL4BxTNkRTntktMeg3eCo6LZ"
+    p2pd = dht_start_error(RuntimeError("Daemon failed to start: failed to connect to bootstrap peers"), [peer])
+    assert isinstance(p2pd, ConnectionError)
+    assert str(p2pd).startswith("could not start the DHT node: Daemon failed to start")
+    assert "none of the 1 initial peer(s) answered" in str(p2pd) and peer in str(p2pd)
+    assert "initial peer" in str(dht_start_error(TimeoutError("none answered within 30 s"), [peer]))
+    other = dht_start_error(OSError("address already in use"), [peer])  # not the initial peers' fault: no hint
+    assert str(other) == "could not start the DHT node: address already in use"
+    assert "initial peer" not in str(dht_start_error(TimeoutError("slow"), []))

@@ -10,9 +10,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.dht.validation import DHTRecord
 from hivemind.utils import MSGPackSerializer
 
-from peerd.config import ConfigError
+from peerd.config import ConfigError, NodeConfig
 from peerd.run_config import RunConfig, load_run_config
-from peerd.daemon import publish_run_config, resolve_run_config
+from peerd.daemon import explain_config_conflict, publish_run_config, resolve_run_config
 from peerd.testing.localswarm import TINY
 from peerd.membership import (
     RunConfigConflict,
@@ -353,3 +353,14 @@ def test_an_unlisted_peer_never_joins_a_round(intruder, allowlist):
                 assert groups[name].members == tuple(sorted(listed)), groups
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(10)
+def test_a_joiner_without_initial_peers_is_told_it_searched_only_its_own_dht():
+    missing = RunConfigConflict("run 'demo' has no configuration published in the DHT")
+    alone = explain_config_conflict(missing, NodeConfig(), None)
+    assert isinstance(alone, RunConfigConflict)
+    assert str(alone).startswith(str(missing)) and "no --initial-peers given" in str(alone)
+    peer = "/ip4/127.0.0.1/tcp/31337/p2p/12D3KooWBtPz6XL3brK5mWeGxqXyUL4BxTNkRTntktMeg3eCo6LZ"
+    assert explain_config_conflict(missing, NodeConfig(initial_peers=(peer,)), None) is missing
+    assert explain_config_conflict(missing, NodeConfig(), load_run_config(TINY)) is missing  # a creator: no hint

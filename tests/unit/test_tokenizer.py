@@ -72,7 +72,7 @@ def test_cache_hands_out_only_files_with_the_right_digest(tmp_path, bpe):
     assert cache.get(bpe.digest) is None and not path.exists()
 
 
-def test_local_corpus_streamed_into_memory_mapped_caches(tmp_path, bpe, monkeypatch):
+def test_local_corpus_streamed_into_memory_mapped_caches(tmp_path, bpe, monkeypatch, caplog):
     """A local corpus (text with CRLF and multi-byte characters, and jsonl) is streamed in pieces smaller than a
     document into a byte cache and an id cache; both equal the in-memory path exactly, and a second start reads them
     memory-mapped without reading or tokenizing again."""
@@ -86,7 +86,10 @@ def test_local_corpus_streamed_into_memory_mapped_caches(tmp_path, bpe, monkeypa
     streamed = load_corpus(spec, cache)
     assert torch.equal(streamed.train, in_memory.train) and torch.equal(streamed.eval, in_memory.eval)
     assert streamed.eval_files == in_memory.eval_files and streamed.key
-    ids = tokenize_corpus(streamed, bpe, cache)
+    with caplog.at_level("INFO", logger="peerd.data"):
+        ids = tokenize_corpus(streamed, bpe, cache)
+    said = [r.getMessage() for r in caplog.records if r.name == "peerd.data"]
+    assert len(said) == 2 and all("tokenizing the" in m and "once, cached in" in m for m in said)  # train, eval
     whole = tokenize_corpus(in_memory, bpe)  # one pass over the whole text, no cache
     assert ids.train.dtype == torch.int32 and torch.equal(ids.train, whole.train) and torch.equal(ids.eval, whole.eval)
     assert int(ids.train.max()) >= 256 and int(ids.train.max()) < bpe.vocab_size
@@ -97,7 +100,10 @@ def test_local_corpus_streamed_into_memory_mapped_caches(tmp_path, bpe, monkeypa
     maps = []
     real_memmap = np.memmap
     monkeypatch.setattr(np, "memmap", lambda *a, **k: maps.append(k["mode"]) or real_memmap(*a, **k))
-    again = tokenize_corpus(load_corpus(spec, cache), bpe, cache)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="peerd.data"):
+        again = tokenize_corpus(load_corpus(spec, cache), bpe, cache)
+    assert not [r for r in caplog.records if "tokenizing" in r.getMessage()]  # cached: nothing to say
     assert torch.equal(again.train, ids.train) and torch.equal(again.eval, ids.eval)
     assert maps == ["c"] * 3  # bytes, train ids, eval ids: memory-mapped copy-on-write
     assert tokenize_corpus(in_memory, peerd.data.ByteTokenizer) is in_memory  # bytes: the corpus is its own ids
