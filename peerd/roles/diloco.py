@@ -288,7 +288,9 @@ class DiLoCoRole:
                 window_start = time.perf_counter()
                 continue
             window_steps += 1
-            if window_steps == self.ctx.node.log_every_steps or self.steps_since_sync == self.round_quota:
+            # the process's first step is reported too: a volunteer sees training start without waiting a window
+            if (window_steps == self.ctx.node.log_every_steps or self.steps_since_sync == self.round_quota
+                    or self.stats.last_loss is None):
                 loss = float(loss_on_device)  # the only host-device sync of the window
                 self.stats.last_loss = loss
                 elapsed = time.perf_counter() - window_start

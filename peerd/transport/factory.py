@@ -27,14 +27,15 @@ logger = logging.getLogger(__name__)
 LEGACY_IDENTITY = "~/.peerd/identity.key"
 
 
-def transport_class(node: NodeConfig) -> type[HivemindTransport]:
+def transport_class(node: NodeConfig, quiet: bool = False) -> type[HivemindTransport]:
     """The transport class the node config's ``transport`` picks (``auto`` decides here and logs why, once per
-    call). Raises ConnectionError if ``auto`` finds no usable backend."""
+    call; at DEBUG level when ``quiet``, e.g. for a query client). Raises ConnectionError if ``auto`` finds no
+    usable backend."""
     from peerd.transport.libp2p_backend import LibP2PTransport, choose_backend
 
     backend, why = choose_backend(node.transport)
     if node.transport == "auto":
-        logger.info("transport %s (%s)", backend, why)
+        logger.log(logging.DEBUG if quiet else logging.INFO, "transport %s (%s)", backend, why)
     return LibP2PTransport if backend == "libp2p" else HivemindTransport
 
 
@@ -59,7 +60,7 @@ async def open_transport(node: NodeConfig, role: str = "worker", client_mode: bo
         if node.identity is None and role == "worker" and legacy.exists() and legacy != path:
             logger.warning("%s, the identity of earlier peerd versions, is no longer the default; pass --identity %s "
                            "to keep its PeerID", LEGACY_IDENTITY, LEGACY_IDENTITY)
-        transport = await transport_class(node).create(
+        transport = await transport_class(node, quiet=client_mode).create(
             initial_peers=node.initial_peers,
             host_maddrs=node.host_maddrs,
             announce_maddrs=node.announce_maddrs,
@@ -80,7 +81,7 @@ async def open_transport(node: NodeConfig, role: str = "worker", client_mode: bo
 async def open_reader(node: NodeConfig) -> HivemindTransport:
     """A DHT client (no identity of ours, listening on 127.0.0.1 only, serving nothing) whose discovery returns
     only validly signed records. Call ``shutdown()`` when done."""
-    transport = await transport_class(node).create(
+    transport = await transport_class(node, quiet=True).create(
         initial_peers=node.initial_peers, host_maddrs=("/ip4/127.0.0.1/tcp/0",), client_mode=True,
         record_validators=[OwnerRecordValidator()],
     )

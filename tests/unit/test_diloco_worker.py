@@ -221,3 +221,17 @@ def test_stop_while_joining_leaves_without_evaluating(tmp_path):
         assert list((tmp_path / "stopped").rglob("*.safetensors"))  # checkpointed on the way out
 
     asyncio.run(main())
+
+
+def test_the_first_inner_step_is_reported_before_a_full_logging_window(tmp_path):
+    """A volunteer sees training start: step 1 is reported, then every ``log_every_steps`` and at the round's end."""
+    async def main():
+        node = NodeConfig(checkpoint_dir=str(tmp_path / "p"), threads=1, device="cpu", log_every_steps=50)
+        worker = DiLoCoRole(RunContext.build("unit", _run(min_group_size=2), node, Hub().transport("p")))
+        steps = []
+        worker.ctx.events.subscribe(lambda e: steps.append(e.inner_step) if e.name == "inner" else None)
+        await _start(worker)
+        await worker._train_until_quota()
+        assert steps == [1, 3]  # the first step, then the end of the 3-step round (the 50-step window never fills)
+
+    asyncio.run(main())
