@@ -216,6 +216,8 @@ async def join(run_id: RunRef | str, node: NodeConfig, local_run: Optional[RunCo
                 raise RunConfigConflict(f"this peer ({transport.peer_id}) is not on the allowlist of run {run_id!r};"
                                         " ask the run's creator to add it")
             keeper = asyncio.ensure_future(keep_run_config_alive(transport, ref, record))
+            if node.dashboard_port is not None:  # up before the role's slow build (model, corpus), so it shows joining
+                dashboard = await start_dashboard(node, ref, transport.discovery, services)
             data_plane = await start_data_plane(node, transport)
             role_transport = admit_only(services.pace(data_plane or transport), run.allowlist)
             ctx = RunContext.build(ref, run, node, role_transport, stop, services.gate, services.events)
@@ -232,8 +234,6 @@ async def join(run_id: RunRef | str, node: NodeConfig, local_run: Optional[RunCo
             role = role_class(parallelism(run))(ctx)
             services.watch_peers(role_transport.discovery, ctx.namespace.status_key)
             reach = asyncio.ensure_future(_check_reachability(transport, node, ctx))
-            if node.dashboard_port is not None:
-                dashboard = await start_dashboard(node, ref, transport.discovery, services)
             services.ready(f"joined run {run_id}")
             await role.run(ctx)
             if ctx.status.conflict is not None:
