@@ -82,9 +82,14 @@ def _chrome():
 
 
 def _wait(what: str, condition, timeout_s: float = 60.0):
+    from selenium.common.exceptions import StaleElementReferenceException
+
     deadline = time.time() + timeout_s
     while time.time() < deadline:
-        value = condition()
+        try:
+            value = condition()
+        except StaleElementReferenceException:  # the page re-rendered between finding an element and reading it
+            value = None
         if value:
             return value
         time.sleep(0.25)
