@@ -22,8 +22,8 @@ next group of late peers under a successor key instead of failing its round.
 
 When the members are known in advance (``expected_members``: Moshpit's sharded rendezvous, where every peer computes
 its 2-M groupmates from the grid) the idle window is the wrong rule: a group of three sees gaps between its members'
-arrivals as long as their previous rounds' spread, and sealed short after one quiet window (half the peer-rounds of
-8 real peers ended in groups of 1). Such a group instead waits for exactly those members and seals the moment the
+arrivals as long as their previous rounds' spread, and sealed short after one quiet window (a third to a half of
+the rounds of 8 real peers ran alone). Such a group instead waits for exactly those members and seals the moment the
 last one joins; a member that never comes is left out when the earliest member's ``max_wait_s`` runs out, and the
 others average without it.
 
