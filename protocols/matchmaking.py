@@ -20,6 +20,13 @@ the rest were still on their way, failing their round. While members keep arrivi
 still costs one timeout. A peer that nevertheless arrives after the seal can ask (``on_late="next"``) to form the
 next group of late peers under a successor key instead of failing its round.
 
+When the members are known in advance (``expected_members``: Moshpit's sharded rendezvous, where every peer computes
+its 2-M groupmates from the grid) the idle window is the wrong rule: a group of three sees gaps between its members'
+arrivals as long as their previous rounds' spread, and sealed short after one quiet window (a third to a half of
+the rounds of 8 real peers ran alone). Such a group instead waits for exactly those members and seals the moment the
+last one joins; a member that never comes is left out when the earliest member's ``max_wait_s`` runs out, and the
+others average without it.
+
 This is the pure-decision + runner pair for matchmaking; the only I/O goes through the handed :class:`Transport`.
 """
 
@@ -31,7 +38,7 @@ import logging
 import secrets
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from protocols.bans import BanList
 from protocols.interfaces import Transport
@@ -39,6 +46,10 @@ from protocols.rpc import Refused, Request, RpcError, Service, call
 from protocols.wire import ProtocolViolation, require
 
 logger = logging.getLogger(__name__)
+
+#: A deadline this close counts as reached: asyncio runs a timer up to its clock resolution (1 ns) early, so a wait
+#: for the last few ns could wake without the clock moving, and on a virtual clock never move it (a busy loop).
+_DUE_S = 1e-6
 
 #: ``admit(own_info, peer_id, peer_info) -> None`` to accept the peer, or a reason string to refuse it.
 AdmitFn = Callable[[dict, str, dict], Optional[str]]
@@ -122,6 +133,7 @@ class _Session:
     deadline: float  # loop time at which this peer gives up (max_wait_s after it started)
     idle_until: float  # loop time at which a group this peer leads seals for lack of new members
     expected_size: Optional[int]
+    expected_members: Optional[frozenset] = None  # when known: seal once all joined, else at max_wait (no idle seal)
     following: Optional[str] = None  # the leader we defer to, when not leading
     sealed: bool = False
     followers: dict[str, _Follower] = field(default_factory=dict)
@@ -169,7 +181,7 @@ class Matchmaker(Service):
         return f"{self.prefix}.mm.{key}"
 
     async def form_group(self, key: str, info: dict[str, Any], expected_size: Optional[int] = None,
-                         on_late: str = "fail") -> Group:
+                         on_late: str = "fail", expected_members: Optional[Sequence[str]] = None) -> Group:
         """Join or lead the group for ``key``; returns the sealed group.
 
         Args:
@@ -181,6 +193,11 @@ class Matchmaker(Service):
             on_late: what to do when the group for ``key`` was sealed before we joined it: ``"fail"`` (raise
                 MatchmakingFailed) or ``"next"`` (form the group of the peers that came late, under the key
                 ``<key>.late<n>``, within the same ``max_wait_s``; the returned group's ``key`` says which).
+            expected_members: the PeerIDs that should form this group (this peer is added), when known: the group
+                seals as soon as all of them have joined, or when the earliest member's ``max_wait_s`` runs out
+                (whoever has joined by then, peers outside the list included), never after an idle window;
+                ``expected_size`` is then ignored. The next group of late peers (``on_late="next"``) expects nobody
+                in particular and seals on the idle window.
 
         Raises:
             AdmissionRefused: the leader refused this peer.
@@ -189,11 +206,14 @@ class Matchmaker(Service):
         """
         if on_late not in ("fail", "next"):
             raise ValueError(f"on_late must be 'fail' or 'next', got {on_late!r}")
+        members = None if expected_members is None else frozenset(expected_members) | {self.peer_id}
         loop = asyncio.get_running_loop()
         give_up = loop.time() + self.config.max_wait
         for generation in range(64):
             attempt = key if generation == 0 else f"{key}.late{generation}"
             try:
+                if generation == 0 and members is not None:
+                    return await self._form_group(attempt, info, len(members), give_up, members)
                 return await self._form_group(attempt, info, expected_size, give_up)
             except _Late as e:
                 if on_late == "fail":
@@ -201,13 +221,15 @@ class Matchmaker(Service):
                 logger.info("%s; joining the next group of late peers", e)
         raise MatchmakingFailed(f"no group formed for {key!r}: sealed 64 times before we joined")
 
-    async def _form_group(self, key: str, info: dict[str, Any], expected_size: Optional[int], give_up: float) -> Group:
+    async def _form_group(self, key: str, info: dict[str, Any], expected_size: Optional[int], give_up: float,
+                          expected_members: Optional[frozenset] = None) -> Group:
         if key in self._sessions:
             raise RuntimeError(f"already matchmaking for {key!r}")
         loop = asyncio.get_running_loop()
         cfg = self.config
         now = loop.time()
-        session = _Session(key, info, give_up, min(give_up, now + cfg.matchmaking_timeout_s), expected_size)
+        session = _Session(key, info, give_up, min(give_up, now + cfg.matchmaking_timeout_s), expected_size,
+                           expected_members)
         self._sessions[key] = session
         self._sealed_keys.pop(key, None)
         discovery = self.transport.discovery
@@ -276,12 +298,17 @@ class Matchmaker(Service):
                 logger.info("peer %s left matchmaking for %s before the seal", peer, session.key)
                 del session.followers[peer]
             size = 1 + len(session.followers)
-            if session.expected_size is not None and size >= session.expected_size:
+            if session.expected_members is not None:
+                if session.expected_members <= session.followers.keys() | {self.peer_id}:
+                    break
+            elif session.expected_size is not None and size >= session.expected_size:
                 break
-            # idle: nobody new for matchmaking_timeout_s; or some member (or we) cannot wait any longer
-            deadline = min([session.idle_until, session.deadline] + [f.deadline for f in session.followers.values()])
+            # some member (or we) cannot wait any longer; or, members unknown, nobody new for matchmaking_timeout_s
+            deadline = min([session.deadline] + [f.deadline for f in session.followers.values()])
+            if session.expected_members is None:
+                deadline = min(deadline, session.idle_until)
             remaining = deadline - loop.time()
-            if remaining <= 0:
+            if remaining <= _DUE_S:
                 break
             session.changed.clear()
             with contextlib.suppress(asyncio.TimeoutError):

@@ -23,9 +23,11 @@ member list: O(N^2) bytes per round), which is fine for tens to hundreds of peer
 *sharded* rendezvous (``MoshpitAverager(..., rendezvous="group")``) matchmakes the way the paper's peers do (each
 looks up its group key in the DHT and meets only the peers under it): each peer computes its grid group from its
 own view of the live peers and matchmakes only with the peers sharing that group key, so a leader admits at most M
-peers and an answer lists only the group's members: O(M) per peer and round. It needs views that agree: a peer whose view differs computes
-another grid, its would-be groupmates seal short after one idle window, and it averages with whoever shares its key
-(late peers still join the next group of late peers instead of failing).
+peers and an answer lists only the group's members: O(M) per peer and round. A group knows its members, so it
+waits for exactly them (up to ``max_wait_s``, not the idle window: gaps between groupmates' arrivals exceed any
+short window) and seals as soon as the last one is in. It needs views that agree: a peer whose view differs
+computes another grid, its would-be groupmates wait ``max_wait_s`` for it and then average without it, and it
+averages with whoever shares its key (late peers still join the next group of late peers instead of failing).
 
 Defaults follow the paper's experiments: target group size M = 4 (paper: groups of 4-32); the grid dimension is
 floor or ceil of log_M N with side ceil(N^(1/d)), preferring grids without lone peers (see :meth:`Grid.for_peers`).
@@ -190,8 +192,8 @@ class MoshpitAverager:
     ``rendezvous="round"`` (default): all of the round's peers matchmake under ``moshpit.r<round>`` and the grid is
     built from the sealed member list (identical on every member, whatever their views; O(N) per peer).
     ``rendezvous="group"``: the sharded rendezvous: the grid comes from this peer's view ``live_peers`` and the peer
-    matchmakes only under its own group key with the groupmates that grid gives it (O(M) per peer: thousands of
-    peers; views must agree).
+    matchmakes only under its own group key with the groupmates that grid gives it, waiting for exactly them up to
+    ``max_wait_s`` (O(M) per peer: thousands of peers; views must agree).
     """
 
     def __init__(self, matchmaker: Matchmaker, allreduce: ButterflyAllReduce, target_group_size: int = 4,
@@ -236,7 +238,7 @@ class MoshpitAverager:
         if me not in groups:
             groups = partition(_sorted_peers([*live_peers, me]), outer_round, self.target_group_size)
         key, mates = groups[me]
-        group = await self.matchmaker.form_group(key, {}, expected_size=len(mates), on_late="next")
+        group = await self.matchmaker.form_group(key, {}, expected_members=mates, on_late="next")
         if len(group.members) < self.matchmaker.config.min_group_size:
             raise MatchmakingFailed(f"group {group.key} of {len(group.members)} peer(s) is smaller than "
                                     f"min_group_size={self.matchmaker.config.min_group_size}")

@@ -133,6 +133,10 @@ async def run_peer(args: argparse.Namespace, index: int, path: str, network) -> 
                 r = round_to_join(me, {p: int(v.get("round", 0)) for p, v in others.items()}, r, args.group_size)
             progress["round"] = r
             await announce("alive")
+            if args.topology == "moshpit" and args.rendezvous == "group":
+                # the grid of round r must be the one its groupmates computed: peers that already finished every
+                # round took part in round r too (a straggler that left them out would compute another grid)
+                others = {**(await members()), **others}
             live = sorted(others) if me in others else sorted([*others, me])
             started = time.perf_counter()
             record = {"event": "round", "round": r + 1, "peer": me, "index": index}

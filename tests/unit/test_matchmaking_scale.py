@@ -79,3 +79,45 @@ def test_a_late_peer_forms_the_next_group_instead_of_failing():
     assert failing[0][0] == "failed" and "already sealed" in failing[0][1]
     assert [k for k, _ in late] == ["moshpit.r0.late1"] * 2
     assert all(len(m) == 2 for _, m in late)
+
+
+@pytest.mark.timeout(60)
+def test_a_group_of_known_members_waits_for_exactly_them_up_to_max_wait():
+    """Sharded Moshpit's case: each group knows its members. Gaps between arrivals longer than the idle window must
+    not seal it short (half of 8 real peers' rounds ended in groups of 1); a member that never comes is left out at
+    the earliest member's max_wait (3 x the 1 s window), and the others still average."""
+    async def form(peers, delays, members):
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+
+        async def one(peer, delay):
+            await asyncio.sleep(delay)
+            try:
+                group = await peer.matchmaker.form_group("moshpit.r0.g3x2.x.0", {}, expected_members=members,
+                                                         on_late="next")
+                return group.key, group.members, loop.time() - start
+            except MatchmakingFailed as e:
+                return "failed", str(e), loop.time() - start
+
+        return await asyncio.gather(*(one(p, d) for p, d in zip(peers, delays)))
+
+    async def main():
+        hub = Hub()
+        # the smallest PeerID comes last: the group is handed over to it and still seals the moment it is in
+        full = await start_averaging_peers(hub, ["peer00", "peer01", "peer02"], "a", WINDOW)
+        whole = await form(full[::-1], [0.0, 1.5, 2.7], ("peer00", "peer01", "peer02"))
+        # without the member list, the same arrivals seal on the idle window: every peer alone (1.5 s and 1.2 s gaps)
+        full2 = await start_averaging_peers(hub, ["peer10", "peer11", "peer12"], "b", WINDOW)
+        short = await _form(full2[::-1], [0.0, 1.5, 2.7], key="moshpit.r0.g3x2.x.0", expected=3, on_late="next")
+        # peer20 never comes: the other three seal at the first arrival's max_wait (3 s), not at its idle window
+        partial = await start_averaging_peers(hub, ["peer21", "peer22", "peer23"], "c", WINDOW)
+        missing = await form(partial, [0.0, 1.2, 2.4], ("peer20", "peer21", "peer22", "peer23"))
+        return whole, short, missing
+
+    whole, short, missing = run_virtual(main())
+    assert [m for _, m, _ in whole] == [("peer00", "peer01", "peer02")] * 3
+    assert {k for k, _, _ in whole} == {"moshpit.r0.g3x2.x.0"}
+    assert max(t for _, _, t in whole) == pytest.approx(2.7, abs=0.3)  # sealed as the last one joined
+    assert [m for _, m in short] == [("peer12",), ("peer11",), ("peer10",)]
+    assert [m for _, m, _ in missing] == [("peer21", "peer22", "peer23")] * 3
+    assert [t for _, _, t in missing] == pytest.approx([3.0] * 3, abs=0.3)
