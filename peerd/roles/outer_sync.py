@@ -273,6 +273,7 @@ class GossipSync(_MixingSync):
                                      self._gossip_state, self._set_gossip_state, bans=ctx.bans)
         self.components = (self.gossip,)
         self._bytes = (0, 0)  # the averager's byte counters at our last round
+        self._served = 0  # and its count of exchanges answered
 
     def _gossip_state(self) -> tuple[torch.Tensor, float]:
         return torch.cat([self.state.outer.theta, self.state.outer.momentum]), self.state.gossip_weight
@@ -286,10 +287,12 @@ class GossipSync(_MixingSync):
         result = await unless_stopped(self.ctx, self.gossip.gossip_round(peers))
         if result is None:
             return None
-        # bytes of exchanges we answered since our last round count too, not only those we started
-        sent, received = self.gossip.bytes_sent, self.gossip.bytes_received
-        out = RoundResult(1 + result.exchanges, sent - self._bytes[0], received - self._bytes[1], 0.0)
-        self._bytes = (sent, received)
+        # exchanges we answered since our last round mixed other peers' states into ours as well: they count in the
+        # round's group size and bytes, not only the exchanges we started
+        sent, received, served = self.gossip.bytes_sent, self.gossip.bytes_received, self.gossip.served
+        out = RoundResult(1 + result.exchanges + served - self._served, sent - self._bytes[0],
+                          received - self._bytes[1], 0.0)
+        self._bytes, self._served = (sent, received), served
         return out
 
 

@@ -235,3 +235,27 @@ def test_the_first_inner_step_is_reported_before_a_full_logging_window(tmp_path)
         assert steps == [1, 3]  # the first step, then the end of the 3-step round (the 50-step window never fills)
 
     asyncio.run(main())
+
+
+def test_a_gossip_round_counts_the_exchanges_a_peer_answered_in_its_group_size(tmp_path):
+    """A gossip peer whose own calls met a busy partner still mixed the partner's state in by answering its call."""
+    async def main():
+        hub = Hub()
+        run = _run(min_group_size=1)
+        run = RunConfig(**{**run.__dict__, "averaging": AveragingConfig(**{**run.averaging.__dict__,
+                                                                           "method": "gossip"})})
+        a, b = (_worker(hub, name, run, tmp_path) for name in ("peer-a", "peer-b"))
+        sizes = {"peer-a": [], "peer-b": []}
+        for name, worker in (("peer-a", a), ("peer-b", b)):
+            worker.ctx.events.subscribe(
+                lambda e, name=name: sizes[name].append(e.group_size) if e.name == "outer_round" else None)
+            await _start(worker)
+        for worker in (a, b):
+            await worker._train_until_quota()
+        await a._outer_round()
+        assert sizes["peer-a"] == [2] and b.sync.gossip.served == 1  # a called b, b answered
+        hub.disconnect("peer-a")  # b's own calls now fail: its round mixed a's state in only by answering
+        await b._outer_round()
+        assert sizes["peer-b"] == [2], sizes
+
+    asyncio.run(main())
