@@ -120,6 +120,12 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
                      "free port)")
 
 
+def _run_id_flag(p: argparse.ArgumentParser, what: str) -> None:
+    """``--run-id`` (default $PEERD_RUN_ID) for a command that reads a run: ``what`` says which run."""
+    p.add_argument("--run-id", type=_run_id, default=os.environ.get("PEERD_RUN_ID"),
+                   help=f"{what} (default $PEERD_RUN_ID)")
+
+
 def _dashboard_flags(g: Any, port_help: str) -> None:
     g.add_argument("--dashboard-port", type=int, metavar="PORT", help=port_help)
     g.add_argument("--dashboard-host", metavar="ADDR",
@@ -190,8 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("status", help="show the live peers of a run",
                        description="Read the status records that the peers of RUN_ID keep in the DHT.")
-    p.add_argument("--run-id", type=_run_id, default=os.environ.get("PEERD_RUN_ID"),
-                   help="name of the run (default $PEERD_RUN_ID)")
+    _run_id_flag(p, "name of the run")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     _node_flags(p)
 
@@ -200,8 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "py-libp2p, the bootstrap peers, the run's configuration, whether other peers can dial this "
                        "machine back (and the fix if not), the clock, the training device. One line per check with "
                        "OK or FAIL and a fix; exit code 0 if all are OK, 1 otherwise.")
-    p.add_argument("--run-id", type=_run_id, default=os.environ.get("PEERD_RUN_ID"),
-                   help="name of the run (default $PEERD_RUN_ID)")
+    _run_id_flag(p, "name of the run")
     p.add_argument("--checkpoint-dir", metavar="DIR", help=argparse.SUPPRESS)
     _node_flags(p)
 
@@ -209,8 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run the held-out batches of RUN_ID (a SWARM run) through the stage servers "
                        "announced in the DHT, forward only. Middle stages with no reachable server are skipped "
                        "(the identity, as SkipPipe trains them) and named; the first and the last stage are needed.")
-    p.add_argument("--run-id", type=_run_id, default=os.environ.get("PEERD_RUN_ID"),
-                   help="name of the run (default $PEERD_RUN_ID)")
+    _run_id_flag(p, "name of the run")
     p.add_argument("--batches", type=int, metavar="N",
                    help="eval batches of the run's batch_size (default: the run's eval_batches, else 4)")
     p.add_argument("--data", metavar="PATH|GLOB", help="the run's local text (runs with dataset = \"local\")")
@@ -222,8 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "swarm map, loss and throughput curves (from the peers' status records in the DHT), and this "
                        "machine's daemon (state, limits, pause/resume, volunteer rules) through its control socket. "
                        "Bound beyond loopback it needs a token.")
-    p.add_argument("--run-id", type=_run_id, default=os.environ.get("PEERD_RUN_ID"),
-                   help="the run to show (default $PEERD_RUN_ID)")
+    _run_id_flag(p, "the run to show")
     _dashboard_flags(p.add_argument_group("dashboard"), "port to serve on (default 8477; 0 = any free port)")
     p.add_argument("--checkpoint-dir", metavar="DIR",
                    help="the local daemon's checkpoint folder, for the 'this machine' panel (default "
@@ -251,8 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("install-service", help="write a systemd unit that runs `peerd join` as a service",
                        description="Write a systemd unit (Type=notify, watchdog, hardened, a dedicated user, state in "
                        "/var/lib/peerd) that runs `peerd join` for RUN_ID, and print the commands that enable it.")
-    p.add_argument("--run-id", type=_run_id, default=os.environ.get("PEERD_RUN_ID"),
-                   help="the run the service joins (default $PEERD_RUN_ID)")
+    _run_id_flag(p, "the run the service joins")
     p.add_argument("--run-config", metavar="FILE", help="run config TOML passed to `peerd join` (first peer of a run)")
     p.add_argument("--config", metavar="FILE", help="node config TOML passed to `peerd join` (limits, addresses)")
     p.add_argument("--initial-peers", nargs="+", metavar="MADDR", help=f"e.g. {EXAMPLE_PEER}")

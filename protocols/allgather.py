@@ -55,7 +55,8 @@ from typing import Optional
 
 import torch
 
-from protocols.allreduce import AllReduceConfig, AllReduceFailed, AllReduceResult, finite, validate_weight
+from protocols.allreduce import (AllReduceConfig, AllReduceFailed, AllReduceResult, check_local_input, finite,
+                                 weight_problem)
 from protocols.bans import BanList
 from protocols.interfaces import Transport
 from protocols.matchmaking import Group
@@ -140,11 +141,7 @@ class SparseAllGather(Service):
         Raises :class:`AllReduceFailed` if a member refused our vector; ValueError on bad local input.
         """
         me = self.transport.streams.peer_id
-        weight = validate_weight(weight)
-        if tensor.dtype != torch.float32 or tensor.dim() != 1:
-            raise ValueError(f"tensor must be 1-D float32, got {tensor.dtype} {tuple(tensor.shape)}")
-        if me not in group.members:
-            raise ValueError("this peer is not a member of the group")
+        weight = check_local_input(group, me, tensor, weight)
         tensor = tensor.detach().cpu().contiguous()
         if not finite(tensor):
             raise ValueError("cannot encode non-finite values")
@@ -345,13 +342,9 @@ class SparseAllGather(Service):
         numel = header.get("numel")
         if not isinstance(numel, int) or isinstance(numel, bool) or numel != session.numel:
             return f"vector of {numel!r} elements, expected {session.numel}"
-        weight = header.get("weight")
-        if not isinstance(weight, (int, float)) or isinstance(weight, bool):
-            return "weight is not a number"
-        try:
-            validate_weight(weight)
-        except ValueError as e:
-            return str(e)
+        problem = weight_problem(header.get("weight"))
+        if problem:
+            return problem
         expected = self.codec.encoded_size(numel)
         if size != expected:
             return f"payload of {size} bytes, expected {expected}"

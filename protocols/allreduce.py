@@ -69,6 +69,29 @@ def validate_weight(weight: float) -> float:
     return weight
 
 
+def check_local_input(group: Group, me: str, tensor: torch.Tensor, weight: float) -> float:
+    """Validate what this peer brings to a group's reduction: ``tensor`` (P,) fp32, ``weight`` (see
+    :func:`validate_weight`) and its own membership; returns the weight as float. Raises ValueError."""
+    weight = validate_weight(weight)
+    if tensor.dtype != torch.float32 or tensor.dim() != 1:
+        raise ValueError(f"tensor must be 1-D float32, got {tensor.dtype} {tuple(tensor.shape)}")
+    if me not in group.members:
+        raise ValueError("this peer is not a member of the group")
+    return weight
+
+
+def weight_problem(weight: object) -> Optional[str]:
+    """None if a weight from a peer's header is acceptable (a number that passes :func:`validate_weight`), else the
+    reason to exclude that peer."""
+    if not isinstance(weight, (int, float)) or isinstance(weight, bool):
+        return "weight is not a number"
+    try:
+        validate_weight(weight)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 class PartReducer:
     """Aggregates one part (numel,) from several senders, in fp32: the weighted mean, or CenteredClip.
 
@@ -491,11 +514,7 @@ class ButterflyAllReduce(Service):
         mean could not be obtained within ``reducer_timeout_s``; ValueError on bad local input.
         """
         me = self.transport.streams.peer_id
-        weight = validate_weight(weight)
-        if tensor.dtype != torch.float32 or tensor.dim() != 1:
-            raise ValueError(f"tensor must be 1-D float32, got {tensor.dtype} {tuple(tensor.shape)}")
-        if me not in group.members:
-            raise ValueError("this peer is not a member of the group")
+        weight = check_local_input(group, me, tensor, weight)
         loop = asyncio.get_running_loop()
         start = loop.time()
         cpu_start = time.process_time()
@@ -817,13 +836,9 @@ class ButterflyAllReduce(Service):
             return f"codec {header.get('codec')!r} differs from the run's {session.codec.name!r}"
         if header.get("numel") != session.part_numel or isinstance(header.get("numel"), bool):
             return f"part of {header.get('numel')!r} elements, expected {session.part_numel}"
-        weight = header.get("weight")
-        if not isinstance(weight, (int, float)) or isinstance(weight, bool):
-            return "weight is not a number"
-        try:
-            validate_weight(weight)
-        except ValueError as e:
-            return str(e)
+        problem = weight_problem(header.get("weight"))
+        if problem:
+            return problem
         if payload_length != expected_length:
             return f"payload of {payload_length} bytes, expected {expected_length}"
         return None

@@ -406,6 +406,17 @@ def _head_of(header: dict[str, Any], sizes: Sequence[int]) -> dict[str, Any]:
     return {**header, "_total": sum(sizes)} if len(sizes) > 1 else header
 
 
+async def _continuation_header(reader: Any, k: int, size: int) -> tuple[int, int]:
+    """Read the header of continuation frame ``k`` of a request framed with ``size`` bytes there; returns (payload
+    length, header bytes). Raises ProtocolViolation if the frame carries a header or has another size."""
+    header, length, header_bytes = await read_header(reader)
+    if header:
+        raise ProtocolViolation(f"continuation frame with a header {sorted(header)}")
+    if length != size:
+        raise ProtocolViolation(f"request frame {k} of {length} bytes, expected {size}")
+    return length, header_bytes
+
+
 def _check_framing(sizes: Sequence[int]) -> None:
     if not sizes or any(s < 0 for s in sizes) or (len(sizes) > 1 and min(sizes) < 1):
         raise ValueError(f"frame sizes must be one size >= 0 or several >= 1, got {list(sizes)[:8]}")
@@ -556,6 +567,17 @@ class Request:
             self.stream.bytes_received += nbytes
         return self._payload
 
+    def _claim_framed_payload(self, sizes: Sequence[int]) -> None:
+        """Check that the request was framed as ``sizes`` and mark its payload consumed (payload() may not read it
+        again). Raises ProtocolViolation, RuntimeError if the payload was already read."""
+        _check_framing(sizes)
+        if self._payload is not None:
+            raise RuntimeError("the payload was already read")
+        if self.size != sum(sizes) or self._first != sizes[0]:
+            raise ProtocolViolation(f"payload of {self.size} bytes in a first frame of {self._first}, expected "
+                                    f"{sum(sizes)} in {sizes[0]}")
+        self._payload = b""
+
     async def payload_frames(self, sizes: Sequence[int],
                              deadline: Optional[float] = None) -> AsyncIterator[Union[bytes, bytearray]]:
         """The request payload frame by frame, for a caller that framed it as ``sizes`` (:func:`call_framed`).
@@ -563,13 +585,7 @@ class Request:
         Checks the announced total and every frame's size before reading it. ``deadline`` (event loop time) bounds
         the whole read. Raises ProtocolViolation (framed otherwise, truncated, malformed), RpcTimeout, Unreachable.
         """
-        _check_framing(sizes)
-        if self._payload is not None:
-            raise RuntimeError("the payload was already read")
-        if self.size != sum(sizes) or self._first != sizes[0]:
-            raise ProtocolViolation(f"payload of {self.size} bytes in a first frame of {self._first}, expected "
-                                    f"{sum(sizes)} in {sizes[0]}")
-        self._payload = b""  # consumed here: payload() may not read it again
+        self._claim_framed_payload(sizes)
         loop = asyncio.get_running_loop()
         reader, what = self.stream.reader, f"reading the request of {self.peer}"
 
@@ -580,11 +596,7 @@ class Request:
         self.stream.bytes_received += sizes[0]
         yield data
         for k, size in enumerate(sizes[1:], 1):
-            header, length, header_bytes = await _guard(read_header(reader), left(), what)
-            if header:
-                raise ProtocolViolation(f"continuation frame with a header {sorted(header)}")
-            if length != size:
-                raise ProtocolViolation(f"request frame {k} of {length} bytes, expected {size}")
+            length, header_bytes = await _guard(_continuation_header(reader, k, size), left(), what)
             data = await _guard(read_payload(reader, length), left(), what)
             self.stream.bytes_received += header_bytes + length
             yield data
@@ -599,24 +611,14 @@ class Request:
         the whole read. Raises ProtocolViolation (framed otherwise, truncated, malformed), RpcTimeout, Unreachable;
         whatever ``on_frame`` raises propagates.
         """
-        _check_framing(sizes)
-        if self._payload is not None:
-            raise RuntimeError("the payload was already read")
-        if self.size != sum(sizes) or self._first != sizes[0]:
-            raise ProtocolViolation(f"payload of {self.size} bytes in a first frame of {self._first}, expected "
-                                    f"{sum(sizes)} in {sizes[0]}")
-        self._payload = b""  # consumed here: payload() may not read it again
+        self._claim_framed_payload(sizes)
         reader = self.stream.reader
 
         async def read_all() -> None:
             on_frame(0, await read_payload(reader, sizes[0]))
             self.stream.bytes_received += sizes[0]
             for k, size in enumerate(sizes[1:], 1):
-                header, length, header_bytes = await read_header(reader)
-                if header:
-                    raise ProtocolViolation(f"continuation frame with a header {sorted(header)}")
-                if length != size:
-                    raise ProtocolViolation(f"request frame {k} of {length} bytes, expected {size}")
+                length, header_bytes = await _continuation_header(reader, k, size)
                 on_frame(k, await read_payload(reader, length))
                 self.stream.bytes_received += header_bytes + length
 

@@ -16,16 +16,9 @@ from peerd.daemon import serve_dialback
 from peerd.doctor import network_checks
 from peerd.transport.dialback import p2pd_dial
 from peerd.transport.hivemind_backend import HivemindTransport
+from tests.ports import closed_port
 
 pytestmark = pytest.mark.timeout(120)
-
-
-async def _closed_port() -> int:
-    server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    server.close()
-    await server.wait_closed()
-    return port
 
 
 def test_doctor_is_dialed_back_and_the_dialer_tells_closed_ports_and_wrong_peers(tmp_path):
@@ -45,7 +38,7 @@ def test_doctor_is_dialed_back_and_the_dialer_tells_closed_ports_and_wrong_peers
             assert service.checks == 1
 
             real = "/".join(maddr.split("/")[:5])
-            closed = f"/ip4/127.0.0.1/tcp/{await _closed_port()}"
+            closed = f"/ip4/127.0.0.1/tcp/{await closed_port()}"
             found = await p2pd_dial(helper.peer_id, [closed, real], timeout_s=5.0)
             assert found[closed][0] is False and found[real][0] is True, found
             other = await HivemindTransport.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], relay="off")

@@ -19,6 +19,7 @@ from protocols.reachability import (
     verdict_of,
 )
 from protocols.rpc import call
+from tests.ports import closed_port
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -89,14 +90,6 @@ async def _libp2p_like_listener():
     return server, server.sockets[0].getsockname()[1]
 
 
-async def _closed_port() -> int:
-    server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    server.close()
-    await server.wait_closed()
-    return port
-
-
 def _pair():
     hub = Hub()
     helper, asker = hub.transport("helper"), hub.transport(ME)
@@ -106,7 +99,7 @@ def _pair():
 @in_loop
 async def test_service_reports_reachable_and_unreachable_addresses():
     server, open_port = await _libp2p_like_listener()
-    closed = await _closed_port()
+    closed = await closed_port()
     helper, asker = _pair()
     service = DialBackService(tcp_dial, observed=lambda peer: "/ip4/127.0.0.1/tcp/40000")
     await service.start(helper)

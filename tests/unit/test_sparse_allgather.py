@@ -115,6 +115,15 @@ def test_a_member_sending_garbage_is_excluded_and_banned_and_the_others_agree(ch
     asyncio.run(main())
 
 
+async def _four_with(averaging_peers, odd, at: int, seed: int):
+    """Four gathering peers on one hub, member ``at`` running class ``odd``; and their inputs (10,000 floats each,
+    drawn with ``seed``)."""
+    peers = await averaging_peers(Hub(), 4, allreduce=GATHER,
+                                  allreduce_class=lambda i: odd if i == at else SparseAllGather)
+    g = torch.Generator().manual_seed(seed)
+    return peers, [torch.randn(10_000, generator=g) for _ in range(4)]
+
+
 class _Dies(SparseAllGather):
     """Delivers its vector to the first other member only, then vanishes (never answers anyone)."""
 
@@ -134,11 +143,8 @@ class _Dies(SparseAllGather):
 
 def test_a_member_dying_mid_gather_leaves_the_others_bit_identical(averaging_peers):
     async def main():
-        n, numel = 4, 10_000
-        peers = await averaging_peers(Hub(), n, allreduce=GATHER,
-                                      allreduce_class=lambda i: _Dies if i == 3 else SparseAllGather)
-        g = torch.Generator().manual_seed(2)
-        xs = [torch.randn(numel, generator=g) for _ in range(n)]
+        n = 4
+        peers, xs = await _four_with(averaging_peers, odd=_Dies, at=3, seed=2)
         results = await asyncio.gather(*[p.round("g3", x, 1.0, expected=n) for p, x in zip(peers, xs)],
                                        return_exceptions=True)
         assert isinstance(results[3], AllReduceFailed)
@@ -156,10 +162,8 @@ def test_a_member_dying_mid_gather_leaves_the_others_bit_identical(averaging_pee
 
 def test_a_member_starting_after_the_others_collected_fails_alone_and_the_others_agree(averaging_peers):
     async def main():
-        n, numel = 4, 10_000
-        peers = await averaging_peers(Hub(), n, allreduce=GATHER, allreduce_class=SparseAllGather)
-        g = torch.Generator().manual_seed(4)
-        xs = [torch.randn(numel, generator=g) for _ in range(n)]
+        n = 4
+        peers, xs = await _four_with(averaging_peers, odd=SparseAllGather, at=0, seed=4)
 
         async def member(i):
             group = await peers[i].matchmaker.form_group("g6", {}, expected_size=n)
@@ -189,11 +193,8 @@ class _Equivocates(SparseAllGather):
 
 def test_a_member_sending_different_vectors_is_left_out_by_everyone_itself_included(averaging_peers):
     async def main():
-        n, numel = 4, 10_000
-        peers = await averaging_peers(Hub(), n, allreduce=GATHER,
-                                      allreduce_class=lambda i: _Equivocates if i == 2 else SparseAllGather)
-        g = torch.Generator().manual_seed(3)
-        xs = [torch.randn(numel, generator=g) for _ in range(n)]
+        n = 4
+        peers, xs = await _four_with(averaging_peers, odd=_Equivocates, at=2, seed=3)
         results = await asyncio.gather(*[p.round("g4", x, 1.0, expected=n) for p, x in zip(peers, xs)])
         for res in results:
             assert res.contributors == 3
