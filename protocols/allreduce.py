@@ -134,7 +134,9 @@ class ChunkedPartReducer:
     """
 
     def __init__(self, numel: int, bounds: Sequence[tuple[int, int]], aggregation: str = "mean",
-                 clip_tau: float = 1.0, clip_iterations: int = 20):
+                 clip_tau: float = 1.0, clip_iterations: int = 20, out: Optional[torch.Tensor] = None):
+        """``out`` (mean only): a fp32 (numel,) buffer to accumulate in, e.g. this part's slice of the all-reduce's
+        output (zeroed here), so that the aggregate is computed where it is finally needed; allocated if None."""
         if aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
         self.numel = numel
@@ -142,8 +144,16 @@ class ChunkedPartReducer:
         self.aggregation = aggregation
         self.clip_tau = clip_tau
         self.clip_iterations = clip_iterations
-        self._sum = torch.zeros(numel if aggregation == "mean" else 0, dtype=torch.float32)
+        if aggregation != "mean":
+            self._sum = torch.zeros(0, dtype=torch.float32)
+        elif out is None:
+            self._sum = torch.zeros(numel, dtype=torch.float32)
+        else:
+            if out.dtype != torch.float32 or out.shape != (numel,) or not out.is_contiguous():
+                raise ValueError(f"out must be contiguous float32 ({numel},), got {out.dtype} {tuple(out.shape)}")
+            self._sum = out.zero_()
         self._chunk_weight = [0.0] * len(self.bounds)
+        self._aggregated = [False] * len(self.bounds)  # mean: chunk k of _sum now holds its aggregate
         self._parts: dict[str, torch.Tensor] = {}  # centered_clip: every sender's whole part
         self._weights: dict[str, float] = {}
         self.delivered: dict[str, int] = {}
@@ -170,6 +180,8 @@ class ChunkedPartReducer:
                              f"{tuple(chunk.shape)}")
         if self.delivered.get(sender, 0) != k:
             raise ValueError(f"{sender} sent chunk {k} after {self.delivered.get(sender, 0)} chunks")
+        if self._aggregated[k]:
+            raise ValueError(f"chunk {k} was already aggregated")
         if self._weights.setdefault(sender, weight) != weight:
             raise ValueError(f"{sender} changed its weight mid-part")
         if not finite_checked and not finite(chunk):
@@ -186,13 +198,20 @@ class ChunkedPartReducer:
 
     def chunk_aggregate(self, k: int) -> torch.Tensor:
         """Chunk ``k``'s aggregate (its length,), fp32: the weighted mean of the senders that delivered it, or its
-        slice of the CenteredClip of the complete parts; zeros if their total weight is zero."""
+        slice of the CenteredClip of the complete parts; zeros if their total weight is zero. With ``mean`` the
+        first call closes chunk k (later :meth:`add` calls for it raise ValueError) and divides its sum in place:
+        the result is a view of this reducer's memory, the same on every call."""
         start, stop = self.bounds[k]
         if self.aggregation == "mean":
-            weight = self._chunk_weight[k]
-            if weight <= 0:
-                return torch.zeros(stop - start, dtype=torch.float32)
-            return self._sum[start:stop] / weight
+            chunk = self._sum[start:stop]
+            if not self._aggregated[k]:  # in place: no buffer of its own, one pass less than a fresh quotient
+                self._aggregated[k] = True
+                weight = self._chunk_weight[k]
+                if weight <= 0:
+                    chunk.zero_()
+                else:
+                    chunk.div_(weight)
+            return chunk
         if self._clipped is None:
             complete = [s for s in self.contributors if self._weights[s] > 0]
             if not complete:
@@ -241,8 +260,11 @@ def decode_chunk(codec: Codec, buf: Union[bytes, bytearray, memoryview], numel: 
     return values
 
 
-def decode_chunk_into(codec: Codec, buf: Union[bytes, bytearray, memoryview], out: torch.Tensor) -> None:
-    """Decode an untrusted chunk straight into ``out`` (fp32, its length); ValueError as :func:`decode_chunk`."""
+def decode_chunk_into(codec: Codec, buf: Union[bytes, bytearray, memoryview], out: torch.Tensor,
+                      trusted: bool = False) -> None:
+    """Decode an untrusted chunk straight into ``out`` (fp32, its length); ValueError as :func:`decode_chunk`.
+    ``trusted``: ``buf`` holds values this peer already checked finite (its own aggregate, codec ``none``), so the
+    finiteness pass is skipped."""
     raw = _RAW_DTYPES.get(codec.name)
     if raw is None:
         out.copy_(codec.decode(buf, out.numel()))
@@ -250,7 +272,7 @@ def decode_chunk_into(codec: Codec, buf: Union[bytes, bytearray, memoryview], ou
     if len(memoryview(buf).cast("B")) != codec.encoded_size(out.numel()):
         raise ValueError(f"{codec.name}: expected {codec.encoded_size(out.numel())} bytes, got {len(buf)}")
     out.copy_(_readonly_view(buf, raw))
-    if not finite(out):
+    if not trusted and not finite(out):
         raise ValueError(f"{codec.name}: decoded values are not all finite")
 
 
@@ -514,9 +536,14 @@ class ButterflyAllReduce(Service):
         tensor = tensor.detach().cpu().contiguous()
 
         bounds = chunk_bounds(sizes[my_index], self.config.chunk_numel)
+        averaged = torch.empty_like(tensor)
+        own_out = averaged[offsets[my_index] : offsets[my_index] + sizes[my_index]]
+        # the mean of our part is accumulated and divided right in its place in the output (no buffer of its own)
+        in_place = self.config.aggregation == "mean"
         session = _ReduceSession(
             group, sizes[my_index], bounds, self.codec,
-            ChunkedPartReducer(sizes[my_index], bounds, self.config.aggregation, self.config.clip_tau),
+            ChunkedPartReducer(sizes[my_index], bounds, self.config.aggregation, self.config.clip_tau,
+                               out=own_out if in_place else None),
             start + self.config.sender_timeout_s,
         )
         for member in group.members:  # do not wait for parts we would refuse anyway
@@ -531,7 +558,6 @@ class ButterflyAllReduce(Service):
         self._sessions[group.group_id] = session
         self._session_ready.setdefault(group.group_id, asyncio.Event()).set()
         sealer = asyncio.ensure_future(self._seal_chunks(session))
-        averaged = torch.empty_like(tensor)
         uploaded: list[tuple[int, float]] = []
         try:
             calls = [
@@ -549,8 +575,13 @@ class ButterflyAllReduce(Service):
             for i, peer in enumerate(group.members):
                 target = averaged[offsets[i] : offsets[i] + sizes[i]]
                 if peer == me:
+                    if in_place and self.result_codec.name == "none":
+                        continue  # the aggregate is already there, bit for bit what the others decode
+                    # codec none: the sealed bytes are our aggregate, checked finite when sealed; a lossy codec
+                    # may overflow when encoding, so its bytes are checked like any reducer's
+                    trusted = self.result_codec.name == "none"
                     for k, (a, b) in enumerate(bounds):
-                        decode_chunk_into(self.result_codec, session.sealed[k], target[a:b])
+                        decode_chunk_into(self.result_codec, session.sealed[k], target[a:b], trusted)
                     continue
                 part, b_sent, b_received = next(others)
                 sent, received = sent + b_sent, received + b_received
@@ -625,7 +656,10 @@ class ButterflyAllReduce(Service):
         aggregate = session.reducer.chunk_aggregate(k)
         if not finite(aggregate):
             raise ValueError(f"the aggregate of chunk {k} is not finite (an overflow)")
-        session.sealed.append(encode_chunk(self.result_codec, aggregate, checked=True))
+        encoded = encode_chunk(self.result_codec, aggregate, checked=True)
+        if self.result_codec.name == "none":  # a view of our output, which the caller owns once run() returned
+            encoded = bytes(encoded)
+        session.sealed.append(encoded)
         woken, session.sealed_event = session.sealed_event, asyncio.Event()
         woken.set()
 
