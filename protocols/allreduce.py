@@ -134,9 +134,7 @@ class ChunkedPartReducer:
     """
 
     def __init__(self, numel: int, bounds: Sequence[tuple[int, int]], aggregation: str = "mean",
-                 clip_tau: float = 1.0, clip_iterations: int = 20, out: Optional[torch.Tensor] = None):
-        """``out`` (mean only): a fp32 (numel,) buffer to accumulate in, e.g. this part's slice of the all-reduce's
-        output (zeroed here), so that the aggregate is computed where it is finally needed; allocated if None."""
+                 clip_tau: float = 1.0, clip_iterations: int = 20):
         if aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
         self.numel = numel
@@ -144,14 +142,7 @@ class ChunkedPartReducer:
         self.aggregation = aggregation
         self.clip_tau = clip_tau
         self.clip_iterations = clip_iterations
-        if aggregation != "mean":
-            self._sum = torch.zeros(0, dtype=torch.float32)
-        elif out is None:
-            self._sum = torch.zeros(numel, dtype=torch.float32)
-        else:
-            if out.dtype != torch.float32 or out.shape != (numel,) or not out.is_contiguous():
-                raise ValueError(f"out must be contiguous float32 ({numel},), got {out.dtype} {tuple(out.shape)}")
-            self._sum = out.zero_()
+        self._sum = torch.zeros(numel if aggregation == "mean" else 0, dtype=torch.float32)
         self._chunk_weight = [0.0] * len(self.bounds)
         self._aggregated = [False] * len(self.bounds)  # mean: chunk k of _sum now holds its aggregate
         self._parts: dict[str, torch.Tensor] = {}  # centered_clip: every sender's whole part
@@ -536,14 +527,9 @@ class ButterflyAllReduce(Service):
         tensor = tensor.detach().cpu().contiguous()
 
         bounds = chunk_bounds(sizes[my_index], self.config.chunk_numel)
-        averaged = torch.empty_like(tensor)
-        own_out = averaged[offsets[my_index] : offsets[my_index] + sizes[my_index]]
-        # the mean of our part is accumulated and divided right in its place in the output (no buffer of its own)
-        in_place = self.config.aggregation == "mean"
         session = _ReduceSession(
             group, sizes[my_index], bounds, self.codec,
-            ChunkedPartReducer(sizes[my_index], bounds, self.config.aggregation, self.config.clip_tau,
-                               out=own_out if in_place else None),
+            ChunkedPartReducer(sizes[my_index], bounds, self.config.aggregation, self.config.clip_tau),
             start + self.config.sender_timeout_s,
         )
         for member in group.members:  # do not wait for parts we would refuse anyway
@@ -558,6 +544,7 @@ class ButterflyAllReduce(Service):
         self._sessions[group.group_id] = session
         self._session_ready.setdefault(group.group_id, asyncio.Event()).set()
         sealer = asyncio.ensure_future(self._seal_chunks(session))
+        averaged = torch.empty_like(tensor)
         uploaded: list[tuple[int, float]] = []
         try:
             calls = [
@@ -575,8 +562,6 @@ class ButterflyAllReduce(Service):
             for i, peer in enumerate(group.members):
                 target = averaged[offsets[i] : offsets[i] + sizes[i]]
                 if peer == me:
-                    if in_place and self.result_codec.name == "none":
-                        continue  # the aggregate is already there, bit for bit what the others decode
                     # codec none: the sealed bytes are our aggregate, checked finite when sealed; a lossy codec
                     # may overflow when encoding, so its bytes are checked like any reducer's
                     trusted = self.result_codec.name == "none"
@@ -656,10 +641,7 @@ class ButterflyAllReduce(Service):
         aggregate = session.reducer.chunk_aggregate(k)
         if not finite(aggregate):
             raise ValueError(f"the aggregate of chunk {k} is not finite (an overflow)")
-        encoded = encode_chunk(self.result_codec, aggregate, checked=True)
-        if self.result_codec.name == "none":  # a view of our output, which the caller owns once run() returned
-            encoded = bytes(encoded)
-        session.sealed.append(encoded)
+        session.sealed.append(encode_chunk(self.result_codec, aggregate, checked=True))
         woken, session.sealed_event = session.sealed_event, asyncio.Event()
         woken.set()
 
