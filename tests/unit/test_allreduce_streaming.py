@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from peerd.transport.inprocess import Hub
-from protocols.allreduce import AllReduceConfig, AllReduceFailed, ButterflyAllReduce
+from protocols.allreduce import AllReduceConfig, AllReduceFailed, ButterflyAllReduce, ChunkedPartReducer
 from protocols.matchmaking import MatchmakingConfig
 from protocols.rpc import ProtocolViolation, Refused, Service, call_framed
 
@@ -260,6 +260,19 @@ def test_a_sender_stalling_or_dying_mid_chunk_does_not_hold_the_round(mode, aver
                 assert by_id[m].bans.is_banned(bad)
 
     asyncio.run(main())
+
+
+def test_a_chunk_aggregated_in_place_is_closed_and_stays_the_same():
+    reducer = ChunkedPartReducer(8, [(0, 4), (4, 8)])
+    reducer.add("a", 0, torch.tensor([1.0, 2.0, 3.0, 4.0]), 1.0)
+    reducer.add("b", 0, torch.tensor([3.0, 2.0, 1.0, 0.0]), 3.0)
+    first = reducer.chunk_aggregate(0)
+    assert torch.equal(first, torch.tensor([2.5, 2.0, 1.5, 1.0]))  # (x_a + 3 x_b) / 4
+    assert torch.equal(reducer.chunk_aggregate(0), first)  # divided once, not on every call
+    with pytest.raises(ValueError, match="already aggregated"):
+        reducer.add("c", 0, torch.ones(4), 1.0)
+    assert torch.equal(reducer.chunk_aggregate(0), first) and reducer.delivered == {"a": 1, "b": 1}
+    assert torch.equal(reducer.chunk_aggregate(1), torch.zeros(4))  # nobody delivered chunk 1
 
 
 class _LateOpener:
