@@ -18,6 +18,11 @@ The sender's error feedback needs what its own contribution decoded to: :attr:`A
 
 Failure semantics:
 - a sender that does not deliver its part within ``sender_timeout_s`` is left out of that part's mean;
+- a sender whose request reaches the reducer only after ``sender_timeout_s`` is *late*: left out of that part, not
+  banned (a slow but honest peer, e.g. on a loaded host); the reducer drains its bytes and answers it the finished
+  mean, so it ends with the same result as every other member (:attr:`AllReduceResult.late`);
+- a sender that started before ``sender_timeout_s`` and then stalls mid-part (its part not read by one second after
+  that deadline) is left out from the stalled chunk on and banned;
 - a sender whose part is invalid (wrong size or shape, non-finite values, weight out of range, malformed frame) is
   left out and reported in :attr:`AllReduceResult.excluded` (the caller bans it);
 - a sender that arrives after its reducer finished still receives the finished mean;
@@ -49,7 +54,7 @@ from protocols.robust import AGGREGATIONS, centered_clip
 from protocols.partition import (
     CHUNK_ALIGN, CHUNK_NUMEL, chunk_bounds, partition_sizes, proportional_sizes, valid_rate,
 )
-from protocols.rpc import Refused, Request, RpcError, RpcTimeout, Service, call_framed, until
+from protocols.rpc import Refused, Request, RpcError, RpcTimeout, Service, Unreachable, call_framed, until
 from protocols.wire import ProtocolViolation, require
 
 logger = logging.getLogger(__name__)
@@ -162,6 +167,7 @@ class ChunkedPartReducer:
         self.clip_iterations = clip_iterations
         self._sum = torch.zeros(numel if aggregation == "mean" else 0, dtype=torch.float32)
         self._chunk_weight = [0.0] * len(self.bounds)
+        self._aggregated = [False] * len(self.bounds)  # mean: chunk k of _sum now holds its aggregate
         self._parts: dict[str, torch.Tensor] = {}  # centered_clip: every sender's whole part
         self._weights: dict[str, float] = {}
         self.delivered: dict[str, int] = {}
@@ -188,6 +194,8 @@ class ChunkedPartReducer:
                              f"{tuple(chunk.shape)}")
         if self.delivered.get(sender, 0) != k:
             raise ValueError(f"{sender} sent chunk {k} after {self.delivered.get(sender, 0)} chunks")
+        if self._aggregated[k]:
+            raise ValueError(f"chunk {k} was already aggregated")
         if self._weights.setdefault(sender, weight) != weight:
             raise ValueError(f"{sender} changed its weight mid-part")
         if not finite_checked and not finite(chunk):
@@ -204,13 +212,20 @@ class ChunkedPartReducer:
 
     def chunk_aggregate(self, k: int) -> torch.Tensor:
         """Chunk ``k``'s aggregate (its length,), fp32: the weighted mean of the senders that delivered it, or its
-        slice of the CenteredClip of the complete parts; zeros if their total weight is zero."""
+        slice of the CenteredClip of the complete parts; zeros if their total weight is zero. With ``mean`` the
+        first call closes chunk k (later :meth:`add` calls for it raise ValueError) and divides its sum in place:
+        the result is a view of this reducer's memory, the same on every call."""
         start, stop = self.bounds[k]
         if self.aggregation == "mean":
-            weight = self._chunk_weight[k]
-            if weight <= 0:
-                return torch.zeros(stop - start, dtype=torch.float32)
-            return self._sum[start:stop] / weight
+            chunk = self._sum[start:stop]
+            if not self._aggregated[k]:  # in place: no buffer of its own, one pass less than a fresh quotient
+                self._aggregated[k] = True
+                weight = self._chunk_weight[k]
+                if weight <= 0:
+                    chunk.zero_()
+                else:
+                    chunk.div_(weight)
+            return chunk
         if self._clipped is None:
             complete = [s for s in self.contributors if self._weights[s] > 0]
             if not complete:
@@ -259,8 +274,11 @@ def decode_chunk(codec: Codec, buf: Union[bytes, bytearray, memoryview], numel: 
     return values
 
 
-def decode_chunk_into(codec: Codec, buf: Union[bytes, bytearray, memoryview], out: torch.Tensor) -> None:
-    """Decode an untrusted chunk straight into ``out`` (fp32, its length); ValueError as :func:`decode_chunk`."""
+def decode_chunk_into(codec: Codec, buf: Union[bytes, bytearray, memoryview], out: torch.Tensor,
+                      trusted: bool = False) -> None:
+    """Decode an untrusted chunk straight into ``out`` (fp32, its length); ValueError as :func:`decode_chunk`.
+    ``trusted``: ``buf`` holds values this peer already checked finite (its own aggregate, codec ``none``), so the
+    finiteness pass is skipped."""
     raw = _RAW_DTYPES.get(codec.name)
     if raw is None:
         out.copy_(codec.decode(buf, out.numel()))
@@ -268,7 +286,7 @@ def decode_chunk_into(codec: Codec, buf: Union[bytes, bytearray, memoryview], ou
     if len(memoryview(buf).cast("B")) != codec.encoded_size(out.numel()):
         raise ValueError(f"{codec.name}: expected {codec.encoded_size(out.numel())} bytes, got {len(buf)}")
     out.copy_(_readonly_view(buf, raw))
-    if not finite(out):
+    if not trusted and not finite(out):
         raise ValueError(f"{codec.name}: decoded values are not all finite")
 
 
@@ -396,6 +414,8 @@ class AllReduceResult:
     :class:`protocols.codecs.ErrorFeedback`)."""
     part_sizes: tuple[int, ...] = ()
     """Values each member reduced, in member order (equal or bandwidth-proportional)."""
+    late: tuple[str, ...] = ()
+    """Members whose part reached this peer (as reducer) only after ``sender_timeout_s``: left out, not banned."""
 
 
 @dataclass
@@ -419,6 +439,8 @@ class _ReduceSession:
     answers: int = 0
     answered: asyncio.Event = field(default_factory=asyncio.Event)
     late_logged: bool = False
+    late: list = field(default_factory=list)
+    """Members whose request arrived after the sender deadline: read and answered, never added, never banned."""
     downloads: list = field(default_factory=list)
     """``(bytes, seconds from our start)`` of every member's part that arrived whole."""
 
@@ -559,8 +581,11 @@ class ButterflyAllReduce(Service):
             for i, peer in enumerate(group.members):
                 target = averaged[offsets[i] : offsets[i] + sizes[i]]
                 if peer == me:
+                    # codec none: the sealed bytes are our aggregate, checked finite when sealed; a lossy codec
+                    # may overflow when encoding, so its bytes are checked like any reducer's
+                    trusted = self.result_codec.name == "none"
                     for k, (a, b) in enumerate(bounds):
-                        decode_chunk_into(self.result_codec, session.sealed[k], target[a:b])
+                        decode_chunk_into(self.result_codec, session.sealed[k], target[a:b], trusted)
                     continue
                 part, b_sent, b_received = next(others)
                 sent, received = sent + b_sent, received + b_received
@@ -587,6 +612,7 @@ class ButterflyAllReduce(Service):
                 dict(session.excluded),
                 sent_parts,
                 tuple(sizes),
+                tuple(session.late),
             )
         finally:
             sealer.cancel()
@@ -758,10 +784,17 @@ class ButterflyAllReduce(Service):
         if reason is not None:
             self._exclude(session, peer, reason)
             raise Refused(reason)
+        # "late" is decided once, when the request arrives: a sender that never started before our deadline is not
+        # a staller, whatever its pace afterwards (the part was sealed without it)
+        late = asyncio.get_running_loop().time() >= session.deadline
+        if late:
+            session.late.append(peer)
+            logger.info("%s sent its part of group %s after sender_timeout_s=%s: left out, answered the mean",
+                        peer, group_id, cfg.sender_timeout_s, extra={"event": "late_sender", "peer": peer})
         reply_sizes = [self.result_codec.encoded_size(b - a) for a, b in session.bounds]
         answering = asyncio.ensure_future(self._answer(request, session, reply_sizes))
         try:
-            reason = await self._receive(request, session, sizes, float(header["weight"]))
+            reason = await self._receive(request, session, sizes, float(header["weight"]), late)
         except BaseException:
             answering.cancel()
             raise
@@ -776,14 +809,17 @@ class ButterflyAllReduce(Service):
             raise Refused("our aggregate was not ready within reducer_timeout_s", "timeout")
 
     async def _receive(self, request: Request, session: _ReduceSession, sizes: list[int],
-                       weight: float) -> Optional[str]:
-        """Read a member's chunks into our reducer; None, or the reason to exclude it."""
+                       weight: float, late: bool = False) -> Optional[str]:
+        """Read a member's chunks into our reducer; None, or the reason to exclude it. A ``late`` member's chunks
+        are only read (drained, so that its call completes), within ``reducer_timeout_s`` from now (its own call
+        ends by then); if it breaks off or times out, raises Refused without a ban."""
         peer, k = request.peer, 0
+        loop = asyncio.get_running_loop()
 
         def on_frame(index: int, payload) -> None:
             nonlocal k
             k = index
-            if len(session.sealed) <= index:  # a chunk sealed without it (after the sender timeout) is only read
+            if not late and len(session.sealed) <= index:  # a chunk sealed without it is only read
                 a, b = session.bounds[index]
                 session.reducer.add(peer, index, decode_chunk(session.codec, payload, b - a), weight,
                                     finite_checked=True)
@@ -791,14 +827,21 @@ class ButterflyAllReduce(Service):
             k = index + 1
 
         try:
-            await request.read_frames(sizes, on_frame, session.deadline + 1.0)
-        except RpcTimeout:
+            await request.read_frames(sizes, on_frame,
+                                      loop.time() + self.config.reducer_timeout_s if late else session.deadline + 1.0)
+        except (RpcTimeout, Unreachable) as e:
+            if late:  # its part no longer counts here: a late stream that breaks off is no offence
+                raise Refused(f"late part not read: {e}", "timeout") from None
+            if isinstance(e, Unreachable):
+                return f"chunk {k} of {len(sizes)}: {type(e).__name__}: {e}"
             return (f"stalled: chunk {k} of {len(sizes)} not delivered within "
                     f"sender_timeout_s={self.config.sender_timeout_s}")
         except (ValueError, RpcError) as e:
             return f"chunk {k} of {len(sizes)}: {type(e).__name__}: {e}"
         finally:
             session.bytes_received += request.stream.bytes_received
+        if late:  # its pace says nothing about our link: it started late
+            return None
         started = session.deadline - self.config.sender_timeout_s
         session.downloads.append((request.stream.bytes_received, asyncio.get_running_loop().time() - started))
         return None
@@ -830,7 +873,7 @@ class ButterflyAllReduce(Service):
         """None if the part header is acceptable, else the reason to exclude the sender."""
         if peer not in session.group.members:
             return "not a member of the group"
-        if peer in session.reducer.delivered or peer in session.excluded:
+        if peer in session.reducer.delivered or peer in session.excluded or peer in session.late:
             return "sent its part twice"
         if header.get("codec") != session.codec.name:
             return f"codec {header.get('codec')!r} differs from the run's {session.codec.name!r}"

@@ -28,7 +28,7 @@ class _PipeWriter:
     def write(self, data: bytes) -> None:
         if self._closed or not self._hub.connected(self._owner, self._remote):
             raise ConnectionResetError(f"stream {self._owner} -> {self._remote} is closed")
-        self._target.feed_data(bytes(data))
+        self._target.feed_data(data)  # feed_data copies (extend): no copy of our own
 
     async def drain(self) -> None:
         if not self._hub.connected(self._owner, self._remote):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from peerd.transport.inprocess import Hub
-from protocols.allreduce import AllReduceConfig, AllReduceFailed, ButterflyAllReduce
+from protocols.allreduce import AllReduceConfig, AllReduceFailed, ButterflyAllReduce, ChunkedPartReducer
 from protocols.matchmaking import MatchmakingConfig
 from protocols.rpc import ProtocolViolation, Refused, Service, call_framed
 
@@ -258,6 +258,93 @@ def test_a_sender_stalling_or_dying_mid_chunk_does_not_hold_the_round(mode, aver
                 session = next(iter(by_id[m].allreduce._sessions.values()))
                 assert "stalled: chunk 2 of 4" in session.excluded[bad]
                 assert by_id[m].bans.is_banned(bad)
+
+    asyncio.run(main())
+
+
+def test_a_chunk_aggregated_in_place_is_closed_and_stays_the_same():
+    reducer = ChunkedPartReducer(8, [(0, 4), (4, 8)])
+    reducer.add("a", 0, torch.tensor([1.0, 2.0, 3.0, 4.0]), 1.0)
+    reducer.add("b", 0, torch.tensor([3.0, 2.0, 1.0, 0.0]), 3.0)
+    first = reducer.chunk_aggregate(0)
+    assert torch.equal(first, torch.tensor([2.5, 2.0, 1.5, 1.0]))  # (x_a + 3 x_b) / 4
+    assert torch.equal(reducer.chunk_aggregate(0), first)  # divided once, not on every call
+    with pytest.raises(ValueError, match="already aggregated"):
+        reducer.add("c", 0, torch.ones(4), 1.0)
+    assert torch.equal(reducer.chunk_aggregate(0), first) and reducer.delivered == {"a": 1, "b": 1}
+    assert torch.equal(reducer.chunk_aggregate(1), torch.zeros(4))  # nobody delivered chunk 1
+
+
+class _LateOpener:
+    """Streams that open the ``.reduce`` stream to ``reducer`` only after ``delay_s`` (a sender on a loaded host
+    whose call starts late) and then pause ``pause_s`` after its first chunk (so the reducer has to wait for the
+    rest); counts the delayed opens."""
+
+    def __init__(self, inner, reducer: str, delay_s: float, pause_s: float):
+        self.inner, self.reducer, self.delay_s, self.pause_s = inner, reducer, delay_s, pause_s
+        self.delayed = 0
+        self.pauses: list = []
+
+    @property
+    def peer_id(self):
+        return self.inner.peer_id
+
+    async def add_handler(self, name, handler):
+        await self.inner.add_handler(name, handler)
+
+    async def remove_handler(self, name):
+        await self.inner.remove_handler(name)
+
+    async def open(self, peer_id, name):
+        if peer_id == self.reducer and name.endswith(".reduce"):
+            self.delayed += 1
+            await asyncio.sleep(self.delay_s)
+            reader, writer = await self.inner.open(peer_id, name)
+            return reader, _SlowWriter(writer, CHUNK * 4, self.pause_s, self.pauses)
+        return await self.inner.open(peer_id, name)
+
+
+def test_a_sender_starting_after_the_deadline_is_late_not_banned_and_every_member_agrees(averaging_peers):
+    # the late call arrives after the reducer's deadline and its 1 s of read grace, then sends its part at a slow pace
+    sender_timeout_s, delay_s, pause_s = 0.5, 1.6, 0.3
+
+    async def main():
+        hub = Hub()
+        opener: list = []
+
+        def late(i, t):
+            if i != 2:
+                return t
+            wrapped = _Wrapped(t, lambda w: w)
+            wrapped.streams = _LateOpener(t.streams, "peer00", delay_s, pause_s)
+            opener.append(wrapped.streams)
+            return wrapped
+
+        peers = await averaging_peers(hub, 3, "run", MM, _cfg(sender_timeout_s=sender_timeout_s,
+                                                               reducer_timeout_s=3.0), ban_s=60.0, wrap=late)
+        group, by_id = await _group(peers)
+        reducer, sender = "peer00", "peer02"
+        xs = {m: _vector(i, 3) for i, m in enumerate(group.members)}
+        out = dict(zip(group.members, await asyncio.gather(
+            *[by_id[m].allreduce.run(group, xs[m], 1.0) for m in group.members], return_exceptions=True)))
+        assert opener[0].delayed == 1  # only the late sender's call to peer00 was held back...
+        assert len(opener[0].pauses) == 1  # ...and paused mid-part
+        for m, result in out.items():
+            assert not isinstance(result, BaseException), (m, result)
+            assert torch.equal(result.averaged, out[reducer].averaged)  # every member, the late one too
+            assert not result.excluded
+        part = CHUNKS * CHUNK
+        i = group.members.index(reducer)
+        own = slice(i * part, (i + 1) * part)
+        on_time = [m for m in group.members if m != sender]
+        expected = sum(xs.values()) / 3
+        expected[own] = sum(xs[m][own] for m in on_time) / 2  # the late part is left out of peer00's part only
+        assert torch.equal(out[reducer].averaged, expected)
+        assert out[reducer].contributors == 2 and out[sender].contributors == 3
+        for p in peers:
+            assert not p.bans.is_banned(sender)
+        session = by_id[reducer].allreduce._sessions[group.group_id]
+        assert session.late == [sender] and sender not in session.excluded
 
     asyncio.run(main())
 
