@@ -70,7 +70,7 @@ from peerd.inner_step import InnerStep, enable_tf32, micro_batch_count, resolve_
 from peerd.models import build_model
 from peerd.roles.base import RunContext, eval_units, held_out_loss
 from peerd.roles.fragments import FragmentState, fragment, whole_model
-from peerd.roles.outer_sync import Refused, RoundFailure, RoundResult, make_outer_sync
+from peerd.roles.outer_sync import RETRIES_FIELD, Refused, RoundFailure, RoundResult, make_outer_sync
 from peerd.roles.state_sync import StateSync
 from protocols.codecs import all_finite
 from protocols.diloco import DelayedOuterStep, OuterState, inner_lr_at, make_inner_optimizer, set_lr
@@ -770,10 +770,13 @@ class DiLoCoRole:
 
     def _status_fields(self) -> dict:
         role = "paused" if self.ctx.gate.paused else SYNCING if self._syncing else ROLE
+        retries = {part.fragment.name: tries for part, sync in zip(self.parts, self.syncs)
+                   if (tries := getattr(sync, "retries", lambda: None)()) is not None}
         return dict(role=role, outer_round=self.outer.outer_round, inner_step=self.steps_since_sync,
                     loss=self.stats.last_loss, tokens_per_s=self.stats.tokens_per_s,
                     eval_nats_per_byte=self.stats.last_eval, digest=self._digest()[:16],
-                    **({"fragment_rounds": self._fragment_rounds()} if len(self.parts) > 1 else {}))
+                    **({"fragment_rounds": self._fragment_rounds()} if len(self.parts) > 1 else {}),
+                    **({RETRIES_FIELD: retries} if retries else {}))
 
     async def _publish_status(self, role: Optional[str] = None) -> None:
         await (self.ctx.status.publish(role=role) if role else self.ctx.status.publish())
