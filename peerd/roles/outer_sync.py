@@ -182,6 +182,7 @@ class AllReduceSync(OuterSync):
         self.feedback = (ErrorFeedback(state.outer.numel, self.hp.error_feedback_decay)
                          if self.allreduce.codec.sparse else None)
         self._failed = (-1, 0)  # (outer round, its failed tries): the next try uses a fresh group key
+        self.last_members: frozenset[str] = frozenset()  # the last completed group's members, less the excluded
 
     def retries(self) -> Optional[list[int]]:
         """``[outer round, failed tries of it]`` for the status record, None before the current round failed."""
@@ -233,6 +234,8 @@ class AllReduceSync(OuterSync):
                 if group is None:
                     return None
                 result = await bounded_on_stop(self.ctx, self.allreduce.run(group, pseudo_gradient, weight))
+                if result is not None:
+                    self.last_members = frozenset(group.members) - set(result.excluded)
                 break
             except AdmissionRefused as e:
                 return Refused(e.leader, e.reason, r + 1)
