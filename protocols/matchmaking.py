@@ -188,8 +188,9 @@ class Matchmaker(Service):
             key: group key shared by the peers that should average together (e.g. ``"round7"``).
             info: msgpack-serializable facts about this peer that every member receives (and the leader's ``admit``
                 checks).
-            expected_size: seal as soon as this many peers (this one included) have joined; None = wait until
-                nobody new joins for ``matchmaking_timeout_s``.
+            expected_size: seal as soon as this many peers (this one included) have joined, but never with fewer
+                than ``min_group_size`` (such a group would fail); None = wait until nobody new joins for
+                ``matchmaking_timeout_s``.
             on_late: what to do when the group for ``key`` was sealed before we joined it: ``"fail"`` (raise
                 MatchmakingFailed) or ``"next"`` (form the group of the peers that came late, under the key
                 ``<key>.late<n>``, within the same ``max_wait_s``; the returned group's ``key`` says which).
@@ -301,7 +302,9 @@ class Matchmaker(Service):
             if session.expected_members is not None:
                 if session.expected_members <= session.followers.keys() | {self.peer_id}:
                     break
-            elif session.expected_size is not None and size >= session.expected_size:
+            elif session.expected_size is not None and size >= max(session.expected_size, self.config.min_group_size):
+                # a smaller group would fail every member's round: an expected size below the minimum comes from a
+                # view missing some peers (a status record that lapsed under load), so wait for them instead
                 break
             # some member (or we) cannot wait any longer; or, members unknown, nobody new for matchmaking_timeout_s
             deadline = min([session.deadline] + [f.deadline for f in session.followers.values()])

@@ -274,7 +274,10 @@ def run_diloco(tb, a, workdir: str, run_toml: str, tokens_per_step: int) -> dict
                     tb.wrap(i, argv), stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True, cwd=REPO,
                     env={**os.environ, "PEERD_LOGLEVEL": "INFO"}), log))
         workers = procs[1:]
-        deadline = time.time() + a.diloco_timeout_s
+        limit = a.diloco_timeout_s
+        if limit is None:  # one failed round costs a boundary more; 300 s each covers a loaded machine
+            limit = 300.0 * (a.rounds + (a.overlap == "delayed")) + 300.0
+        deadline = time.time() + limit
         while time.time() < deadline and any(p.popen.poll() is None for p in workers):
             time.sleep(1)
         codes = [p.popen.poll() for p in workers]
@@ -479,7 +482,9 @@ def main() -> int:
                         "background_checkpoint)")
     p.add_argument("--dp-eval-every", type=int, default=2)
     p.add_argument("--dp-time-cap-s", type=float, default=540.0, help="data-parallel training time cap")
-    p.add_argument("--diloco-timeout-s", type=float, default=900.0)
+    p.add_argument("--diloco-timeout-s", type=float, default=None,
+                   help="limit of the DiLoCo run (default: 300 s per round boundary, plus 300 s; the delayed "
+                        "overlap needs one boundary more than --rounds)")
     p.add_argument("--skip-dp", action="store_true")
     p.add_argument("--no-md", action="store_true", help="do not append to docs/benchmarks.md")
     p.add_argument("--md", default=os.path.join(REPO, "docs", "benchmarks.md"))

@@ -27,6 +27,15 @@ pseudo-gradient (and weight) is added to the next round's, so no local step is l
 peer's state drops both its round in flight and that carry. On stop the round in flight is finished (bounded) and
 applied before the final checkpoint.
 
+Recovery after a failed round (either mode): the peers are back in step at the next boundary. theta_outer and the
+momentum did not move, so every peer tries the same outer round again, under a fresh group key
+(:func:`peerd.roles.outer_sync.group_key`: ``round<r>.retry<n>``, n = the failed tries of round r, the largest count
+among ours and the live peers' status records): the old key's discovery records and the seal its leader remembers
+outlive the failure, and a peer reaching the old key before its former leader came back was answered "already
+sealed" (or handed the failed group) and failed once more. A group is never sealed early below ``min_group_size``
+(:class:`protocols.matchmaking.Matchmaker`), and the delayed overlap also expects the last group's members whose
+status records lapsed: a leader that missed one record sealed every member's round into failure.
+
 With ``[diloco] fragments = F`` > 1 (Streaming DiLoCo, Douillard et al. 2025, arXiv 2501.18512) the model is F
 strided fragments (:mod:`protocols.streaming`), each with its own outer state, outer round and group keys; fragment
 p syncs after step (p + 1) H/F of each cycle of H steps, and only its theta_local restarts from its new theta_outer.
@@ -70,7 +79,7 @@ from peerd.inner_step import InnerStep, enable_tf32, micro_batch_count, resolve_
 from peerd.models import build_model
 from peerd.roles.base import RunContext, eval_units, held_out_loss
 from peerd.roles.fragments import FragmentState, fragment, whole_model
-from peerd.roles.outer_sync import Refused, RoundFailure, RoundResult, make_outer_sync
+from peerd.roles.outer_sync import RETRIES_FIELD, Refused, RoundFailure, RoundResult, make_outer_sync
 from peerd.roles.state_sync import StateSync
 from protocols.codecs import all_finite
 from protocols.diloco import DelayedOuterStep, OuterState, inner_lr_at, make_inner_optimizer, set_lr
@@ -522,7 +531,12 @@ class DiLoCoRole:
         if await self._catch_up(live, self.sync.catch_up_margin or 1):
             return
         syncing = sum(1 for p, v in records.items() if p != self.peer_id and v.get("role") == SYNCING)
-        self._in_flight = asyncio.ensure_future(self._background_exchange(delta, weight, steps, live, syncing))
+        # the last group's members without any status record now: on a loaded machine a record can lapse between two
+        # publications, and a leader that did not count such a peer sealed the group without it. Waiting for one
+        # that died costs an idle window of the background matchmaking, not compute
+        lapsed = len(getattr(self.sync, "last_members", frozenset()) - records.keys() - {self.peer_id})
+        self._in_flight = asyncio.ensure_future(
+            self._background_exchange(delta, weight, steps, live, syncing + lapsed))
         self._restart_local()
         self._save_checkpoint()
         await self.ctx.status.publish()  # before the evaluation: peers count on us in the next round from now
@@ -770,10 +784,13 @@ class DiLoCoRole:
 
     def _status_fields(self) -> dict:
         role = "paused" if self.ctx.gate.paused else SYNCING if self._syncing else ROLE
+        retries = {part.fragment.name: tries for part, sync in zip(self.parts, self.syncs)
+                   if (tries := getattr(sync, "retries", lambda: None)()) is not None}
         return dict(role=role, outer_round=self.outer.outer_round, inner_step=self.steps_since_sync,
                     loss=self.stats.last_loss, tokens_per_s=self.stats.tokens_per_s,
                     eval_nats_per_byte=self.stats.last_eval, digest=self._digest()[:16],
-                    **({"fragment_rounds": self._fragment_rounds()} if len(self.parts) > 1 else {}))
+                    **({"fragment_rounds": self._fragment_rounds()} if len(self.parts) > 1 else {}),
+                    **({RETRIES_FIELD: retries} if retries else {}))
 
     async def _publish_status(self, role: Optional[str] = None) -> None:
         await (self.ctx.status.publish(role=role) if role else self.ctx.status.publish())

@@ -40,6 +40,36 @@ logger = logging.getLogger(__name__)
 #: An all-reduce that fails (a member died mid-round) is tried this many times in all, among the survivors.
 MAX_ROUND_ATTEMPTS = 2
 
+#: Status-record field with each fragment's failed tries of its current round: ``{fragment name: [round, tries]}``.
+RETRIES_FIELD = "round_retries"
+
+#: Larger try counts in a peer's status record are ignored (bad input, not a real count).
+MAX_RETRIES = 10_000
+
+
+def group_key(outer_round: int, retry: int = 0, attempt: int = 1) -> str:
+    """The matchmaking key of try ``retry`` (0: the first) of ``outer_round``, ``attempt`` of its all-reduce.
+
+    A failed round is tried again under a fresh key: the peers' discovery records and the sealed groups their
+    matchmakers remember for the old key outlive the failure, and a peer that tried the old key again while the
+    former leader had not come back was answered "already sealed" (or handed the failed group) and failed again."""
+    key = f"round{outer_round}" if retry == 0 else f"round{outer_round}.retry{retry}"
+    return key if attempt == 1 else f"{key}.attempt{attempt}"
+
+
+def agreed_retry(outer_round: int, own: int, fragment: str, live: dict[str, dict]) -> int:
+    """The try of ``outer_round`` to join: the most failed tries of it that we or any live peer (status records,
+    :data:`RETRIES_FIELD`) counted for ``fragment``. Members of a failed group all count it, so they agree; a peer
+    that missed a try (it was downloading the state, or restarted) catches up on the others' count."""
+    counts = [own]
+    for record in live.values():
+        retries = record.get(RETRIES_FIELD)
+        entry = retries.get(fragment) if isinstance(retries, dict) else None
+        if (isinstance(entry, (list, tuple)) and len(entry) == 2 and entry[0] == outer_round
+                and isinstance(entry[1], int) and 0 <= entry[1] <= MAX_RETRIES):
+            counts.append(entry[1])
+    return max(counts)
+
 
 @dataclass(frozen=True)
 class RoundResult:
@@ -128,7 +158,9 @@ class AllReduceSync(OuterSync):
 
     The group is sealed early once it has every live peer at our round plus the ``syncing`` peers (downloading the
     state to join this round); otherwise matchmaking waits out its timeout. If the all-reduce fails (a member died
-    mid-round), the survivors retry once right away among themselves, under a fresh group key.
+    mid-round), the survivors retry once right away among themselves, under a fresh group key. A round that failed
+    is tried again (at the next boundary) under a fresh key too, agreed through the status records
+    (:func:`group_key`, :func:`agreed_retry`).
 
     With a sparse codec (``compression = "topk"``, SparseLoCo) the pseudo-gradient is sent through this peer's
     :class:`protocols.codecs.ErrorFeedback`: what the codec did not deliver in a completed round is added to the next
@@ -149,6 +181,13 @@ class AllReduceSync(OuterSync):
         self.components = (self.matchmaker, self.allreduce)
         self.feedback = (ErrorFeedback(state.outer.numel, self.hp.error_feedback_decay)
                          if self.allreduce.codec.sparse else None)
+        self._failed = (-1, 0)  # (outer round, its failed tries): the next try uses a fresh group key
+        self.last_members: frozenset[str] = frozenset()  # the last completed group's members, less the excluded
+
+    def retries(self) -> Optional[list[int]]:
+        """``[outer round, failed tries of it]`` for the status record, None before the current round failed."""
+        r, tries = self._failed
+        return [r, tries] if tries and r == self.state.outer.outer_round else None
 
     async def round(self, local, weight, live, syncing):
         outer = self.state.outer
@@ -173,9 +212,21 @@ class AllReduceSync(OuterSync):
         expected = 1 + syncing + sum(1 for p, s in live.items() if p != me and s.get("outer_round") in rounds)
         if self.feedback is not None:
             compensated = pseudo_gradient = self.feedback.compensate(pseudo_gradient)
+        own = self._failed[1] if self._failed[0] == r else 0
+        retry = agreed_retry(r, own, self.state.fragment.name, {p: s for p, s in live.items() if p != me})
+        outcome = await self._tries(r, retry, pseudo_gradient, weight, expected)
+        if isinstance(outcome, RoundFailure):
+            self._failed = (r, retry + 1)
+        if isinstance(outcome, tuple) and self.feedback is not None:
+            self.feedback.record(compensated, outcome[0].sent)
+        return outcome
+
+    async def _tries(self, r: int, retry: int, pseudo_gradient: torch.Tensor, weight: float,
+                     expected: int) -> Union[tuple[AllReduceResult, int], RoundOutcome]:
+        outer = self.state.outer
         result = None
         for attempt in range(1, MAX_ROUND_ATTEMPTS + 1):
-            key = f"round{r}" if attempt == 1 else f"round{r}.attempt{attempt}"
+            key = group_key(r, retry, attempt)
             try:
                 group = await unless_stopped(
                     self.ctx, self.matchmaker.form_group(key, {"digest": outer.digest(), **self.allreduce.announce()},
@@ -183,6 +234,8 @@ class AllReduceSync(OuterSync):
                 if group is None:
                     return None
                 result = await bounded_on_stop(self.ctx, self.allreduce.run(group, pseudo_gradient, weight))
+                if result is not None:
+                    self.last_members = frozenset(group.members) - set(result.excluded)
                 break
             except AdmissionRefused as e:
                 return Refused(e.leader, e.reason, r + 1)
@@ -196,8 +249,6 @@ class AllReduceSync(OuterSync):
                 return RoundFailure(str(e))
         if result is None:
             return None
-        if self.feedback is not None:
-            self.feedback.record(compensated, result.sent)
         return result, attempt
 
 

@@ -121,3 +121,21 @@ def test_a_group_of_known_members_waits_for_exactly_them_up_to_max_wait():
     assert [m for _, m in short] == [("peer12",), ("peer11",), ("peer10",)]
     assert [m for _, m, _ in missing] == [("peer21", "peer22", "peer23")] * 3
     assert [t for _, _, t in missing] == pytest.approx([3.0] * 3, abs=0.3)
+
+
+@pytest.mark.timeout(60)
+def test_an_expected_size_below_min_group_size_waits_for_the_missing_peer():
+    """The delayed overlap's failure on a loaded WAN run: the leader's view of the live peers lacked one (its status
+    record had lapsed), so it expected 3 of 4, sealed at the third arrival, and the round failed on every peer
+    ("only 3 peer(s)" / "already sealed") although the fourth came moments later."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        config = MatchmakingConfig(matchmaking_timeout_s=1.0, request_timeout_s=0.5, poll_interval_s=0.05,
+                                   min_group_size=4)
+        peers = await start_averaging_peers(Hub(), 4, "run", config)
+        out = await _form(peers, [0.0, 0.1, 0.2, 0.6], expected=3)
+        return out, loop.time()
+
+    out, took = run_virtual(main())
+    assert [len(m) for _, m in out] == [4, 4, 4, 4]
+    assert took == pytest.approx(0.6, abs=0.2)  # sealed when the fourth came, not a window later

@@ -54,6 +54,8 @@ def test_a_record_with_an_unknown_field_is_read_and_the_field_ignored():
 @pytest.mark.parametrize("field, value", [
     ("role", 5), ("outer_round", "2"), ("inner_step", -1), ("loss", float("nan")), ("digest", 12),
     ("instance", 12), ("instance", "x" * 65), ("stage", -1), ("stage", "0"), ("stage", True), ("time", "now"), ("v", 1.5), ("v", True),
+    ("round_retries", {"model": [1]}), ("round_retries", {"model": [1, -1]}), ("round_retries", {}),
+    ("round_retries", [[1, 1]]), ("round_retries", {"x" * 65: [1, 1]}),
 ])
 def test_a_record_with_a_wrong_typed_known_field_is_dropped(field, value):
     for base in (OLD, make_status(role="diloco")):

@@ -1,0 +1,148 @@
+"""Delayed-overlap DiLoCo rounds under the two faults of a loaded WAN run (in-process transport): a leader whose view
+lacks a peer's lapsed status record, and a failed round tried again while its former leader is still training."""
+
+import asyncio
+
+import pytest
+
+from peerd.config import NodeConfig
+from peerd.roles.base import RunContext
+from peerd.roles.diloco import DiLoCoRole
+from peerd.roles.outer_sync import RETRIES_FIELD, RoundFailure, agreed_retry, group_key
+from peerd.run_config import AveragingConfig, RunConfig
+from peerd.transport.inprocess import Hub
+from protocols.allreduce import AllReduceFailed
+from protocols.diloco import DiLoCoHyperparams
+
+pytestmark = pytest.mark.timeout(90)
+
+NAMES = ("peer-a", "peer-b", "peer-c")  # peer-a has the smallest PeerID: it leads every group
+
+
+def _workers(tmp_path, min_group_size=3) -> list[DiLoCoRole]:
+    run = RunConfig(
+        model="tiny", seq_len=32, batch_size=4, eval_batches=0,
+        diloco=DiLoCoHyperparams(inner_steps=3, warmup_steps=2, inner_lr=1e-3, overlap="delayed"),
+        averaging=AveragingConfig.from_flat(min_group_size=min_group_size, matchmaking_timeout_s=4.0, request_timeout_s=1.0,
+                                            sender_timeout_s=3.0, reducer_timeout_s=6.0),
+    )
+    hub = Hub()
+    return [DiLoCoRole(RunContext.build("unit", run, NodeConfig(checkpoint_dir=str(tmp_path / name), threads=1,
+                                                                device="cpu"), hub.transport(name)))
+            for name in NAMES]
+
+
+async def _start(workers):
+    for w in workers:
+        for component in w.components:
+            await component.start()
+        await w._publish_status()
+
+
+async def _boundary(workers, late=(), delay_s=0.0):
+    """Every worker trains its quota and reaches the round boundary; the ``late`` ones ``delay_s`` after the rest."""
+    for w in workers:
+        await w._train_until_quota()
+    await asyncio.gather(*[w._outer_round() for w in workers if w not in late])
+    if late:
+        await asyncio.sleep(delay_s)
+        await asyncio.gather(*[w._outer_round() for w in late])
+
+
+async def _settle(workers):
+    """The outcomes of the background all-reduces now in flight."""
+    return [(await w._in_flight)[0] for w in workers]
+
+
+@pytest.mark.parametrize("min_group_size", [3, 1])
+def test_a_lapsed_status_record_in_the_leaders_view_does_not_fail_the_round(min_group_size, tmp_path):
+    """The leader read the live peers while one record had lapsed: it expected 2 of 3 and sealed the group at the
+    second arrival. With min_group_size 3 that group failed every member's round (the WAN run's "only 3 peer(s)" /
+    "already sealed"); with 1 the third failed alone and had to download the state. Now the group waits for the
+    third (below min_group_size; a member of the last group without a record), which comes 0.5 s later."""
+    async def main():
+        a, b, c = workers = _workers(tmp_path, min_group_size)
+        await _start(workers)
+        await _boundary(workers)  # launches round 0
+        dropped = []
+        real_records = a._peer_records
+
+        async def lapsed_records():
+            records = await real_records()
+            if not dropped and a.outer.outer_round == 1:
+                dropped.append(records.pop("peer-c"))
+            return records
+
+        a._peer_records = lapsed_records
+        await _boundary(workers, late=(c,), delay_s=0.5)  # lands round 0, launches round 1
+        outcomes = await _settle(workers)
+        assert len(dropped) == 1
+        assert all(isinstance(o, tuple) and o[0].group_size == 3 for o in outcomes), outcomes
+        await _boundary(workers)  # lands round 1
+        assert [w.outer.outer_round for w in workers] == [2, 2, 2]
+        assert len({w.outer.digest() for w in workers}) == 1
+        assert all(w.stats.rounds_failed == 0 and w.stats.rounds_ok == 2 for w in workers)
+        for w in workers:
+            w._drop_in_flight()
+
+    asyncio.run(main())
+
+
+def test_a_failed_round_is_tried_again_under_a_fresh_key_while_its_former_leader_is_late(tmp_path):
+    """Round 1 fails on every peer (its all-reduce fails twice). At the next boundary the leader comes last: under the
+    old key the others met its remembered seal of that key ("already sealed", or the failed group again) and failed
+    once more; a fresh key per try lets them wait for it. theta_outer stays unchanged across the failure and the
+    failed round's steps are carried into the try that succeeds."""
+    async def main():
+        a, b, c = workers = _workers(tmp_path)
+        await _start(workers)
+        injected = {w.peer_id: 0 for w in workers}
+        for w in workers:
+            real_run = w.sync.allreduce.run
+
+            async def failing_run(group, tensor, weight, real_run=real_run, peer=w.peer_id):
+                if group.key in (group_key(1), group_key(1, attempt=2)) and injected[peer] < 2:
+                    injected[peer] += 1
+                    raise AllReduceFailed("injected")
+                return await real_run(group, tensor, weight)
+
+            w.sync.allreduce.run = failing_run
+        await _boundary(workers)  # launches round 0
+        await _boundary(workers)  # lands round 0, launches round 1 (it will fail)
+        assert all(isinstance(o, RoundFailure) for o in await _settle(workers))
+        assert injected == {w.peer_id: 2 for w in workers}
+        theta = a.outer.digest()
+        assert all(w._status_fields()[RETRIES_FIELD] == {"model": [1, 1]} for w in workers)
+        await _boundary(workers, late=(a,), delay_s=1.0)  # lands the failure, tries round 1 again
+        assert all(w.outer.digest() == theta and w.stats.rounds_failed == 1 for w in workers)
+        outcomes = await _settle(workers)
+        assert all(isinstance(o, tuple) and o[0].group_size == 3 for o in outcomes), outcomes
+        assert all(group_key(1, retry=1) in w.sync.matchmaker._sealed_keys for w in workers)
+        weights = [w._in_flight.result()[2] for w in workers]
+        assert weights == [24.0, 24.0, 24.0]  # both rounds' samples: 2 x 3 steps x 4 sequences
+        await _boundary(workers)  # lands it
+        assert [w.outer.outer_round for w in workers] == [2, 2, 2]
+        assert len({w.outer.digest() for w in workers}) == 1 and a.outer.digest() != theta
+        assert all(RETRIES_FIELD not in w._status_fields() for w in workers)
+        for w in workers:
+            w._drop_in_flight()
+
+    asyncio.run(main())
+
+
+def test_group_keys_and_the_agreed_try_of_a_round():
+    assert group_key(3) == "round3" and group_key(3, attempt=2) == "round3.attempt2"  # a first try: today's keys
+    assert group_key(3, retry=2) == "round3.retry2" and group_key(3, 1, 2) == "round3.retry1.attempt2"
+    live = {
+        "p1": {RETRIES_FIELD: {"model": [3, 2]}},  # failed round 3 twice: a peer that missed a try catches up
+        "p2": {RETRIES_FIELD: {"model": [2, 7]}},  # counts of an earlier round do not matter
+        "p3": {RETRIES_FIELD: {"f0": [3, 5]}},  # nor another fragment's
+        "p4": {RETRIES_FIELD: None},
+        "p5": {RETRIES_FIELD: {"model": [3, 10**9]}},  # not a real count: ignored
+        "p6": {RETRIES_FIELD: {"model": "x"}},
+    }
+    assert agreed_retry(3, 0, "model", live) == 2
+    assert agreed_retry(3, 4, "model", live) == 4
+    assert agreed_retry(3, 0, "f0", live) == 5
+    assert agreed_retry(4, 0, "model", live) == 0
+    assert agreed_retry(3, 1, "model", {}) == 1
