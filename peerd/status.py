@@ -35,8 +35,9 @@ STATUS_FIELDS = ("role", "outer_round", "inner_step", "loss", "tokens_per_s", "e
 #: (:mod:`peerd.history`, read by dashboards); ``fragment_rounds`` = the outer round of each Streaming DiLoCo fragment
 #: of a DiLoCo worker with ``[diloco] fragments`` > 1 (a list of at most 256 non-negative integers); ``reachable`` =
 #: whether other peers could dial this peer back directly (:mod:`protocols.reachability`; a boolean, None = not
-#: checked yet or nobody answered).
-OPTIONAL_STATUS_FIELDS = ("instance", "stage", "history", "fragment_rounds", "reachable")
+#: checked yet or nobody answered); ``relayed`` = whether the peer holds a circuit relay reservation (others reach it
+#: through a relay; a boolean, None = not checked).
+OPTIONAL_STATUS_FIELDS = ("instance", "stage", "history", "fragment_rounds", "reachable", "relayed")
 KNOWN_STATUS_FIELDS = STATUS_FIELDS + OPTIONAL_STATUS_FIELDS
 
 _MAX_ROUND = 2**40
@@ -85,6 +86,7 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
                                                 and all(_count(x) and x is not None for x in v)),
                         "a list of 1-256 non-negative integers"),
     "reachable": (lambda v: v is None or isinstance(v, bool), "a boolean"),
+    "relayed": (lambda v: v is None or isinstance(v, bool), "a boolean"),
     "time": (_finite(nullable=False), "a finite number"),
     "v": (lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < _MAX_VERSION,
           "a non-negative integer"),

@@ -20,7 +20,7 @@ import logging
 import time
 from typing import Any, Optional, Sequence
 
-from protocols.reachability import ASK_TIMEOUT_S, DialBackService, Verdict, check_reachability
+from protocols.reachability import ASK_TIMEOUT_S, DialBackService, Verdict, check_reachability, relays_of
 
 logger = logging.getLogger(__name__)
 
@@ -134,18 +134,37 @@ def announced_addrs(transport: Any, announce_maddrs: Sequence[str] = ()) -> list
     return [a for a in dict.fromkeys(addrs)]
 
 
+#: How long the check waits for a relay reservation once it found this peer not reachable, in seconds: go-libp2p
+#: reserves a slot only after its AutoNAT found the peer private (its first probe: ~15 s after start).
+RELAY_WAIT_S = 30.0
+
+
+async def visible_addrs(transport: Any) -> list[str]:
+    """This peer's current addresses as p2pd announces them (a relay reservation adds a ``/p2p-circuit`` one)."""
+    p2p = getattr(transport.streams, "p2p", None)
+    if p2p is not None:
+        return [str(a) for a in await p2p.get_visible_maddrs(latest=True)]
+    return list(transport.visible_maddrs())
+
+
 async def check_transport(transport: Any, helpers: Sequence[str], announce_maddrs: Sequence[str] = (),
-                          relay: str = "auto", timeout_s: float = ASK_TIMEOUT_S) -> Verdict:
-    """The dial-back verdict for this peer, asking ``helpers`` (PeerIDs; duplicates and ourselves skipped)."""
+                          relay: str = "auto", timeout_s: float = ASK_TIMEOUT_S,
+                          relay_wait_s: float = RELAY_WAIT_S) -> Verdict:
+    """The dial-back verdict for this peer, asking ``helpers`` (PeerIDs; duplicates and ourselves skipped). A peer
+    found not reachable with ``relay`` on waits up to ``relay_wait_s`` for a relay reservation, so the verdict can
+    say which relay others reach it through."""
     helpers = [h for h in dict.fromkeys(helpers) if h and h != transport.streams.peer_id]
     verdict = await check_reachability(transport, helpers, announced_addrs(transport, announce_maddrs),
                                        timeout_s=timeout_s)
     verdict.relay_mode = relay
-    with contextlib.suppress(Exception):  # the daemon's current addresses: a relay slot adds a /p2p-circuit one
-        p2p = getattr(transport.streams, "p2p", None)
-        addrs = [str(a) for a in await p2p.get_visible_maddrs(latest=True)] if p2p else transport.visible_maddrs()
-        verdict.relayed = any("/p2p-circuit" in a for a in addrs)
-    return verdict
+    deadline = time.monotonic() + (relay_wait_s if verdict.reachable is False and relay != "off" else 0.0)
+    while True:
+        with contextlib.suppress(Exception):
+            verdict.relays = relays_of(await visible_addrs(transport))
+        verdict.relayed = bool(verdict.relays)
+        if verdict.relayed or time.monotonic() >= deadline:
+            return verdict
+        await asyncio.sleep(1.0)
 
 
 async def helpers_for(node: Any, discovery: Any = None, status_key: Optional[str] = None) -> list[str]:
@@ -169,7 +188,8 @@ def log_verdict(verdict: Verdict) -> None:
     """The one line a volunteer reads (a warning when others cannot dial this peer)."""
     level = logging.WARNING if verdict.reachable is False else logging.INFO
     logger.log(level, "%s", verdict.line(), extra={"event": "reachability", "reachable": verdict.reachable,
-                                                   "address": verdict.address, "relayed": verdict.relayed})
+                                                   "address": verdict.address, "relayed": verdict.relayed,
+                                                   "relays": verdict.relays})
 
 
 async def watch_reachability(transport: Any, node: Any, status_key: Optional[str] = None, on_verdict=None,
