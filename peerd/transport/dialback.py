@@ -10,6 +10,22 @@ greeting (``/multistream/1.0.0``): proof that a libp2p node answers there, thoug
 
 :func:`observed_addr` tells the service where a request came from: the remote address of the stream it arrived on,
 which the p2pd stream handlers record (:class:`peerd.transport.hivemind_backend.HivemindStreams`).
+
+**Relays.** A peer found not reachable waits (:data:`RELAY_WAIT_S`) for p2pd's auto-relay to reserve a slot and
+announce a ``/p2p-circuit`` address; the verdict then names the relay ("not directly reachable; reachable through
+relay X"). What that takes on a real network (go-libp2p v0.32, the version in hivemind's p2pd):
+
+- the relays are the NATed peer's initial peers (the bootstrap nodes), which p2pd gets as static relays
+  (:func:`peerd.transport.hivemind_backend.relay_options`); both sides run with ``relay = "auto"`` (or
+  ``always`` on the NATed one);
+- the relays have *public* IP addresses as go-multiaddr's ``manet.IsPublicAddr`` defines them (not 10/8,
+  172.16/12, 192.168/16, 100.64/10, 127/8, 169.254/16, nor the TEST-NETs and other unroutable ranges): go-libp2p's
+  AutoNAT dials back only public addresses and asks only peers that have them (so a peer among private addresses
+  never learns it is private and never looks for a relay), a relay lists only its public addresses in a
+  reservation, and auto-relay builds circuit addresses only from a relay's public ones;
+- a relay carries more than 128 KiB per direction per circuit only once its own AutoNAT finds it public (p2pd's
+  always-on relay has go-libp2p's default limits; the one with peerd's limits starts on "public"), which needs a
+  peer at another public address to probe it.
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ HELPER = textwrap.dedent(f"""
 #: that also says which address the request came from, and prints the verdict, its line and its circuit address;
 #: serves until stdin closes.
 NATED = textwrap.dedent("""
-    import asyncio, sys
+    import asyncio, sys, time
     from peerd.transport.dialback import check_transport, observed_addr, peer_of, visible_addrs
     from peerd.transport.hivemind_backend import HivemindTransport
     from protocols.rpc import Service
@@ -79,11 +79,14 @@ NATED = textwrap.dedent("""
 
     async def main():
         global t
-        t = await HivemindTransport.create(initial_peers=[sys.argv[1]], host_maddrs=["/ip4/0.0.0.0/tcp/0"],
-                                           relay="auto")
+        started = time.monotonic()
+        relay = (await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)).strip()
+        t = await HivemindTransport.create(initial_peers=[relay], host_maddrs=["/ip4/0.0.0.0/tcp/0"], relay="auto")
         try:
             await Echo().start(t)
-            verdict = await check_transport(t, [peer_of(sys.argv[1])], relay="auto")
+            print(f"started in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
+            verdict = await check_transport(t, [peer_of(relay)], relay="auto")
+            print(f"verdict after {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
             print(verdict.reachable, verdict.relayed, verdict.public_ip, flush=True)
             print(verdict.line(), flush=True)
             print(next((a for a in await visible_addrs(t) if "/p2p-circuit" in a), None), flush=True)
@@ -106,18 +109,20 @@ DIALER = textwrap.dedent(f"""
     from protocols.rpc import call
 
     async def main():
+        read = lambda: asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+        relay = (await read()).strip()
         peers = {{}}
         try:
-            for name, ip in (("near", "{PUBLIC_IP}"), ("far", "{FAR_IP}")):
-                p2p = await P2P.create(initial_peers=[sys.argv[1]], host_maddrs=[f"/ip4/{{ip}}/tcp/0"],
-                                       nat_port_map=False, **relay_options("auto", client_mode=True))
-                peers[name] = HivemindStreams(p2p)
+            nodes = await asyncio.gather(*(P2P.create(initial_peers=[relay], host_maddrs=[f"/ip4/{{ip}}/tcp/0"],
+                                                      nat_port_map=False, **relay_options("auto", client_mode=True))
+                                           for ip in ("{PUBLIC_IP}", "{FAR_IP}")))
+            peers = {{name: HivemindStreams(p2p) for name, p2p in zip(("near", "far"), nodes)}}
             print("ready", flush=True)
-            circuit = (await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)).strip()
+            circuit = (await read()).strip()
             target = circuit.rsplit("/p2p/", 1)[1]
             for name, streams in peers.items():
                 await streams.connect(circuit)
-                for size in map(int, sys.argv[2:]):
+                for size in map(int, sys.argv[1:]):
                     payload = os.urandom(size)
                     started = time.monotonic()
                     reply = await call(streams, target, "test.echo", "echo", {{}}, payload, timeout_s=60,
@@ -182,47 +187,58 @@ def _start(ns: str, code: str, *args: str, log: Path) -> subprocess.Popen:
                             stderr=log.open("w"), text=True)
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    with contextlib.suppress(OSError):
-        proc.stdin.close()
-    try:
-        proc.wait(20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+def _tell(proc: subprocess.Popen, line: str) -> None:
+    proc.stdin.write(line + "\n")
+    proc.stdin.flush()
+
+
+def _stop(*procs: subprocess.Popen) -> None:
+    """Close every process's stdin (each then shuts down), then wait for them all."""
+    for proc in procs:
+        with contextlib.suppress(OSError):
+            proc.stdin.close()
+    for proc in procs:
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def test_a_peer_behind_nat_is_unreachable_and_reached_through_a_relay(nat, tmp_path):
     pub, lan = nat
     started = time.monotonic()
-    helper = _start(pub, HELPER, log=tmp_path / "helper.log")
-    procs = [helper]
+    logs = {name: tmp_path / f"{name}.log" for name in ("helper", "dialer", "nated")}
+    # all three start at once (most of their start-up is Python imports); each waits on stdin for what it needs
+    helper = _start(pub, HELPER, log=logs["helper"])
+    dialer = _start(pub, DIALER, str(64 << 10), str(4 << 20), log=logs["dialer"])
+    nated = _start(lan, NATED, log=logs["nated"])
+    procs = [helper, dialer, nated]
     try:
         maddr = helper.stdout.readline().strip()
-        assert maddr.startswith(f"/ip4/{PUBLIC_IP}/tcp/"), (tmp_path / "helper.log").read_text()[-2000:]
+        assert maddr.startswith(f"/ip4/{PUBLIC_IP}/tcp/"), logs["helper"].read_text()[-2000:]
+        print(f"relay up after {time.monotonic() - started:.1f} s")
         # the dialers connect to the relay first: one of them (another public IP) answers its AutoNAT probe, and a
         # relay that knows it is public serves with the configured limits (see the module docstring)
-        dialer = _start(pub, DIALER, maddr, str(64 << 10), str(4 << 20), log=tmp_path / "dialer.log")
-        procs.append(dialer)
-        assert dialer.stdout.readline().strip() == "ready", (tmp_path / "dialer.log").read_text()[-3000:]
-        nated = _start(lan, NATED, maddr, log=tmp_path / "nated.log")
-        procs.append(nated)
+        _tell(dialer, maddr)
+        assert dialer.stdout.readline().strip() == "ready", logs["dialer"].read_text()[-3000:]
+        print(f"dialers ready after {time.monotonic() - started:.1f} s")
+        _tell(nated, maddr)
         found, line, circuit = (nated.stdout.readline().strip() for _ in range(3))
         print(f"verdict after {time.monotonic() - started:.1f} s: {line}")
-        assert found == f"False True {ROUTER_IP}", (found, (tmp_path / "nated.log").read_text()[-3000:])
+        assert found == f"False True {ROUTER_IP}", (found, logs["nated"].read_text()[-3000:])
         assert line.startswith(f"not directly reachable; reachable through relay {maddr} (slower"), line
         assert "for direct connections forward TCP port " in line, line
         assert circuit.startswith(f"{maddr}/p2p-circuit/p2p/"), circuit
-        dialer.stdin.write(circuit + "\n")
-        dialer.stdin.flush()
+        _tell(dialer, circuit)
         for name in ("near", "far"):
             for size in (64 << 10, 4 << 20):
                 answer = dialer.stdout.readline().split()
                 print(f"{time.monotonic() - started:.1f} s: {answer}")
-                assert answer[:3] == [name, str(size), "True"], (answer, (tmp_path / "dialer.log").read_text()[-3000:])
+                assert answer[:3] == [name, str(size), "True"], (answer, logs["dialer"].read_text()[-3000:])
                 if name == "far":  # only the relay joins them: the request came through it
                     assert answer[3] == f"{maddr}/p2p-circuit", answer
         assert dialer.wait(30) == 0
     finally:
-        for proc in reversed(procs):
-            _stop(proc)
+        _stop(*procs)
+        print(f"stopped after {time.monotonic() - started:.1f} s")
