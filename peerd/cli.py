@@ -411,7 +411,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
     if any(s.get("reachable") is not None for s in live.values()):
         header += ("reachable",)
         names = {True: "yes", False: "no", None: "-"}
-        rows = [header] + [(*r, names[live[r[0]].get("reachable")]) for r in rows[1:]]
+        rows = [header] + [(*r, "relayed" if live[r[0]].get("relayed") and live[r[0]].get("reachable") is False
+                            else names[live[r[0]].get("reachable")]) for r in rows[1:]]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     for r in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())

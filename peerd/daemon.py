@@ -290,6 +290,7 @@ async def _check_reachability(transport, node: NodeConfig, ctx) -> None:
 
     def record(verdict) -> None:
         ctx.status.reachable = verdict.reachable
+        ctx.status.relayed = verdict.relayed
 
     try:
         await watch_reachability(transport, node, ctx.namespace.status_key, on_verdict=record)

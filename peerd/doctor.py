@@ -135,15 +135,23 @@ async def network_checks(node: NodeConfig, run_id: str, identity_dir: Optional[s
                                     f"by {config['creator'][:16]}..., {len(live)} live peer(s)"))
             helpers = await helpers_for(node, transport.discovery, RunNamespace(ref).status_key)
             verdict = await check_transport(transport, helpers, node.announce_maddrs, node.relay)
-            fix = "" if verdict.reachable else verdict.line().split("; ", 1)[-1]
-            detail = verdict.line().split(";", 1)[0] + note
-            checks.append(Check("reachable", bool(verdict.reachable), detail, fix))
+            checks.append(reachability_check(verdict, note))
             checks.append(clock_check([s["time"] for s in live.values()], time.time()))
         finally:
             if dialback is not None:
                 await dialback.stop()
             await transport.shutdown()
     return checks
+
+
+def reachability_check(verdict: Any, note: str = "") -> Check:
+    """The ``reachable`` line of a dial-back verdict (:class:`protocols.reachability.Verdict`): OK if others can
+    dial this peer, or reach it through a relay (a full participant, slower: the line says how to be dialed
+    directly); FAIL with the fix otherwise."""
+    if verdict.relayed and not verdict.reachable:
+        return Check("reachable", True, verdict.line() + note)
+    fix = "" if verdict.reachable else verdict.line().split("; ", 1)[-1]
+    return Check("reachable", bool(verdict.reachable), verdict.line().split(";", 1)[0] + note, fix)
 
 
 def run_doctor(node: NodeConfig, run_id: str, network: Any = None) -> list[Check]:

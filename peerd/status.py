@@ -35,10 +35,11 @@ STATUS_FIELDS = ("role", "outer_round", "inner_step", "loss", "tokens_per_s", "e
 #: (:mod:`peerd.history`, read by dashboards); ``fragment_rounds`` = the outer round of each Streaming DiLoCo fragment
 #: of a DiLoCo worker with ``[diloco] fragments`` > 1 (a list of at most 256 non-negative integers); ``reachable`` =
 #: whether other peers could dial this peer back directly (:mod:`protocols.reachability`; a boolean, None = not
-#: checked yet or nobody answered); ``round_retries`` = a DiLoCo all-reduce worker's failed tries of its current
-#: round per fragment (``{fragment name: [outer round, tries]}``, at most 256 entries; the next try's group key
-#: counts them, :func:`peerd.roles.outer_sync.group_key`).
-OPTIONAL_STATUS_FIELDS = ("instance", "stage", "history", "fragment_rounds", "reachable", "round_retries")
+#: checked yet or nobody answered); ``relayed`` = whether the peer holds a circuit relay reservation (others reach it
+#: through a relay; a boolean, None = not checked); ``round_retries`` = a DiLoCo all-reduce worker's failed tries of
+#: its current round per fragment (``{fragment name: [outer round, tries]}``, at most 256 entries; the next try's
+#: group key counts them, :func:`peerd.roles.outer_sync.group_key`).
+OPTIONAL_STATUS_FIELDS = ("instance", "stage", "history", "fragment_rounds", "reachable", "relayed", "round_retries")
 KNOWN_STATUS_FIELDS = STATUS_FIELDS + OPTIONAL_STATUS_FIELDS
 
 _MAX_ROUND = 2**40
@@ -87,6 +88,7 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
                                                 and all(_count(x) and x is not None for x in v)),
                         "a list of 1-256 non-negative integers"),
     "reachable": (lambda v: v is None or isinstance(v, bool), "a boolean"),
+    "relayed": (lambda v: v is None or isinstance(v, bool), "a boolean"),
     "round_retries": (lambda v: v is None or (isinstance(v, dict) and 0 < len(v) <= 256 and all(
         _short_str(64, nullable=False)(k) and isinstance(x, (list, tuple)) and len(x) == 2
         and all(_count(c) and c is not None for c in x) for k, x in v.items())),

@@ -284,7 +284,8 @@ class Verdict:
     """What the dial-back check found: ``reachable`` True/False, or None if no helper answered.
 
     ``address``: an address that answered; ``public_ip``: the IP helpers saw us come from; ``ports``: the TCP ports
-    we announce; ``helpers``: PeerIDs that answered; ``relayed``: this peer uses circuit relays."""
+    we announce; ``helpers``: PeerIDs that answered; ``relayed``: this peer holds a circuit relay reservation (it
+    announces a ``/p2p-circuit`` address); ``relays``: the relays' addresses (:func:`relays_of`)."""
 
     reachable: Optional[bool]
     address: Optional[str] = None
@@ -294,6 +295,7 @@ class Verdict:
     asked: int = 0
     relayed: bool = False
     relay_mode: str = "auto"
+    relays: list[str] = field(default_factory=list)
 
     def line(self) -> str:
         """One line for a volunteer: what was found and what to do about it."""
@@ -310,12 +312,27 @@ class Verdict:
                     if self.public_ip and not _is_private(self.public_ip) else
                     ", then set announce_maddrs to your public address")
         if self.relayed:
-            now = "until then this peer is reached through a relay (slower)"
-        elif self.relay_mode == "off":
+            via = self.relays[0] if self.relays else "a circuit relay"
+            more = f" (and {len(self.relays) - 1} more)" if len(self.relays) > 1 else ""
+            return (f"not directly reachable; reachable through relay {via}{more} (slower: every byte passes the "
+                    f"relay); for direct connections {forward}{announce}")
+        if self.relay_mode == "off":
             now = "or set relay = \"auto\" to be reached through relays"
         else:
             now = "until then this peer only dials out (relay = \"auto\" may get it a relay slot)"
         return f"not reachable: no peer could dial this peer back; {forward}{announce}; {now}"
+
+
+def relays_of(addrs: Sequence[str]) -> list[str]:
+    """The relays this peer is reachable through: of each circuit address in ``addrs``
+    (``<relay addr>/p2p/<relay PeerID>/p2p-circuit[/p2p/<our PeerID>]``), the part before ``/p2p-circuit``; in
+    order, without duplicates."""
+    out = []
+    for addr in addrs:
+        head, sep, _ = addr.partition("/p2p-circuit")
+        if sep and head and head not in out:
+            out.append(head)
+    return out
 
 
 def _is_private(ip: str) -> bool:

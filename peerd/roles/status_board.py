@@ -65,6 +65,8 @@ class StatusBoard:
         self.history = RecentHistory()
         self.reachable: Optional[bool] = None
         """What the dial-back check found (:mod:`protocols.reachability`), carried in every record."""
+        self.relayed: Optional[bool] = None
+        """Whether this peer holds a circuit relay reservation (found with ``reachable``)."""
         if events is not None:  # the role's events feed the compact history every record carries
             events.subscribe(self.history)
 
@@ -74,7 +76,8 @@ class StatusBoard:
     async def publish(self, **override: Any) -> None:
         """Store the current record now (``override`` replaces fields of ``describe()``, e.g. ``role="left"``).
         A failed store is not an error: the next one comes within ``interval_s``."""
-        record = make_status(**{"history": self.history.compact(), "reachable": self.reachable, **self._describe(),
+        record = make_status(**{"history": self.history.compact(), "reachable": self.reachable,
+                                 "relayed": self.relayed, **self._describe(),
                                 **override,
                                 "instance": self.instance})
         with contextlib.suppress(Exception):

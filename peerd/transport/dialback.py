@@ -10,6 +10,22 @@ greeting (``/multistream/1.0.0``): proof that a libp2p node answers there, thoug
 
 :func:`observed_addr` tells the service where a request came from: the remote address of the stream it arrived on,
 which the p2pd stream handlers record (:class:`peerd.transport.hivemind_backend.HivemindStreams`).
+
+**Relays.** A peer found not reachable waits (:data:`RELAY_WAIT_S`) for p2pd's auto-relay to reserve a slot and
+announce a ``/p2p-circuit`` address; the verdict then names the relay ("not directly reachable; reachable through
+relay X"). What that takes on a real network (go-libp2p v0.32, the version in hivemind's p2pd):
+
+- the relays are the NATed peer's initial peers (the bootstrap nodes), which p2pd gets as static relays
+  (:func:`peerd.transport.hivemind_backend.relay_options`); both sides run with ``relay = "auto"`` (or
+  ``always`` on the NATed one);
+- the relays have *public* IP addresses as go-multiaddr's ``manet.IsPublicAddr`` defines them (not 10/8,
+  172.16/12, 192.168/16, 100.64/10, 127/8, 169.254/16, nor the TEST-NETs and other unroutable ranges): go-libp2p's
+  AutoNAT dials back only public addresses and asks only peers that have them (so a peer among private addresses
+  never learns it is private and never looks for a relay), a relay lists only its public addresses in a
+  reservation, and auto-relay builds circuit addresses only from a relay's public ones;
+- a relay carries more than 128 KiB per direction per circuit only once its own AutoNAT finds it public (p2pd's
+  always-on relay has go-libp2p's default limits; the one with peerd's limits starts on "public"), which needs a
+  peer at another public address to probe it.
 """
 
 from __future__ import annotations
@@ -20,7 +36,7 @@ import logging
 import time
 from typing import Any, Optional, Sequence
 
-from protocols.reachability import ASK_TIMEOUT_S, DialBackService, Verdict, check_reachability
+from protocols.reachability import ASK_TIMEOUT_S, DialBackService, Verdict, check_reachability, relays_of
 
 logger = logging.getLogger(__name__)
 
@@ -134,18 +150,37 @@ def announced_addrs(transport: Any, announce_maddrs: Sequence[str] = ()) -> list
     return [a for a in dict.fromkeys(addrs)]
 
 
+#: How long the check waits for a relay reservation once it found this peer not reachable, in seconds: go-libp2p
+#: reserves a slot only after its AutoNAT found the peer private (its first probe: ~15 s after start).
+RELAY_WAIT_S = 30.0
+
+
+async def visible_addrs(transport: Any) -> list[str]:
+    """This peer's current addresses as p2pd announces them (a relay reservation adds a ``/p2p-circuit`` one)."""
+    p2p = getattr(transport.streams, "p2p", None)
+    if p2p is not None:
+        return [str(a) for a in await p2p.get_visible_maddrs(latest=True)]
+    return list(transport.visible_maddrs())
+
+
 async def check_transport(transport: Any, helpers: Sequence[str], announce_maddrs: Sequence[str] = (),
-                          relay: str = "auto", timeout_s: float = ASK_TIMEOUT_S) -> Verdict:
-    """The dial-back verdict for this peer, asking ``helpers`` (PeerIDs; duplicates and ourselves skipped)."""
+                          relay: str = "auto", timeout_s: float = ASK_TIMEOUT_S,
+                          relay_wait_s: float = RELAY_WAIT_S) -> Verdict:
+    """The dial-back verdict for this peer, asking ``helpers`` (PeerIDs; duplicates and ourselves skipped). A peer
+    found not reachable with ``relay`` on waits up to ``relay_wait_s`` for a relay reservation, so the verdict can
+    say which relay others reach it through."""
     helpers = [h for h in dict.fromkeys(helpers) if h and h != transport.streams.peer_id]
     verdict = await check_reachability(transport, helpers, announced_addrs(transport, announce_maddrs),
                                        timeout_s=timeout_s)
     verdict.relay_mode = relay
-    with contextlib.suppress(Exception):  # the daemon's current addresses: a relay slot adds a /p2p-circuit one
-        p2p = getattr(transport.streams, "p2p", None)
-        addrs = [str(a) for a in await p2p.get_visible_maddrs(latest=True)] if p2p else transport.visible_maddrs()
-        verdict.relayed = any("/p2p-circuit" in a for a in addrs)
-    return verdict
+    deadline = time.monotonic() + (relay_wait_s if verdict.reachable is False and relay != "off" else 0.0)
+    while True:
+        with contextlib.suppress(Exception):
+            verdict.relays = relays_of(await visible_addrs(transport))
+        verdict.relayed = bool(verdict.relays)
+        if verdict.relayed or time.monotonic() >= deadline:
+            return verdict
+        await asyncio.sleep(1.0)
 
 
 async def helpers_for(node: Any, discovery: Any = None, status_key: Optional[str] = None) -> list[str]:
@@ -169,7 +204,8 @@ def log_verdict(verdict: Verdict) -> None:
     """The one line a volunteer reads (a warning when others cannot dial this peer)."""
     level = logging.WARNING if verdict.reachable is False else logging.INFO
     logger.log(level, "%s", verdict.line(), extra={"event": "reachability", "reachable": verdict.reachable,
-                                                   "address": verdict.address, "relayed": verdict.relayed})
+                                                   "address": verdict.address, "relayed": verdict.relayed,
+                                                   "relays": verdict.relays})
 
 
 async def watch_reachability(transport: Any, node: Any, status_key: Optional[str] = None, on_verdict=None,

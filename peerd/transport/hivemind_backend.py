@@ -100,23 +100,52 @@ def _is_zombie(pid: int) -> bool:
 
 
 class _TiedDHT(hivemind.DHT):
-    """hivemind's DHT process, which exits (with its p2pd) when the process that started it dies."""
+    """hivemind's DHT process, which exits (with its p2pd) when the process that started it dies.
 
-    def __init__(self, *args: Any, **kwargs: Any):
+    ``p2pd_flags``: extra p2pd command-line flags (``{"relayDiscovery": False}``) that hivemind's ``P2P.create``
+    has no parameter for; they are added in the DHT process only (:func:`_add_p2pd_flags`)."""
+
+    def __init__(self, *args: Any, p2pd_flags: Optional[dict[str, Any]] = None, **kwargs: Any):
         self._starter_pid = os.getpid()  # set before hivemind.DHT.__init__ forks (start=True)
+        self._p2pd_flags = dict(p2pd_flags or {})
         super().__init__(*args, **kwargs)
 
     def run(self) -> None:
         _die_with_parent(self._starter_pid)
+        if self._p2pd_flags:
+            _add_p2pd_flags(self._p2pd_flags)
         super().run()
 
 
-def relay_options(relay: str, client_mode: bool = False) -> dict[str, Any]:
+def _add_p2pd_flags(flags: dict[str, Any]) -> None:
+    """In the DHT process: every p2pd that hivemind's DHT node starts from now on gets ``flags`` on its command line
+    (``-name=value``; booleans as 0/1). hivemind's DHT node builds its p2pd through the ``P2P`` name of its module,
+    so that name is pointed at a subclass whose argument builder appends the flags; the parent process (which only
+    attaches to the running p2pd) is untouched."""
+    import hivemind.dht.node as dht_node
+
+    base = dht_node.P2P
+
+    class _P2PWithFlags(base):  # type: ignore[misc, valid-type]
+        @staticmethod
+        def _make_process_args(*args: Any, **kwargs: Any) -> list[str]:
+            return base._make_process_args(*args, **{**kwargs, **flags})
+
+    dht_node.P2P = _P2PWithFlags
+
+
+def relay_options(relay: str, client_mode: bool = False, relays: Sequence[str] = ()) -> dict[str, Any]:
     """hivemind ``P2P.create`` options of the node config's ``relay``: ``off`` = no circuit relay at all;
     ``auto`` = the relay transport and relay service on (a reachable peer relays for others: p2pd's
-    ``-relayService`` is on with ``-relay``) plus auto-relay (p2pd reserves a slot on a relay, the bootstrap peers by
-    default, once its AutoNAT finds it unreachable); ``always`` = as auto, with the reachability forced private so
-    it keeps a relay slot whatever AutoNAT says. A short-lived client (``client_mode``) never reserves a slot."""
+    ``-relayService`` is on with ``-relay``) plus auto-relay (p2pd reserves a slot on a relay once its AutoNAT
+    finds it unreachable); ``always`` = as auto, with the reachability forced private so it keeps a relay slot
+    whatever AutoNAT says. A short-lived client (``client_mode``) never reserves a slot.
+
+    ``relays``: multiaddrs (with ``/p2p/<PeerID>``) of the peers to reserve slots on, normally the initial
+    (bootstrap) peers: they become p2pd's static relays (``trusted_relays`` and the p2pd flag
+    ``relayDiscovery=0``, returned under the key ``p2pd_flags``), and go-libp2p's auto-relay then reserves on them
+    as soon as it is unreachable. Without them p2pd discovers relays through its DHT, and go-libp2p (autorelay
+    v0.32: at least 4 candidates or a 3-minute boot delay) waits up to 3 minutes before its first reservation."""
     if relay not in ("off", "auto", "always"):
         raise ValueError(f"relay must be off, auto or always, got {relay!r}")
     if relay == "off":
@@ -124,6 +153,10 @@ def relay_options(relay: str, client_mode: bool = False) -> dict[str, Any]:
     options: dict[str, Any] = {"use_relay": True, "use_auto_relay": not client_mode}
     if relay == "always" and not client_mode:
         options["force_reachability"] = "private"
+    static = [r for r in dict.fromkeys(relays) if "/p2p/" in r]
+    if options["use_auto_relay"] and static:
+        options["trusted_relays"] = static
+        options["p2pd_flags"] = {"relayDiscovery": False}
     return options
 
 
@@ -214,6 +247,20 @@ class HivemindStreams:
             with contextlib.suppress(Exception):
                 await self.p2p.remove_binary_stream_handler(name)
 
+    async def connect(self, maddr: str, timeout_s: float = 20.0) -> None:
+        """Open a connection to the peer at ``maddr`` (``.../p2p/<PeerID>``; a relay circuit
+        ``<relay>/p2p-circuit/p2p/<PeerID>`` goes through that relay), so that later streams to it can use it.
+        Raises ConnectionError if it cannot be reached within ``timeout_s``."""
+        from multiaddr import Multiaddr
+
+        head, sep, peer = maddr.rstrip("/").rpartition("/p2p/")
+        if not sep or not head:
+            raise ValueError(f"{maddr!r} does not end with /p2p/<PeerID>")
+        try:
+            await asyncio.wait_for(self.p2p._client.connect(PeerID.from_base58(peer), [Multiaddr(head)]), timeout_s)
+        except Exception as e:  # a timeout, or p2pd's ControlFailure for a failed dial
+            raise ConnectionError(f"cannot connect to {maddr}: {e}") from e
+
     async def open(self, peer_id: str, name: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         try:
             _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), name)
@@ -262,7 +309,7 @@ class HivemindTransport:
             host_maddrs=list(host_maddrs),
             identity_path=identity_path,
             nat_port_map=nat_port_map,
-            **relay_options(relay, client_mode),
+            **relay_options(relay, client_mode, relays=initial_peers),
             use_ipfs=False,
             check_if_identity_free=False,
             client_mode=client_mode,

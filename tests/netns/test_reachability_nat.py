@@ -1,21 +1,34 @@
-"""The dial-back check across a real NAT: a peer in a LAN namespace behind a masquerading router namespace (no
-inbound: the router drops new connections from the outside) is told it is not reachable, and the helper reports
-the router's address as the one the request came from (the reachable case on real p2pd nodes is in
-tests/integration/test_reachability.py). Needs root and iptables (scripts/setup installs it as root).
+"""A peer behind a real NAT: a peer in a LAN namespace behind a masquerading router namespace (no inbound: the router
+drops new connections from the outside) is told it is not directly reachable (the helper reports the router's
+address as the one the request came from), gets a circuit relay reservation on the helper (its initial peer, with
+``relay = "auto"`` on both), and a reachable peer dials it through the relay and exchanges bytes over an RPC; its
+verdict line names the relay. The reachable case on real p2pd nodes is in tests/integration/test_reachability.py.
+Needs root and iptables (scripts/setup installs it as root).
 
-Topology (addresses exist only in the namespaces made here)::
+Topology (addresses exist only in the namespaces made here; no namespace has a route beyond them)::
 
-    NAME-pub [pub0 10.89.0.1/24] ==veth== [wan0 10.89.0.2/24] NAME-rtr [in0 192.168.77.1/24] ==veth== [lan0 192.168.77.2/24] NAME-lan
+    NAME-pub [pub0 192.0.0.65/29] ==veth== [wan0 192.0.0.66/29] NAME-rtr [in0 192.168.77.1/24] ==veth== [lan0 192.168.77.2/24] NAME-lan
                                             MASQUERADE out of wan0; wan0 -> in0 only for established connections
+
+Why 192.0.0.64/29 on the "public" side: go-libp2p (v0.32, in hivemind's p2pd) relays only between public addresses
+as go-multiaddr's ``manet.IsPublicAddr`` defines them (not in 10/8, 100.64/10, 172.16/12, 192.168/16, 127/8,
+169.254/16, nor in its unroutable list, which holds the TEST-NETs and 192.0.0.0/26 but not the rest of 192.0.0.0/24):
+its AutoNAT server dials back only public addresses and its client asks only peers with public addresses (so with
+private ones a NATed peer never learns it is private and never looks for a relay), the relay puts only its public
+addresses in a reservation, and auto-relay builds ``/p2p-circuit`` addresses only from a relay's public addresses.
+192.0.0.64/29 passes that test yet is IETF protocol-assignment space that no real host uses, and the packets never
+leave these namespaces.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -23,17 +36,21 @@ import pytest
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(240)]
 
 ROOT = Path(__file__).resolve().parents[2]
+#: The reachable side ("public" to go-libp2p, see the module docstring) and the router's address on it.
+PUBLIC_IP, ROUTER_IP, PUBLIC_PREFIX = "192.0.0.65", "192.0.0.66", 29
+#: A second address of the reachable side that the router does not let the LAN reach (a peer behind a firewall).
+FAR_IP = "192.0.0.67"
 
-#: The helper: a DHT node serving the dial-back check with a short dial timeout (the router drops, so each dial to
-#: the NAT peer waits it out). Prints its multiaddr, then serves until stdin closes.
-HELPER = textwrap.dedent("""
+#: The helper and relay: a DHT node with relays on, serving the dial-back check with a short dial timeout (the
+#: router drops, so each dial to the NAT peer waits it out). Prints its multiaddr, then serves until stdin closes.
+HELPER = textwrap.dedent(f"""
     import asyncio, sys
     from peerd.transport.dialback import observed_addr, p2pd_dial
     from peerd.transport.hivemind_backend import HivemindTransport
     from protocols.reachability import DialBackService
 
     async def main():
-        t = await HivemindTransport.create(host_maddrs=["/ip4/10.89.0.1/tcp/0"], relay="off")
+        t = await HivemindTransport.create(host_maddrs=["/ip4/{PUBLIC_IP}/tcp/0"], relay="auto")
         service = DialBackService(p2pd_dial, observed=lambda peer: observed_addr(t, peer), dial_timeout_s=2.0)
         await service.start(t)
         print(t.visible_maddrs()[0], flush=True)
@@ -44,21 +61,77 @@ HELPER = textwrap.dedent("""
     asyncio.run(main())
 """)
 
-#: An asker: joins through the helper, listening on every interface, and prints the verdict's line.
-ASKER = textwrap.dedent("""
-    import asyncio, sys
-    from peerd.transport.dialback import check_transport, peer_of
+#: The peer behind the NAT: joins through the helper (its relay) listening on every interface, serves an echo RPC
+#: that also says which address the request came from, and prints the verdict, its line and its circuit address;
+#: serves until stdin closes.
+NATED = textwrap.dedent("""
+    import asyncio, sys, time
+    from peerd.transport.dialback import check_transport, observed_addr, peer_of, visible_addrs
     from peerd.transport.hivemind_backend import HivemindTransport
+    from protocols.rpc import Service
+
+    class Echo(Service):
+        name = "test.echo"
+
+        async def rpc_echo(self, request):
+            data = await request.payload(16 << 20)
+            return {"via": observed_addr(t, request.peer)}, bytes(data[::-1])
 
     async def main():
-        t = await HivemindTransport.create(initial_peers=[sys.argv[1]], host_maddrs=["/ip4/0.0.0.0/tcp/0"],
-                                           relay="off")
+        global t
+        started = time.monotonic()
+        relay = (await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)).strip()
+        t = await HivemindTransport.create(initial_peers=[relay], host_maddrs=["/ip4/0.0.0.0/tcp/0"], relay="auto")
         try:
-            verdict = await check_transport(t, [peer_of(sys.argv[1])], relay="off")
-            print(verdict.reachable, verdict.public_ip, flush=True)
+            await Echo().start(t)
+            print(f"started in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
+            verdict = await check_transport(t, [peer_of(relay)], relay="auto")
+            print(f"verdict after {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
+            print(verdict.reachable, verdict.relayed, verdict.public_ip, flush=True)
             print(verdict.line(), flush=True)
+            print(next((a for a in await visible_addrs(t) if "/p2p-circuit" in a), None), flush=True)
+            await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
         finally:
             await t.shutdown()
+
+    asyncio.run(main())
+""")
+
+#: Two reachable peers without a DHT (bare p2pd nodes), one at NEAR_IP (the NATed peer can dial it: DCUtR's
+#: connection reversal replaces the relayed connection by a direct one) and one at FAR_IP (the router drops
+#: connections from the LAN to it: only the relay joins them). Prints "ready", reads the NATed peer's circuit
+#: address from stdin, then each dials it through the relay and calls its echo RPC with payloads of the sizes given;
+#: one line per call: name, size, intact, the address the NATed peer saw the request come from, seconds.
+DIALER = textwrap.dedent(f"""
+    import asyncio, os, sys, time
+    from hivemind.p2p import P2P
+    from peerd.transport.hivemind_backend import HivemindStreams, relay_options
+    from protocols.rpc import call
+
+    async def main():
+        read = lambda: asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+        relay = (await read()).strip()
+        peers = {{}}
+        try:
+            nodes = await asyncio.gather(*(P2P.create(initial_peers=[relay], host_maddrs=[f"/ip4/{{ip}}/tcp/0"],
+                                                      nat_port_map=False, **relay_options("auto", client_mode=True))
+                                           for ip in ("{PUBLIC_IP}", "{FAR_IP}")))
+            peers = {{name: HivemindStreams(p2p) for name, p2p in zip(("near", "far"), nodes)}}
+            print("ready", flush=True)
+            circuit = (await read()).strip()
+            target = circuit.rsplit("/p2p/", 1)[1]
+            for name, streams in peers.items():
+                await streams.connect(circuit)
+                for size in map(int, sys.argv[1:]):
+                    payload = os.urandom(size)
+                    started = time.monotonic()
+                    reply = await call(streams, target, "test.echo", "echo", {{}}, payload, timeout_s=60,
+                                       max_reply_bytes=size + (1 << 16))
+                    ok = bytes(reply.payload) == payload[::-1]
+                    print(name, size, ok, reply.header.get("via"), round(time.monotonic() - started, 2), flush=True)
+        finally:
+            for streams in peers.values():
+                await streams.p2p.shutdown()
 
     asyncio.run(main())
 """)
@@ -81,17 +154,23 @@ def nat():
             _sh("ip", "-n", ns, "link", "set", "lo", "up")
         _sh("ip", "link", "add", "pub0", "netns", pub, "type", "veth", "peer", "name", "wan0", "netns", rtr)
         _sh("ip", "link", "add", "lan0", "netns", lan, "type", "veth", "peer", "name", "in0", "netns", rtr)
-        for ns, dev, addr in ((pub, "pub0", "10.89.0.1/24"), (rtr, "wan0", "10.89.0.2/24"),
+        for ns, dev, addr in ((pub, "pub0", f"{PUBLIC_IP}/{PUBLIC_PREFIX}"), (rtr, "wan0", f"{ROUTER_IP}/{PUBLIC_PREFIX}"),
                               (rtr, "in0", "192.168.77.1/24"), (lan, "lan0", "192.168.77.2/24")):
             _sh("ip", "-n", ns, "addr", "add", addr, "dev", dev)
             _sh("ip", "-n", ns, "link", "set", dev, "up")
         _sh("ip", "-n", lan, "route", "add", "default", "via", "192.168.77.1")
+        for ns in (pub, rtr):  # nothing routes beyond the namespaces made here
+            routes = subprocess.run(["ip", "-n", ns, "route", "show", "default"], capture_output=True, text=True)
+            assert routes.stdout.strip() == "", routes.stdout
         _sh("ip", "netns", "exec", rtr, "sysctl", "-qw", "net.ipv4.ip_forward=1")
         _sh("ip", "netns", "exec", rtr, "iptables", "-t", "nat", "-A", "POSTROUTING", "-o", "wan0", "-j",
             "MASQUERADE")
         _sh("ip", "netns", "exec", rtr, "iptables", "-A", "FORWARD", "-i", "wan0", "-o", "in0", "-m", "state",
             "--state", "ESTABLISHED,RELATED", "-j", "ACCEPT")
         _sh("ip", "netns", "exec", rtr, "iptables", "-A", "FORWARD", "-i", "wan0", "-o", "in0", "-j", "DROP")
+        _sh("ip", "-n", pub, "addr", "add", f"{FAR_IP}/{PUBLIC_PREFIX}", "dev", "pub0")
+        _sh("ip", "netns", "exec", rtr, "iptables", "-A", "FORWARD", "-i", "in0", "-o", "wan0", "-d", FAR_IP, "-j",
+            "DROP")
         yield pub, lan
     finally:
         for ns in (pub, rtr, lan):
@@ -103,21 +182,63 @@ def _python(ns: str, code: str, *args: str) -> list[str]:
     return ["ip", "netns", "exec", ns, "env", f"PYTHONPATH={ROOT}", sys.executable, "-c", code, *args]
 
 
-def test_a_peer_behind_nat_is_told_it_is_unreachable_with_the_routers_address(nat):
+def _start(ns: str, code: str, *args: str, log: Path) -> subprocess.Popen:
+    return subprocess.Popen(_python(ns, code, *args), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=log.open("w"), text=True)
+
+
+def _tell(proc: subprocess.Popen, line: str) -> None:
+    proc.stdin.write(line + "\n")
+    proc.stdin.flush()
+
+
+def _stop(*procs: subprocess.Popen) -> None:
+    """Close every process's stdin (each then shuts down), then wait for them all."""
+    for proc in procs:
+        with contextlib.suppress(OSError):
+            proc.stdin.close()
+    for proc in procs:
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_peer_behind_nat_is_unreachable_and_reached_through_a_relay(nat, tmp_path):
     pub, lan = nat
-    helper = subprocess.Popen(_python(pub, HELPER), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    started = time.monotonic()
+    logs = {name: tmp_path / f"{name}.log" for name in ("helper", "dialer", "nated")}
+    # all three start at once (most of their start-up is Python imports); each waits on stdin for what it needs
+    helper = _start(pub, HELPER, log=logs["helper"])
+    dialer = _start(pub, DIALER, str(64 << 10), str(4 << 20), log=logs["dialer"])
+    nated = _start(lan, NATED, log=logs["nated"])
+    procs = [helper, dialer, nated]
     try:
         maddr = helper.stdout.readline().strip()
-        assert maddr.startswith("/ip4/10.89.0.1/tcp/"), maddr
-        behind = subprocess.run(_python(lan, ASKER, maddr), capture_output=True, text=True, timeout=180)
-        assert behind.returncode == 0, behind.stderr[-2000:]
-        found, line = behind.stdout.splitlines()[:2]
-        assert found == "False 10.89.0.2", behind.stdout  # the router's address: what the helper saw
-        assert line.startswith("not reachable: no peer could dial this peer back; forward TCP port "), line
+        assert maddr.startswith(f"/ip4/{PUBLIC_IP}/tcp/"), logs["helper"].read_text()[-2000:]
+        print(f"relay up after {time.monotonic() - started:.1f} s")
+        # the dialers connect to the relay first: one of them (another public IP) answers its AutoNAT probe, and a
+        # relay that knows it is public serves with the configured limits (see the module docstring)
+        _tell(dialer, maddr)
+        assert dialer.stdout.readline().strip() == "ready", logs["dialer"].read_text()[-3000:]
+        print(f"dialers ready after {time.monotonic() - started:.1f} s")
+        _tell(nated, maddr)
+        found, line, circuit = (nated.stdout.readline().strip() for _ in range(3))
+        print(f"verdict after {time.monotonic() - started:.1f} s: {line}")
+        assert found == f"False True {ROUTER_IP}", (found, logs["nated"].read_text()[-3000:])
+        assert line.startswith(f"not directly reachable; reachable through relay {maddr} (slower"), line
+        assert "for direct connections forward TCP port " in line, line
+        assert circuit.startswith(f"{maddr}/p2p-circuit/p2p/"), circuit
+        _tell(dialer, circuit)
+        for name in ("near", "far"):
+            for size in (64 << 10, 4 << 20):
+                answer = dialer.stdout.readline().split()
+                print(f"{time.monotonic() - started:.1f} s: {answer}")
+                assert answer[:3] == [name, str(size), "True"], (answer, logs["dialer"].read_text()[-3000:])
+                if name == "far":  # only the relay joins them: the request came through it
+                    assert answer[3] == f"{maddr}/p2p-circuit", answer
+        assert dialer.wait(30) == 0
     finally:
-        helper.stdin.close()
-        try:
-            helper.wait(20)
-        except subprocess.TimeoutExpired:
-            helper.kill()
-            helper.wait()
+        _stop(*procs)
+        print(f"stopped after {time.monotonic() - started:.1f} s")

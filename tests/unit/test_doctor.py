@@ -80,12 +80,31 @@ def test_relay_key_and_options():
     assert relay_options("auto") == {"use_relay": True, "use_auto_relay": True}
     assert relay_options("always") == {"use_relay": True, "use_auto_relay": True, "force_reachability": "private"}
     assert relay_options("always", client_mode=True) == {"use_relay": True, "use_auto_relay": False}
+    boot = f"/ip4/192.0.2.1/tcp/31337/p2p/{PEER.rsplit('/', 1)[1]}"
+    assert relay_options("auto", relays=[boot, boot, "/ip4/192.0.2.2/tcp/1"]) == {
+        "use_relay": True, "use_auto_relay": True, "trusted_relays": [boot], "p2pd_flags": {"relayDiscovery": False}}
+    assert relay_options("auto", client_mode=True, relays=[boot]) == {"use_relay": True, "use_auto_relay": False}
+    assert relay_options("off", relays=[boot]) == {"use_relay": False, "use_auto_relay": False}
+
+
+def test_p2pd_flags_reach_the_command_line_of_the_dht_process_p2pd(monkeypatch):
+    import hivemind.dht.node as dht_node
+
+    from peerd.transport.hivemind_backend import _add_p2pd_flags
+
+    monkeypatch.setattr(dht_node, "P2P", dht_node.P2P)  # restored after the test
+    plain = dht_node.P2P._make_process_args("p2pd", autoRelay=True, trustedRelays="/ip4/192.0.2.1/tcp/1/p2p/x")
+    _add_p2pd_flags({"relayDiscovery": False})
+    args = dht_node.P2P._make_process_args("p2pd", autoRelay=True, trustedRelays="/ip4/192.0.2.1/tcp/1/p2p/x")
+    assert args == plain + ["-relayDiscovery=0"]
 
 
 def test_status_record_carries_reachable():
     assert status_problem(make_status(role="diloco", reachable=False)) is None
     assert status_problem(make_status(role="diloco", reachable=None)) is None
     assert "reachable" in status_problem(make_status(role="diloco", reachable="yes"))
+    assert status_problem(make_status(role="diloco", reachable=False, relayed=True)) is None
+    assert "relayed" in status_problem(make_status(role="diloco", reachable=False, relayed="yes"))
 
 
 def test_loopback_only():
@@ -124,3 +143,17 @@ def test_a_dht_that_reached_no_initial_peer_says_what_to_check():
     other = dht_start_error(OSError("address already in use"), [peer])  # not the initial peers' fault: no hint
     assert str(other) == "could not start the DHT node: address already in use"
     assert "initial peer" not in str(dht_start_error(TimeoutError("slow"), []))
+
+
+def test_a_relayed_peer_passes_the_reachable_check_with_the_way_to_direct_connections():
+    from peerd.doctor import reachability_check
+    from protocols.reachability import Verdict
+
+    relay = f"/ip4/192.0.2.1/tcp/31337/p2p/{PEER.rsplit('/', 1)[1]}"
+    relayed = reachability_check(Verdict(False, public_ip="81.2.69.160", ports=[4001], relayed=True, relays=[relay]))
+    assert relayed.ok and relayed.line().startswith(f"OK    reachable    not directly reachable; reachable through "
+                                                    f"relay {relay} (slower")
+    assert "forward TCP port 4001" in relayed.line()
+    alone = reachability_check(Verdict(False, public_ip="81.2.69.160", ports=[4001]))
+    assert not alone.ok and alone.detail == "not reachable: no peer could dial this peer back"
+    assert alone.fix.startswith("forward TCP port 4001")

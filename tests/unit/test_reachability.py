@@ -16,6 +16,7 @@ from protocols.reachability import (
     ask_dialback,
     parse_tcp,
     plan_dials,
+    relays_of,
     verdict_of,
 )
 from protocols.rpc import call
@@ -245,5 +246,57 @@ async def test_join_check_logs_one_line_and_the_status_record_carries_it(caplog,
         assert verdict.reachable is None
         assert [r.getMessage()[:22] for r in caplog.records
                 if getattr(r, "event", None) == "reachability"] == ["reachability unknown: "] * 2
+    finally:
+        await service.stop()
+
+
+RELAY_ID = "12D3KooWRelay"
+
+
+def test_relays_of_takes_the_relay_part_of_circuit_addresses():
+    addrs = ["/ip4/192.168.1.5/tcp/4001/p2p/" + ME,
+             f"/ip4/192.0.0.65/tcp/31337/p2p/{RELAY_ID}/p2p-circuit/p2p/{ME}",
+             f"/ip4/192.0.0.65/tcp/31337/p2p/{RELAY_ID}/p2p-circuit",
+             f"/ip4/198.51.100.2/tcp/1/p2p/{RELAY_ID}2/p2p-circuit/p2p/{ME}"]
+    assert relays_of(addrs) == [f"/ip4/192.0.0.65/tcp/31337/p2p/{RELAY_ID}", f"/ip4/198.51.100.2/tcp/1/p2p/{RELAY_ID}2"]
+    assert relays_of(addrs[:1]) == [] and relays_of(["/p2p-circuit"]) == []
+
+
+@in_loop
+async def test_an_unreachable_peer_waits_for_its_relay_slot_and_the_line_names_the_relay():
+    hub = Hub()
+    me, helper = hub.transport(ME), hub.transport("helper")
+
+    async def never(peer, addrs, timeout_s):
+        return {a: (False, "no answer") for a in addrs}
+
+    service = DialBackService(never, observed=lambda peer: "/ip4/81.2.69.160/tcp/50000")
+    await service.start(helper)
+    direct = "/ip4/192.168.1.5/tcp/4001/p2p/" + ME
+    circuit = f"/ip4/81.2.69.1/tcp/31337/p2p/{RELAY_ID}/p2p-circuit/p2p/{ME}"
+    polls = []
+
+    def addrs():  # the relay slot arrives on the third look
+        polls.append(1)
+        return [direct] + ([circuit] if len(polls) >= 3 else [])
+
+    me.visible_maddrs = addrs
+    try:
+        verdict = await check_transport(me, ["helper"], relay="auto", relay_wait_s=10.0)
+        assert verdict.reachable is False and verdict.relayed is True
+        assert verdict.relays == [f"/ip4/81.2.69.1/tcp/31337/p2p/{RELAY_ID}"]
+        line = verdict.line()
+        assert line.startswith(f"not directly reachable; reachable through relay /ip4/81.2.69.1/tcp/31337/p2p/{RELAY_ID} "
+                               "(slower"), line
+        assert "for direct connections forward TCP port 4001" in line and "/ip4/81.2.69.160/tcp/4001" in line
+        polls.clear()
+        me.visible_maddrs = lambda: polls.append(1) or [direct]
+        started = asyncio.get_running_loop().time()
+        alone = await check_transport(me, ["helper2"], relay="auto", relay_wait_s=10.0)  # nobody answers: no wait
+        assert alone.reachable is None and not alone.relayed and asyncio.get_running_loop().time() - started < 5
+        service.limiter.per_peer_interval_s = 0.0
+        off = await check_transport(me, ["helper"], relay="off", relay_wait_s=10.0)  # relays off: no wait
+        assert off.reachable is False and not off.relayed and off.line().startswith("not reachable")
+        assert len(polls) == 4  # two looks per check (what to dial, then the relays), no waiting
     finally:
         await service.stop()

@@ -67,7 +67,7 @@ function renderPeers(data) {
     tr.appendChild(cell(fmt(p.tokens_per_s, 0)));
     tr.appendChild(cell(fmt(p.eval_nats_per_byte, 4)));
     tr.appendChild(cell(`${Math.round(p.last_seen_s)} s ago`));
-    tr.appendChild(cell(p.reachable == null ? "-" : (p.reachable ? "yes" : "no")));
+    tr.appendChild(cell(p.reachable == null ? "-" : (p.reachable ? "yes" : (p.relayed ? "relayed" : "no"))));
     body.appendChild(tr);
   }
 }
