@@ -305,6 +305,9 @@ def analyse_diloco(logs: list[list[dict]], tokens_per_step: int, a, t_launch: fl
         train_start = steps[0][0] - steps[0][1]
         end = rounds[-1]["time"]
         compute = sum(s for _, s in steps)
+        # with background evaluation a round's event carries no eval: the eval event of that outer round does
+        eval_of = {e.get("outer_round"): e["eval_nats_per_byte"] for e in evals0
+                   if e.get("eval_nats_per_byte") is not None}
         per_round = []
         for r_i, r in enumerate(rounds):
             last_step = max(t for t, _ in steps if t <= r["time"])
@@ -312,7 +315,8 @@ def analyse_diloco(logs: list[list[dict]], tokens_per_step: int, a, t_launch: fl
             # the round's non-compute time: from its last inner step to the next round's first step (or its event)
             gap_end = min(nxt) if nxt else r["time"]
             per_round.append({"round_s": r["round_s"], "allreduce_s": r["allreduce_s"], "gap_s": gap_end - last_step,
-                              "eval": r["eval_nats_per_byte"], "time": r["time"] - train_start,
+                              "eval": r["eval_nats_per_byte"] if r["eval_nats_per_byte"] is not None
+                              else eval_of.get(r["outer_round"]), "time": r["time"] - train_start,
                               "bytes_sent": r["bytes_sent"], "bytes_received": r["bytes_received"]})
         peers.append({"compute_s": compute, "wall_s": end - train_start, "util": compute / (end - train_start),
                       "steps": len(steps), "rounds": per_round, "eval0": evals0[0]["eval_nats_per_byte"] if evals0
@@ -347,6 +351,11 @@ def run_dp(tb, a, workdir: str, run_toml: str, target: Optional[float], max_step
         return {"evals": [l for l in lines if "eval" in l], "done": next(l for l in lines if l.get("done"))}
     finally:
         kill(procs)
+
+
+def _nats(x: Optional[float]) -> str:
+    """An eval loss for the tables; "-" where the peer logged none (e.g. its background eval had not finished)."""
+    return "-" if x is None else f"{x:.4f}"
 
 
 def render(res: Results, a, meta: dict) -> str:
@@ -386,7 +395,7 @@ def render(res: Results, a, meta: dict) -> str:
         final = peers[0]["rounds"][-1]["eval"]
         to_target = statistics.median(q["rounds"][a.target_round - 1]["time"] for q in peers)
         sent = statistics.mean(sum(r["bytes_sent"] for r in q["rounds"]) for q in peers)
-        lines.append(f"| DiLoCo, peerd daemons, H={a.h} | {steps} | {steps * tokens_per_step:,} | {final:.4f} | "
+        lines.append(f"| DiLoCo, peerd daemons, H={a.h} | {steps} | {steps * tokens_per_step:,} | {_nats(final)} | "
                      f"{to_target:.0f} | {comp:.0f} | {wall:.0f} | **{util:.3f}** | {sent / 1e6:.1f} MB |")
     if p:
         done = p["done"]
@@ -414,7 +423,7 @@ def render(res: Results, a, meta: dict) -> str:
         for r in range(len(peers[0]["rounds"])):
             rs = [q["rounds"][r] for q in peers]
             med = lambda k: statistics.median(x[k] for x in rs)  # noqa: E731
-            lines.append(f"| {r + 1} | {rs[0]['eval']:.4f} | {a.h * step_s:.1f} | {med('gap_s'):.1f} | "
+            lines.append(f"| {r + 1} | {_nats(rs[0]['eval'])} | {a.h * step_s:.1f} | {med('gap_s'):.1f} | "
                          f"{med('round_s') - med('allreduce_s'):.1f} | {med('allreduce_s'):.1f} | {bound:.1f} | "
                          f"{med('gap_s') - med('round_s'):.1f} |")
         lines.append("")
@@ -538,7 +547,9 @@ def main() -> int:
         print("== DiLoCo", flush=True)
         try:
             res.diloco = run_diloco(tb, a, workdir, run_toml, tokens_per_step)
-            meta["target"] = statistics.median(q["rounds"][a.target_round - 1]["eval"] for q in res.diloco["peers"])
+            evals = [q["rounds"][a.target_round - 1]["eval"] for q in res.diloco["peers"]]
+            meta["target"] = statistics.median(e for e in evals if e is not None) if any(
+                e is not None for e in evals) else None
             print(json.dumps(res.diloco)[:2000], flush=True)
         except Exception as e:  # noqa: BLE001 - report what failed, still run the baseline
             res.notes.append(f"DiLoCo run failed: {type(e).__name__}: {str(e)[:1500]}")
