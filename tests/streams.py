@@ -18,3 +18,24 @@ class CountingReader:
             raise
         self.n += len(data)
         return data
+
+
+class StreamsWrapper:
+    """Streams that pass everything to ``inner``; a test subclasses it and overrides :meth:`open` to observe or
+    disturb the streams a peer opens."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    @property
+    def peer_id(self):
+        return self.inner.peer_id
+
+    async def add_handler(self, name, handler):
+        await self.inner.add_handler(name, handler)
+
+    async def remove_handler(self, name):
+        await self.inner.remove_handler(name)
+
+    async def open(self, peer_id, name):
+        return await self.inner.open(peer_id, name)

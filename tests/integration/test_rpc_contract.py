@@ -19,26 +19,16 @@ import torch
 from peerd.transport.inprocess import Hub
 from protocols.rpc import ProtocolViolation, Refused, RpcTimeout, Service, Unreachable, call, open_stream
 from protocols.state_transfer import StateServer, StateSnapshot, download_state
-from tests.streams import CountingReader
+from tests.streams import CountingReader, StreamsWrapper
 
 pytestmark = pytest.mark.timeout(180)
 
 SMALL_CHUNK = 4096
 
 
-class _CountingStreams:
+class _CountingStreams(StreamsWrapper):
     def __init__(self, inner):
         self.inner, self.readers = inner, []
-
-    @property
-    def peer_id(self):
-        return self.inner.peer_id
-
-    async def add_handler(self, name, handler):
-        await self.inner.add_handler(name, handler)
-
-    async def remove_handler(self, name):
-        await self.inner.remove_handler(name)
 
     async def open(self, peer_id, name):
         reader, writer = await self.inner.open(peer_id, name)

@@ -12,6 +12,7 @@ from peerd.transport.inprocess import Hub
 from protocols.allreduce import AllReduceConfig, AllReduceFailed, ButterflyAllReduce, ChunkedPartReducer
 from protocols.matchmaking import MatchmakingConfig
 from protocols.rpc import ProtocolViolation, Refused, Service, call_framed
+from tests.streams import StreamsWrapper
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -88,19 +89,9 @@ class _SlowWriter:
         self.inner.close()
 
 
-class _WrappedStreams:
+class _WrappedStreams(StreamsWrapper):
     def __init__(self, inner, make_writer):
         self.inner, self.make_writer = inner, make_writer
-
-    @property
-    def peer_id(self):
-        return self.inner.peer_id
-
-    async def add_handler(self, name, handler):
-        await self.inner.add_handler(name, handler)
-
-    async def remove_handler(self, name):
-        await self.inner.remove_handler(name)
 
     async def open(self, peer_id, name):
         reader, writer = await self.inner.open(peer_id, name)
@@ -275,7 +266,7 @@ def test_a_chunk_aggregated_in_place_is_closed_and_stays_the_same():
     assert torch.equal(reducer.chunk_aggregate(1), torch.zeros(4))  # nobody delivered chunk 1
 
 
-class _LateOpener:
+class _LateOpener(StreamsWrapper):
     """Streams that open the ``.reduce`` stream to ``reducer`` only after ``delay_s`` (a sender on a loaded host
     whose call starts late) and then pause ``pause_s`` after its first chunk (so the reducer has to wait for the
     rest); counts the delayed opens."""
@@ -284,16 +275,6 @@ class _LateOpener:
         self.inner, self.reducer, self.delay_s, self.pause_s = inner, reducer, delay_s, pause_s
         self.delayed = 0
         self.pauses: list = []
-
-    @property
-    def peer_id(self):
-        return self.inner.peer_id
-
-    async def add_handler(self, name, handler):
-        await self.inner.add_handler(name, handler)
-
-    async def remove_handler(self, name):
-        await self.inner.remove_handler(name)
 
     async def open(self, peer_id, name):
         if peer_id == self.reducer and name.endswith(".reduce"):

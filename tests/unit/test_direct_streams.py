@@ -26,28 +26,19 @@ from peerd.transport.pacing import pace
 from peerd.transport.records import SignedDiscovery
 from protocols.interfaces import PeerStreams
 from protocols.wire import read_frame, write_frame
+from tests.streams import StreamsWrapper
 
 pytestmark = pytest.mark.timeout(60)
 
 BIG = 25_000_000  # bytes
 
 
-class CountingStreams:
+class CountingStreams(StreamsWrapper):
     """Inner streams that count the streams opened through them (the p2pd path, as the direct layer sees it)."""
 
     def __init__(self, inner):
         self.inner = inner
         self.opens = 0
-
-    @property
-    def peer_id(self) -> str:
-        return self.inner.peer_id
-
-    async def add_handler(self, name, handler):
-        await self.inner.add_handler(name, handler)
-
-    async def remove_handler(self, name):
-        await self.inner.remove_handler(name)
 
     async def open(self, peer_id, name):
         self.opens += 1
