@@ -51,6 +51,9 @@ logger = logging.getLogger(__name__)
 #: for the last few ns could wake without the clock moving, and on a virtual clock never move it (a busy loop).
 _DUE_S = 1e-6
 
+#: Attempts to reach a leader that failed before a redirect to it no longer makes us try it again.
+_RETRIES = 2
+
 #: ``admit(own_info, peer_id, peer_info) -> None`` to accept the peer, or a reason string to refuse it.
 AdmitFn = Callable[[dict, str, dict], Optional[str]]
 
@@ -237,7 +240,8 @@ class Matchmaker(Service):
         try:
             expiration = discovery.time() + (give_up - now) + cfg.request_timeout_s
             await discovery.store(dkey, self.peer_id, {"joined": discovery.time()}, expiration)
-            unreachable: set[str] = set()
+            unreachable: set[str] = set()  # leaders we could not reach, and leaders that defer to one of those
+            failures: dict[str, int] = {}  # failed attempts to reach each leader
             redirect: Optional[str] = None
             while loop.time() < session.deadline:
                 if redirect is not None and redirect not in unreachable and not self.bans.is_banned(redirect):
@@ -262,11 +266,19 @@ class Matchmaker(Service):
                     return value
                 if kind == "redirect":
                     redirect = value
-                    if value in unreachable or value == leader:
+                    if value in unreachable and failures.get(value, 0) < _RETRIES:
+                        # ``leader`` reached that peer: our failed attempt may have been transient (a loaded
+                        # leader that read our request late); before, we bounced between the two until max_wait_s
+                        unreachable.discard(value)
+                    elif value in unreachable:
+                        # ``leader`` defers to a peer we cannot reach: lead or join elsewhere rather than bounce
+                        unreachable.add(leader)
+                    elif value == leader:
                         await asyncio.sleep(cfg.poll_interval_s)
                 elif kind in ("unreachable", "gone"):
                     logger.debug("leader %s unreachable for %s: %s", leader, key, value)
                     unreachable.add(leader)
+                    failures[leader] = failures.get(leader, 0) + 1
                 elif kind == "refused":
                     raise AdmissionRefused(leader, value)
                 elif kind == "late":
@@ -303,20 +315,23 @@ class Matchmaker(Service):
                     break
             elif session.expected_size is not None and size >= session.expected_size:
                 break
-            # some member (or we) cannot wait any longer; or, members unknown, nobody new for matchmaking_timeout_s
-            deadline = min([session.deadline] + [f.deadline for f in session.followers.values()])
-            if session.expected_members is None:
-                deadline = min(deadline, session.idle_until)
-            remaining = deadline - loop.time()
+            remaining = _seal_at(session) - loop.time()
             if remaining <= _DUE_S:
                 break
             session.changed.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(session.changed.wait(), min(self.config.poll_interval_s, remaining))
-            smaller = [
-                p for p in await self.transport.discovery.get(dkey)
-                if p < self.peer_id and p not in unreachable and not self.bans.is_banned(p)
-            ]
+            # the seal is due at a follower's deadline, and that follower gives up request_timeout_s later: neither
+            # a slow discovery read (seconds, on a loaded DHT) nor a smaller peer found at the last moment may push
+            # the seal past it (the followers ran out of time, the leader sealed alone)
+            remaining = _seal_at(session) - loop.time()
+            if remaining <= _DUE_S:
+                continue
+            try:
+                records = await asyncio.wait_for(self.transport.discovery.get(dkey), remaining)
+            except asyncio.TimeoutError:
+                continue
+            smaller = [p for p in records if p < self.peer_id and p not in unreachable and not self.bans.is_banned(p)]
             if smaller:
                 session.following = min(smaller)
                 self._hand_over(session, session.following)
@@ -408,6 +423,15 @@ class Matchmaker(Service):
         if kind == "redirect":
             return {"type": "redirect", "leader": value}
         raise Refused(str(value), "late")
+
+
+def _seal_at(session: _Session) -> float:
+    """Loop time at which the group ``session`` leads must seal: when some member (or the leader) cannot wait any
+    longer, or, members unknown, when nobody new has joined for ``matchmaking_timeout_s``."""
+    deadline = min([session.deadline] + [f.deadline for f in session.followers.values()])
+    if session.expected_members is None:
+        deadline = min(deadline, session.idle_until)
+    return deadline
 
 
 class _Late(Exception):

@@ -1,6 +1,7 @@
 """Matchmaking with many peers arriving spread out (in-process, on the simulator's virtual clock)."""
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
@@ -10,6 +11,7 @@ from protocols.matchmaking import MatchmakingConfig, MatchmakingFailed
 from tests.unit.conftest import start_averaging_peers
 
 WINDOW = MatchmakingConfig(matchmaking_timeout_s=1.0, request_timeout_s=0.5, poll_interval_s=0.05)
+CAPPED = MatchmakingConfig(matchmaking_timeout_s=1.0, request_timeout_s=0.5, poll_interval_s=0.05, max_wait_s=3.0)
 
 
 async def _form(peers, delays, key="moshpit.r0", expected=None, on_late="fail"):
@@ -121,3 +123,111 @@ def test_a_group_of_known_members_waits_for_exactly_them_up_to_max_wait():
     assert [m for _, m in short] == [("peer12",), ("peer11",), ("peer10",)]
     assert [m for _, m, _ in missing] == [("peer21", "peer22", "peer23")] * 3
     assert [t for _, _, t in missing] == pytest.approx([3.0] * 3, abs=0.3)
+
+
+class _SlowDiscovery:
+    """A discovery whose reads take ``delay_s`` (a loaded DHT); ``reads`` counts them."""
+
+    def __init__(self, inner, delay_s: float):
+        self.inner, self.delay_s, self.reads = inner, delay_s, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def get(self, key):
+        self.reads += 1
+        await asyncio.sleep(self.delay_s)
+        return await self.inner.get(key)
+
+
+class _FlakyStreams:
+    """Streams whose first ``failures`` opens to ``peer`` fail after ``after_s`` (a request head that a loaded peer
+    read too late); ``failed`` counts them."""
+
+    def __init__(self, inner, peer: str, failures: int, after_s: float):
+        self.inner, self.peer, self.failures, self.after_s, self.failed = inner, peer, failures, after_s, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def open(self, peer_id, name):
+        if peer_id == self.peer and self.failed < self.failures:
+            self.failed += 1
+            await asyncio.sleep(self.after_s)
+            raise ConnectionResetError(f"{peer_id} reset the stream")
+        return await self.inner.open(peer_id, name)
+
+
+async def _form_known(peers, delays, members, key="moshpit.r0.g4x3.x.3.3"):
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+
+    async def one(peer, delay):
+        await asyncio.sleep(delay)
+        try:
+            group = await peer.matchmaker.form_group(key, {}, expected_members=members, on_late="next")
+            return group.key, group.members, loop.time() - start
+        except MatchmakingFailed as e:
+            return "failed", str(e), loop.time() - start
+
+    return await asyncio.gather(*(one(p, d) for p, d in zip(peers, delays)))
+
+
+@pytest.mark.timeout(60)
+def test_a_leader_with_slow_discovery_reads_seals_before_its_followers_give_up():
+    """64 real peers: the three members of a group failed "no group formed ... within max_wait_s" while their leader
+    sealed alone 10 s late. The group waited for a fourth member up to the first member's max_wait_s (3 s here); the
+    leader's discovery read after each wait took longer than the followers' margin (request_timeout_s = 0.5 s), so
+    the seal came after they had given up. The seal is now due on time whatever discovery takes."""
+    slow = {}
+
+    def wrap(i, transport):
+        if i == 0:
+            slow["d"] = _SlowDiscovery(transport.discovery, 1.2)
+            return replace(transport, discovery=slow["d"])
+        return transport
+
+    async def main():
+        names = ["peer00", "peer01", "peer02", "peer03"]
+        peers = await start_averaging_peers(Hub(), names[:3], "a", CAPPED, wrap=wrap)
+        return await _form_known(peers, [0.0, 0.2, 0.4], names)  # peer03 never comes
+
+    out = run_virtual(main())
+    assert slow["d"].reads >= 3  # the injected slowness was met, every read 1.2 s
+    assert [m for _, m, _ in out] == [("peer00", "peer01", "peer02")] * 3
+    assert [t for _, _, t in out] == pytest.approx([3.0] * 3, abs=0.3)
+
+
+@pytest.mark.timeout(60)
+def test_a_member_that_failed_to_reach_its_leader_tries_again_when_a_groupmate_redirects_it_there():
+    """The smallest member arrives last, the group is handed over to it, and one member's first join to it fails
+    (reset under load). Before, that member marked the leader unreachable and bounced between it and the groupmate
+    redirecting to it until max_wait_s ran out; the others waited for it until then. Now the redirect makes it try
+    once more, and the group of 4 seals as soon as it is in. A leader it never reaches (every attempt fails) no
+    longer makes it bounce: it ends in a group without it, instead of failing."""
+    flaky = {}
+
+    def wrap_with(failures):
+        def wrap(i, transport):
+            if i == 3:
+                flaky[failures] = _FlakyStreams(transport.streams, "peer00", failures, 0.6)
+                return replace(transport, streams=flaky[failures])
+            return transport
+        return wrap
+
+    async def main():
+        names = ["peer00", "peer01", "peer02", "peer03"]
+        hub = Hub()
+        once = await start_averaging_peers(hub, names, "a", CAPPED, wrap=wrap_with(1))
+        transient = await _form_known(once, [1.0, 0.0, 0.1, 0.2], names)
+        never = await start_averaging_peers(hub, names, "b", CAPPED, wrap=wrap_with(1000))
+        lost = await _form_known(never, [1.0, 0.0, 0.1, 0.2], names)
+        return transient, lost
+
+    transient, lost = run_virtual(main())
+    assert flaky[1].failed == 1
+    assert [m for _, m, _ in transient] == [("peer00", "peer01", "peer02", "peer03")] * 4
+    assert max(t for _, _, t in transient) < 2.5  # not the 3 s cap
+    assert flaky[1000].failed >= 2
+    assert "failed" not in [k for k, _, _ in lost]
+    assert [m for _, m, _ in lost[:3]] == [("peer00", "peer01", "peer02")] * 3
