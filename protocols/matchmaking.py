@@ -25,7 +25,16 @@ its 2-M groupmates from the grid) the idle window is the wrong rule: a group of 
 arrivals as long as their previous rounds' spread, and sealed short after one quiet window (a third to a half of
 the rounds of 8 real peers ran alone). Such a group instead waits for exactly those members and seals the moment the
 last one joins; a member that never comes is left out when the earliest member's ``max_wait_s`` runs out, and the
-others average without it.
+others average without it. A member whose process died never comes either, and is not waited for that long: once
+the group has gained nobody for ``matchmaking_timeout_s``, its leader probes the missing members, and one that
+answers no probe twice in a row is left out (the group seals about two idle windows after its last arrival).
+
+Under load the margins are thin. A leader seals at the earliest follower's deadline and that follower gives up one
+``request_timeout_s`` later, so nothing the leader does while waiting (a discovery read that takes seconds on a
+loaded DHT, a hand-over to a smaller peer found at the last moment) may push the seal past it. A follower that
+failed to reach a leader (a loaded leader read its request too late) tries it again when a groupmate redirects it
+there, instead of bouncing between the two until ``max_wait_s``; a leader it still cannot reach is given up, with
+the peers that defer to it.
 
 This is the pure-decision + runner pair for matchmaking; the only I/O goes through the handed :class:`Transport`.
 """
@@ -42,7 +51,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from protocols.bans import BanList
 from protocols.interfaces import Transport
-from protocols.rpc import Refused, Request, RpcError, Service, call
+from protocols.rpc import Refused, Request, RpcError, RpcTimeout, Service, Unreachable, call
 from protocols.wire import ProtocolViolation, require
 
 logger = logging.getLogger(__name__)
@@ -53,6 +62,12 @@ _DUE_S = 1e-6
 
 #: Attempts to reach a leader that failed before a redirect to it no longer makes us try it again.
 _RETRIES = 2
+
+#: Probes in a row that a missing expected member leaves unanswered before its group stops waiting for it.
+_PROBE_FAILURES = 2
+
+#: The key of a probe: a join request for it is refused by every live matchmaker ("not matchmaking for that key").
+_PROBE_KEY = "probe.alive"
 
 #: ``admit(own_info, peer_id, peer_info) -> None`` to accept the peer, or a reason string to refuse it.
 AdmitFn = Callable[[dict, str, dict], Optional[str]]
@@ -137,6 +152,7 @@ class _Session:
     idle_until: float  # loop time at which a group this peer leads seals for lack of new members
     expected_size: Optional[int]
     expected_members: Optional[frozenset] = None  # when known: seal once all joined, else at max_wait (no idle seal)
+    probe_failures: dict[str, int] = field(default_factory=dict)  # missing expected member -> failed probes in a row
     following: Optional[str] = None  # the leader we defer to, when not leading
     sealed: bool = False
     followers: dict[str, _Follower] = field(default_factory=dict)
@@ -304,6 +320,59 @@ class Matchmaker(Service):
 
     async def _lead(self, session: _Session, dkey: str, unreachable: set[str]) -> Optional[Group]:
         """Collect followers until the group is complete or time is up; None if we deferred to a smaller peer."""
+        prober = None if session.expected_members is None else asyncio.ensure_future(self._drop_dead_members(session))
+        try:
+            return await self._collect(session, dkey, unreachable)
+        finally:
+            if prober is not None:
+                prober.cancel()
+                await asyncio.gather(prober, return_exceptions=True)
+
+    async def _drop_dead_members(self, session: _Session) -> None:
+        """Leave dead expected members out of the group ``session`` leads, so that it seals without them.
+
+        A known member that has not joined holds the group until ``max_wait_s`` (it may be on its way: previous
+        rounds end spread out). But a member whose process died never comes, and waiting for it cost its whole
+        group ``max_wait_s`` a round. So once the group has gained nobody for ``matchmaking_timeout_s``, every
+        missing member is probed (a join request for a key nobody matchmakes: any answer, the refusal included,
+        says the peer's matchmaker is alive; peers of any version answer it), again after each further window;
+        a member that does not answer ``_PROBE_FAILURES`` times in a row is dropped from the expected members.
+        A dropped member that was only slow finds the group sealed and joins the next group of late peers
+        (``on_late="next"``).
+        """
+        loop = asyncio.get_running_loop()
+        cfg = self.config
+        while True:
+            await asyncio.sleep(cfg.matchmaking_timeout_s)
+            if loop.time() < session.idle_until - _DUE_S:
+                continue  # members are still arriving
+            missing = sorted(session.expected_members - session.followers.keys() - {self.peer_id})
+            answers = await asyncio.gather(*(self._answers(peer) for peer in missing))
+            dead = set()
+            for peer, alive in zip(missing, answers):
+                session.probe_failures[peer] = 0 if alive else session.probe_failures.get(peer, 0) + 1
+                if session.probe_failures[peer] >= _PROBE_FAILURES and peer not in session.followers:
+                    dead.add(peer)
+            if dead:
+                logger.info("expected member(s) %s of %s did not answer %d probes: sealing without them",
+                            sorted(dead), session.key, _PROBE_FAILURES)
+                session.expected_members = session.expected_members - dead
+                session.changed.set()
+
+    async def _answers(self, peer: str) -> bool:
+        """Whether ``peer``'s matchmaker answers a join request for a key nobody matchmakes, within
+        ``request_timeout_s``."""
+        request = {"key": _PROBE_KEY, "info": {}, "remaining_s": 0.0}
+        try:
+            await call(self.transport.streams, peer, self.prefix, "join", request,
+                       timeout_s=self.config.request_timeout_s, connect_timeout_s=self.config.request_timeout_s)
+        except (Unreachable, RpcTimeout):
+            return False
+        except RpcError:  # refused ("gone"), or an answer that breaks the protocol: it is alive
+            pass
+        return True
+
+    async def _collect(self, session: _Session, dkey: str, unreachable: set[str]) -> Optional[Group]:
         loop = asyncio.get_running_loop()
         while True:
             for peer in [p for p, f in session.followers.items() if f.closed.is_set()]:

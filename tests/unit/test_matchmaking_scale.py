@@ -86,8 +86,8 @@ def test_a_late_peer_forms_the_next_group_instead_of_failing():
 @pytest.mark.timeout(60)
 def test_a_group_of_known_members_waits_for_exactly_them_up_to_max_wait():
     """Sharded Moshpit's case: each group knows its members. Gaps between arrivals longer than the idle window must
-    not seal it short (half of 8 real peers' rounds ended in groups of 1); a member that never comes is left out at
-    the earliest member's max_wait (3 x the 1 s window), and the others still average."""
+    not seal it short (half of 8 real peers' rounds ended in groups of 1); a live member that never comes is left
+    out at the earliest member's max_wait (3 x the 1 s window), and the others still average."""
     async def form(peers, delays, members):
         loop = asyncio.get_running_loop()
         start = loop.time()
@@ -111,9 +111,10 @@ def test_a_group_of_known_members_waits_for_exactly_them_up_to_max_wait():
         # without the member list, the same arrivals seal on the idle window: every peer alone (1.5 s and 1.2 s gaps)
         full2 = await start_averaging_peers(hub, ["peer10", "peer11", "peer12"], "b", WINDOW)
         short = await _form(full2[::-1], [0.0, 1.5, 2.7], key="moshpit.r0.g3x2.x.0", expected=3, on_late="next")
-        # peer20 never comes: the other three seal at the first arrival's max_wait (3 s), not at its idle window
-        partial = await start_averaging_peers(hub, ["peer21", "peer22", "peer23"], "c", WINDOW)
-        missing = await form(partial, [0.0, 1.2, 2.4], ("peer20", "peer21", "peer22", "peer23"))
+        # peer20 is alive but never comes: the other three seal at the first arrival's max_wait (3 s), not at its
+        # idle window
+        partial = await start_averaging_peers(hub, ["peer20", "peer21", "peer22", "peer23"], "c", WINDOW)
+        missing = await form(partial[1:], [0.0, 1.2, 2.4], ("peer20", "peer21", "peer22", "peer23"))
         return whole, short, missing
 
     whole, short, missing = run_virtual(main())
@@ -231,3 +232,29 @@ def test_a_member_that_failed_to_reach_its_leader_tries_again_when_a_groupmate_r
     assert flaky[1000].failed >= 2
     assert "failed" not in [k for k, _, _ in lost]
     assert [m for _, m, _ in lost[:3]] == [("peer00", "peer01", "peer02")] * 3
+
+
+@pytest.mark.timeout(60)
+def test_a_dead_expected_member_holds_its_group_for_two_idle_windows_not_max_wait():
+    """A groupmate that died (its process is gone) never comes; the group used to wait the whole max_wait_s (10 s
+    here) for it. Missing members are probed once the group has been idle for a window: one that does not answer
+    twice in a row is left out, so the group seals about two windows after its last arrival. A live member that is
+    only slow (6 s, still in its previous round) answers the probes and is waited for."""
+    config = MatchmakingConfig(matchmaking_timeout_s=1.0, request_timeout_s=0.5, poll_interval_s=0.05, max_wait_s=10.0)
+
+    async def main():
+        hub = Hub()
+        names = ["peer30", "peer31", "peer32", "peer33"]
+        crashed = await start_averaging_peers(hub, names, "a", config)
+        hub.disconnect("peer30")
+        dead = await _form_known(crashed[1:], [0.0, 0.3, 0.6], names)
+        names = ["peer40", "peer41", "peer42", "peer43"]
+        slow = await start_averaging_peers(hub, names, "b", config)
+        late = await _form_known(slow, [6.0, 0.0, 0.3, 0.6], names)
+        return dead, late
+
+    dead, late = run_virtual(main())
+    assert [m for _, m, _ in dead] == [("peer31", "peer32", "peer33")] * 3
+    assert [t for _, _, t in dead] == pytest.approx([3.0] * 3, abs=0.3)  # probes at 2 and 3 s, not the 10 s cap
+    assert [m for _, m, _ in late] == [("peer40", "peer41", "peer42", "peer43")] * 4
+    assert [t for _, _, t in late] == pytest.approx([6.0] * 4, abs=0.3)
