@@ -187,6 +187,7 @@ class Matchmaker(Service):
         self.bans = bans if bans is not None else BanList()
         self._sessions: dict[str, _Session] = {}
         self._sealed_keys: OrderedDict[str, Optional[Group]] = OrderedDict()
+        self._probers: set[asyncio.Task] = set()  # probes of missing members still in flight
 
     @property
     def peer_id(self) -> str:
@@ -320,15 +321,19 @@ class Matchmaker(Service):
 
     async def _lead(self, session: _Session, dkey: str, unreachable: set[str]) -> Optional[Group]:
         """Collect followers until the group is complete or time is up; None if we deferred to a smaller peer."""
-        prober = None if session.expected_members is None else asyncio.ensure_future(self._drop_dead_members(session))
+        stop = asyncio.Event()
+        if session.expected_members is not None:
+            # not cancelled at the seal but told to stop: a probe cancelled in flight can lose its answer's
+            # exception inside wait_for ("Task exception was never retrieved"); a probe ends within request_timeout_s
+            prober = asyncio.ensure_future(self._drop_dead_members(session, stop))
+            self._probers.add(prober)
+            prober.add_done_callback(self._probers.discard)
         try:
             return await self._collect(session, dkey, unreachable)
         finally:
-            if prober is not None:
-                prober.cancel()
-                await asyncio.gather(prober, return_exceptions=True)
+            stop.set()
 
-    async def _drop_dead_members(self, session: _Session) -> None:
+    async def _drop_dead_members(self, session: _Session, stop: asyncio.Event) -> None:
         """Leave dead expected members out of the group ``session`` leads, so that it seals without them.
 
         A known member that has not joined holds the group until ``max_wait_s`` (it may be on its way: previous
@@ -343,11 +348,16 @@ class Matchmaker(Service):
         loop = asyncio.get_running_loop()
         cfg = self.config
         while True:
-            await asyncio.sleep(cfg.matchmaking_timeout_s)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), cfg.matchmaking_timeout_s)
+            if stop.is_set():
+                return
             if loop.time() < session.idle_until - _DUE_S:
                 continue  # members are still arriving
             missing = sorted(session.expected_members - session.followers.keys() - {self.peer_id})
             answers = await asyncio.gather(*(self._answers(peer) for peer in missing))
+            if stop.is_set():
+                return
             dead = set()
             for peer, alive in zip(missing, answers):
                 session.probe_failures[peer] = 0 if alive else session.probe_failures.get(peer, 0) + 1
