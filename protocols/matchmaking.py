@@ -324,7 +324,7 @@ class Matchmaker(Service):
         stop = asyncio.Event()
         if session.expected_members is not None:
             # not cancelled at the seal but told to stop: a probe cancelled in flight can lose its answer's
-            # exception inside wait_for ("Task exception was never retrieved"); a probe ends within request_timeout_s
+            # exception inside wait_for ("Task exception was never retrieved"); a probe ends within matchmaking_timeout_s
             prober = asyncio.ensure_future(self._drop_dead_members(session, stop))
             self._probers.add(prober)
             prober.add_done_callback(self._probers.discard)
@@ -371,11 +371,12 @@ class Matchmaker(Service):
 
     async def _answers(self, peer: str) -> bool:
         """Whether ``peer``'s matchmaker answers a join request for a key nobody matchmakes, within
-        ``request_timeout_s``."""
+        ``matchmaking_timeout_s`` (not the tighter ``request_timeout_s``: a live peer on a loaded machine can take
+        longer than that to read a request, and a live member dropped by mistake averages in a late group)."""
         request = {"key": _PROBE_KEY, "info": {}, "remaining_s": 0.0}
         try:
             await call(self.transport.streams, peer, self.prefix, "join", request,
-                       timeout_s=self.config.request_timeout_s, connect_timeout_s=self.config.request_timeout_s)
+                       timeout_s=self.config.matchmaking_timeout_s)
         except (Unreachable, RpcTimeout):
             return False
         except RpcError:  # refused ("gone"), or an answer that breaks the protocol: it is alive

@@ -159,6 +159,22 @@ class _FlakyStreams:
         return await self.inner.open(peer_id, name)
 
 
+class _SlowStreams:
+    """Streams whose opens to ``peer`` take ``delay_s`` (a loaded peer reading requests late); ``slow`` counts them."""
+
+    def __init__(self, inner, peer: str, delay_s: float):
+        self.inner, self.peer, self.delay_s, self.slow = inner, peer, delay_s, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def open(self, peer_id, name):
+        if peer_id == self.peer:
+            self.slow += 1
+            await asyncio.sleep(self.delay_s)
+        return await self.inner.open(peer_id, name)
+
+
 async def _form_known(peers, delays, members, key="moshpit.r0.g4x3.x.3.3"):
     loop = asyncio.get_running_loop()
     start = loop.time()
@@ -239,8 +255,16 @@ def test_a_dead_expected_member_holds_its_group_for_two_idle_windows_not_max_wai
     """A groupmate that died (its process is gone) never comes; the group used to wait the whole max_wait_s (10 s
     here) for it. Missing members are probed once the group has been idle for a window: one that does not answer
     twice in a row is left out, so the group seals about two windows after its last arrival. A live member that is
-    only slow (6 s, still in its previous round) answers the probes and is waited for."""
+    only slow (6 s, still in its previous round) answers the probes and is waited for, even when it answers later
+    than request_timeout_s (0.8 s: a loaded peer)."""
     config = MatchmakingConfig(matchmaking_timeout_s=1.0, request_timeout_s=0.5, poll_interval_s=0.05, max_wait_s=10.0)
+    loaded = {}
+
+    def wrap(i, transport):
+        if i == 0:  # the leader's streams to peer42, the slow member
+            loaded["s"] = _SlowStreams(transport.streams, "peer42", 0.8)
+            return replace(transport, streams=loaded["s"])
+        return transport
 
     async def main():
         hub = Hub()
@@ -249,8 +273,8 @@ def test_a_dead_expected_member_holds_its_group_for_two_idle_windows_not_max_wai
         hub.disconnect("peer30")
         dead = await _form_known(crashed[1:], [0.0, 0.3, 0.6], names)
         names = ["peer40", "peer41", "peer42", "peer43"]
-        slow = await start_averaging_peers(hub, names, "b", config)
-        late = await _form_known(slow, [6.0, 0.0, 0.3, 0.6], names)
+        slow = await start_averaging_peers(hub, names, "b", config, wrap=wrap)
+        late = await _form_known(slow, [0.0, 0.3, 6.0, 0.6], names)
         return dead, late
 
     dead, late = run_virtual(main())
@@ -258,3 +282,4 @@ def test_a_dead_expected_member_holds_its_group_for_two_idle_windows_not_max_wai
     assert [t for _, _, t in dead] == pytest.approx([3.0] * 3, abs=0.3)  # probes at 2 and 3 s, not the 10 s cap
     assert [m for _, m, _ in late] == [("peer40", "peer41", "peer42", "peer43")] * 4
     assert [t for _, _, t in late] == pytest.approx([6.0] * 4, abs=0.3)
+    assert loaded["s"].slow >= 2  # probed at least twice, each answer 0.8 s late
