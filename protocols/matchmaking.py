@@ -401,14 +401,14 @@ class Matchmaker(Service):
             session.changed.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(session.changed.wait(), min(self.config.poll_interval_s, remaining))
-            # the seal is due at a follower's deadline, and that follower gives up request_timeout_s later: neither
+            # at a follower's deadline the seal is due, and that follower gives up request_timeout_s later: neither
             # a slow discovery read (seconds, on a loaded DHT) nor a smaller peer found at the last moment may push
-            # the seal past it (the followers ran out of time, the leader sealed alone)
-            remaining = _seal_at(session) - loop.time()
-            if remaining <= _DUE_S:
+            # the seal past it (the followers ran out of time, the leader sealed alone). An idle-window seal has no
+            # such bound: there a slow read only lets the window run longer, as before
+            if _seal_at(session) - loop.time() <= _DUE_S:
                 continue
             try:
-                records = await asyncio.wait_for(self.transport.discovery.get(dkey), remaining)
+                records = await asyncio.wait_for(self.transport.discovery.get(dkey), _deadline(session) - loop.time())
             except asyncio.TimeoutError:
                 continue
             smaller = [p for p in records if p < self.peer_id and p not in unreachable and not self.bans.is_banned(p)]
@@ -505,10 +505,15 @@ class Matchmaker(Service):
         raise Refused(str(value), "late")
 
 
+def _deadline(session: _Session) -> float:
+    """Loop time at which some member of the group ``session`` leads (or the leader) cannot wait any longer."""
+    return min([session.deadline] + [f.deadline for f in session.followers.values()])
+
+
 def _seal_at(session: _Session) -> float:
-    """Loop time at which the group ``session`` leads must seal: when some member (or the leader) cannot wait any
-    longer, or, members unknown, when nobody new has joined for ``matchmaking_timeout_s``."""
-    deadline = min([session.deadline] + [f.deadline for f in session.followers.values()])
+    """Loop time at which the group ``session`` leads seals: at :func:`_deadline`, or, members unknown, when nobody
+    new has joined for ``matchmaking_timeout_s``."""
+    deadline = _deadline(session)
     if session.expected_members is None:
         deadline = min(deadline, session.idle_until)
     return deadline
