@@ -33,8 +33,7 @@ Under load the margins are thin. A leader seals at the earliest follower's deadl
 ``request_timeout_s`` later, so nothing the leader does while waiting (a discovery read that takes seconds on a
 loaded DHT, a hand-over to a smaller peer found at the last moment) may push the seal past it. A follower that
 failed to reach a leader (a loaded leader read its request too late) tries it again when a groupmate redirects it
-there, instead of bouncing between the two until ``max_wait_s``; a leader it still cannot reach is given up, with
-the peers that defer to it.
+there (up to 2 failed attempts), instead of bouncing between the two until ``max_wait_s``.
 
 This is the pure-decision + runner pair for matchmaking; the only I/O goes through the handed :class:`Transport`.
 """
@@ -287,10 +286,7 @@ class Matchmaker(Service):
                         # ``leader`` reached that peer: our failed attempt may have been transient (a loaded
                         # leader that read our request late); before, we bounced between the two until max_wait_s
                         unreachable.discard(value)
-                    elif value in unreachable:
-                        # ``leader`` defers to a peer we cannot reach: lead or join elsewhere rather than bounce
-                        unreachable.add(leader)
-                    elif value == leader:
+                    elif value in unreachable or value == leader:
                         await asyncio.sleep(cfg.poll_interval_s)
                 elif kind in ("unreachable", "gone"):
                     logger.debug("leader %s unreachable for %s: %s", leader, key, value)

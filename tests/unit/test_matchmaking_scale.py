@@ -220,8 +220,8 @@ def test_a_member_that_failed_to_reach_its_leader_tries_again_when_a_groupmate_r
     """The smallest member arrives last, the group is handed over to it, and one member's first join to it fails
     (reset under load). Before, that member marked the leader unreachable and bounced between it and the groupmate
     redirecting to it until max_wait_s ran out; the others waited for it until then. Now the redirect makes it try
-    once more, and the group of 4 seals as soon as it is in. A leader it never reaches (every attempt fails) no
-    longer makes it bounce: it ends in a group without it, instead of failing."""
+    once more, and the group of 4 seals as soon as it is in. A leader it never reaches (every attempt fails) does
+    not make it fail: the others average without it, and it ends in a group of its own."""
     flaky = {}
 
     def wrap_with(failures):
