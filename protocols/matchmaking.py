@@ -25,7 +25,15 @@ its 2-M groupmates from the grid) the idle window is the wrong rule: a group of 
 arrivals as long as their previous rounds' spread, and sealed short after one quiet window (a third to a half of
 the rounds of 8 real peers ran alone). Such a group instead waits for exactly those members and seals the moment the
 last one joins; a member that never comes is left out when the earliest member's ``max_wait_s`` runs out, and the
-others average without it.
+others average without it. A member whose process died never comes either, and is not waited for that long: once
+the group has gained nobody for ``matchmaking_timeout_s``, its leader probes the missing members, and one that
+answers no probe twice in a row is left out (the group seals about two idle windows after its last arrival).
+
+Under load the margins are thin. A leader seals at the earliest follower's deadline and that follower gives up one
+``request_timeout_s`` later, so nothing the leader does while waiting (a discovery read that takes seconds on a
+loaded DHT, a hand-over to a smaller peer found at the last moment) may push the seal past it. A follower that
+failed to reach a leader (a loaded leader read its request too late) tries it again when a groupmate redirects it
+there (up to 2 failed attempts), instead of bouncing between the two until ``max_wait_s``.
 
 This is the pure-decision + runner pair for matchmaking; the only I/O goes through the handed :class:`Transport`.
 """
@@ -42,7 +50,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from protocols.bans import BanList
 from protocols.interfaces import Transport
-from protocols.rpc import Refused, Request, RpcError, Service, call
+from protocols.rpc import Refused, Request, RpcError, RpcTimeout, Service, Unreachable, call
 from protocols.wire import ProtocolViolation, require
 
 logger = logging.getLogger(__name__)
@@ -50,6 +58,15 @@ logger = logging.getLogger(__name__)
 #: A deadline this close counts as reached: asyncio runs a timer up to its clock resolution (1 ns) early, so a wait
 #: for the last few ns could wake without the clock moving, and on a virtual clock never move it (a busy loop).
 _DUE_S = 1e-6
+
+#: Attempts to reach a leader that failed before a redirect to it no longer makes us try it again.
+_RETRIES = 2
+
+#: Probes in a row that a missing expected member leaves unanswered before its group stops waiting for it.
+_PROBE_FAILURES = 2
+
+#: The key of a probe: a join request for it is refused by every live matchmaker ("not matchmaking for that key").
+_PROBE_KEY = "probe.alive"
 
 #: ``admit(own_info, peer_id, peer_info) -> None`` to accept the peer, or a reason string to refuse it.
 AdmitFn = Callable[[dict, str, dict], Optional[str]]
@@ -134,6 +151,7 @@ class _Session:
     idle_until: float  # loop time at which a group this peer leads seals for lack of new members
     expected_size: Optional[int]
     expected_members: Optional[frozenset] = None  # when known: seal once all joined, else at max_wait (no idle seal)
+    probe_failures: dict[str, int] = field(default_factory=dict)  # missing expected member -> failed probes in a row
     following: Optional[str] = None  # the leader we defer to, when not leading
     sealed: bool = False
     followers: dict[str, _Follower] = field(default_factory=dict)
@@ -168,6 +186,7 @@ class Matchmaker(Service):
         self.bans = bans if bans is not None else BanList()
         self._sessions: dict[str, _Session] = {}
         self._sealed_keys: OrderedDict[str, Optional[Group]] = OrderedDict()
+        self._probers: set[asyncio.Task] = set()  # probes of missing members still in flight
 
     @property
     def peer_id(self) -> str:
@@ -238,7 +257,8 @@ class Matchmaker(Service):
         try:
             expiration = discovery.time() + (give_up - now) + cfg.request_timeout_s
             await discovery.store(dkey, self.peer_id, {"joined": discovery.time()}, expiration)
-            unreachable: set[str] = set()
+            unreachable: set[str] = set()  # leaders we could not reach, and leaders that defer to one of those
+            failures: dict[str, int] = {}  # failed attempts to reach each leader
             redirect: Optional[str] = None
             while loop.time() < session.deadline:
                 if redirect is not None and redirect not in unreachable and not self.bans.is_banned(redirect):
@@ -263,11 +283,16 @@ class Matchmaker(Service):
                     return value
                 if kind == "redirect":
                     redirect = value
-                    if value in unreachable or value == leader:
+                    if value in unreachable and failures.get(value, 0) < _RETRIES:
+                        # ``leader`` reached that peer: our failed attempt may have been transient (a loaded
+                        # leader that read our request late); before, we bounced between the two until max_wait_s
+                        unreachable.discard(value)
+                    elif value in unreachable or value == leader:
                         await asyncio.sleep(cfg.poll_interval_s)
                 elif kind in ("unreachable", "gone"):
                     logger.debug("leader %s unreachable for %s: %s", leader, key, value)
                     unreachable.add(leader)
+                    failures[leader] = failures.get(leader, 0) + 1
                 elif kind == "refused":
                     raise AdmissionRefused(leader, value)
                 elif kind == "late":
@@ -293,6 +318,69 @@ class Matchmaker(Service):
 
     async def _lead(self, session: _Session, dkey: str, unreachable: set[str]) -> Optional[Group]:
         """Collect followers until the group is complete or time is up; None if we deferred to a smaller peer."""
+        stop = asyncio.Event()
+        if session.expected_members is not None:
+            # not cancelled at the seal but told to stop: a probe cancelled in flight can lose its answer's
+            # exception inside wait_for ("Task exception was never retrieved"); a probe ends within matchmaking_timeout_s
+            prober = asyncio.ensure_future(self._drop_dead_members(session, stop))
+            self._probers.add(prober)
+            prober.add_done_callback(self._probers.discard)
+        try:
+            return await self._collect(session, dkey, unreachable)
+        finally:
+            stop.set()
+
+    async def _drop_dead_members(self, session: _Session, stop: asyncio.Event) -> None:
+        """Leave dead expected members out of the group ``session`` leads, so that it seals without them.
+
+        A known member that has not joined holds the group until ``max_wait_s`` (it may be on its way: previous
+        rounds end spread out). But a member whose process died never comes, and waiting for it cost its whole
+        group ``max_wait_s`` a round. So once the group has gained nobody for ``matchmaking_timeout_s``, every
+        missing member is probed (a join request for a key nobody matchmakes: any answer, the refusal included,
+        says the peer's matchmaker is alive; peers of any version answer it), again after each further window;
+        a member that does not answer ``_PROBE_FAILURES`` times in a row is dropped from the expected members.
+        A dropped member that was only slow finds the group sealed and joins the next group of late peers
+        (``on_late="next"``).
+        """
+        loop = asyncio.get_running_loop()
+        cfg = self.config
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), cfg.matchmaking_timeout_s)
+            if stop.is_set():
+                return
+            if loop.time() < session.idle_until - _DUE_S:
+                continue  # members are still arriving
+            missing = sorted(session.expected_members - session.followers.keys() - {self.peer_id})
+            answers = await asyncio.gather(*(self._answers(peer) for peer in missing))
+            if stop.is_set():
+                return
+            dead = set()
+            for peer, alive in zip(missing, answers):
+                session.probe_failures[peer] = 0 if alive else session.probe_failures.get(peer, 0) + 1
+                if session.probe_failures[peer] >= _PROBE_FAILURES and peer not in session.followers:
+                    dead.add(peer)
+            if dead:
+                logger.info("expected member(s) %s of %s did not answer %d probes: sealing without them",
+                            sorted(dead), session.key, _PROBE_FAILURES)
+                session.expected_members = session.expected_members - dead
+                session.changed.set()
+
+    async def _answers(self, peer: str) -> bool:
+        """Whether ``peer``'s matchmaker answers a join request for a key nobody matchmakes, within
+        ``matchmaking_timeout_s`` (not the tighter ``request_timeout_s``: a live peer on a loaded machine can take
+        longer than that to read a request, and a live member dropped by mistake averages in a late group)."""
+        request = {"key": _PROBE_KEY, "info": {}, "remaining_s": 0.0}
+        try:
+            await call(self.transport.streams, peer, self.prefix, "join", request,
+                       timeout_s=self.config.matchmaking_timeout_s)
+        except (Unreachable, RpcTimeout):
+            return False
+        except RpcError:  # refused ("gone"), or an answer that breaks the protocol: it is alive
+            pass
+        return True
+
+    async def _collect(self, session: _Session, dkey: str, unreachable: set[str]) -> Optional[Group]:
         loop = asyncio.get_running_loop()
         while True:
             for peer in [p for p, f in session.followers.items() if f.closed.is_set()]:
@@ -306,20 +394,23 @@ class Matchmaker(Service):
                 # a smaller group would fail every member's round: an expected size below the minimum comes from a
                 # view missing some peers (a status record that lapsed under load), so wait for them instead
                 break
-            # some member (or we) cannot wait any longer; or, members unknown, nobody new for matchmaking_timeout_s
-            deadline = min([session.deadline] + [f.deadline for f in session.followers.values()])
-            if session.expected_members is None:
-                deadline = min(deadline, session.idle_until)
-            remaining = deadline - loop.time()
+            remaining = _seal_at(session) - loop.time()
             if remaining <= _DUE_S:
                 break
             session.changed.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(session.changed.wait(), min(self.config.poll_interval_s, remaining))
-            smaller = [
-                p for p in await self.transport.discovery.get(dkey)
-                if p < self.peer_id and p not in unreachable and not self.bans.is_banned(p)
-            ]
+            # at a follower's deadline the seal is due, and that follower gives up request_timeout_s later: neither
+            # a slow discovery read (seconds, on a loaded DHT) nor a smaller peer found at the last moment may push
+            # the seal past it (the followers ran out of time, the leader sealed alone). An idle-window seal has no
+            # such bound: there a slow read only lets the window run longer, as before
+            if _seal_at(session) - loop.time() <= _DUE_S:
+                continue
+            try:
+                records = await asyncio.wait_for(self.transport.discovery.get(dkey), _deadline(session) - loop.time())
+            except asyncio.TimeoutError:
+                continue
+            smaller = [p for p in records if p < self.peer_id and p not in unreachable and not self.bans.is_banned(p)]
             if smaller:
                 session.following = min(smaller)
                 self._hand_over(session, session.following)
@@ -411,6 +502,20 @@ class Matchmaker(Service):
         if kind == "redirect":
             return {"type": "redirect", "leader": value}
         raise Refused(str(value), "late")
+
+
+def _deadline(session: _Session) -> float:
+    """Loop time at which some member of the group ``session`` leads (or the leader) cannot wait any longer."""
+    return min([session.deadline] + [f.deadline for f in session.followers.values()])
+
+
+def _seal_at(session: _Session) -> float:
+    """Loop time at which the group ``session`` leads seals: at :func:`_deadline`, or, members unknown, when nobody
+    new has joined for ``matchmaking_timeout_s``."""
+    deadline = _deadline(session)
+    if session.expected_members is None:
+        deadline = min(deadline, session.idle_until)
+    return deadline
 
 
 class _Late(Exception):

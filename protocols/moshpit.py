@@ -25,7 +25,8 @@ looks up its group key in the DHT and meets only the peers under it): each peer 
 own view of the live peers and matchmakes only with the peers sharing that group key, so a leader admits at most M
 peers and an answer lists only the group's members: O(M) per peer and round. A group knows its members, so it
 waits for exactly them (up to ``max_wait_s``, not the idle window: gaps between groupmates' arrivals exceed any
-short window) and seals as soon as the last one is in. It needs views that agree: a peer whose view differs
+short window) and seals as soon as the last one is in; a groupmate whose process died is found by probing it once
+the group is idle, and costs about two idle windows, not ``max_wait_s``. It needs views that agree: a peer whose view differs
 computes another grid, its would-be groupmates wait ``max_wait_s`` for it and then average without it, and it
 averages with whoever shares its key (late peers still join the next group of late peers instead of failing).
 

@@ -1,6 +1,7 @@
 """Matchmaking with many peers arriving spread out (in-process, on the simulator's virtual clock)."""
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
@@ -10,6 +11,7 @@ from protocols.matchmaking import MatchmakingConfig, MatchmakingFailed
 from tests.unit.conftest import start_averaging_peers
 
 WINDOW = MatchmakingConfig(matchmaking_timeout_s=1.0, request_timeout_s=0.5, poll_interval_s=0.05)
+CAPPED = MatchmakingConfig(matchmaking_timeout_s=1.0, request_timeout_s=0.5, poll_interval_s=0.05, max_wait_s=3.0)
 
 
 async def _form(peers, delays, key="moshpit.r0", expected=None, on_late="fail"):
@@ -84,8 +86,8 @@ def test_a_late_peer_forms_the_next_group_instead_of_failing():
 @pytest.mark.timeout(60)
 def test_a_group_of_known_members_waits_for_exactly_them_up_to_max_wait():
     """Sharded Moshpit's case: each group knows its members. Gaps between arrivals longer than the idle window must
-    not seal it short (half of 8 real peers' rounds ended in groups of 1); a member that never comes is left out at
-    the earliest member's max_wait (3 x the 1 s window), and the others still average."""
+    not seal it short (half of 8 real peers' rounds ended in groups of 1); a live member that never comes is left
+    out at the earliest member's max_wait (3 x the 1 s window), and the others still average."""
     async def form(peers, delays, members):
         loop = asyncio.get_running_loop()
         start = loop.time()
@@ -109,9 +111,10 @@ def test_a_group_of_known_members_waits_for_exactly_them_up_to_max_wait():
         # without the member list, the same arrivals seal on the idle window: every peer alone (1.5 s and 1.2 s gaps)
         full2 = await start_averaging_peers(hub, ["peer10", "peer11", "peer12"], "b", WINDOW)
         short = await _form(full2[::-1], [0.0, 1.5, 2.7], key="moshpit.r0.g3x2.x.0", expected=3, on_late="next")
-        # peer20 never comes: the other three seal at the first arrival's max_wait (3 s), not at its idle window
-        partial = await start_averaging_peers(hub, ["peer21", "peer22", "peer23"], "c", WINDOW)
-        missing = await form(partial, [0.0, 1.2, 2.4], ("peer20", "peer21", "peer22", "peer23"))
+        # peer20 is alive but never comes: the other three seal at the first arrival's max_wait (3 s), not at its
+        # idle window
+        partial = await start_averaging_peers(hub, ["peer20", "peer21", "peer22", "peer23"], "c", WINDOW)
+        missing = await form(partial[1:], [0.0, 1.2, 2.4], ("peer20", "peer21", "peer22", "peer23"))
         return whole, short, missing
 
     whole, short, missing = run_virtual(main())
@@ -139,3 +142,162 @@ def test_an_expected_size_below_min_group_size_waits_for_the_missing_peer():
     out, took = run_virtual(main())
     assert [len(m) for _, m in out] == [4, 4, 4, 4]
     assert took == pytest.approx(0.6, abs=0.2)  # sealed when the fourth came, not a window later
+
+
+class _SlowDiscovery:
+    """A discovery whose reads take ``delay_s`` (a loaded DHT); ``reads`` counts them."""
+
+    def __init__(self, inner, delay_s: float):
+        self.inner, self.delay_s, self.reads = inner, delay_s, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def get(self, key):
+        self.reads += 1
+        await asyncio.sleep(self.delay_s)
+        return await self.inner.get(key)
+
+
+class _FlakyStreams:
+    """Streams whose first ``failures`` opens to ``peer`` fail after ``after_s`` (a request head that a loaded peer
+    read too late); ``failed`` counts them."""
+
+    def __init__(self, inner, peer: str, failures: int, after_s: float):
+        self.inner, self.peer, self.failures, self.after_s, self.failed = inner, peer, failures, after_s, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def open(self, peer_id, name):
+        if peer_id == self.peer and self.failed < self.failures:
+            self.failed += 1
+            await asyncio.sleep(self.after_s)
+            raise ConnectionResetError(f"{peer_id} reset the stream")
+        return await self.inner.open(peer_id, name)
+
+
+class _SlowStreams:
+    """Streams whose opens to ``peer`` take ``delay_s`` (a loaded peer reading requests late); ``slow`` counts them."""
+
+    def __init__(self, inner, peer: str, delay_s: float):
+        self.inner, self.peer, self.delay_s, self.slow = inner, peer, delay_s, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def open(self, peer_id, name):
+        if peer_id == self.peer:
+            self.slow += 1
+            await asyncio.sleep(self.delay_s)
+        return await self.inner.open(peer_id, name)
+
+
+async def _form_known(peers, delays, members, key="moshpit.r0.g4x3.x.3.3"):
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+
+    async def one(peer, delay):
+        await asyncio.sleep(delay)
+        try:
+            group = await peer.matchmaker.form_group(key, {}, expected_members=members, on_late="next")
+            return group.key, group.members, loop.time() - start
+        except MatchmakingFailed as e:
+            return "failed", str(e), loop.time() - start
+
+    return await asyncio.gather(*(one(p, d) for p, d in zip(peers, delays)))
+
+
+@pytest.mark.timeout(60)
+def test_a_leader_with_slow_discovery_reads_seals_before_its_followers_give_up():
+    """64 real peers: the three members of a group failed "no group formed ... within max_wait_s" while their leader
+    sealed alone 10 s late. The group waited for a fourth member up to the first member's max_wait_s (3 s here); the
+    leader's discovery read after each wait took longer than the followers' margin (request_timeout_s = 0.5 s), so
+    the seal came after they had given up. The seal is now due on time whatever discovery takes."""
+    slow = {}
+
+    def wrap(i, transport):
+        if i == 0:
+            slow["d"] = _SlowDiscovery(transport.discovery, 1.2)
+            return replace(transport, discovery=slow["d"])
+        return transport
+
+    async def main():
+        names = ["peer00", "peer01", "peer02", "peer03"]
+        peers = await start_averaging_peers(Hub(), names[:3], "a", CAPPED, wrap=wrap)
+        return await _form_known(peers, [0.0, 0.2, 0.4], names)  # peer03 never comes
+
+    out = run_virtual(main())
+    assert slow["d"].reads >= 3  # the injected slowness was met, every read 1.2 s
+    assert [m for _, m, _ in out] == [("peer00", "peer01", "peer02")] * 3
+    assert [t for _, _, t in out] == pytest.approx([3.0] * 3, abs=0.3)
+
+
+@pytest.mark.timeout(60)
+def test_a_member_that_failed_to_reach_its_leader_tries_again_when_a_groupmate_redirects_it_there():
+    """The smallest member arrives last, the group is handed over to it, and one member's first join to it fails
+    (reset under load). Before, that member marked the leader unreachable and bounced between it and the groupmate
+    redirecting to it until max_wait_s ran out; the others waited for it until then. Now the redirect makes it try
+    once more, and the group of 4 seals as soon as it is in. A leader it never reaches (every attempt fails) does
+    not make it fail: the others average without it, and it ends in a group of its own."""
+    flaky = {}
+
+    def wrap_with(failures):
+        def wrap(i, transport):
+            if i == 3:
+                flaky[failures] = _FlakyStreams(transport.streams, "peer00", failures, 0.6)
+                return replace(transport, streams=flaky[failures])
+            return transport
+        return wrap
+
+    async def main():
+        names = ["peer00", "peer01", "peer02", "peer03"]
+        hub = Hub()
+        once = await start_averaging_peers(hub, names, "a", CAPPED, wrap=wrap_with(1))
+        transient = await _form_known(once, [1.0, 0.0, 0.1, 0.2], names)
+        never = await start_averaging_peers(hub, names, "b", CAPPED, wrap=wrap_with(1000))
+        lost = await _form_known(never, [1.0, 0.0, 0.1, 0.2], names)
+        return transient, lost
+
+    transient, lost = run_virtual(main())
+    assert flaky[1].failed == 1
+    assert [m for _, m, _ in transient] == [("peer00", "peer01", "peer02", "peer03")] * 4
+    assert max(t for _, _, t in transient) < 2.5  # not the 3 s cap
+    assert flaky[1000].failed >= 2
+    assert "failed" not in [k for k, _, _ in lost]
+    assert [m for _, m, _ in lost[:3]] == [("peer00", "peer01", "peer02")] * 3
+
+
+@pytest.mark.timeout(60)
+def test_a_dead_expected_member_holds_its_group_for_two_idle_windows_not_max_wait():
+    """A groupmate that died (its process is gone) never comes; the group used to wait the whole max_wait_s (10 s
+    here) for it. Missing members are probed once the group has been idle for a window: one that does not answer
+    twice in a row is left out, so the group seals about two windows after its last arrival. A live member that is
+    only slow (6 s, still in its previous round) answers the probes and is waited for, even when it answers later
+    than request_timeout_s (0.8 s: a loaded peer)."""
+    config = MatchmakingConfig(matchmaking_timeout_s=1.0, request_timeout_s=0.5, poll_interval_s=0.05, max_wait_s=10.0)
+    loaded = {}
+
+    def wrap(i, transport):
+        if i == 0:  # the leader's streams to peer42, the slow member
+            loaded["s"] = _SlowStreams(transport.streams, "peer42", 0.8)
+            return replace(transport, streams=loaded["s"])
+        return transport
+
+    async def main():
+        hub = Hub()
+        names = ["peer30", "peer31", "peer32", "peer33"]
+        crashed = await start_averaging_peers(hub, names, "a", config)
+        hub.disconnect("peer30")
+        dead = await _form_known(crashed[1:], [0.0, 0.3, 0.6], names)
+        names = ["peer40", "peer41", "peer42", "peer43"]
+        slow = await start_averaging_peers(hub, names, "b", config, wrap=wrap)
+        late = await _form_known(slow, [0.0, 0.3, 6.0, 0.6], names)
+        return dead, late
+
+    dead, late = run_virtual(main())
+    assert [m for _, m, _ in dead] == [("peer31", "peer32", "peer33")] * 3
+    assert [t for _, _, t in dead] == pytest.approx([3.0] * 3, abs=0.3)  # probes at 2 and 3 s, not the 10 s cap
+    assert [m for _, m, _ in late] == [("peer40", "peer41", "peer42", "peer43")] * 4
+    assert [t for _, _, t in late] == pytest.approx([6.0] * 4, abs=0.3)
+    assert loaded["s"].slow >= 2  # probed at least twice, each answer 0.8 s late
