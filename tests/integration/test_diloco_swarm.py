@@ -114,7 +114,13 @@ def test_diloco_with_moshpit_and_gossip_learns_and_peers_stay_close(swarm, tmp_p
         assert swarm.wait_exit(peer, 180) == 0, swarm.tails()
     for peer in peers:
         rounds = peer.of("outer_round")
-        assert [e["outer_round"] for e in rounds] == [1, 2, 3]
+        done = [e["outer_round"] for e in rounds]
+        # a moshpit peer whose groupmates finished a round without it joins their next round instead (peers that
+        # start seconds apart on a loaded machine can split into two pairs that way); it says so, and skips nothing else
+        skipped = sorted(set(range(1, 4)) - set(done))
+        assert done == sorted(set(done)) and done[-1] == 3, done
+        assert not skipped or (method == "moshpit" and "our moshpit groupmates moved on" in peer.log.read_text()
+                               and len(skipped) == 1), (done, swarm.tails())
         assert rounds[-1]["eval_nats_per_byte"] < peer.of("eval")[0]["eval_nats_per_byte"]
         assert sum(e["group_size"] > 1 for e in rounds) >= 2, rounds  # it really averaged with others
     thetas = [load_file(str(tmp_path / f"ckpt-p{i}" / method / "state.safetensors"))["theta_outer"] for i in range(n)]
