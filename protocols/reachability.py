@@ -293,9 +293,13 @@ class Verdict:
     ports: list[int] = field(default_factory=list)
     helpers: list[str] = field(default_factory=list)
     asked: int = 0
-    relayed: bool = False
     relay_mode: str = "auto"
     relays: list[str] = field(default_factory=list)
+
+    @property
+    def relayed(self) -> bool:
+        """Whether this peer holds a circuit relay reservation (it is reachable through ``relays``)."""
+        return bool(self.relays)
 
     def line(self) -> str:
         """One line for a volunteer: what was found and what to do about it."""

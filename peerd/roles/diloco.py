@@ -534,7 +534,7 @@ class DiLoCoRole:
         # the last group's members without any status record now: on a loaded machine a record can lapse between two
         # publications, and a leader that did not count such a peer sealed the group without it. Waiting for one
         # that died costs an idle window of the background matchmaking, not compute
-        lapsed = len(getattr(self.sync, "last_members", frozenset()) - records.keys() - {self.peer_id})
+        lapsed = len(self.sync.last_members - records.keys() - {self.peer_id})
         self._in_flight = asyncio.ensure_future(
             self._background_exchange(delta, weight, steps, live, syncing + lapsed))
         self._restart_local()
@@ -785,7 +785,7 @@ class DiLoCoRole:
     def _status_fields(self) -> dict:
         role = "paused" if self.ctx.gate.paused else SYNCING if self._syncing else ROLE
         retries = {part.fragment.name: tries for part, sync in zip(self.parts, self.syncs)
-                   if (tries := getattr(sync, "retries", lambda: None)()) is not None}
+                   if (tries := sync.retries()) is not None}
         return dict(role=role, outer_round=self.outer.outer_round, inner_step=self.steps_since_sync,
                     loss=self.stats.last_loss, tokens_per_s=self.stats.tokens_per_s,
                     eval_nats_per_byte=self.stats.last_eval, digest=self._digest()[:16],

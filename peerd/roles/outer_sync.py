@@ -118,6 +118,13 @@ class OuterSync:
         self.state = state
         self.hp = ctx.run.diloco
         self.components: tuple = ()
+        self.last_members: frozenset[str] = frozenset()
+        """The last completed group's members less the excluded ones (methods with groups; empty otherwise)."""
+
+    def retries(self) -> Optional[list[int]]:
+        """``[outer round, failed tries of it]`` for the status record (:data:`RETRIES_FIELD`); None when the current
+        round has not failed, or the method has no shared rounds to retry."""
+        return None
 
     async def start(self) -> None:
         for component in self.components:
@@ -182,10 +189,8 @@ class AllReduceSync(OuterSync):
         self.feedback = (ErrorFeedback(state.outer.numel, self.hp.error_feedback_decay)
                          if self.allreduce.codec.sparse else None)
         self._failed = (-1, 0)  # (outer round, its failed tries): the next try uses a fresh group key
-        self.last_members: frozenset[str] = frozenset()  # the last completed group's members, less the excluded
 
     def retries(self) -> Optional[list[int]]:
-        """``[outer round, failed tries of it]`` for the status record, None before the current round failed."""
         r, tries = self._failed
         return [r, tries] if tries and r == self.state.outer.outer_round else None
 

@@ -177,7 +177,6 @@ async def check_transport(transport: Any, helpers: Sequence[str], announce_maddr
     while True:
         with contextlib.suppress(Exception):
             verdict.relays = relays_of(await visible_addrs(transport))
-        verdict.relayed = bool(verdict.relays)
         if verdict.relayed or time.monotonic() >= deadline:
             return verdict
         await asyncio.sleep(1.0)

@@ -150,7 +150,7 @@ def test_a_relayed_peer_passes_the_reachable_check_with_the_way_to_direct_connec
     from protocols.reachability import Verdict
 
     relay = f"/ip4/192.0.2.1/tcp/31337/p2p/{PEER.rsplit('/', 1)[1]}"
-    relayed = reachability_check(Verdict(False, public_ip="81.2.69.160", ports=[4001], relayed=True, relays=[relay]))
+    relayed = reachability_check(Verdict(False, public_ip="81.2.69.160", ports=[4001], relays=[relay]))
     assert relayed.ok and relayed.line().startswith(f"OK    reachable    not directly reachable; reachable through "
                                                     f"relay {relay} (slower")
     assert "forward TCP port 4001" in relayed.line()
