@@ -98,8 +98,15 @@ class DiLoCoHyperparams:
     """Max global L2 norm of inner gradients before each inner step (> 0), or 0 to disable clipping."""
 
     overlap: str = "none"
-    """none: each round's all-reduce finishes before the next inner steps. delayed: it runs in the background during
-    the next round and its outer step is applied one round late (:class:`DelayedOuterStep`, arXiv 2502.12996)."""
+    """none: each round's all-reduce finishes before the next inner steps. delayed: it runs in the background while
+    the next round's inner steps go on from theta_local; its outer step is applied as soon as it finishes and
+    theta_local is merged with the new theta_outer (:class:`DelayedOuterStep`; Streaming DiLoCo, arXiv 2501.18512)."""
+
+    overlap_mix: float = 0.5
+    """alpha of the merge after a background outer step (``overlap = "delayed"``): ``theta_local <- alpha *
+    theta_local + (1 - alpha) * theta_outer``, in [0, 1]. 0 restarts from theta_outer (the local steps taken during
+    the all-reduce are dropped), 1 keeps theta_local (they are kept, but the worker never hears the others); Streaming
+    DiLoCo (arXiv 2501.18512, sec. 2.3) mixes half and half."""
 
     straggler: str = "drop"
     """What a worker does with its local steps when the others completed a round without it (it came after the
@@ -129,7 +136,7 @@ class DiLoCoHyperparams:
                 fail(field, "an int")
             object.__setattr__(self, field, int(getattr(self, field)))
         for field in ("inner_lr", "inner_weight_decay", "min_lr_ratio", "outer_lr", "outer_momentum",
-                      "grad_clip_norm", "error_feedback_decay"):
+                      "grad_clip_norm", "error_feedback_decay", "overlap_mix"):
             value = getattr(self, field)
             if not _is_real(value) or not math.isfinite(value):
                 fail(field, "a finite number")
@@ -164,6 +171,8 @@ class DiLoCoHyperparams:
             fail("outer_lr", "> 0")
         if not 0.0 <= self.outer_momentum < 1.0:
             fail("outer_momentum", "in [0, 1)")
+        if not 0.0 <= self.overlap_mix <= 1.0:
+            fail("overlap_mix", "in [0, 1]")
         if not 0.0 <= self.error_feedback_decay <= 1.0:
             fail("error_feedback_decay", "in [0, 1]")
         if self.grad_clip_norm < 0:
@@ -415,55 +424,61 @@ class OuterState:
 
 @dataclass(frozen=True)
 class DelayedOuterStep:
-    """The outer step applied one round late, so that round r's all-reduce runs while round r+1 computes.
+    """The outer step overlapped with the next round's inner steps, so that compute never waits for the all-reduce.
 
-    Kale et al. 2025, "Eager Updates for Overlapped Communication and Computation in DiLoCo", arXiv 2502.12996,
-    describe two ways to overlap one outer step:
+    Streaming DiLoCo (Douillard et al. 2025, arXiv 2501.18512, sec. 2.3, "overlapping communication"):
 
-    - *delayed* (their naive one-outer-step overlap; ``overlap = "delayed"``, what this class implements): at the end
-      of round r a worker sends its pseudo-gradient ``delta_r = theta_start_r - theta_local_r`` to a background
-      all-reduce and immediately applies, instead, the average ``A_{r-1}`` of round r-1 (which ran in the background
-      during round r): ``theta_outer <- OuterOpt(theta_outer, A_{r-1})``. Round r+1 starts from that theta_outer. Every
-      peer applies the same bytes to the same state, so theta_outer stays bit-identical across peers, exactly as
-      with ``overlap = "none"``; each round's average is applied exactly once, one round late.
-    - *eager* (the paper's proposal): the worker's own stale term is replaced by its fresh local pseudo-gradient,
-      ``OuterOpt(theta_outer, (delta_{r,m} + sum_{k != m} delta_{r-1,k}) / M)``. It converges closer to
-      non-overlapped DiLoCo, but theta_outer then differs per worker (each uses its own delta), which breaks the
-      bit-identical outer state peerd relies on (state transfer, digests, checkpoint equality); not implemented.
+    1. end of round r's inner steps: the worker sends ``delta_r = theta_outer - theta_local`` (:meth:`boundary`) to
+       a background all-reduce and keeps training from theta_local (no restart: the steps taken during the exchange
+       are not thrown away);
+    2. as soon as the average ``A_r`` arrives, tau inner steps later (tau: how many steps the exchange took):
+       ``theta_outer <- OuterOpt(theta_outer, A_r)`` (:meth:`complete`) and ``theta_local <- alpha * theta_local +
+       (1 - alpha) * theta_outer`` (:meth:`merge`; alpha = ``DiLoCoHyperparams.overlap_mix``, 0.5 by default as in
+       the paper);
+    3. round r+1's pseudo-gradient is taken against that new theta_outer at its own end.
 
-    ``overlap = "none"`` is today's DiLoCo: ``theta_outer <- OuterOpt(theta_outer, A_r)`` right after round r's own
-    all-reduce (:meth:`OuterState.apply`), with compute waiting for it.
+    Every peer applies the same averages to the same theta_outer, so theta_outer stays bit-identical across peers
+    exactly as with ``overlap = "none"``; only theta_local (never shared) depends on when the average arrived.
+    A background all-reduce that failed (``complete(None)``) leaves theta_outer, momentum and ``outer_round``
+    unchanged and theta_local unmerged: the next round's ``delta = theta_outer - theta_local`` then covers every
+    local step since the last outer step, so no step is lost (weight it by all their samples).
 
-    A value, as :class:`OuterState`: :meth:`boundary` returns a new object. A background all-reduce that failed
-    (``finished_average=None``) leaves theta_outer (and momentum, and ``outer_round``) unchanged: that round's
-    pseudo-gradients are dropped, as a failed round is dropped today.
+    Kale et al. 2025 ("Eager updates", arXiv 2502.12996) compare this with two alternatives: restarting round r+1
+    from theta_outer and applying ``A_r`` one full round late (their naive delayed step: each applied average was
+    taken against a state one outer step older; on the WAN benchmark its eval loss rose from round to round), and
+    *eager* updates, which replace the worker's own stale term by its fresh local pseudo-gradient; eager makes
+    theta_outer differ per worker, which breaks the bit-identical outer state peerd relies on (state transfer,
+    digests, checkpoint equality), so it is not implemented.
+
+    A value, as :class:`OuterState`: :meth:`complete` returns a new object.
 
     Attributes:
-        state: the outer state with every finished average applied; round r+1's inner steps start from
-            ``state.theta`` (fp32 (P,)).
+        state: the outer state with every finished average applied (fp32 (P,) theta and momentum).
     """
 
     state: OuterState
 
-    def boundary(self, theta_local: torch.Tensor, finished_average: torch.Tensor | None, hp: DiLoCoHyperparams
-                 ) -> tuple["DelayedOuterStep", torch.Tensor]:
-        """End of round r's inner steps: ``(next, delta_r)``.
-
-        ``delta_r = self.state.theta - theta_local`` (fp32 (P,)): round r started from ``self.state.theta``; send it
-        to the background all-reduce. ``next.state`` is ``self.state.apply(finished_average, hp)``, where
-        ``finished_average`` (fp32 (P,)) is the all-reduced pseudo-gradient of round r-1, or ``self.state`` itself if
-        it is None (round 0, or that all-reduce failed). Raises ValueError (nothing applied) on a wrong shape, dtype
-        or non-finite values.
+    def boundary(self, theta_local: torch.Tensor) -> torch.Tensor:
+        """End of a round's inner steps: ``delta = self.state.theta - theta_local`` (fp32 (P,)), the pseudo-gradient
+        to send to the background all-reduce. Raises ValueError on a wrong shape (:meth:`OuterState.pseudo_gradient`).
         """
-        delta = self.state.pseudo_gradient(theta_local)
-        return self.complete(finished_average, hp), delta
+        return self.state.pseudo_gradient(theta_local)
 
     def complete(self, finished_average: torch.Tensor | None, hp: DiLoCoHyperparams) -> "DelayedOuterStep":
-        """Apply a finished background average (None: it failed; unchanged). Also drains the last round in flight
-        when training stops. Raises ValueError as :meth:`OuterState.apply`."""
+        """Apply a finished background average ``A_r`` (fp32 (P,)); None (it failed) leaves everything unchanged.
+        Raises ValueError (nothing applied) as :meth:`OuterState.apply`."""
         if finished_average is None:
             return self
         return DelayedOuterStep(self.state.apply(finished_average, hp))
+
+    def merge(self, theta_local: torch.Tensor, hp: DiLoCoHyperparams) -> torch.Tensor:
+        """``alpha * theta_local + (1 - alpha) * theta_outer`` (fp32 (P,) CPU), alpha = ``hp.overlap_mix``: where
+        the inner steps go on after :meth:`complete`. Raises ValueError on a wrong shape."""
+        local = theta_local.detach().to("cpu", torch.float32)
+        if local.dim() != 1 or local.numel() != self.state.numel:
+            raise ValueError(f"theta_local must have shape ({self.state.numel},), got {tuple(local.shape)}")
+        alpha = hp.overlap_mix
+        return local.mul(alpha).add_(self.state.theta.mul(1.0 - alpha))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -18,14 +18,15 @@ before its next attempt, dropping its unsynchronized local steps. A leader that 
 theta_outer digest refuses it; the refused worker downloads the leader's state. So no two members of a group ever
 disagree on theta_outer.
 
-With ``[diloco] overlap = "delayed"`` (:class:`protocols.diloco.DelayedOuterStep`) the all-reduce of round r runs in
-the background while round r+1's inner steps proceed: at each round boundary the worker takes its pseudo-gradient,
-waits for the previous round's all-reduce (usually long finished), applies that average to theta_outer, launches
-the new all-reduce and restarts theta_local from theta_outer. Every peer applies the same averages to the same
-state, so theta_outer stays bit-identical. A background round that fails leaves theta_outer unchanged and its
-pseudo-gradient (and weight) is added to the next round's, so no local step is lost; a worker that adopts another
-peer's state drops both its round in flight and that carry. On stop the round in flight is finished (bounded) and
-applied before the final checkpoint.
+With ``[diloco] overlap = "delayed"`` (:class:`protocols.diloco.DelayedOuterStep`, Streaming DiLoCo's overlap) the
+all-reduce of round r runs in the background while round r+1's inner steps go on from theta_local: at a round
+boundary the worker sends its pseudo-gradient (theta_outer - theta_local) and keeps training; between two inner steps,
+as soon as the all-reduce has finished, it applies the average to theta_outer and merges theta_local with it
+(``overlap_mix``). Compute waits only when an all-reduce outlasts a whole round. Every peer applies the same averages
+to the same state, so theta_outer stays bit-identical. A background round that fails leaves theta_outer unchanged and
+theta_local unmerged, so the next pseudo-gradient covers its steps too (weighted by all their samples); a worker that
+adopts another peer's state drops both its round in flight and that carry. The model evaluated is theta_outer. On
+stop the round in flight is finished (bounded) and applied before the final checkpoint.
 
 Recovery after a failed round (either mode): the peers are back in step at the next boundary. theta_outer and the
 momentum did not move, so every peer tries the same outer round again, under a fresh group key
@@ -152,8 +153,7 @@ class DiLoCoRole:
                                     run.averaging.state_transfer().download_timeout_s)
         self.components = (*self.syncs, self.state_sync)
         self._in_flight: Optional[asyncio.Task] = None  # delayed overlap: the background all-reduce
-        self._landed: Optional[tuple] = None  # the RoundDone fields of the last applied background round
-        self._carry: Optional[tuple[torch.Tensor, float, int]] = None  # a failed background round's (delta, w, steps)
+        self._carry: Optional[tuple[float, int]] = None  # a failed background round's (samples, steps)
         self._eval_task: Optional[asyncio.Task] = None  # background_eval: the evaluation running now
         self._eval_model: Optional[torch.nn.Module] = None  # background_eval: the copy it evaluates
         self._writer = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="peerd-checkpoint")
@@ -194,7 +194,7 @@ class DiLoCoRole:
             while not self.ctx.stop.is_set() and not self._finished():
                 await self._wait_while_paused()
                 await self._train_until_quota()
-                if self.ctx.stop.is_set():
+                if self.ctx.stop.is_set() or self._finished():  # the delayed overlap lands rounds between steps
                     break
                 if self.ctx.gate.paused:
                     continue
@@ -203,8 +203,7 @@ class DiLoCoRole:
             if self._in_flight is not None:
                 with contextlib.suppress(Exception):
                     if await self._land_in_flight() == "applied":
-                        self._restart_local()  # theta_outer moved under the local steps: they are dropped
-                        await self._publish_round_done()
+                        self._restart_local()  # leaving: the model kept is theta_outer, the local steps are dropped
             status_task.cancel()
             with contextlib.suppress(BaseException):
                 await status_task
@@ -291,6 +290,8 @@ class DiLoCoRole:
             self._steps_total += 1
             self._samples_total += self.run_cfg.batch_size
             self.stats.tokens += tokens_per_step
+            if await self._land_if_finished():
+                break
             if self._warmup_steps:
                 self._warmup_steps -= 1
                 float(loss_on_device)  # wait for the compilation step to finish before the clock restarts
@@ -506,24 +507,19 @@ class DiLoCoRole:
     # ------------------------------------------------------------------------------------------ delayed outer rounds
 
     async def _delayed_round(self) -> None:
-        """Round boundary with the delayed overlap: land the previous round's all-reduce, launch this one's."""
+        """Round boundary with the delayed overlap: send this round's pseudo-gradient to a background all-reduce and
+        train on from theta_local (:class:`protocols.diloco.DelayedOuterStep`)."""
+        if self._in_flight is not None:  # the last exchange outlasted this round's inner steps: compute waits here
+            if await self._land_in_flight() == "adopted" or self._finished():
+                return
         r = self.outer.outer_round
         local = self.part.fragment.flatten(self.model)  # (P,)
         if self._sat_out_diverged(r, local):
             return
-        delta = self.outer.pseudo_gradient(local)  # this round started from the current theta_outer
+        delta = DelayedOuterStep(self.outer).boundary(local)  # every step since theta_outer last moved
         weight, steps = float(self.samples_since_sync), self.steps_since_sync
-        if self._in_flight is not None:
-            landed = await self._land_in_flight()
-            if landed == "adopted":  # we took another peer's state: this round's steps started from a stale one
-                return
-            if self._finished():  # the last round landed: launching another would overshoot max_outer_rounds
-                self._restart_local()
-                await self._publish_round_done()
-                return
-        if self._carry is not None:  # a failed round's pseudo-gradient: theta_outer did not move, so it still holds
-            carried, carried_weight, carried_steps = self._carry
-            delta.add_(carried)
+        if self._carry is not None:  # a failed round's samples: theta_outer did not move, delta already holds them
+            carried_weight, carried_steps = self._carry
             weight, steps = weight + carried_weight, steps + carried_steps
             self._carry = None
         records = await self._peer_records()
@@ -537,18 +533,18 @@ class DiLoCoRole:
         lapsed = len(self.sync.last_members - records.keys() - {self.peer_id})
         self._in_flight = asyncio.ensure_future(
             self._background_exchange(delta, weight, steps, live, syncing + lapsed))
-        self._restart_local()
+        self.steps_since_sync, self.samples_since_sync = 0, 0  # theta_local goes on: no restart
+        self.round_quota = self.schedule.stride
         self._save_checkpoint()
-        await self.ctx.status.publish()  # before the evaluation: peers count on us in the next round from now
-        await self._publish_round_done()
+        await self.ctx.status.publish()  # peers count on us in the next round from now
 
-    async def _publish_round_done(self) -> None:
-        """RoundDone of the background round applied at this boundary, with the loss of the new theta_outer."""
-        if self._landed is None:
-            return
-        fields, self._landed = self._landed, None
-        self.ctx.events.publish(RoundDone(*fields[:13], await self._round_eval(), self.stats.tokens,
-                                          **self._units))
+    async def _land_if_finished(self) -> bool:
+        """Between two inner steps: land the background all-reduce if it has finished. True if training should stop
+        (the last round of ``max_outer_rounds`` landed)."""
+        if self._in_flight is None or not self._in_flight.done():
+            return False
+        await self._land_in_flight()
+        return self._finished()
 
     async def _background_exchange(self, delta: torch.Tensor, weight: float, steps: int, live: dict, syncing: int):
         """All-reduce ``delta`` (P,) for the round after theta_outer; ``(outcome, delta, weight, steps, started)``.
@@ -559,8 +555,9 @@ class DiLoCoRole:
         return outcome, delta, weight, steps, started
 
     async def _land_in_flight(self) -> str:
-        """Wait for the background all-reduce and apply its average: "applied", "failed" (theta_outer unchanged,
-        its pseudo-gradient carried into the next round's) or "adopted" (refused: we took the leader's state)."""
+        """Wait for the background all-reduce and land it: "applied" (theta_outer took its outer step, theta_local
+        merged with it, RoundDone published), "failed" (theta_outer unchanged, its samples carried into the next
+        round's weight) or "adopted" (refused: we took the leader's state)."""
         task, self._in_flight = self._in_flight, None
         outcome, delta, weight, steps, started = await task
         r = self.outer.outer_round
@@ -572,18 +569,25 @@ class DiLoCoRole:
         if not isinstance(outcome, tuple):  # a failure, or abandoned by a pause or stop
             reason = outcome.reason if isinstance(outcome, RoundFailure) else "abandoned (pause or stop)"
             self._round_failed(r, reason, f"theta_outer unchanged, carrying {steps} local steps into the next round")
-            self._carry = (delta, weight, steps)
+            self._carry = (weight, steps)
             return "failed"
         result, attempts = outcome
-        self.outer = DelayedOuterStep(self.outer).complete(result.averaged, self.hp).state
+        step = DelayedOuterStep(self.outer).complete(result.averaged, self.hp)
+        self.outer = step.state
+        if self._finished():  # the run's last outer step: the model is theta_outer
+            self._restart_local()
+        else:
+            self.part.fragment.load_(self.model, step.merge(self.part.fragment.flatten(self.model), self.hp))
         self.stats.rounds_ok += 1
         self.stats.bytes_sent += result.bytes_sent
         self.stats.bytes_received += result.bytes_received
         n = result.group_size
         dp_bytes = int(steps * 2 * (n - 1) / n * 4 * self.outer.numel)
-        self._landed = (self.outer.outer_round, n, result.bytes_sent, result.bytes_received, round(result.seconds, 3),
-                        result.excluded, attempts, round(time.perf_counter() - started, 3), weight, steps, dp_bytes,
-                        self.outer.digest(), self.sync.method)
+        fields = (self.outer.outer_round, n, result.bytes_sent, result.bytes_received, round(result.seconds, 3),
+                  result.excluded, attempts, round(time.perf_counter() - started, 3), weight, steps, dp_bytes,
+                  self.outer.digest(), self.sync.method)
+        await self.ctx.status.publish()
+        self.ctx.events.publish(RoundDone(*fields, await self._round_eval(), self.stats.tokens, **self._units))
         return "applied"
 
     def _drop_in_flight(self) -> None:
@@ -746,8 +750,8 @@ class DiLoCoRole:
         with the node's ``background_eval`` (then None here: an ``eval`` event follows)."""
         if self.outer.outer_round % self.run_cfg.eval_every and not self._finished():
             return None
-        fragments = len(self.parts) > 1
-        if not self.run_cfg.eval_batches or not (fragments or self.ctx.node.background_eval):
+        local_differs = len(self.parts) > 1 or self.hp.overlap == "delayed"  # theta_local is not theta_outer
+        if not self.run_cfg.eval_batches or not (local_differs or self.ctx.node.background_eval):
             return await self._evaluate()
         if self._eval_task is not None:  # one at a time: the copy below is shared
             with contextlib.suppress(Exception):
@@ -755,9 +759,9 @@ class DiLoCoRole:
         if self._eval_model is None:
             self._eval_model = build_model(self.run_cfg.model, self.run_cfg.seq_len, self.run_cfg.seed,
                                            self.ctx.tokenizer.vocab_size).to(self.device)
-        # With fragments, theta_local of the fragments synced earlier in the cycle has moved on: the model evaluated
-        # is theta_outer (the same on every peer), put together from the fragments. At a round boundary no inner
-        # step runs: the parameters copied hold still.
+        # With fragments, theta_local of the fragments synced earlier in the cycle has moved on, and with the delayed
+        # overlap theta_local never restarts from theta_outer: the model evaluated is theta_outer (the same on every
+        # peer), put together from the fragments. No inner step runs now: the parameters copied hold still.
         with torch.no_grad():
             for mine, theirs in zip(self._eval_model.parameters(), self.model.parameters()):
                 mine.copy_(theirs)

@@ -55,38 +55,46 @@ def test_overlap_is_fingerprint_neutral_at_its_default_and_refused_with_mixing_m
     assert RunConfig.from_dict({"diloco": {"overlap": "delayed"}}).diloco.overlap == "delayed"
 
 
-def test_delayed_rounds_apply_each_average_one_round_late_and_stay_bit_identical(tmp_path):
+def test_delayed_rounds_land_between_inner_steps_merge_theta_local_and_stay_bit_identical(tmp_path):
     async def main():
         hub = Hub()
         workers = [_worker(hub, f"peer-{c}", _run(), tmp_path) for c in "abc"]
         await _start(workers)
         hp = workers[0].hp
         theta0 = workers[0].outer.theta.clone()
-        # round 0: nothing to apply; the all-reduce of round 0 now runs in the background
-        await _boundary(workers)
-        assert all(w.outer.outer_round == 0 and torch.equal(w.outer.theta, theta0) for w in workers)
-        assert all(w._in_flight is not None for w in workers)
-        deltas0 = [theta0 - flatten_parameters(w.model) for w in workers]  # zero: local restarted at theta0
-        assert all(float(d.abs().max()) == 0.0 for d in deltas0)
-        # round 1: inner steps run while round 0 averages; at the boundary round 0's average lands
+        # round 0: its pseudo-gradient goes to the background all-reduce; theta_local goes on, no restart
         for w in workers:
             await w._train_until_quota()
-        expected_deltas = [theta0 - flatten_parameters(w.model) for w in workers]
-        in_flight = [w._in_flight for w in workers]
+        locals0 = [flatten_parameters(w.model) for w in workers]
+        deltas0 = [theta0 - local for local in locals0]
         await asyncio.gather(*[w._outer_round() for w in workers])
+        assert all(w.outer.outer_round == 0 and torch.equal(w.outer.theta, theta0) for w in workers)
+        assert all(w._in_flight is not None and w.steps_since_sync == 0 for w in workers)
+        assert all(torch.equal(flatten_parameters(w.model), local) for w, local in zip(workers, locals0))
+        in_flight = [w._in_flight for w in workers]
+        await asyncio.gather(*in_flight)
         averaged0 = in_flight[0].result()[0][0].averaged
         assert all(torch.equal(t.result()[0][0].averaged, averaged0) for t in in_flight)
-        reference = DelayedOuterStep(OuterState.initial(theta0)).complete(averaged0, hp).state
-        assert all(w.outer.digest() == reference.digest() for w in workers)
-        # round 1's background all-reduce carries the pseudo-gradients taken against theta0
+        torch.testing.assert_close(averaged0, sum(deltas0) / 3, rtol=1e-5, atol=1e-7)
+        # between two inner steps the finished all-reduce lands: outer step, then the merge of theta_local
+        before = [flatten_parameters(w.model) for w in workers]
+        assert not any([await w._land_if_finished() for w in workers])
+        reference = DelayedOuterStep(OuterState.initial(theta0)).complete(averaged0, hp)
+        assert all(w.outer.digest() == reference.state.digest() and w._in_flight is None for w in workers)
+        for w, local in zip(workers, before):
+            assert torch.equal(flatten_parameters(w.model), reference.merge(local, hp))
+        # round 1's pseudo-gradients are taken against the new theta_outer
+        for w in workers:
+            await w._train_until_quota()
+        deltas1 = [reference.state.theta - flatten_parameters(w.model) for w in workers]
+        await asyncio.gather(*[w._outer_round() for w in workers])
         await asyncio.gather(*[w._in_flight for w in workers])
         averaged1 = workers[0]._in_flight.result()[0][0].averaged
-        torch.testing.assert_close(averaged1, sum(expected_deltas) / 3, rtol=1e-5, atol=1e-7)
-        # round 2 lands it
-        await _boundary(workers)
+        torch.testing.assert_close(averaged1, sum(deltas1) / 3, rtol=1e-5, atol=1e-7)
+        await _boundary(workers)  # an all-reduce still unlanded at the boundary lands there, before round 2 launches
         assert all(w.outer.outer_round == 2 for w in workers)
         assert len({w.outer.digest() for w in workers}) == 1
-        assert reference.apply(averaged1, hp).digest() == workers[0].outer.digest()
+        assert reference.state.apply(averaged1, hp).digest() == workers[0].outer.digest()
         assert all(w.stats.rounds_ok == 2 and w.stats.rounds_failed == 0 for w in workers)
 
     asyncio.run(main())
