@@ -393,9 +393,10 @@ def _cmd_status(args: argparse.Namespace) -> int:
         return 0
     live = {p: s for p, s in peers.items() if s.get("role") != "left"}
     print(f"run {args.run_id}: {len(live)} live peer(s)" + ("" if config else " (no configuration published)"))
-    bpe = str(((config or {}).get("config") or {}).get("tokenizer", "bytes")).startswith("bpe:")
+    from peerd.dashboard.view import loss_unit
+
     header = ("PeerID", "role", "outer round", "inner step", "last loss", "tokens/s",
-              "eval nats/tok" if bpe else "eval nats/B", "last seen")  # a BPE run's losses are per token
+              "eval nats/tok" if loss_unit(config) == "token" else "eval nats/B", "last seen")
     rows = [header]
     now = time.time()
     for peer, s in sorted(live.items(), key=lambda kv: (-(kv[1].get("outer_round") or 0), kv[0])):

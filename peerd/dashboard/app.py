@@ -1,6 +1,6 @@
 """The dashboard's web server (aiohttp): the page, its static assets and the JSON API behind every panel.
 
-API (all JSON; times Unix seconds, losses nats/byte):
+API (all JSON; times Unix seconds, losses nats per byte, or per token where `/api/run` says `loss_unit` "token"):
 
 - ``GET /api/run``: the run panel (:func:`peerd.dashboard.view.run_view`).
 - ``GET /api/peers``: ``{"peers": [row, ...]}`` (:func:`peerd.dashboard.view.peers_view`).

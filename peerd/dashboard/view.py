@@ -2,7 +2,7 @@
 
 Inputs are what :func:`peerd.daemon.read_run_status` returns (the records ``peerd status --json`` prints): PeerID ->
 status record (schema-checked, :mod:`peerd.status`) and the run's published config. Times are Unix seconds, losses
-nats per byte, throughput tokens per second.
+nats per byte, or per token for a run with a BPE tokenizer (:func:`loss_unit`), throughput tokens per second.
 """
 
 from __future__ import annotations
@@ -69,6 +69,14 @@ def expert_map(rows: list[dict]) -> Optional[dict[str, list[str]]]:
     return holders or None
 
 
+def loss_unit(config: Optional[dict]) -> str:
+    """What a run's losses (training and eval, the status field ``eval_nats_per_byte`` included) are per:
+    ``"token"`` for a BPE tokenizer (``tokenizer = "bpe:..."``), else ``"byte"``. ``config``: the published run config
+    as :func:`peerd.daemon.read_run_status` returns it, or None (no config published: byte-level assumed)."""
+    tokenizer = ((config or {}).get("config") or {}).get("tokenizer", "bytes")
+    return "token" if str(tokenizer).startswith("bpe:") else "byte"
+
+
 def run_view(run_id: str, peers: dict[str, dict], config: Optional[dict], now: float,
              ttl_s: float = 30.0) -> dict[str, Any]:
     """The run panel: counts and totals over live peers, the published config's summary, the swarm map."""
@@ -84,7 +92,7 @@ def run_view(run_id: str, peers: dict[str, dict], config: Optional[dict], now: f
         "run_id": run_id, "time": now, "live_peers": len(rows), "training_peers": len(training), "roles": roles,
         "outer_round": max(rounds, default=None),
         "tokens_per_s": round(sum(r.get("tokens_per_s") or 0.0 for r in training), 1),
-        "best_eval_nats_per_byte": min(evals, default=None),
+        "best_eval_nats_per_byte": min(evals, default=None), "loss_unit": loss_unit(config),
         "config": None if config is None else {
             "fingerprint": config.get("fingerprint"), "creator": config.get("creator"),
             "parallelism": run_cfg.get("parallelism", "diloco"), "model": run_cfg.get("model"),

@@ -11,7 +11,7 @@ from peerd.cli import main
 from peerd.config import ConfigError, NodeConfig
 from peerd.dashboard import security
 from peerd.dashboard.app import Dashboard
-from peerd.dashboard.view import history_view, peer_state, peers_view, run_view, stage_map
+from peerd.dashboard.view import history_view, loss_unit, peer_state, peers_view, run_view, stage_map
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -41,6 +41,8 @@ def test_views_of_the_run():
     assert view["live_peers"] == 2 and view["training_peers"] == 1 and view["outer_round"] == 4
     assert view["tokens_per_s"] == 1000.0 and view["best_eval_nats_per_byte"] == 3.2
     assert view["config"]["fingerprint"] == "f00d" and view["stages"] is None
+    assert view["loss_unit"] == "byte" and loss_unit(None) == "byte"  # a BPE run's losses are per token
+    assert loss_unit({"config": {"tokenizer": "bpe:gpt2"}}) == "token"
     assert peer_state({"role": "diloco", "time": NOW - 5}, NOW, 6.0) == "stale"
     assert peer_state({"role": "diloco", "time": NOW - 4}, NOW, 6.0) == "online"
     assert peer_state({"role": "syncing", "time": NOW}, NOW, 6.0) == "joining"

@@ -7,6 +7,7 @@ const fmt = (v, digits) => (typeof v === "number" ? v.toFixed(digits) : "-");
 const short = (peer) => peer.length > 16 ? peer.slice(0, 8) + "…" + peer.slice(-6) : peer;
 let xaxis = "time";
 let lastHistory = null, lastNode = null;
+let lossUnit = "byte";  // a BPE run's losses are per token (run.loss_unit)
 
 async function getJSON(path) {
   const r = await fetch(path, {cache: "no-store", credentials: "same-origin"});
@@ -26,6 +27,8 @@ function renderRun(run) {
   $("outer-round").textContent = run.outer_round ?? "-";
   $("run-tps").textContent = fmt(run.tokens_per_s, 0);
   $("best-eval").textContent = fmt(run.best_eval_nats_per_byte, 4);
+  lossUnit = run.loss_unit || "byte";
+  for (const el of document.querySelectorAll(".loss-unit")) el.textContent = lossUnit === "token" ? "nats/tok" : "nats/B";
   $("parallelism").textContent = run.config ? `${run.config.parallelism} · ${run.config.model}` : "no config";
   $("read-state").textContent = run.read_error ? `reading the run failed: ${run.read_error}` :
     (run.read_at ? `read ${Math.max(0, Math.round(Date.now() / 1000 - run.read_at))} s ago` : "reading the run…");
@@ -92,8 +95,8 @@ function renderHistory(h) {
     loss.push({x: xs(lp), y: lp.map((p) => p[2]), name: short(peer), mode: "lines+markers", marker: {size: 4}});
     evals.push({x: xs(ep), y: ep.map((p) => p[2]), name: short(peer), mode: "lines+markers", marker: {size: 5}});
   }
-  Plotly.react("loss-plot", loss, LAYOUT("training loss", "nats/byte"), CONFIG);
-  Plotly.react("eval-plot", evals, LAYOUT("eval loss (held out)", "nats/byte"), CONFIG);
+  Plotly.react("loss-plot", loss, LAYOUT("training loss", `nats/${lossUnit}`), CONFIG);
+  Plotly.react("eval-plot", evals, LAYOUT("eval loss (held out)", `nats/${lossUnit}`), CONFIG);
   const run = h.run;
   Plotly.react("tps-plot", [{x: run.map((p) => new Date(p[0] * 1000)), y: run.map((p) => p[1]), mode: "lines"}],
     {...LAYOUT("tokens/s of the whole run", "tokens/s"), xaxis: {type: "date"}}, CONFIG);
