@@ -413,7 +413,10 @@ def render(res: Results, a, meta: dict) -> str:
     if peers:
         lines.append("DiLoCo per outer round (median over peers): non-compute gap = from a peer's last inner step of "
                      "the round to its first step of the next (matchmaking including waiting for the slowest peer, "
-                     "the all-reduce, the outer step, checkpoint, eval, status record).")
+                     "the all-reduce, the outer step, checkpoint, eval, status record)."
+                     + (" With the delayed overlap, matchmaking and the all-reduce run during the next round's inner "
+                        "steps: they are not part of the gap, and \"rest\" is not shown." if a.overlap == "delayed"
+                        else ""))
         lines.append("")
         lines.append("| round | eval after | compute s (H steps) | gap s | of which matchmaking + wait s | "
                      "all-reduce s | all-reduce bound s | rest (outer step, checkpoint, eval) s |")
@@ -425,7 +428,7 @@ def render(res: Results, a, meta: dict) -> str:
             med = lambda k: statistics.median(x[k] for x in rs)  # noqa: E731
             lines.append(f"| {r + 1} | {_nats(rs[0]['eval'])} | {a.h * step_s:.1f} | {med('gap_s'):.1f} | "
                          f"{med('round_s') - med('allreduce_s'):.1f} | {med('allreduce_s'):.1f} | {bound:.1f} | "
-                         f"{med('gap_s') - med('round_s'):.1f} |")
+                         + ("- |" if a.overlap == "delayed" else f"{med('gap_s') - med('round_s'):.1f} |"))
         lines.append("")
         lines.append(f"Median step (sampling + forward + backward + optimizer) {step_s:.3f} s per peer while {n} "
                      f"peers share the cores; daemon start-up (DHT, model, first eval) before the first step: "
@@ -446,13 +449,16 @@ def render(res: Results, a, meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+UTILIZATION_GOAL = 0.97  # the overlapped outer rounds' goal; without overlap DiLoCo measured 0.86-0.90 here
+
+
 def verdict(res: Results, a) -> list[str]:
     peers = res.diloco.get("peers", [])
     if not peers:
         return ["- DiLoCo compute utilization: not measured (run failed)."]
     util = statistics.median(q["util"] for q in peers)
-    ok = util >= 0.95
-    return [f"- Target: DiLoCo compute utilization >= 0.95 at {a.rate_mbit:g} Mbit/s: measured {util:.3f}, "
+    ok = util >= UTILIZATION_GOAL
+    return [f"- Target: DiLoCo compute utilization >= {UTILIZATION_GOAL} at {a.rate_mbit:g} Mbit/s: measured {util:.3f}, "
             f"**{'met' if ok else 'MISSED'}**."]
 
 
