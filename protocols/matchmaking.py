@@ -37,7 +37,8 @@ there (up to 2 failed attempts), instead of bouncing between the two until ``max
 
 A leader that seals says so in its discovery record (``"sealed": true``). A peer that arrives after the seal and
 would lead (its PeerID is smaller than the sealer's, so nobody redirects it there) reads that record at its next
-poll and is late like any other latecomer (``on_late``), instead of leading a group of one for a whole idle window:
+poll and asks the sealer, which answers it is late like any other latecomer (``on_late``), or gives it the group
+when it is a member that lost the answer, instead of leading a group of one for a whole idle window:
 in a DiLoCo run such a peer averaged alone, came out of every later round's boundary one window after the others,
 and so missed every later group too. Told at once, it learns that the round went on without it and catches up.
 
@@ -291,6 +292,8 @@ class Matchmaker(Service):
                         self._announce_seal(session, dkey)
                         return group
                     redirect = session.following
+                    if redirect in unreachable and failures.get(redirect, 0) < _RETRIES:
+                        unreachable.discard(redirect)  # (a sealer we failed to reach once: see the redirect below)
                     continue
                 session.following = leader
                 self._hand_over(session, leader)
@@ -439,11 +442,15 @@ class Matchmaker(Service):
             except asyncio.TimeoutError:
                 continue
             sealers = sorted(p for p, record in records.items() if p != self.peer_id and p not in session.followers
-                             and isinstance(record.value, dict) and record.value.get("sealed") is True)
+                             and p not in unreachable and isinstance(record.value, dict)
+                             and record.value.get("sealed") is True)
             if sealers:
-                # the key's group sealed before we registered: nobody is coming to us (those who will arrive after
-                # us are late as well and meet under the next key)
-                raise _Late(f"the group for {session.key!r} was already sealed by {sealers[0]}", sealers[0])
+                # the key's group sealed while we were on our way: nobody is coming to us. Ask the sealer: it answers
+                # "late" (those arriving after us are late as well, and meet under the next key), or the group when
+                # we are in it and only lost its answer
+                session.following = sealers[0]
+                self._hand_over(session, session.following)
+                return None
             smaller = [p for p in records if p < self.peer_id and p not in unreachable and not self.bans.is_banned(p)]
             if smaller:
                 session.following = min(smaller)
