@@ -35,6 +35,11 @@ outlive the failure, and a peer reaching the old key before its former leader ca
 sealed" (or handed the failed group) and failed once more. A group is never sealed early below ``min_group_size``
 (:class:`protocols.matchmaking.Matchmaker`), and the delayed overlap also expects the last group's members whose
 status records lapsed: a leader that missed one record sealed every member's round into failure.
+A peer that reaches the rendezvous after its group sealed without it (the leaders' view lacked its record) is told
+so by the sealer (:class:`peerd.roles.outer_sync.LeftOut`) and, without the overlap, waits for that round and adopts
+its state at once (its steps carried with ``straggler = "carry"``), so it trains the next round with the others. It
+used to train a further round on the stale state (missing that round too), or, with the smallest PeerID, average
+alone after a matchmaking window, forking theta_outer and staying that window behind in every later round.
 
 With ``[diloco] fragments = F`` > 1 (Streaming DiLoCo, Douillard et al. 2025, arXiv 2501.18512) the model is F
 strided fragments (:mod:`protocols.streaming`), each with its own outer state, outer round and group keys; fragment
