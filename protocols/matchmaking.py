@@ -35,6 +35,13 @@ loaded DHT, a hand-over to a smaller peer found at the last moment) may push the
 failed to reach a leader (a loaded leader read its request too late) tries it again when a groupmate redirects it
 there (up to 2 failed attempts), instead of bouncing between the two until ``max_wait_s``.
 
+A leader that seals says so in its discovery record (``"sealed": true``). A peer that arrives after the seal and
+would lead (its PeerID is smaller than the sealer's, so nobody redirects it there) reads that record at its next
+poll and asks the sealer, which answers it is late like any other latecomer (``on_late``), or gives it the group
+when it is a member that lost the answer, instead of leading a group of one for a whole idle window:
+in a DiLoCo run such a peer averaged alone, came out of every later round's boundary one window after the others,
+and so missed every later group too. Told at once, it learns that the round went on without it and catches up.
+
 This is the pure-decision + runner pair for matchmaking; the only I/O goes through the handed :class:`Transport`.
 """
 
@@ -126,6 +133,15 @@ class MatchmakingFailed(Exception):
     """No usable group formed for this key (timeout, too few peers, the group was already sealed)."""
 
 
+class SealedWithout(MatchmakingFailed):
+    """The group for the key was sealed (by ``leader``) before this peer joined it (``on_late="fail"``)."""
+
+    def __init__(self, key: str, leader: str):
+        super().__init__(f"the group for {key!r} was already sealed by {leader}")
+        self.key = key
+        self.leader = leader
+
+
 class AdmissionRefused(MatchmakingFailed):
     """The leader refused this peer (``reason`` says why, e.g. an outer state that differs from the leader's)."""
 
@@ -153,6 +169,7 @@ class _Session:
     expected_members: Optional[frozenset] = None  # when known: seal once all joined, else at max_wait (no idle seal)
     probe_failures: dict[str, int] = field(default_factory=dict)  # missing expected member -> failed probes in a row
     following: Optional[str] = None  # the leader we defer to, when not leading
+    expiration: float = 0.0  # discovery time at which our discovery record for the key expires
     sealed: bool = False
     followers: dict[str, _Follower] = field(default_factory=dict)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -237,7 +254,7 @@ class Matchmaker(Service):
                 return await self._form_group(attempt, info, expected_size, give_up)
             except _Late as e:
                 if on_late == "fail":
-                    raise MatchmakingFailed(str(e)) from None
+                    raise SealedWithout(attempt, e.leader) from None
                 logger.info("%s; joining the next group of late peers", e)
         raise MatchmakingFailed(f"no group formed for {key!r}: sealed 64 times before we joined")
 
@@ -255,7 +272,7 @@ class Matchmaker(Service):
         discovery = self.transport.discovery
         dkey = self._discovery_key(key)
         try:
-            expiration = discovery.time() + (give_up - now) + cfg.request_timeout_s
+            expiration = session.expiration = discovery.time() + (give_up - now) + cfg.request_timeout_s
             await discovery.store(dkey, self.peer_id, {"joined": discovery.time()}, expiration)
             unreachable: set[str] = set()  # leaders we could not reach, and leaders that defer to one of those
             failures: dict[str, int] = {}  # failed attempts to reach each leader
@@ -272,8 +289,11 @@ class Matchmaker(Service):
                     group = await self._lead(session, dkey, unreachable)
                     if group is not None:
                         self._remember_sealed(key, group)
+                        self._announce_seal(session, dkey)
                         return group
                     redirect = session.following
+                    if redirect in unreachable and failures.get(redirect, 0) < _RETRIES:
+                        unreachable.discard(redirect)  # (a sealer we failed to reach once: see the redirect below)
                     continue
                 session.following = leader
                 self._hand_over(session, leader)
@@ -296,13 +316,24 @@ class Matchmaker(Service):
                 elif kind == "refused":
                     raise AdmissionRefused(leader, value)
                 elif kind == "late":
-                    raise _Late(f"the group for {key!r} was already sealed by {leader}")
+                    raise _Late(f"the group for {key!r} was already sealed by {leader}", leader)
             raise MatchmakingFailed(f"no group formed for {key!r} within max_wait_s={cfg.max_wait:g}")
         finally:
             del self._sessions[key]
             for follower in session.followers.values():
                 if not follower.answer.done():
                     follower.answer.set_result(("unreachable", "leader stopped matchmaking"))
+
+    def _announce_seal(self, session: _Session, dkey: str) -> None:
+        """Mark our discovery record for the key as sealed, in the background (the seal must not wait for a store):
+        a later arrival with a smaller PeerID would otherwise lead a group nobody comes to (see the module doc)."""
+        discovery = self.transport.discovery
+        # a later expiration: a store never replaces a record that lives longer
+        stored = discovery.store(dkey, self.peer_id, {"joined": discovery.time(), "sealed": True},
+                                 session.expiration + 1e-3)
+        task = asyncio.ensure_future(stored)
+        self._probers.add(task)
+        task.add_done_callback(_forget(self._probers))
 
     def _remember_sealed(self, key: str, group: Optional[Group] = None) -> None:
         self._sealed_keys[key] = group
@@ -410,6 +441,16 @@ class Matchmaker(Service):
                 records = await asyncio.wait_for(self.transport.discovery.get(dkey), _deadline(session) - loop.time())
             except asyncio.TimeoutError:
                 continue
+            sealers = sorted(p for p, record in records.items() if p != self.peer_id and p not in session.followers
+                             and p not in unreachable and isinstance(record.value, dict)
+                             and record.value.get("sealed") is True)
+            if sealers:
+                # the key's group sealed while we were on our way: nobody is coming to us. Ask the sealer: it answers
+                # "late" (those arriving after us are late as well, and meet under the next key), or the group when
+                # we are in it and only lost its answer
+                session.following = sealers[0]
+                self._hand_over(session, session.following)
+                return None
             smaller = [p for p in records if p < self.peer_id and p not in unreachable and not self.bans.is_banned(p)]
             if smaller:
                 session.following = min(smaller)
@@ -519,7 +560,20 @@ def _seal_at(session: _Session) -> float:
 
 
 class _Late(Exception):
-    """The group for the key was sealed before we joined it."""
+    """The group for the key was sealed (by ``leader``) before we joined it."""
+
+    def __init__(self, message: str, leader: str):
+        super().__init__(message)
+        self.leader = leader
+
+
+def _forget(tasks: set) -> Callable[[asyncio.Task], None]:
+    """Done callback: drop the task from ``tasks`` and retrieve its exception (a failed store is only logged)."""
+    def done(task: asyncio.Task) -> None:
+        tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.debug("could not mark a sealed group in discovery: %r", task.exception())
+    return done
 
 
 def _group_answer(group: Group) -> dict[str, Any]:

@@ -36,6 +36,11 @@ outlive the failure, and a peer reaching the old key before its former leader ca
 sealed" (or handed the failed group) and failed once more. A group is never sealed early below ``min_group_size``
 (:class:`protocols.matchmaking.Matchmaker`), and the delayed overlap also expects the last group's members whose
 status records lapsed: a leader that missed one record sealed every member's round into failure.
+A peer that reaches the rendezvous after its group sealed without it (the leaders' view lacked its record) is told
+so by the sealer (:class:`peerd.roles.outer_sync.LeftOut`) and, without the overlap, waits for that round and adopts
+its state at once (its steps carried with ``straggler = "carry"``), so it trains the next round with the others. It
+used to train a further round on the stale state (missing that round too), or, with the smallest PeerID, average
+alone after a matchmaking window, forking theta_outer and staying that window behind in every later round.
 
 With ``[diloco] fragments = F`` > 1 (Streaming DiLoCo, Douillard et al. 2025, arXiv 2501.18512) the model is F
 strided fragments (:mod:`protocols.streaming`), each with its own outer state, outer round and group keys; fragment
@@ -80,7 +85,7 @@ from peerd.inner_step import InnerStep, enable_tf32, micro_batch_count, resolve_
 from peerd.models import build_model
 from peerd.roles.base import RunContext, eval_units, held_out_loss
 from peerd.roles.fragments import FragmentState, fragment, whole_model
-from peerd.roles.outer_sync import RETRIES_FIELD, Refused, RoundFailure, RoundResult, make_outer_sync
+from peerd.roles.outer_sync import RETRIES_FIELD, LeftOut, Refused, RoundFailure, RoundResult, make_outer_sync
 from peerd.roles.state_sync import StateSync
 from protocols.codecs import all_finite
 from protocols.diloco import DelayedOuterStep, OuterState, inner_lr_at, make_inner_optimizer, set_lr
@@ -354,6 +359,8 @@ class DiLoCoRole:
             await self._wait_for_round(outcome.leader, outcome.outer_round)
             await self._download_from([outcome.leader])
             return
+        if isinstance(outcome, LeftOut) and await self._rejoin(r, outcome):
+            return
         if isinstance(outcome, RoundFailure):
             self._round_failed(r, outcome.reason, f"theta_outer unchanged, keeping {steps} local steps")
             self.round_quota = steps + self.hp.inner_steps
@@ -375,6 +382,23 @@ class DiLoCoRole:
             outcome.excluded, outcome.attempts, round(time.perf_counter() - started, 3), weight, steps, dp_bytes,
             self.outer.digest(), self.sync.method, eval_loss, self.stats.tokens, **self._units,
         ))
+
+    async def _rejoin(self, r: int, outcome: LeftOut) -> bool:
+        """Round ``r + 1``'s group sealed before we joined it: wait for its leader to finish the round and adopt that
+        state now (our local steps carried into the next round with ``straggler = "carry"``), so that we train the
+        next round with the others. True if we adopted a state.
+
+        Before, such a peer trained a whole further round on its stale state and the others, not counting a peer a
+        round behind, sealed that round without it too; and one with the smallest PeerID averaged alone after an
+        idle window, then reached every later boundary that window after the others and missed every later group."""
+        carry, steps = self._straggler_carry(), self.steps_since_sync
+        await self._wait_for_round(outcome.leader, outcome.outer_round)
+        if not await self._catch_up(await self._live_peers()):
+            return False
+        self._round_failed(r, outcome.reason, "adopted the state of the round that went on without us, "
+                           + ("carrying" if carry is not None else "dropping") + f" our {steps} local steps")
+        self._apply_straggler_carry(carry)
+        return True
 
     def _straggler_carry(self) -> Optional[tuple[int, torch.Tensor, int]]:
         """With ``straggler = "carry"``: (our outer round, pseudo-gradient (P,) against our theta_outer, samples)

@@ -32,7 +32,7 @@ from protocols.allreduce import AllReduceFailed, AllReduceResult, ButterflyAllRe
 from protocols.codecs import ErrorFeedback
 from protocols.diloco import OuterState
 from protocols.gossip import GossipAverager
-from protocols.matchmaking import AdmissionRefused, Matchmaker, MatchmakingFailed
+from protocols.matchmaking import AdmissionRefused, Matchmaker, MatchmakingFailed, SealedWithout
 from protocols.moshpit import MoshpitAverager, round_to_join
 
 logger = logging.getLogger(__name__)
@@ -90,6 +90,15 @@ class RoundFailure:
     """The round failed: ``state.outer`` is unchanged and the local steps are kept for the next attempt."""
 
     reason: str
+
+
+@dataclass(frozen=True)
+class LeftOut(RoundFailure):
+    """The round's group sealed (led by ``leader``) before we joined it: the round goes on without us, and the
+    leader's state after round ``outer_round`` is the swarm's. ``state.outer`` is unchanged, as for any failure."""
+
+    leader: str
+    outer_round: int
 
 
 @dataclass(frozen=True)
@@ -167,7 +176,8 @@ class AllReduceSync(OuterSync):
     state to join this round); otherwise matchmaking waits out its timeout. If the all-reduce fails (a member died
     mid-round), the survivors retry once right away among themselves, under a fresh group key. A round that failed
     is tried again (at the next boundary) under a fresh key too, agreed through the status records
-    (:func:`group_key`, :func:`agreed_retry`).
+    (:func:`group_key`, :func:`agreed_retry`). A peer that reaches the rendezvous after its group sealed (the leader's
+    view lacked its status record) gets :class:`LeftOut`, naming the leader whose state to catch up with.
 
     With a sparse codec (``compression = "topk"``, SparseLoCo) the pseudo-gradient is sent through this peer's
     :class:`protocols.codecs.ErrorFeedback`: what the codec did not deliver in a completed round is added to the next
@@ -244,6 +254,8 @@ class AllReduceSync(OuterSync):
                 break
             except AdmissionRefused as e:
                 return Refused(e.leader, e.reason, r + 1)
+            except SealedWithout as e:
+                return LeftOut(str(e), e.leader, r + 1)
             except AllReduceFailed as e:
                 if attempt < MAX_ROUND_ATTEMPTS and not self.ctx.stop.is_set():
                     logger.warning("round %d all-reduce failed (%s); retrying among the survivors", r + 1, e)

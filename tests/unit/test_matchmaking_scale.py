@@ -7,7 +7,7 @@ import pytest
 
 from peerd.testing.sim import run_virtual
 from peerd.transport.inprocess import Hub
-from protocols.matchmaking import MatchmakingConfig, MatchmakingFailed
+from protocols.matchmaking import MatchmakingConfig, MatchmakingFailed, SealedWithout
 from tests.unit.conftest import start_averaging_peers
 
 WINDOW = MatchmakingConfig(matchmaking_timeout_s=1.0, request_timeout_s=0.5, poll_interval_s=0.05)
@@ -301,3 +301,36 @@ def test_a_dead_expected_member_holds_its_group_for_two_idle_windows_not_max_wai
     assert [m for _, m, _ in late] == [("peer40", "peer41", "peer42", "peer43")] * 4
     assert [t for _, _, t in late] == pytest.approx([6.0] * 4, abs=0.3)
     assert loaded["s"].slow >= 2  # probed at least twice, each answer 0.8 s late
+
+
+@pytest.mark.timeout(30)
+def test_a_late_peer_with_the_smallest_peer_id_is_told_the_key_sealed_instead_of_leading_alone():
+    """peer00 (the smallest PeerID) comes 0.2 s after peer01..03 sealed the key at the expected size: nobody redirects
+    it to the sealer, so it used to lead a group of one for a whole idle window (a DiLoCo peer then averaged alone and
+    stayed one window behind the swarm in every later round)."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        peers = await start_averaging_peers(Hub(), 5, "run", WINDOW)
+        first = await _form(peers[1:4], [0, 0, 0], expected=3)
+        sealed_at = loop.time()
+        await asyncio.sleep(0.2)
+        arrived = loop.time()
+        try:
+            await peers[0].matchmaker.form_group("moshpit.r0", {}, expected_size=3)
+            late = None
+        except SealedWithout as e:
+            late = e
+        told_after = loop.time() - arrived
+        # two late peers that may wait for the next group: they meet there (the smallest one no longer leads the key)
+        nxt = await _form([peers[0], peers[4]], [0, 0.1], key="moshpit.r1", expected=2)
+        again = await _form(peers[1:4], [0, 0, 0], key="moshpit.r2", expected=3)
+        both = await _form([peers[0], peers[4]], [0.2, 0.25], key="moshpit.r2", expected=3, on_late="next")
+        return first, sealed_at, arrived, late, told_after, nxt, again, both
+
+    first, sealed_at, arrived, late, told_after, nxt, again, both = run_virtual(main())
+    assert {m for _, m in first} == {("peer01", "peer02", "peer03")} == {m for _, m in again}
+    assert arrived > sealed_at  # the injected lateness: peer00 registered after the seal
+    assert late is not None and late.leader == "peer01" and "already sealed" in str(late)
+    assert told_after < 0.5 * WINDOW.matchmaking_timeout_s  # before: a group of one after the whole 1 s window
+    assert [m for _, m in nxt] == [("peer00", "peer04")] * 2  # a key nobody sealed: the smallest peer still leads
+    assert both == [("moshpit.r2.late1", ("peer00", "peer04"))] * 2
