@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from peerd.cli import main
 from peerd.testing.localswarm import LOCAL, TINY, Swarm, peerd_cmd
 
 pytestmark = pytest.mark.timeout(180)
@@ -79,7 +80,10 @@ def test_config_show_prints_the_effective_config():
 
 
 @pytest.mark.slow
-def test_status_conflicting_config_and_missing_config(tmp_path):
+def test_status_conflicting_config_and_missing_config(tmp_path, capsys):
+    # the two status reads run the command line in-process: a fresh process spends most of its time importing torch
+    # and hivemind (CPU-bound next to the training peer), and what is checked here is the command's output; the
+    # joins stay processes (a daemon sets process-wide state: threads, signal handlers, the identity lock)
     swarm = Swarm(tmp_path)
     try:
         maddr = swarm.start_bootstrap()
@@ -88,12 +92,15 @@ def test_status_conflicting_config_and_missing_config(tmp_path):
         peer = swarm.start_peer("p0", "cli-run", endless)
         swarm.wait_for(lambda: bool(peer.of("eval")), 90, "the peer to start training")
 
-        status = _peerd("status", "--run-id", "cli-run", "--initial-peers", maddr, "--json")
-        assert status.returncode == 0, status.stderr
-        peers = json.loads(status.stdout)["peers"]
+        capsys.readouterr()
+        code = main(["status", "--run-id", "cli-run", "--initial-peers", maddr, "--json"])
+        status = capsys.readouterr()
+        assert code == 0, status.err
+        peers = json.loads(status.out)["peers"]
         assert len(peers) == 1 and next(iter(peers.values()))["role"] == "diloco"
-        table = _peerd("status", "--run-id", "cli-run", "--initial-peers", maddr)
-        assert table.returncode == 0 and "1 live peer" in table.stdout and "diloco" in table.stdout
+        code = main(["status", "--run-id", "cli-run", "--initial-peers", maddr])
+        table = capsys.readouterr()
+        assert code == 0 and "1 live peer" in table.out and "diloco" in table.out, table
 
         conflicting = tmp_path / "other.toml"
         conflicting.write_text(endless.read_text().replace('model = "tiny"', 'model = "small"'))
