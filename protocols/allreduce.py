@@ -565,13 +565,16 @@ class ButterflyAllReduce(Service):
         sealer = asyncio.ensure_future(self._seal_chunks(session))
         averaged = torch.empty_like(tensor)
         uploaded: list[tuple[int, float]] = []
+        async def exchange(i: int, peer: str) -> tuple[torch.Tensor, int, int]:
+            try:
+                return await self._exchange(peer, group, tensor[offsets[i] : offsets[i] + sizes[i]], weight, start,
+                                            averaged[offsets[i] : offsets[i] + sizes[i]], uploaded)
+            except AllReduceFailed as e:
+                self._give_up_on(session, peer, e)
+                raise
+
         try:
-            calls = [
-                self._exchange(peer, group, tensor[offsets[i] : offsets[i] + sizes[i]], weight, start,
-                               averaged[offsets[i] : offsets[i] + sizes[i]], uploaded)
-                for i, peer in enumerate(group.members)
-                if peer != me
-            ]
+            calls = [exchange(i, peer) for i, peer in enumerate(group.members) if peer != me]
             results = await asyncio.gather(sealer, *calls, return_exceptions=True)
             failures = [r for r in results if isinstance(r, BaseException)]
             if failures:
@@ -648,6 +651,16 @@ class ButterflyAllReduce(Service):
             session.answered.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(session.answered.wait(), deadline - loop.time())
+
+    @staticmethod
+    def _give_up_on(session: _ReduceSession, peer: str, error: AllReduceFailed) -> None:
+        """Our call to reducer ``peer`` failed, so this round fails for us (its part is missing): stop waiting for
+        ``peer``'s own part as well (excluded, not banned), so our part is sealed with whoever delivered and the
+        other members learn of the failure at once instead of at ``sender_timeout_s``. A reducer that died before
+        it sent us its part would otherwise hold every member's round until that deadline."""
+        if peer not in session.excluded and session.reducer.delivered.get(peer, 0) < len(session.bounds):
+            session.excluded[peer] = f"its reducer call failed: {error}"
+            session.changed.set()
 
     def _forget(self, group_id: str) -> None:
         self._sessions.pop(group_id, None)

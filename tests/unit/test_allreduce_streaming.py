@@ -253,6 +253,36 @@ def test_a_sender_stalling_or_dying_mid_chunk_does_not_hold_the_round(mode, aver
     asyncio.run(main())
 
 
+def test_a_member_dead_before_it_sent_anything_fails_the_round_at_once_not_at_the_sender_timeout(averaging_peers):
+    # a member that dies after matchmaking and before it sent a byte: every call to it fails, and nobody may wait
+    # sender_timeout_s for its own part (each survivor stops waiting once its call to it failed)
+    sender_timeout_s = 5.0
+
+    async def main():
+        hub = Hub()
+        peers = await averaging_peers(hub, 4, "run", MM, _cfg(sender_timeout_s=sender_timeout_s), ban_s=60.0)
+        group, by_id = await _group(peers)
+        dead = "peer03"
+        hub.disconnect(dead)
+        honest = [m for m in group.members if m != dead]
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        out = await asyncio.gather(*[by_id[m].allreduce.run(group, _vector(i, 4), 1.0) for i, m in enumerate(honest)],
+                                   return_exceptions=True)
+        elapsed = loop.time() - started
+        print(f"FIGURE a member dead before sending: the survivors' round failed after {elapsed:.2f} s "
+              f"(sender_timeout_s {sender_timeout_s})")
+        assert all(isinstance(r, AllReduceFailed) and dead in str(r) for r in out), out
+        assert elapsed < 1.0
+        for m in honest:
+            session = next(iter(by_id[m].allreduce._sessions.values()))
+            assert session.finished.is_set() and len(session.sealed) == CHUNKS
+            assert "its reducer call failed" in session.excluded[dead]
+            assert not by_id[m].bans.is_banned(dead)  # dead or failed locally: the next round may have it back
+
+    asyncio.run(main())
+
+
 def test_a_chunk_aggregated_in_place_is_closed_and_stays_the_same():
     reducer = ChunkedPartReducer(8, [(0, 4), (4, 8)])
     reducer.add("a", 0, torch.tensor([1.0, 2.0, 3.0, 4.0]), 1.0)
