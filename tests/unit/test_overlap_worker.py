@@ -134,7 +134,7 @@ def test_a_failed_background_round_keeps_theta_outer_and_carries_its_steps(tmp_p
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("compression", ["fp4", "topk"])
+@pytest.mark.parametrize("compression", ["fp4", "sign", "topk"])
 def test_workers_train_with_overlap_and_compression_until_max_rounds(compression, tmp_path):
     async def main():
         hub = Hub()
@@ -144,8 +144,10 @@ def test_workers_train_with_overlap_and_compression_until_max_rounds(compression
         assert [w.outer.outer_round for w in workers] == [3, 3]  # drained, not overshooting
         assert workers[0].outer.digest() == workers[1].outer.digest()
         assert all(w._in_flight is None for w in workers)
-        if compression == "topk":
+        if compression in ("sign", "topk"):
             assert all(float(w.sync.feedback.error.abs().sum()) > 0 for w in workers)
+        else:
+            assert all(w.sync.feedback is None for w in workers)
 
     asyncio.run(main())
 
