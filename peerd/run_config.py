@@ -17,7 +17,7 @@ from typing import Any, Mapping, Optional
 
 from peerd.config import ConfigError, build_config, read_toml
 from protocols.allreduce import AllReduceConfig
-from protocols.codecs import FEEDBACK_CODECS, SPARSE_CODECS
+from protocols.codecs import PSEUDO_GRADIENT_CODECS, SPARSE_CODECS
 from protocols.diloco import DiLoCoHyperparams
 from protocols.gossip import GossipConfig
 from protocols.matchmaking import MatchmakingConfig
@@ -252,7 +252,7 @@ class RunConfig:
         sparse = {"allreduce": "moshpit", "gossip": "gossip"}  # these average outer *states*: no error feedback there
         for table, method in sparse.items():
             codec = self.averaging.protocol(table).compression
-            if self.averaging.method == method and codec in FEEDBACK_CODECS + SPARSE_CODECS:
+            if self.averaging.method == method and codec in PSEUDO_GRADIENT_CODECS + SPARSE_CODECS:
                 raise ConfigError(f"[averaging.{table}] compression = {codec!r} is for pseudo-gradients (method "
                                   f"'allreduce'); averaging.method = {method!r} averages outer states")
         if self.model not in MODEL_NAMES:

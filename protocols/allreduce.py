@@ -410,8 +410,8 @@ class AllReduceResult:
     excluded: dict[str, str] = field(default_factory=dict)
     """Members whose part this peer refused as reducer, with the reason."""
     sent: Optional[torch.Tensor] = None
-    """(P,) fp32: what this member's contribution decoded to at the reducers; set only for codecs with
-    ``error_feedback`` (for :class:`protocols.codecs.ErrorFeedback`)."""
+    """(P,) fp32: what this member's contribution decoded to at the reducers; set for sparse codecs only (for
+    :class:`protocols.codecs.ErrorFeedback`)."""
     part_sizes: tuple[int, ...] = ()
     """Values each member reduced, in member order (equal or bandwidth-proportional)."""
     late: tuple[str, ...] = ()
@@ -595,7 +595,7 @@ class ButterflyAllReduce(Service):
                 if part.numel() and part.data_ptr() != target.data_ptr():  # an override decoded elsewhere
                     target.copy_(part)
             sent_parts = None
-            if self.codec.error_feedback:
+            if self.codec.sparse:
                 sent_parts = torch.cat([own_sent if peer == me else
                                         self._round_trip(tensor[offsets[i] : offsets[i] + sizes[i]])
                                         for i, peer in enumerate(group.members)])

@@ -24,12 +24,12 @@ Codecs (little-endian; ``n`` = number of values):
   one fp32 scale ``absmax / 6`` per block of 64 values, as the 4-bit pseudo-gradients of Streaming DiLoCo (Douillard
   et al. 2025, arXiv 2501.18512, section 2.3). Layout: ``ceil(n / 64)`` fp32 scales, then ``ceil(n / 2)`` bytes of
   codes (value ``2i`` in the low nibble, ``2i + 1`` in the high one); ``4 * ceil(n / 64) + ceil(n / 2)`` bytes.
-- ``"sign"`` (:data:`FEEDBACK_CODECS`): scaled sign, 1 bit per value: per block of 256 values ``scale = mean |x|``
-  and the value's sign, decoded as ``+-scale`` (the scaled-sign compressor of EF-SignSGD, Karimireddy et al. 2019,
-  arXiv 1901.09847, applied per block as 1-bit SGD does per column, Seide et al. 2014). Dense but coarse: a sender
-  pairs it with :class:`ErrorFeedback`, and it is for pseudo-gradients only (not in :data:`CODECS`). Layout:
-  ``ceil(n / 256)`` fp32 scales, then ``ceil(n / 8)`` bytes of sign bits (value ``i`` in bit ``i % 8`` of byte
-  ``i // 8``, 1 = non-negative; padding bits 0); ``4 * ceil(n / 256) + ceil(n / 8)`` bytes, 14.2x fewer than fp16.
+- ``"sign"`` (:data:`PSEUDO_GRADIENT_CODECS`): scaled sign, 1 bit per value: per block of 64 values
+  ``scale = mean |x|`` and each value's sign, decoded as ``+-scale`` (the scaled-sign compressor of Karimireddy et
+  al. 2019, arXiv 1901.09847, per block as 1-bit SGD quantizes per column, Seide et al. 2014). For DiLoCo
+  pseudo-gradients only (too coarse for activations or outer states: not in :data:`CODECS`). Layout:
+  ``ceil(n / 64)`` fp32 scales, then ``ceil(n / 8)`` bytes of sign bits (value ``i`` in bit ``i % 8`` of byte
+  ``i // 8``, 1 = non-negative; padding bits 0); ``4 * ceil(n / 64) + ceil(n / 8)`` bytes, 1.5 bits per value.
 - ``"topk"`` (sparse, :data:`SPARSE_CODECS`): SparseLoCo's compressor (Sarfi et al. 2025, arXiv 2508.15706): per
   chunk of 4096 values the ``ceil(0.02 * chunk)`` largest magnitudes, each sent as a chunk-local uint16 index and a
   2-bit value (sign, and whether it is nearer the chunk's smallest or largest selected magnitude). Lossy by design:
@@ -56,7 +56,7 @@ import torch
 from protocols.wire import ProtocolViolation
 
 __all__ = [
-    "CODECS", "DTYPES", "FEEDBACK_CODECS", "SPARSE_CODECS", "Codec", "BFloat16Compression", "ErrorFeedback",
+    "CODECS", "DTYPES", "PSEUDO_GRADIENT_CODECS", "SPARSE_CODECS", "Codec", "BFloat16Compression", "ErrorFeedback",
     "Float16Compression", "Fp4Compression", "Int8Compression", "NoCompression", "SignCompression", "TensorHeader",
     "TopKCompression", "all_finite",
     "decode_tensor", "encode_tensor", "get_codec",
@@ -64,11 +64,12 @@ __all__ = [
 
 #: Dense codecs: every value travels (approximately).
 CODECS = ("none", "fp16", "bf16", "int8", "fp4")
-#: Dense codecs too coarse to use alone: the sender keeps what it did not deliver in an :class:`ErrorFeedback`.
-FEEDBACK_CODECS = ("sign",)
+#: Dense codecs for pseudo-gradients only: too coarse for activations (refused by :func:`decode_tensor` unless asked)
+#: or outer states.
+PSEUDO_GRADIENT_CODECS = ("sign",)
 #: Sparse codecs: only some values travel; the sender keeps the rest in an :class:`ErrorFeedback`.
 SPARSE_CODECS = ("topk",)
-_ALL_CODECS = CODECS + FEEDBACK_CODECS + SPARSE_CODECS
+_ALL_CODECS = CODECS + PSEUDO_GRADIENT_CODECS + SPARSE_CODECS
 
 #: Dtypes a tensor codec accepts, by wire name.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -160,15 +161,12 @@ def _from_bytes(view: memoryview, dtype: torch.dtype, numel: int) -> torch.Tenso
 
 
 class Codec(abc.ABC):
-    """Encodes tensors to bytes and back. Subclasses set ``name`` (one of :data:`CODECS`, :data:`FEEDBACK_CODECS` or
-    :data:`SPARSE_CODECS`)."""
+    """Encodes tensors to bytes and back. Subclasses set ``name`` (one of :data:`CODECS`,
+    :data:`PSEUDO_GRADIENT_CODECS` or :data:`SPARSE_CODECS`)."""
 
     name: str
     sparse: bool = False
     """True if the codec drops values on purpose (a mean of such tensors is not representable in the codec)."""
-    error_feedback: bool = False
-    """True if a sender must keep what the codec did not deliver and add it to its next input (:class:`ErrorFeedback`):
-    the codec is too coarse to use alone."""
 
     @abc.abstractmethod
     def encoded_size(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
@@ -410,21 +408,23 @@ class Fp4Compression(_BlockwiseCodec):
 
 class SignCompression(_BlockwiseCodec):
     """``"sign"``: scaled sign, 1 bit per value plus one fp32 scale ``mean |x|`` per block of ``block_size`` values
-    (default 256; the scale that minimizes the block's squared error for a given sign pattern).
+    (default 64: 1.5 bits per value, 10.7x fewer bytes than fp16); ``mean |x|`` is the scale that minimizes the
+    block's squared error for its sign pattern.
 
-    EF-SignSGD's scaled-sign compressor (Karimireddy et al. 2019, arXiv 1901.09847), per block; only sound with
-    :class:`ErrorFeedback` on the sender (``error_feedback``). A value decodes to ``+scale`` (bit 1: the value was
-    >= 0) or ``-scale``: no arithmetic beyond a sign, so the same bytes give the same bits everywhere. Layout
-    (little-endian): ``ceil(n / block_size)`` fp32 scales, then ``ceil(n / 8)`` bytes of bits (value ``i`` in bit
-    ``i % 8`` of byte ``i // 8``; padding bits 0). The wire name does not carry ``block_size``: peers must agree on it.
-    In ``bench_outer_codecs.py`` (4 peers, tiny model, 150 steps, H = 10) pseudo-gradients and answers in this codec
-    ended within 0.5% of fp16's eval loss at 14.2x fewer bytes (``docs/benchmarks.md``).
+    The scaled-sign compressor of Karimireddy et al. 2019 (arXiv 1901.09847), per block. Used *without* error
+    feedback: on DiLoCo pseudo-gradients (``scripts/bench_outer_codecs.py``, 4 peers, tiny model) pseudo-gradients
+    and answers in this codec ended 0.1% (150 steps, H = 10) and 1.5% (300 steps, H = 30) above fp16's eval loss,
+    while keeping the unsent rest in an :class:`ErrorFeedback` ended 2.7% and 3.0% above (the residual arrives a
+    round late, against a moved model, on top of the outer Nesterov momentum); blocks of 256 values were worse
+    (``docs/benchmarks.md``). A value decodes to ``+scale`` (bit 1: the value was >= 0) or ``-scale``, no arithmetic
+    beyond the sign, so the same bytes give the same bits everywhere. Layout (little-endian): ``ceil(n /
+    block_size)`` fp32 scales, then ``ceil(n / 8)`` bytes of bits (value ``i`` in bit ``i % 8`` of byte ``i // 8``;
+    padding bits 0). The wire name does not carry ``block_size``: peers must agree on it.
     """
 
     name = "sign"
-    error_feedback = True
 
-    def __init__(self, block_size: int = 256) -> None:
+    def __init__(self, block_size: int = 64) -> None:
         super().__init__(block_size)
 
     def encoded_size(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
@@ -479,7 +479,6 @@ class TopKCompression(Codec):
     """
 
     name = "topk"
-    error_feedback = True
     sparse = True
 
     def __init__(self, fraction: float = 0.02, chunk_size: int = 4096) -> None:
@@ -587,7 +586,7 @@ class TopKCompression(Codec):
 
 
 class ErrorFeedback:
-    """The part of a lossy codec's input that was not sent, kept locally and added to the next round's input.
+    """The part of a sparse codec's input that was not sent, kept locally and added to the next round's input.
 
     SparseLoCo (arXiv 2508.15706, Algorithm 1): ``e <- decay * e + delta``; send ``C(e)``; ``e <- e - decode(C(e))``.
     :meth:`compensate` gives the vector to send (``decay * e + delta``, fp32 (P,)); after the all-reduce,

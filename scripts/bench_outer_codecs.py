@@ -40,8 +40,8 @@ from protocols.matchmaking import MatchmakingConfig  # noqa: E402
 def run_config(a: argparse.Namespace, variant: str) -> RunConfig:
     """``variant``: ``up/answers`` codecs (``fp16`` alone = fp16/fp16) or ``topk-gather`` (the sparse all-gather,
     no answers), optionally ``+F<n>`` fragments, ``+delayed``, ``+k<fraction>`` (top-k density, default 0.02),
-    ``+olr<lr>`` (outer lr) and ``+sparseloco`` (SparseLoCo's outer step: no outer momentum, outer lr 1, error
-    feedback decay 0.95, arXiv 2508.15706)."""
+    ``+olr<lr>`` (outer lr), ``+ef<decay>`` (error feedback decay; 0 = none) and ``+sparseloco`` (SparseLoCo's
+    outer step: no outer momentum, outer lr 1, error feedback decay 0.95, arXiv 2508.15706)."""
     codecs, *extra = variant.split("+")
     exchange, topk_fraction = "reduce", AllReduceConfig.topk_fraction
     if codecs.endswith("-gather"):
@@ -55,6 +55,8 @@ def run_config(a: argparse.Namespace, variant: str) -> RunConfig:
             diloco["outer_lr"] = float(item[3:])
         elif item.startswith("k") and item[1:].replace(".", "", 1).isdigit():
             topk_fraction = float(item[1:])
+        elif item.startswith("ef") and item[2:].replace(".", "", 1).isdigit():
+            diloco["error_feedback_decay"] = float(item[2:])
         elif item == "sparseloco":
             diloco.update(outer_momentum=0.0, outer_lr=1.0, error_feedback_decay=0.95)
         elif item.startswith("F"):
@@ -98,7 +100,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variants", nargs="+", default=["fp16", "fp4/fp4", "topk/fp16", "topk/fp4"],
                    help="up/answers codecs or topk-gather, + F<n> fragments, + delayed, + k<top-k fraction>, "
-                        "+ olr<outer lr>, + sparseloco; "
+                        "+ olr<outer lr>, + ef<error feedback decay>, + sparseloco; "
                         "the first is the "
                         "reference")
     p.add_argument("--peers", type=int, default=4)

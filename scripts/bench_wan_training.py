@@ -485,9 +485,9 @@ def main() -> int:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--eval-batches", type=int, default=8)
-    p.add_argument("--compression", default="fp16", choices=("none", "fp16", "int8", "fp4", "topk"),
+    p.add_argument("--compression", default="fp16", choices=("none", "fp16", "int8", "fp4", "sign", "topk"),
                    help="pseudo-gradient codec ([averaging.allreduce] compression)")
-    p.add_argument("--result-compression", default="auto", choices=("auto", "none", "fp16", "int8", "fp4"),
+    p.add_argument("--result-compression", default="auto", choices=("auto", "none", "fp16", "int8", "fp4", "sign"),
                    help="codec of the reducers' answers ([averaging.allreduce] result_compression)")
     p.add_argument("--overlap", default="none", choices=("none", "delayed"), help="[diloco] overlap")
     p.add_argument("--fragments", type=int, default=1, help="[diloco] fragments (Streaming DiLoCo), divides --h")

@@ -179,8 +179,7 @@ class AllReduceSync(OuterSync):
     (:func:`group_key`, :func:`agreed_retry`). A peer that reaches the rendezvous after its group sealed (the leader's
     view lacked its status record) gets :class:`LeftOut`, naming the leader whose state to catch up with.
 
-    With a codec that needs error feedback (``compression = "topk"``, SparseLoCo; ``"sign"``, 1 bit per value) the
-    pseudo-gradient is sent through this peer's
+    With a sparse codec (``compression = "topk"``, SparseLoCo) the pseudo-gradient is sent through this peer's
     :class:`protocols.codecs.ErrorFeedback`: what the codec did not deliver in a completed round is added to the next
     round's pseudo-gradient (a failed round records nothing: its steps stay in theta_local). The error is local
     state, never sent; the DiLoCo role keeps it in its checkpoint.
@@ -198,7 +197,7 @@ class AllReduceSync(OuterSync):
         self.allreduce = self._allreduce()
         self.components = (self.matchmaker, self.allreduce)
         self.feedback = (ErrorFeedback(state.outer.numel, self.hp.error_feedback_decay)
-                         if self.allreduce.codec.error_feedback else None)
+                         if self.allreduce.codec.sparse else None)
         self._failed = (-1, 0)  # (outer round, its failed tries): the next try uses a fresh group key
 
     def retries(self) -> Optional[list[int]]:
