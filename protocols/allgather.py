@@ -31,7 +31,9 @@ Failure semantics:
 - a member that refuses our vector fails our round (:class:`AllReduceFailed`: we cannot know its view), as a
   reducer's refusal fails a butterfly round;
 - a member that never answers (dead), or had not started this gather within ``sender_timeout_s`` of our call
-  (refusal code ``unavailable``), is left out; its view does not constrain ours;
+  (refusal code ``unavailable``), is left out; its view does not constrain ours; once our call to it broke off
+  (unreachable) we stop waiting for its vector, so a member dead before it sent holds nobody's collection until
+  ``sender_timeout_s`` (its vector, should it still come first, counts as usual);
 - a member that heard the view of a member that did not hear its own, and lacks a vector that every view it heard
   lists, fails its round (:class:`AllReduceFailed`): that member may count the vector, so the sums could differ
   (a member that started late ends here);
@@ -60,7 +62,7 @@ from protocols.allreduce import (AllReduceConfig, AllReduceFailed, AllReduceResu
 from protocols.bans import BanList
 from protocols.interfaces import Transport
 from protocols.matchmaking import Group
-from protocols.rpc import Refused, Request, RpcError, RpcTimeout, Service, call
+from protocols.rpc import Refused, Request, RpcError, RpcTimeout, Service, Unreachable, call
 from protocols.wire import ProtocolViolation, require
 
 logger = logging.getLogger(__name__)
@@ -96,9 +98,11 @@ class _GatherSession:
     answered: set = field(default_factory=set)
     """Members our view was written to."""
     answer_written: asyncio.Event = field(default_factory=asyncio.Event)
+    gone: set = field(default_factory=set)
+    """Members our call could not reach: not waited for (neither excluded nor banned)."""
 
     def complete(self) -> bool:
-        return all(m in self.contributions or m in self.excluded for m in self.group.members)
+        return all(m in self.contributions or m in self.excluded or m in self.gone for m in self.group.members)
 
     def have(self) -> dict[str, str]:
         return {m: c.digest for m, c in self.contributions.items()}
@@ -250,6 +254,9 @@ class SparseAllGather(Service):
         except (RpcTimeout, RpcError) as e:
             if isinstance(e, ProtocolViolation):
                 self.bans.ban(peer, f"sent an invalid gather answer: {e}")
+            elif isinstance(e, Unreachable):
+                session.gone.add(peer)
+                session.changed.set()
             logger.info("no gather answer from %s: %r", peer, e)
             return None
         session.bytes_sent += reply.bytes_sent

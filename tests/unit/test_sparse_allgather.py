@@ -160,6 +160,32 @@ def test_a_member_dying_mid_gather_leaves_the_others_bit_identical(averaging_pee
     asyncio.run(main())
 
 
+def test_a_member_dead_before_it_sent_holds_nobodys_collection_until_the_sender_timeout(averaging_peers):
+    async def main():
+        n = 4
+        config = AllReduceConfig(compression="topk", exchange="gather", sender_timeout_s=5.0, reducer_timeout_s=10.0)
+        hub = Hub()
+        peers = await averaging_peers(hub, n, allreduce=config, allreduce_class=SparseAllGather, ban_s=60.0)
+        g = torch.Generator().manual_seed(5)
+        xs = [torch.randn(5000, generator=g) for _ in range(n)]
+        dead = peers[3].transport.streams.peer_id
+        group = (await asyncio.gather(*[p.matchmaker.form_group("g9", {}, expected_size=n) for p in peers]))[0]
+        hub.disconnect(dead)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        honest = await asyncio.gather(*[p.allreduce.run(group, x, 1.0) for p, x in zip(peers[:3], xs[:3])])
+        elapsed = loop.time() - started
+        assert elapsed < 1.0, elapsed  # 5 s (the sender timeout) before
+        assert [res.contributors for res in honest] == [3, 3, 3]
+        for p, res in zip(peers, honest):
+            assert torch.equal(_bits(res.averaged), _bits(honest[0].averaged))
+            session = next(iter(p.allreduce._sessions.values()))
+            assert session.gone == {dead} and dead not in session.excluded and not p.bans.is_banned(dead)
+        _assert_close(honest[0].averaged, _hand_mean(xs[:3], [1.0] * 3))
+
+    asyncio.run(main())
+
+
 def test_a_member_starting_after_the_others_collected_fails_alone_and_the_others_agree(averaging_peers):
     async def main():
         n = 4
