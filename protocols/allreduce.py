@@ -443,11 +443,14 @@ class _ReduceSession:
     """Members whose request arrived after the sender deadline: read and answered, never added, never banned."""
     downloads: list = field(default_factory=list)
     """``(bytes, seconds from our start)`` of every member's part that arrived whole."""
+    gone: set = field(default_factory=set)
+    """Members whose reducer our call could not get an answer from: not waited for (neither excluded nor banned; a
+    part they still send is taken for the chunks not sealed yet)."""
 
     def resolved(self, k: int) -> bool:
-        """Every member delivered chunk ``k`` or was excluded."""
+        """Every member delivered chunk ``k``, was excluded or is gone."""
         delivered = self.reducer.delivered
-        return all(m in self.excluded or delivered.get(m, 0) > k for m in self.group.members)
+        return all(m in self.excluded or m in self.gone or delivered.get(m, 0) > k for m in self.group.members)
 
 
 class ButterflyAllReduce(Service):
@@ -569,8 +572,8 @@ class ButterflyAllReduce(Service):
             try:
                 return await self._exchange(peer, group, tensor[offsets[i] : offsets[i] + sizes[i]], weight, start,
                                             averaged[offsets[i] : offsets[i] + sizes[i]], uploaded)
-            except AllReduceFailed as e:
-                self._give_up_on(session, peer, e)
+            except AllReduceFailed:
+                self._give_up_on(session, peer)
                 raise
 
         try:
@@ -653,13 +656,14 @@ class ButterflyAllReduce(Service):
                 await asyncio.wait_for(session.answered.wait(), deadline - loop.time())
 
     @staticmethod
-    def _give_up_on(session: _ReduceSession, peer: str, error: AllReduceFailed) -> None:
+    def _give_up_on(session: _ReduceSession, peer: str) -> None:
         """Our call to reducer ``peer`` failed, so this round fails for us (its part is missing): stop waiting for
-        ``peer``'s own part as well (excluded, not banned), so our part is sealed with whoever delivered and the
-        other members learn of the failure at once instead of at ``sender_timeout_s``. A reducer that died before
-        it sent us its part would otherwise hold every member's round until that deadline."""
-        if peer not in session.excluded and session.reducer.delivered.get(peer, 0) < len(session.bounds):
-            session.excluded[peer] = f"its reducer call failed: {error}"
+        ``peer``'s own part as well (``gone``: not excluded, not banned, its part still taken if it comes), so our
+        part is sealed with whoever delivered and the other members learn of the failure at once instead of at
+        ``sender_timeout_s``. A reducer that died before it sent us its part would otherwise hold every member's
+        round until that deadline."""
+        if session.reducer.delivered.get(peer, 0) < len(session.bounds):
+            session.gone.add(peer)
             session.changed.set()
 
     def _forget(self, group_id: str) -> None:
@@ -696,7 +700,7 @@ class ButterflyAllReduce(Service):
             await until(seal_in_order(), session.deadline)  # one timer for the part, not one per wake-up
         except asyncio.TimeoutError:
             k = len(session.sealed)
-            missing = [m for m in session.group.members if m not in session.excluded
+            missing = [m for m in session.group.members if m not in session.excluded and m not in session.gone
                        and session.reducer.delivered.get(m, 0) <= (last if whole_part else k)]
             # senders that never connected are dead or failed locally: no ban (the next round may have them back);
             # a sender that connected but stalled mid-part is banned in rpc_reduce

@@ -277,8 +277,46 @@ def test_a_member_dead_before_it_sent_anything_fails_the_round_at_once_not_at_th
         for m in honest:
             session = next(iter(by_id[m].allreduce._sessions.values()))
             assert session.finished.is_set() and len(session.sealed) == CHUNKS
-            assert "its reducer call failed" in session.excluded[dead]
+            assert session.gone == {dead} and dead not in session.excluded
             assert not by_id[m].bans.is_banned(dead)  # dead or failed locally: the next round may have it back
+
+    asyncio.run(main())
+
+
+def test_a_member_refused_by_one_reducer_still_takes_that_reducers_part_and_the_others_agree(averaging_peers):
+    # peer00 banned peer02 earlier: peer02's call to peer00 is refused at once and peer02 stops waiting for
+    # peer00's part; peer00's part, sent to peer02 only afterwards, must still be taken and answered (refusing it
+    # as a second part failed peer00's round while peer01's completed: their theta_outer forked)
+    async def main():
+        hub = Hub()
+        opener: list = []
+
+        def later(i, t):
+            if i != 0:
+                return t
+            wrapped = _Wrapped(t, lambda w: w)
+            wrapped.streams = _LateOpener(t.streams, "peer02", 0.3, 0.0)
+            opener.append(wrapped.streams)
+            return wrapped
+
+        peers = await averaging_peers(hub, 3, "run", MM, _cfg(sender_timeout_s=2.0, reducer_timeout_s=4.0),
+                                      ban_s=60.0, wrap=later)
+        group, by_id = await _group(peers)
+        by_id["peer00"].bans.ban("peer02", "an earlier offence")
+        xs = {m: _vector(i, 3) for i, m in enumerate(group.members)}
+        out = dict(zip(group.members, await asyncio.gather(
+            *[by_id[m].allreduce.run(group, xs[m], 1.0) for m in group.members], return_exceptions=True)))
+        assert opener[0].delayed == 1  # peer00's part reached peer02 after peer02's call had been refused
+        assert isinstance(out["peer02"], AllReduceFailed) and "refused" in str(out["peer02"])
+        for m in ("peer00", "peer01"):
+            assert not isinstance(out[m], BaseException), (m, out[m])
+        assert torch.equal(out["peer00"].averaged, out["peer01"].averaged)
+        session = next(iter(by_id["peer02"].allreduce._sessions.values()))
+        assert session.gone == {"peer00"} and not session.excluded
+        assert not by_id["peer02"].bans.is_banned("peer00")
+        part = CHUNKS * CHUNK  # peer02 sealed its part without waiting for peer00: peer00's chunks were only read
+        expected = (xs["peer01"] + xs["peer02"]) / 2
+        assert torch.equal(out["peer01"].averaged[2 * part:], expected[2 * part:])
 
     asyncio.run(main())
 
