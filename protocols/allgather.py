@@ -32,8 +32,8 @@ Failure semantics:
   reducer's refusal fails a butterfly round;
 - a member that never answers (dead), or had not started this gather within ``sender_timeout_s`` of our call
   (refusal code ``unavailable``), is left out; its view does not constrain ours; once our call to it broke off
-  (unreachable) we stop waiting for its vector, so a member dead before it sent holds nobody's collection until
-  ``sender_timeout_s`` (its vector, should it still come first, counts as usual);
+  (unreachable) we stop waiting for its vector, so a member dead before it sent holds no collection until
+  ``sender_timeout_s`` (should its vector still arrive first, it counts as usual);
 - a member that heard the view of a member that did not hear its own, and lacks a vector that every view it heard
   lists, fails its round (:class:`AllReduceFailed`): that member may count the vector, so the sums could differ
   (a member that started late ends here);

@@ -568,6 +568,7 @@ class ButterflyAllReduce(Service):
         sealer = asyncio.ensure_future(self._seal_chunks(session))
         averaged = torch.empty_like(tensor)
         uploaded: list[tuple[int, float]] = []
+
         async def exchange(i: int, peer: str) -> tuple[torch.Tensor, int, int]:
             try:
                 return await self._exchange(peer, group, tensor[offsets[i] : offsets[i] + sizes[i]], weight, start,

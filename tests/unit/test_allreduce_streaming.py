@@ -290,15 +290,7 @@ def test_a_member_refused_by_one_reducer_still_takes_that_reducers_part_and_the_
     async def main():
         hub = Hub()
         opener: list = []
-
-        def later(i, t):
-            if i != 0:
-                return t
-            wrapped = _Wrapped(t, lambda w: w)
-            wrapped.streams = _LateOpener(t.streams, "peer02", 0.3, 0.0)
-            opener.append(wrapped.streams)
-            return wrapped
-
+        later = _late_opening(0, "peer02", 0.3, 0.0, opener)
         peers = await averaging_peers(hub, 3, "run", MM, _cfg(sender_timeout_s=2.0, reducer_timeout_s=4.0),
                                       ban_s=60.0, wrap=later)
         group, by_id = await _group(peers)
@@ -353,6 +345,21 @@ class _LateOpener(StreamsWrapper):
         return await self.inner.open(peer_id, name)
 
 
+def _late_opening(index: int, reducer: str, delay_s: float, pause_s: float, opener: list):
+    """A ``wrap`` for ``averaging_peers``: peer ``index`` opens its ``.reduce`` stream to ``reducer`` late
+    (:class:`_LateOpener`, appended to ``opener``); the others are unchanged."""
+
+    def wrap(i, t):
+        if i != index:
+            return t
+        wrapped = _Wrapped(t, lambda w: w)
+        wrapped.streams = _LateOpener(t.streams, reducer, delay_s, pause_s)
+        opener.append(wrapped.streams)
+        return wrapped
+
+    return wrap
+
+
 def test_a_sender_starting_after_the_deadline_is_late_not_banned_and_every_member_agrees(averaging_peers):
     # the late call arrives after the reducer's deadline and its 1 s of read grace, then sends its part at a slow pace
     sender_timeout_s, delay_s, pause_s = 0.5, 1.6, 0.3
@@ -360,15 +367,7 @@ def test_a_sender_starting_after_the_deadline_is_late_not_banned_and_every_membe
     async def main():
         hub = Hub()
         opener: list = []
-
-        def late(i, t):
-            if i != 2:
-                return t
-            wrapped = _Wrapped(t, lambda w: w)
-            wrapped.streams = _LateOpener(t.streams, "peer00", delay_s, pause_s)
-            opener.append(wrapped.streams)
-            return wrapped
-
+        late = _late_opening(2, "peer00", delay_s, pause_s, opener)
         peers = await averaging_peers(hub, 3, "run", MM, _cfg(sender_timeout_s=sender_timeout_s,
                                                                reducer_timeout_s=3.0), ban_s=60.0, wrap=late)
         group, by_id = await _group(peers)
