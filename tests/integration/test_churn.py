@@ -7,8 +7,8 @@ right away with the same identity and checkpoint folder. Running both at once ke
 idle machine.
 
 The churn lasts until MIN_KILLS kills and MIN_ROUNDS outer rounds of every stable peer (at most MAX_CHURN_S); then
-every peer of both swarms is stopped with SIGTERM and the two swarms are compared at the last round R that all their stable peers completed: same
-config, same number of outer steps. Agreement is checked per all-reduce group (the ``allreduce`` event of protocols.allreduce
+every peer of both swarms is stopped with SIGTERM and the two swarms are compared at the last round R that all their
+stable peers completed: same config, same number of outer steps. Agreement is checked per all-reduce group (the ``allreduce`` event of protocols.allreduce
 names it): every member that completed its round with a group holds the same theta_outer digest.
 """
 
