@@ -298,6 +298,20 @@ class _BlockwiseCodec(Codec):
     def _num_blocks(self, numel: int) -> int:
         return -(-numel // self.block_size)
 
+    def _blocks(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` (n,) as fp32 blocks (ceil(n / block_size), block_size), the last one padded with zeros."""
+        numel, nblocks = flat.numel(), self._num_blocks(flat.numel())
+        padded = torch.zeros(nblocks * self.block_size, dtype=torch.float32)
+        padded[:numel] = flat
+        return padded.view(nblocks, self.block_size)
+
+    def _scales(self, view: memoryview, numel: int) -> np.ndarray:
+        """The ceil(numel / block_size) fp32 scales that open the payload; ValueError unless finite and >= 0."""
+        scales = np.frombuffer(view, dtype="<f4", count=self._num_blocks(numel)).astype(np.float32)
+        if not (np.isfinite(scales).all() and (scales >= 0).all()):
+            raise ValueError(f"{self.name}: scales must be finite and >= 0")
+        return scales
+
 
 class Int8Compression(_BlockwiseCodec):
     """``"int8"``: blockwise absmax quantization; ``block_size`` values share one fp32 scale (default 256).
@@ -317,10 +331,8 @@ class Int8Compression(_BlockwiseCodec):
         return 4 * self._num_blocks(numel) + numel
 
     def _encode_flat(self, flat: torch.Tensor) -> Buffer:
-        numel, nblocks = flat.numel(), self._num_blocks(flat.numel())
-        padded = torch.zeros(nblocks * self.block_size, dtype=torch.float32)
-        padded[:numel] = flat
-        blocks = padded.view(nblocks, self.block_size)  # (nblocks, block_size)
+        numel = flat.numel()
+        blocks = self._blocks(flat)  # (nblocks, block_size)
         scales = blocks.abs().amax(dim=1) / 127.0  # (nblocks,)
         safe = torch.where(scales > 0, scales, torch.ones_like(scales))
         q = torch.round(blocks / safe[:, None]).clamp_(-127, 127).to(torch.int8).view(-1)[:numel]
@@ -328,9 +340,7 @@ class Int8Compression(_BlockwiseCodec):
 
     def _decode_flat(self, view: memoryview, numel: int, dtype: torch.dtype) -> torch.Tensor:
         nblocks = self._num_blocks(numel)
-        scales = np.frombuffer(view, dtype="<f4", count=nblocks).astype(np.float32)
-        if not (np.isfinite(scales).all() and (scales >= 0).all()):
-            raise ValueError("int8: scales must be finite and >= 0")
+        scales = self._scales(view, numel)
         q = np.frombuffer(view, dtype=np.int8, count=numel, offset=4 * nblocks)
         out = np.zeros(nblocks * self.block_size, dtype=np.float32)
         out[:numel] = q
@@ -371,10 +381,8 @@ class Fp4Compression(_BlockwiseCodec):
         return 4 * self._num_blocks(numel) + (numel + 1) // 2
 
     def _encode_flat(self, flat: torch.Tensor) -> Buffer:
-        numel, nblocks = flat.numel(), self._num_blocks(flat.numel())
-        padded = torch.zeros(nblocks * self.block_size, dtype=torch.float32)
-        padded[:numel] = flat
-        blocks = padded.view(nblocks, self.block_size)  # (nblocks, block_size)
+        numel = flat.numel()
+        blocks = self._blocks(flat)  # (nblocks, block_size)
         scales = blocks.abs().amax(dim=1) / 6.0  # (nblocks,)
         safe = torch.where(scales > 0, scales, torch.ones_like(scales))
         scaled = (blocks / safe[:, None]).view(-1)[:numel]  # (numel,) in [-6, 6] up to rounding
@@ -387,9 +395,7 @@ class Fp4Compression(_BlockwiseCodec):
 
     def _decode_flat(self, view: memoryview, numel: int, dtype: torch.dtype) -> torch.Tensor:
         nblocks = self._num_blocks(numel)
-        scales = np.frombuffer(view, dtype="<f4", count=nblocks).astype(np.float32)
-        if not (np.isfinite(scales).all() and (scales >= 0).all()):
-            raise ValueError("fp4: scales must be finite and >= 0")
+        scales = self._scales(view, numel)
         packed = np.frombuffer(view, dtype=np.uint8, count=(numel + 1) // 2, offset=4 * nblocks)
         if numel % 2 and packed.size and packed[-1] >> 4:
             raise ValueError("fp4: the padding nibble must be 0")
@@ -432,21 +438,18 @@ class SignCompression(_BlockwiseCodec):
         return 4 * self._num_blocks(numel) + (numel + 7) // 8
 
     def _encode_flat(self, flat: torch.Tensor) -> Buffer:
-        numel, nblocks = flat.numel(), self._num_blocks(flat.numel())
-        padded = torch.zeros(nblocks * self.block_size, dtype=torch.float32)
-        padded[:numel] = flat
-        counts = torch.full((nblocks,), float(self.block_size))
-        if nblocks:
-            counts[-1] = numel - (nblocks - 1) * self.block_size
-        scales = padded.view(nblocks, self.block_size).abs().sum(dim=1) / counts  # (nblocks,) mean |x|
+        numel = flat.numel()
+        blocks = self._blocks(flat)  # (nblocks, block_size)
+        counts = torch.full((blocks.shape[0],), float(self.block_size))
+        if blocks.shape[0]:
+            counts[-1] = numel - (blocks.shape[0] - 1) * self.block_size
+        scales = blocks.abs().sum(dim=1) / counts  # (nblocks,) mean |x|
         bits = np.packbits((flat >= 0).numpy(), bitorder="little")
         return scales.numpy().astype("<f4", copy=False).tobytes() + bits.tobytes()
 
     def _decode_flat(self, view: memoryview, numel: int, dtype: torch.dtype) -> torch.Tensor:
         nblocks = self._num_blocks(numel)
-        scales = np.frombuffer(view, dtype="<f4", count=nblocks).astype(np.float32)
-        if not (np.isfinite(scales).all() and (scales >= 0).all()):
-            raise ValueError("sign: scales must be finite and >= 0")
+        scales = self._scales(view, numel)
         packed = np.frombuffer(view, dtype=np.uint8, count=(numel + 7) // 8, offset=4 * nblocks)
         if numel % 8 and packed.size and packed[-1] >> (numel % 8):
             raise ValueError("sign: the padding bits must be 0")
