@@ -27,7 +27,10 @@ the rounds of 8 real peers ran alone). Such a group instead waits for exactly th
 last one joins; a member that never comes is left out when the earliest member's ``max_wait_s`` runs out, and the
 others average without it. A member whose process died never comes either, and is not waited for that long: once
 the group has gained nobody for ``matchmaking_timeout_s``, its leader probes the missing members, and one that
-answers no probe twice in a row is left out (the group seals about two idle windows after its last arrival).
+answers no probe twice in a row is left out (the group seals about two idle windows after its last arrival). A live
+member can be just as absent: its view of the swarm differed (a status record that lapsed under load gives another
+grid) and it is matchmaking for another group of the same round. A probe's answer lists the keys the member is
+matchmaking for or sealed lately; one under another key of the round (``round_prefix``) is left out at once.
 
 Under load the margins are thin. A leader seals at the earliest follower's deadline and that follower gives up one
 ``request_timeout_s`` later, so nothing the leader does while waiting (a discovery read that takes seconds on a
@@ -72,8 +75,12 @@ _RETRIES = 2
 #: Probes in a row that a missing expected member leaves unanswered before its group stops waiting for it.
 _PROBE_FAILURES = 2
 
-#: The key of a probe: a join request for it is refused by every live matchmaker ("not matchmaking for that key").
+#: The key of a probe: a join request for it is answered ``{"type": "alive", "keys": [...]}`` by every live
+#: matchmaker (the keys it is matchmaking for or sealed lately); matchmakers before that answer refused it ("gone").
 _PROBE_KEY = "probe.alive"
+
+#: Most keys a probe's answer lists (a matchmaker remembers the last 64 sealed keys, plus its open sessions).
+_PROBE_MAX_KEYS = 128
 
 #: ``admit(own_info, peer_id, peer_info) -> None`` to accept the peer, or a reason string to refuse it.
 AdmitFn = Callable[[dict, str, dict], Optional[str]]
@@ -167,6 +174,7 @@ class _Session:
     idle_until: float  # loop time at which a group this peer leads seals for lack of new members
     expected_size: Optional[int]
     expected_members: Optional[frozenset] = None  # when known: seal once all joined, else at max_wait (no idle seal)
+    round_prefix: Optional[str] = None  # keys of the same round's other groups start with it
     probe_failures: dict[str, int] = field(default_factory=dict)  # missing expected member -> failed probes in a row
     following: Optional[str] = None  # the leader we defer to, when not leading
     expiration: float = 0.0  # discovery time at which our discovery record for the key expires
@@ -181,7 +189,9 @@ class Matchmaker(Service):
     An RPC service (:mod:`protocols.rpc`) named ``prefix`` with one method, ``join`` (stream handler
     ``<prefix>.join``): the request is ``{key, info, remaining_s}``; the leader answers when the group is sealed
     (``{"type": "group", group_id, members, infos}``) or it defers (``{"type": "redirect", leader}``), or refuses
-    with code ``refused`` (admission), ``late`` (already sealed) or ``gone`` (not matchmaking for that key).
+    with code ``refused`` (admission), ``late`` (already sealed) or ``gone`` (not matchmaking for that key). A
+    request for the probe key ``probe.alive`` is answered ``{"type": "alive", "keys": [...]}``: the keys this peer is
+    matchmaking for or sealed lately (a leader waiting for a missing member asks where it is).
     ``remaining_s`` is how long the joining peer can still wait in all; a member of a sealed group asking again
     (its answer was lost in a redirect race) gets the sealed group.
     Call :meth:`start` once, then :meth:`form_group` once per round.
@@ -217,7 +227,8 @@ class Matchmaker(Service):
         return f"{self.prefix}.mm.{key}"
 
     async def form_group(self, key: str, info: dict[str, Any], expected_size: Optional[int] = None,
-                         on_late: str = "fail", expected_members: Optional[Sequence[str]] = None) -> Group:
+                         on_late: str = "fail", expected_members: Optional[Sequence[str]] = None,
+                         round_prefix: Optional[str] = None) -> Group:
         """Join or lead the group for ``key``; returns the sealed group.
 
         Args:
@@ -235,6 +246,10 @@ class Matchmaker(Service):
                 (whoever has joined by then, peers outside the list included), never after an idle window;
                 ``expected_size`` is then ignored. The next group of late peers (``on_late="next"``) expects nobody
                 in particular and seals on the idle window.
+            round_prefix: with ``expected_members``: the keys of the other groups of the same round start with it
+                (Moshpit: ``moshpit.r<round>.``); a missing member found matchmaking under such a key (its view of
+                the swarm gave it another group) is left out at the next probe instead of holding the group up to
+                ``max_wait_s``.
 
         Raises:
             AdmissionRefused: the leader refused this peer.
@@ -250,7 +265,7 @@ class Matchmaker(Service):
             attempt = key if generation == 0 else f"{key}.late{generation}"
             try:
                 if generation == 0 and members is not None:
-                    return await self._form_group(attempt, info, len(members), give_up, members)
+                    return await self._form_group(attempt, info, len(members), give_up, members, round_prefix)
                 return await self._form_group(attempt, info, expected_size, give_up)
             except _Late as e:
                 if on_late == "fail":
@@ -259,14 +274,14 @@ class Matchmaker(Service):
         raise MatchmakingFailed(f"no group formed for {key!r}: sealed 64 times before we joined")
 
     async def _form_group(self, key: str, info: dict[str, Any], expected_size: Optional[int], give_up: float,
-                          expected_members: Optional[frozenset] = None) -> Group:
+                          expected_members: Optional[frozenset] = None, round_prefix: Optional[str] = None) -> Group:
         if key in self._sessions:
             raise RuntimeError(f"already matchmaking for {key!r}")
         loop = asyncio.get_running_loop()
         cfg = self.config
         now = loop.time()
         session = _Session(key, info, give_up, min(give_up, now + cfg.matchmaking_timeout_s), expected_size,
-                           expected_members)
+                           expected_members, round_prefix)
         self._sessions[key] = session
         self._sealed_keys.pop(key, None)
         discovery = self.transport.discovery
@@ -353,7 +368,7 @@ class Matchmaker(Service):
         if session.expected_members is not None:
             # not cancelled at the seal but told to stop: a probe cancelled in flight can lose its answer's
             # exception inside wait_for ("Task exception was never retrieved"); a probe ends within matchmaking_timeout_s
-            prober = asyncio.ensure_future(self._drop_dead_members(session, stop))
+            prober = asyncio.ensure_future(self._drop_absent_members(session, stop))
             self._probers.add(prober)
             prober.add_done_callback(self._probers.discard)
         try:
@@ -361,17 +376,18 @@ class Matchmaker(Service):
         finally:
             stop.set()
 
-    async def _drop_dead_members(self, session: _Session, stop: asyncio.Event) -> None:
-        """Leave dead expected members out of the group ``session`` leads, so that it seals without them.
+    async def _drop_absent_members(self, session: _Session, stop: asyncio.Event) -> None:
+        """Leave expected members that will not come out of the group ``session`` leads, so that it seals without
+        them.
 
         A known member that has not joined holds the group until ``max_wait_s`` (it may be on its way: previous
         rounds end spread out). But a member whose process died never comes, and waiting for it cost its whole
         group ``max_wait_s`` a round. So once the group has gained nobody for ``matchmaking_timeout_s``, every
-        missing member is probed (a join request for a key nobody matchmakes: any answer, the refusal included,
-        says the peer's matchmaker is alive; peers of any version answer it), again after each further window;
-        a member that does not answer ``_PROBE_FAILURES`` times in a row is dropped from the expected members.
-        A dropped member that was only slow finds the group sealed and joins the next group of late peers
-        (``on_late="next"``).
+        missing member is probed (a join request for the probe key: any answer, an older peer's refusal included,
+        says the peer's matchmaker is alive), again after each further window; a member that does not answer
+        ``_PROBE_FAILURES`` times in a row is dropped from the expected members, and so is one whose answer
+        shows it matchmaking for another group of the round (``round_prefix``). A dropped member that was only
+        slow finds the group sealed and joins the next group of late peers (``on_late="next"``).
         """
         loop = asyncio.get_running_loop()
         cfg = self.config
@@ -383,33 +399,45 @@ class Matchmaker(Service):
             if loop.time() < session.idle_until - _DUE_S:
                 continue  # members are still arriving
             missing = sorted(session.expected_members - session.followers.keys() - {self.peer_id})
-            answers = await asyncio.gather(*(self._answers(peer) for peer in missing))
+            answers = await asyncio.gather(*(self._probe(peer) for peer in missing))
             if stop.is_set():
                 return
-            dead = set()
-            for peer, alive in zip(missing, answers):
-                session.probe_failures[peer] = 0 if alive else session.probe_failures.get(peer, 0) + 1
+            dead, elsewhere = set(), {}
+            for peer, keys in zip(missing, answers):
+                session.probe_failures[peer] = 0 if keys is not None else session.probe_failures.get(peer, 0) + 1
                 if session.probe_failures[peer] >= _PROBE_FAILURES and peer not in session.followers:
                     dead.add(peer)
+                rival = _rival_key(session, keys or ())
+                if rival is not None and peer not in session.followers:
+                    elsewhere[peer] = rival
             if dead:
                 logger.info("expected member(s) %s of %s did not answer %d probes: sealing without them",
                             sorted(dead), session.key, _PROBE_FAILURES)
-                session.expected_members = session.expected_members - dead
+            if elsewhere:
+                logger.info("expected member(s) of %s matchmake for other groups of the round (their view of the "
+                            "swarm differs): %s; sealing without them", session.key,
+                            ", ".join(f"{peer} in {key}" for peer, key in sorted(elsewhere.items())))
+            if dead or elsewhere:
+                session.expected_members = session.expected_members - dead - elsewhere.keys()
                 session.changed.set()
 
-    async def _answers(self, peer: str) -> bool:
-        """Whether ``peer``'s matchmaker answers a join request for a key nobody matchmakes, within
-        ``matchmaking_timeout_s`` (not the tighter ``request_timeout_s``: a live peer on a loaded machine can take
-        longer than that to read a request, and a live member dropped by mistake averages in a late group)."""
+    async def _probe(self, peer: str) -> Optional[tuple[str, ...]]:
+        """The keys ``peer`` is matchmaking for or sealed lately, () when it does not say (an older peer, or a
+        malformed answer), None when its matchmaker does not answer within ``matchmaking_timeout_s`` (not the
+        tighter ``request_timeout_s``: a live peer on a loaded machine can take longer than that to read a request,
+        and a live member dropped by mistake averages in a late group)."""
         request = {"key": _PROBE_KEY, "info": {}, "remaining_s": 0.0}
         try:
-            await call(self.transport.streams, peer, self.prefix, "join", request,
-                       timeout_s=self.config.matchmaking_timeout_s)
+            reply = await call(self.transport.streams, peer, self.prefix, "join", request,
+                               timeout_s=self.config.matchmaking_timeout_s)
         except (Unreachable, RpcTimeout):
-            return False
-        except RpcError:  # refused ("gone"), or an answer that breaks the protocol: it is alive
-            pass
-        return True
+            return None
+        except RpcError:  # refused ("gone": a matchmaker before the answer), or an answer that breaks the protocol
+            return ()
+        keys = reply.header.get("keys") if reply.header.get("type") == "alive" else None
+        if not isinstance(keys, list) or len(keys) > _PROBE_MAX_KEYS or not all(isinstance(k, str) for k in keys):
+            return ()
+        return tuple(keys)
 
     async def _collect(self, session: _Session, dkey: str, unreachable: set[str]) -> Optional[Group]:
         loop = asyncio.get_running_loop()
@@ -509,6 +537,9 @@ class Matchmaker(Service):
         key = require(request.header, "key", str)
         info = require(request.header, "info", dict)
         remaining = float(require(request.header, "remaining_s", (int, float)))
+        if key == _PROBE_KEY:
+            keys = [*self._sessions, *(k for k in reversed(self._sealed_keys) if k not in self._sessions)]
+            return {"type": "alive", "keys": keys[:_PROBE_MAX_KEYS]}
         session = self._sessions.get(key)
         if session is None or session.sealed:
             sealed = self._sealed_keys.get(key)
@@ -543,6 +574,17 @@ class Matchmaker(Service):
         if kind == "redirect":
             return {"type": "redirect", "leader": value}
         raise Refused(str(value), "late")
+
+
+def _rival_key(session: _Session, keys: Sequence[str]) -> Optional[str]:
+    """The first of a probed member's ``keys`` that is another group of ``session``'s round (not ours, nor our
+    groups of late peers), or None."""
+    if session.round_prefix is None:
+        return None
+    for key in keys:
+        if key.startswith(session.round_prefix) and key != session.key and not key.startswith(session.key + "."):
+            return key
+    return None
 
 
 def _deadline(session: _Session) -> float:

@@ -239,7 +239,9 @@ class MoshpitAverager:
         if me not in groups:
             groups = partition(_sorted_peers([*live_peers, me]), outer_round, self.target_group_size)
         key, mates = groups[me]
-        group = await self.matchmaker.form_group(key, {}, expected_members=mates, on_late="next")
+        # a groupmate whose view gave it another group of this round is not waited for (see form_group)
+        group = await self.matchmaker.form_group(key, {}, expected_members=mates, on_late="next",
+                                                 round_prefix=f"moshpit.r{outer_round}.")
         if len(group.members) < self.matchmaker.config.min_group_size:
             raise MatchmakingFailed(f"group {group.key} of {len(group.members)} peer(s) is smaller than "
                                     f"min_group_size={self.matchmaker.config.min_group_size}")

@@ -2,10 +2,12 @@
 """Many peers: matchmaking success, group sizes, round times, memory and start-up vs the number of peers.
 
 Real runs: a bootstrap node plus N light averaging peers (``python -m peerd.testing.avgpeer --peers 8``: 8 peers per
-process, each peer its own p2pd and an in-process DHT node) run ``--rounds`` Moshpit rounds (target group size 4),
-arriving at every round spread over ``--jitter-s`` seconds, on 127.0.0.1. Reported: share of successful rounds, the
-group-size distribution, round time p50/p95, peak memory (RSS of every process tree, bootstrap included) per peer, and
-start-up time (launch until every peer logged ``start``).
+process, each peer its own p2pd and an in-process DHT node) run ``--rounds`` rounds of ``--topology`` (Moshpit with
+target group size 4 by default; ``allreduce``: one butterfly all-reduce of everyone present, target group size N;
+``gossip``: pairwise exchanges with 2 random partners, no groups), arriving at every round spread over ``--jitter-s``
+seconds, on 127.0.0.1. Reported: share of successful rounds (gossip: rounds with at least one exchange), the
+group-size distribution (gossip: exchanges per peer-round), round time p50/p95, peak memory (RSS of every process
+tree, bootstrap included) per peer, and start-up time (launch until every peer logged ``start``).
 
 Simulated runs: :mod:`peerd.testing.sim` (the same Matchmaker / all-reduce / Moshpit code on the in-process transport,
 in virtual time, log-normal link latency and bandwidth), each size in a child process bounded by ``--sim-timeout-s``.
@@ -42,6 +44,14 @@ HEADING = "## Many peers: matchmaking and memory at scale (scripts/bench_scale.p
 PER_PROCESS = 8
 
 
+_SETUP = {
+    "moshpit": "Moshpit averaging, target group size 4",
+    "allreduce": "one butterfly all-reduce of every peer present per round (target group size N; late peers form "
+                 "the next group)",
+    "gossip": "pairwise gossip, 2 random partners per peer per round (no groups)",
+}
+
+
 def _percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -76,7 +86,7 @@ def run_real(n: int, args: argparse.Namespace) -> dict:
         procs = []
         for first in range(0, n, PER_PROCESS):
             argv = [sys.executable, "-m", "peerd.testing.avgpeer", "--index", str(first),
-                    "--peers", str(min(PER_PROCESS, n - first)), "--expect", str(n), "--topology", "moshpit",
+                    "--peers", str(min(PER_PROCESS, n - first)), "--expect", str(n), "--topology", args.topology,
                     "--group-size", "4", "--rendezvous", args.rendezvous, "--rounds", str(args.rounds),
                     "--numel", str(args.numel),
                     "--compression", "fp16", "--out", str(workdir / "a{index}.jsonl"), "--initial-peers", maddr,
@@ -103,9 +113,11 @@ def run_real(n: int, args: argparse.Namespace) -> dict:
         if path.exists():
             rounds += [r for r in map(json.loads, path.read_text().splitlines()) if r.get("event") == "round"]
     ok = [r for r in rounds if r["ok"]]
+    size_of = "exchanges" if args.topology == "gossip" else "group_size"
     return {
-        "kind": "real", "peers": n, "finished": finished, "rounds": len(rounds), "expected_rounds": n * args.rounds,
-        "ok": len(ok), "sizes": dict(collections.Counter(r["group_size"] for r in ok)),
+        "kind": "real" if args.topology == "moshpit" else f"real, {args.topology}", "peers": n, "finished": finished,
+        "rounds": len(rounds), "expected_rounds": n * args.rounds,
+        "ok": len(ok), "sizes": dict(collections.Counter(r[size_of] for r in ok)),
         "p50_s": _percentile([r["seconds"] for r in ok], 0.5), "p95_s": _percentile([r["seconds"] for r in ok], 0.95),
         "mem_per_peer_mb": peak_rss / n / 2**20, "startup_s": started_all, "wall_s": time.time() - launched,
         "errors": dict(collections.Counter(r.get("error", "")[:70] for r in rounds if not r["ok"]).most_common(3)),
@@ -183,7 +195,7 @@ def fmt_row(row: dict) -> str:
         return (f"| {row['kind']} | {row['peers']} | did not finish within {row['wall_s']:.0f} s | | | | | | |")
     total = sum(row["sizes"].values()) or 1
     sizes = ", ".join(f"{k}: {100 * v / total:.0f}%" for k, v in sorted(row["sizes"].items(), key=lambda kv: int(kv[0])))
-    unit = "s" if row["kind"] == "real" else "virtual s"
+    unit = "s" if row["kind"].startswith("real") else "virtual s"
     startup = f"{row['startup_s']:.0f}" if row.get("startup_s") is not None else "-"
     return (f"| {row['kind']} | {row['peers']} | {row['ok']}/{row['expected_rounds']} "
             f"({100 * row['ok'] / max(1, row['expected_rounds']):.1f}%) | {sizes} | {row['p50_s']:.2f} {unit} | "
@@ -195,7 +207,7 @@ def report(rows: list[dict], args: argparse.Namespace, png_rel: Optional[str]) -
                     *result_args(sys.argv[1:])]) + "'"
     out = [HEADING, "", f"Command: `{cmd}`  ", f"Date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}  ",
            f"Machine: {machine_line()}. Numbers from a shared, loaded 2-core machine: compare rows of one run only.", "",
-           f"Setup: Moshpit averaging, target group size 4, {args.rounds} rounds (simulated rows: "
+           f"Setup: {_SETUP[args.topology]}, {args.rounds} rounds (simulated rows: Moshpit, "
            f"{args.sim_rounds}). Real rows: light peers "
            f"(`peerd.testing.avgpeer --peers {PER_PROCESS}`: {PER_PROCESS} peers per process, each with its own p2pd and "
            f"an in-process DHT node), {args.numel} fp16 values, arrivals at each rendezvous spread over "
@@ -204,7 +216,7 @@ def report(rows: list[dict], args: argparse.Namespace, png_rel: Optional[str]) -
            f"(the same protocol code on the in-process transport, virtual time, log-normal latency median 30 ms and "
            f"uplink median 100 Mbit/s), {args.sim_numel} fp32 values, the sharded rendezvous (every peer matchmakes only "
            f"with its groupmates); memory = the simulator process's peak RSS / N. "
-           "Group sizes are shares of successful peer-rounds; on a 4 x 4 x 2 grid (32 peers) one round in three has "
+           "Group sizes are shares of successful peer-rounds (gossip: exchanges per peer-round); on a 4 x 4 x 2 grid (32 peers) one round in three has "
            "groups of 2 by construction, likewise 16 = 4 x 4 and 64 = 4 x 4 x 4 give groups of 4 only.", "",
            "| kind | peers | successful peer-rounds | group sizes | round p50 | round p95 | MB per peer | start-up s | wall s |",
            "|---|---|---|---|---|---|---|---|---|"]
@@ -295,6 +307,8 @@ def main() -> None:
     p.add_argument("--numel", type=int, default=10_000, help="values per real peer")
     p.add_argument("--sim-numel", type=int, default=16, help="values per simulated peer")
     p.add_argument("--sim-rounds", type=int, default=None, help="rounds of the simulated rows (default --rounds)")
+    p.add_argument("--topology", choices=("moshpit", "allreduce", "gossip"), default="moshpit",
+                   help="real rows: what the peers run (simulated rows are always Moshpit)")
     p.add_argument("--rendezvous", choices=("round", "group"), default="round",
                    help="real rows: Moshpit's rendezvous (the simulated rows always use the sharded one, group)")
     p.add_argument("--jitter-s", type=float, default=4.0, help="real: arrivals spread over this many seconds")

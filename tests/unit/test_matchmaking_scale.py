@@ -193,14 +193,15 @@ class _SlowStreams:
         return await self.inner.open(peer_id, name)
 
 
-async def _form_known(peers, delays, members, key="moshpit.r0.g4x3.x.3.3"):
+async def _form_known(peers, delays, members, key="moshpit.r0.g4x3.x.3.3", round_prefix=None):
     loop = asyncio.get_running_loop()
     start = loop.time()
 
     async def one(peer, delay):
         await asyncio.sleep(delay)
         try:
-            group = await peer.matchmaker.form_group(key, {}, expected_members=members, on_late="next")
+            group = await peer.matchmaker.form_group(key, {}, expected_members=members, on_late="next",
+                                                     round_prefix=round_prefix)
             return group.key, group.members, loop.time() - start
         except MatchmakingFailed as e:
             return "failed", str(e), loop.time() - start
@@ -301,6 +302,30 @@ def test_a_dead_expected_member_holds_its_group_for_two_idle_windows_not_max_wai
     assert [m for _, m, _ in late] == [("peer40", "peer41", "peer42", "peer43")] * 4
     assert [t for _, _, t in late] == pytest.approx([6.0] * 4, abs=0.3)
     assert loaded["s"].slow >= 2  # probed at least twice, each answer 0.8 s late
+
+
+@pytest.mark.timeout(60)
+def test_a_live_member_whose_view_gave_it_another_group_of_the_round_is_not_waited_for():
+    """peer53 is alive but its view of the swarm differs: its grid put it with peer54 and peer55 under another key of
+    round 0 (open, waiting for peer55 until 5 s). It answers every probe, so its group of the others' view waited the
+    whole max_wait_s (10 s) for it. A probe's answer now lists the keys the member matchmakes for: another key of
+    the round leaves it out at the first probe, one idle window after the last arrival (about 2 s)."""
+    config = MatchmakingConfig(matchmaking_timeout_s=1.0, request_timeout_s=0.5, poll_interval_s=0.05, max_wait_s=10.0)
+
+    async def main():
+        names = ["peer50", "peer51", "peer52", "peer53", "peer54", "peer55"]
+        peers = await start_averaging_peers(Hub(), names, "a", config)
+        ours = _form_known(peers[:3], [0.0, 0.3, 0.6], names[:4], key="moshpit.r0.g4x3.x.0.0",
+                           round_prefix="moshpit.r0.")
+        theirs = _form_known(peers[3:], [0.0, 0.2, 5.0], names[3:], key="moshpit.r0.g4x3.x.0.1",
+                             round_prefix="moshpit.r0.")
+        return await asyncio.gather(ours, theirs)
+
+    ours, theirs = run_virtual(main())
+    assert [m for _, m, _ in ours] == [("peer50", "peer51", "peer52")] * 3
+    assert [t for _, _, t in ours] == pytest.approx([2.0] * 3, abs=0.3)  # the first probe, not the 10 s cap
+    assert [m for _, m, _ in theirs] == [("peer53", "peer54", "peer55")] * 3  # the other view's group is intact
+    assert [t for _, _, t in theirs] == pytest.approx([5.0] * 3, abs=0.3)
 
 
 @pytest.mark.timeout(30)
