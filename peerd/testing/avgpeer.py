@@ -154,7 +154,7 @@ async def run_peer(args: argparse.Namespace, index: int, path: str, network) -> 
                     if args.topology == "moshpit":
                         res = await moshpit.average(r, state["x"], state["w"], live)
                     else:
-                        res = await _allreduce(mm, ar, r, state, len(live), args.attempts, record)
+                        res = await _allreduce(mm, ar, r, state, live, args.attempts, record)
                     state["x"] = res.averaged
                     state["w"] = state["w"] * res.group_size  # this peer now speaks for its group
                     record.update(group_size=res.group_size, bytes_sent=res.bytes_sent,
@@ -185,15 +185,26 @@ async def run_peer(args: argparse.Namespace, index: int, path: str, network) -> 
         await network.shutdown()
 
 
-async def _allreduce(mm: Matchmaker, ar: ButterflyAllReduce, r: int, state: dict, expected: int, attempts: int,
+async def _allreduce(mm: Matchmaker, ar: ButterflyAllReduce, r: int, state: dict, live: list[str], attempts: int,
                      record: dict):
-    """Round ``r`` of the all-reduce topology; a failed attempt is retried among the survivors (``attempts`` in
-    all). Failed attempts are listed in ``record["failed_attempts"]``; raises the last failure."""
+    """Round ``r`` of the all-reduce topology among the peers of this peer's view ``live``; a failed attempt is
+    retried among the survivors (``attempts`` in all). Failed attempts are listed in ``record["failed_attempts"]``;
+    raises the last failure.
+
+    The first attempt waits for exactly the peers of the view (``expected_members``): with many peers the arrivals
+    at a round spread out by as long as the previous round's all-reduce took to finish on each of them (tens of
+    seconds for 64 peers on two cores), far longer than an idle window, and a rendezvous that sealed on the idle
+    window left most of the swarm to groups of late peers (64 peers: 43% of peer-rounds averaged alone). A peer of
+    the view that died is left out after two probes (see :meth:`Matchmaker.form_group`)."""
     record["failed_attempts"] = []
+    expected = len(live)
     for attempt in range(1, attempts + 1):
         key = f"allreduce.r{r}" if attempt == 1 else f"allreduce.r{r}.attempt{attempt}"
         # a peer that comes after the seal averages with the other late peers rather than failing its round
-        group = await mm.form_group(key, {}, expected_size=expected, on_late="next")
+        if attempt == 1:
+            group = await mm.form_group(key, {}, expected_members=live, on_late="next")
+        else:
+            group = await mm.form_group(key, {}, expected_size=expected, on_late="next")
         record.update(attempts=attempt, members=list(group.members))
         try:
             return await ar.run(group, state["x"], state["w"])
