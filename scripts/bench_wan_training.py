@@ -67,7 +67,7 @@ eval_every = {eval_every}
 inner_steps = {h}
 warmup_steps = {warmup}
 inner_lr = {lr}
-outer_lr = 0.7
+outer_lr = {outer_lr}
 outer_momentum = 0.9
 overlap = "{overlap}"
 fragments = {fragments}
@@ -373,7 +373,7 @@ def render(res: Results, a, meta: dict) -> str:
              f"seq_len {a.seq_len}, batch {a.batch} per peer = {tokens_per_step:,} tokens per step of all peers "
              f"together; inner AdamW lr {a.lr:g}, {a.warmup} warm-up steps, grad clip 1; Shakespeare, held-out "
              f"plays as eval (first {a.eval_batches} x {a.batch} windows). DiLoCo: {n} real `peerd join` daemons "
-             f"+ a `peerd bootstrap` node, H = {a.h}, {a.rounds} outer rounds, outer SGD lr 0.7 Nesterov 0.9, "
+             f"+ a `peerd bootstrap` node, H = {a.h}, {a.rounds} outer rounds, outer SGD lr {a.outer_lr:g} Nesterov 0.9, "
              f"{a.compression} "
              f"pseudo-gradients, min_group_size {n}. Data parallel: {n} processes, gloo `all_reduce` of the fp32 "
              f"gradient every step. **All {n} peers share this machine's {os.cpu_count()} CPU cores (one torch "
@@ -484,6 +484,7 @@ def main() -> int:
     p.add_argument("--target-round", type=int, default=1, help="target = DiLoCo's eval after this round")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--outer-lr", type=float, default=0.7, help="[diloco] outer_lr (outer SGD, Nesterov 0.9)")
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--compression", default="fp16", choices=("none", "fp16", "int8", "fp4", "sign", "topk"),
                    help="pseudo-gradient codec ([averaging.allreduce] compression)")
@@ -535,7 +536,7 @@ def main() -> int:
     run_toml = os.path.join(workdir, "run.toml")
     with open(run_toml, "w") as f:
         f.write(RUN_TOML.format(model=a.model, seq_len=a.seq_len, batch=a.batch, rounds=a.rounds,
-                                eval_batches=a.eval_batches, h=a.h, warmup=a.warmup, lr=a.lr,
+                                eval_batches=a.eval_batches, h=a.h, warmup=a.warmup, lr=a.lr, outer_lr=a.outer_lr,
                                 compression=a.compression, peers=a.peers, eval_every=a.diloco_eval_every,
                                 overlap=a.overlap, fragments=a.fragments, result_compression=a.result_compression,
                                 gossip_compression="fp16" if a.compression == "topk" else a.compression))
