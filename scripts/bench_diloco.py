@@ -216,9 +216,9 @@ def _toml_value(v) -> str:
     raise TypeError(f"cannot write {v!r} as TOML")
 
 
-#: ``--variants`` keys: the ``[diloco]`` ones, and the ``[averaging.allreduce]`` codecs.
-VARIANT_KEYS = {"overlap": "diloco", "fragments": "diloco", "compression": "allreduce",
-                "result_compression": "allreduce"}
+#: ``--variants`` keys: the ``[diloco]`` ones, and the ``[averaging.allreduce]`` codecs and exchange.
+VARIANT_KEYS = {"overlap": "diloco", "fragments": "diloco", "outer_lr": "diloco", "compression": "allreduce",
+                "result_compression": "allreduce", "exchange": "allreduce"}
 
 
 def parse_variant(text: str) -> dict:
@@ -231,7 +231,7 @@ def parse_variant(text: str) -> dict:
         key, sep, value = item.partition("=")
         if not sep or key not in VARIANT_KEYS:
             raise ValueError(f"variant item {item!r}: expected one of {', '.join(VARIANT_KEYS)} = value")
-        out[key] = int(value) if key == "fragments" else value
+        out[key] = int(value) if key == "fragments" else float(value) if key == "outer_lr" else value
     return out
 
 
@@ -243,17 +243,17 @@ def write_run_config(path: str, s: Settings, h: int, rounds: int, matchmaking_ti
     diloco = {**s.hp.to_dict(), "inner_steps": h, **{k: v for k, v in variant.items() if VARIANT_KEYS[k] == "diloco"}}
     codecs = {k: v for k, v in variant.items() if VARIANT_KEYS[k] == "allreduce"}
     tables = [("diloco", diloco)]
-    if "result_compression" not in codecs:  # the flat form every earlier run of this benchmark used
+    if set(codecs) <= {"compression"}:  # the flat form every earlier run of this benchmark used
         tables.append(("averaging", dict(method="allreduce", compression=codecs.get("compression", "fp16"),
                                          min_group_size=s.peers, matchmaking_timeout_s=matchmaking_timeout_s,
                                          request_timeout_s=10.0, sender_timeout_s=30.0, reducer_timeout_s=60.0)))
-    else:  # result_compression has no flat key: the same settings as sub-tables
+    else:  # result_compression and exchange have no flat key: the same settings as sub-tables
         tables += [("averaging", dict(method="allreduce")),
                    ("averaging.matchmaking", dict(min_group_size=s.peers, matchmaking_timeout_s=matchmaking_timeout_s,
                                                   request_timeout_s=10.0,
                                                   poll_interval_s=min(0.5, matchmaking_timeout_s / 4))),
                    ("averaging.allreduce", dict(compression=codecs.get("compression", "fp16"),
-                                                result_compression=codecs["result_compression"],
+                                                **{k: v for k, v in codecs.items() if k != "compression"},
                                                 sender_timeout_s=30.0, reducer_timeout_s=60.0))]
     lines = [f"{k} = {_toml_value(v)}" for k, v in top.items()]
     for name, table in tables:
@@ -580,7 +580,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--H", dest="hs", type=int, nargs="+", default=[10, 50], help="DiLoCo inner steps to run")
     p.add_argument("--variants", nargs="+", default=["fp16"],
                    help="DiLoCo variants to run for each H, each a comma-separated list of key=value with keys "
-                        "overlap (none|delayed), fragments (F), compression and result_compression (codecs), e.g. "
+                        "overlap (none|delayed), fragments (F), outer_lr, compression and result_compression "
+                        "(codecs), exchange (reduce|gather: the sparse all-gather of top-k), e.g. "
                         "fp16 'overlap=delayed' 'fragments=4' 'compression=fp4,result_compression=fp4' "
                         "'compression=topk,result_compression=fp4' (default: fp16, today's DiLoCo)")
     p.add_argument("--methods", default="baseline,dp,diloco",
