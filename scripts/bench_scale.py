@@ -3,7 +3,7 @@
 
 Real runs: a bootstrap node plus N light averaging peers (``python -m peerd.testing.avgpeer --peers 8``: 8 peers per
 process, each peer its own p2pd and an in-process DHT node) run ``--rounds`` rounds of ``--topology`` (Moshpit with
-target group size 4 by default; ``allreduce``: one butterfly all-reduce of everyone present, target group size N;
+target group size 4 by default; ``allreduce``: one butterfly all-reduce of everyone, target group size N;
 ``gossip``: pairwise exchanges with 2 random partners, no groups), arriving at every round spread over ``--jitter-s``
 seconds, on 127.0.0.1. Reported: share of successful rounds (gossip: rounds with at least one exchange), the
 group-size distribution (gossip: exchanges per peer-round), round time p50/p95, peak memory (RSS of every process
@@ -46,8 +46,8 @@ PER_PROCESS = 8
 
 _SETUP = {
     "moshpit": "Moshpit averaging, target group size 4",
-    "allreduce": "one butterfly all-reduce of every peer present per round (target group size N; late peers form "
-                 "the next group)",
+    "allreduce": "one butterfly all-reduce of every peer per round (target group size N: the rendezvous waits for "
+                 "the peers of each one's view; late peers form the next group)",
     "gossip": "pairwise gossip, 2 random partners per peer per round (no groups)",
 }
 
