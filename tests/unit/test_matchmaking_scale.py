@@ -7,7 +7,8 @@ import pytest
 
 from peerd.testing.sim import run_virtual
 from peerd.transport.inprocess import Hub
-from protocols.matchmaking import MatchmakingConfig, MatchmakingFailed, SealedWithout
+from protocols.matchmaking import Matchmaker, MatchmakingConfig, MatchmakingFailed, SealedWithout
+from protocols.rpc import Refused
 from tests.unit.conftest import start_averaging_peers
 
 WINDOW = MatchmakingConfig(matchmaking_timeout_s=1.0, request_timeout_s=0.5, poll_interval_s=0.05)
@@ -326,6 +327,47 @@ def test_a_live_member_whose_view_gave_it_another_group_of_the_round_is_not_wait
     assert [t for _, _, t in ours] == pytest.approx([2.0] * 3, abs=0.3)  # the first probe, not the 10 s cap
     assert [m for _, m, _ in theirs] == [("peer53", "peer54", "peer55")] * 3  # the other view's group is intact
     assert [t for _, _, t in theirs] == pytest.approx([5.0] * 3, abs=0.3)
+
+
+class _OddProbeAnswers(Matchmaker):
+    """A live member that answers probes as a matchmaker before keys were listed ("gone") or with a malformed key
+    list; counts the probes."""
+
+    def __init__(self, *args, answer, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.answer = answer
+        self.probed = 0
+
+    async def rpc_join(self, request):
+        if request.header.get("key") == "probe.alive":
+            self.probed += 1
+            if self.answer == "gone":
+                raise Refused(f"{self.peer_id} is not matchmaking for 'probe.alive'", "gone")
+            return {"type": "alive", "keys": [1, 2, {"x": 3}]}
+        return await super().rpc_join(request)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("answer", ["gone", "garbled"])
+def test_a_member_whose_probe_answer_lists_no_keys_counts_as_alive_and_is_waited_for(answer):
+    """An older peer refuses the probe and a broken one answers keys that are not strings: neither says where it is,
+    so its group waits for it (up to max_wait_s, 4 s here) as for any live member, instead of dropping it as dead
+    after two probes (3 s) or failing."""
+    config = MatchmakingConfig(matchmaking_timeout_s=1.0, request_timeout_s=0.5, poll_interval_s=0.05, max_wait_s=4.0)
+
+    async def main():
+        hub = Hub()
+        names = ["peer60", "peer61", "peer62", "peer63"]
+        peers = await start_averaging_peers(hub, names[:3], "a", config)
+        odd = _OddProbeAnswers(hub.transport("peer63"), "a", config, answer=answer)
+        await odd.start()
+        out = await _form_known(peers, [0.0, 0.3, 0.6], names, round_prefix="moshpit.r0.")
+        return out, odd.probed
+
+    out, probed = run_virtual(main())
+    assert probed >= 2  # the odd answers were given
+    assert [m for _, m, _ in out] == [("peer60", "peer61", "peer62")] * 3
+    assert [t for _, _, t in out] == pytest.approx([4.0] * 3, abs=0.3)  # max_wait_s, not two probes
 
 
 @pytest.mark.timeout(30)
