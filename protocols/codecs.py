@@ -424,11 +424,10 @@ class SignCompression(_BlockwiseCodec):
     round late, against a moved model, on top of the outer Nesterov momentum); blocks of 256 values were worse; on
     the 10.7M-parameter model at H = 50 it ended 0.55% above after 6 outer rounds, and after 3 rounds 3.5% above
     with DiLoCo's outer lr 0.7 but 0.85% above with 1.0 (the average of signs is shorter than fp16's; fp16 itself is
-    worse at 1.0; ``docs/benchmarks.md``). A value decodes
-    to ``+scale`` (bit 1: the value was >= 0) or ``-scale``, no arithmetic beyond the sign, so the same bytes give
-    the same bits everywhere. Layout (little-endian): ``ceil(n / block_size)`` fp32 scales, then ``ceil(n / 8)`` bytes of bits
-    (value ``i`` in bit ``i % 8`` of byte ``i // 8``; padding bits 0). The wire name does not carry ``block_size``:
-    peers must agree on it.
+    worse at 1.0; ``docs/benchmarks.md``). A value decodes to ``+scale`` (bit 1: the value was >= 0) or ``-scale``,
+    no arithmetic beyond the sign, so the same bytes give the same bits everywhere. Layout (little-endian):
+    ``ceil(n / block_size)`` fp32 scales, then ``ceil(n / 8)`` bytes of bits (value ``i`` in bit ``i % 8`` of byte
+    ``i // 8``; padding bits 0). The wire name does not carry ``block_size``: peers must agree on it.
     """
 
     name = "sign"
