@@ -118,6 +118,16 @@ class Assignment:
     coordinates: tuple[int, ...]
 
 
+def round_key(outer_round: int) -> str:
+    """The round-wide rendezvous key of ``outer_round``; every group key of the round starts with it plus ``.``."""
+    return f"moshpit.r{outer_round}"
+
+
+def group_key(outer_round: int, grid: Grid, cell: Sequence[int]) -> str:
+    """The key of the group at ``cell`` (coordinates, -1 on the round's free dimension) in ``outer_round``."""
+    return f"{round_key(outer_round)}.g{grid.side}x{grid.dims}." + ".".join("x" if c < 0 else str(c) for c in cell)
+
+
 def assign(peer: str, live_peers: Sequence[str], outer_round: int, target_group_size: int) -> Assignment:
     """The group of ``peer`` in round ``outer_round`` given the live peers (``peer`` is added if missing)."""
     everyone = sorted(set(live_peers) | {peer})
@@ -127,8 +137,7 @@ def assign(peer: str, live_peers: Sequence[str], outer_round: int, target_group_
     coords = grid.coordinates(order.index(peer))
     group = grid.group_of(coords, outer_round)
     size = sum(1 for i in range(len(order)) if grid.group_of(grid.coordinates(i), outer_round) == group)
-    cell = ".".join("x" if c < 0 else str(c) for c in group)
-    return Assignment(f"moshpit.r{outer_round}.g{grid.side}x{grid.dims}.{cell}", size, coords)
+    return Assignment(group_key(outer_round, grid, group), size, coords)
 
 
 def group_mates(peer: str, live_peers: Sequence[str], outer_round: int, target_group_size: int) -> list[str]:
@@ -174,7 +183,7 @@ def partition(everyone: tuple[str, ...], outer_round: int, target_group_size: in
         cells.setdefault(grid.group_of(grid.coordinates(index), outer_round), []).append(peer)
     out = {}
     for cell, peers in cells.items():
-        key = f"moshpit.r{outer_round}.g{grid.side}x{grid.dims}." + ".".join("x" if c < 0 else str(c) for c in cell)
+        key = group_key(outer_round, grid, cell)
         mates = tuple(sorted(peers))
         for peer in peers:
             out[peer] = (key, mates)
@@ -194,7 +203,8 @@ class MoshpitAverager:
     built from the sealed member list (identical on every member, whatever their views; O(N) per peer).
     ``rendezvous="group"``: the sharded rendezvous: the grid comes from this peer's view ``live_peers`` and the peer
     matchmakes only under its own group key with the groupmates that grid gives it, waiting for exactly them up to
-    ``max_wait_s`` (O(M) per peer: thousands of peers; views must agree).
+    ``max_wait_s`` (O(M) per peer: thousands of peers; views should agree: a groupmate whose view gave it another
+    group is left out one idle window after the last arrival, a dead one after two).
     """
 
     def __init__(self, matchmaker: Matchmaker, allreduce: ButterflyAllReduce, target_group_size: int = 4,
@@ -224,7 +234,7 @@ class MoshpitAverager:
             return await self._average_sharded(outer_round, tensor, weight, live_peers)
         expected = len(set(live_peers) | {me})
         # a peer that comes after the seal averages with the other late peers rather than failing its round
-        rendezvous = await self.matchmaker.form_group(f"moshpit.r{outer_round}", {}, expected_size=expected,
+        rendezvous = await self.matchmaker.form_group(round_key(outer_round), {}, expected_size=expected,
                                                       on_late="next")
         group = grid_group(me, rendezvous, outer_round, self.target_group_size)
         if len(group.members) < self.matchmaker.config.min_group_size:
@@ -241,7 +251,7 @@ class MoshpitAverager:
         key, mates = groups[me]
         # a groupmate whose view gave it another group of this round is not waited for (see form_group)
         group = await self.matchmaker.form_group(key, {}, expected_members=mates, on_late="next",
-                                                 round_prefix=f"moshpit.r{outer_round}.")
+                                                 round_prefix=round_key(outer_round) + ".")
         if len(group.members) < self.matchmaker.config.min_group_size:
             raise MatchmakingFailed(f"group {group.key} of {len(group.members)} peer(s) is smaller than "
                                     f"min_group_size={self.matchmaker.config.min_group_size}")
