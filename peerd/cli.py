@@ -65,6 +65,9 @@ def _node_flags(p: argparse.ArgumentParser, listen_default: Optional[str] = None
     g.add_argument("--transport", choices=("p2pd", "libp2p", "auto"),
                    help="libp2p implementation: p2pd (hivemind's Go daemon), libp2p (py-libp2p, pure Python) or "
                    "auto (p2pd where its binary runs, else py-libp2p; the default)")
+    g.add_argument("--dht", choices=("process", "inline"),
+                   help="where the DHT node runs: process (a child process; the default) or inline (in the "
+                   "daemon, ~200 MB less memory: for many peers on one machine)")
     g.add_argument("--relay", choices=("off", "auto", "always"),
                    help="libp2p circuit relays: auto (relay for others; use a relay when behind a NAT; the default), "
                    "always (always reserve a relay slot) or off")
@@ -348,7 +351,7 @@ FLAG_NAMES = {"upload_limit_mb_s": "--upload-limit", "download_limit_mb_s": "--d
 
 def _node_overrides(args: argparse.Namespace) -> dict[str, Any]:
     names = ("initial_peers", "host_maddrs", "announce_maddrs", "identity", "nat_port_map", "transport",
-             "relay") + NODE_FLAGS
+             "relay", "dht") + NODE_FLAGS
     return {name: getattr(args, name, None) for name in names}
 
 

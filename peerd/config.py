@@ -76,6 +76,9 @@ def local_devices_problem(devices: Any) -> Optional[str]:
 #: Values of the node config key ``transport``.
 TRANSPORTS = ("p2pd", "libp2p", "auto")
 
+#: Values of the node config key ``dht``.
+DHT_MODES = ("process", "inline")
+
 #: Values of the node config key ``relay``.
 RELAY_MODES = ("off", "auto", "always")
 
@@ -120,6 +123,11 @@ class NodeConfig:
     """libp2p implementation: ``p2pd`` = hivemind's Go daemon; ``libp2p`` = py-libp2p in a Python process (no Go
     binary: any machine that runs Python); ``auto`` = p2pd where its binary runs, else py-libp2p (one log line says
     which and why). Both speak the same protocols: one swarm may hold peers of both kinds."""
+    dht: str = "process"
+    """Where this peer's DHT node runs (p2pd transport): ``process`` = a child Python process, so DHT maintenance
+    never waits for training (the default); ``inline`` = in the daemon's own event loop, ~200 MB less memory per
+    peer (no second interpreter, no torch shared-memory manager), for many peers on one machine. Same DHT either
+    way: peers of both kinds form one swarm. The py-libp2p transport always runs it in a child process."""
     nat_port_map: bool = False
     """Ask the home router for a port mapping (UPnP/NAT-PMP). Off by default: it probes the local gateway."""
     relay: str = "auto"
@@ -231,6 +239,9 @@ class NodeConfig:
                               reason="gpu = false contradicts GPUs in local_devices")
         if self.transport not in TRANSPORTS:
             raise ConfigError(f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
+        if self.dht not in DHT_MODES:
+            raise ConfigError(f"dht must be one of {', '.join(DHT_MODES)}, got {self.dht!r}", key="dht",
+                              reason=f"must be one of {', '.join(DHT_MODES)}, got {self.dht!r}")
         if self.relay not in RELAY_MODES:
             raise ConfigError(f"relay must be one of {', '.join(RELAY_MODES)}, got {self.relay!r}", key="relay",
                               reason=f"must be one of {', '.join(RELAY_MODES)}, got {self.relay!r}")

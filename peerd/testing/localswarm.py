@@ -8,6 +8,7 @@ JSON log events, stop them, and always clean up whole process trees (a worker's 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -63,14 +64,20 @@ class Peer:
 
 
 class Swarm:
-    """A bootstrap node plus workers, each its own process tree; :meth:`close` kills everything."""
+    """A bootstrap node plus workers, each its own process tree; :meth:`close` kills everything.
 
-    def __init__(self, workdir: Path):
+    ``preload=True``: workers are forked from a process that already imported peerd, torch and hivemind
+    (:func:`start_preloaded`) instead of each starting a fresh interpreter: the same ``peerd join`` in its own
+    process, with the imported modules' memory shared copy-on-write (~230 MB less per worker, measured), so that
+    tens of workers fit on one machine."""
+
+    def __init__(self, workdir: Path, preload: bool = False):
         self.workdir = workdir
         self.peers: list[Peer] = []
         self.bootstrap_maddr: Optional[str] = None
         self._bootstrap: Optional[subprocess.Popen] = None
         self.children = ProcessSet()
+        self.preload = preload
 
     def start_bootstrap(self, timeout_s: float = 90.0, *extra: str, env: Optional[dict] = None) -> str:
         """Start ``peerd bootstrap`` (extra flags appended, ``env`` entries added); returns its multiaddr."""
@@ -104,9 +111,14 @@ class Swarm:
         if run_config is not None:
             args += ["--run-config", str(run_config)]
         log = self.workdir / f"{name}.log"
-        with open(log, "w") as stderr:
-            proc = self.children.start(peerd_cmd(*args, *extra), stdout=subprocess.DEVNULL, stderr=stderr,
-                                       env={**os.environ, "PEERD_LOGLEVEL": "INFO", **(env or {})})
+        env = {"PEERD_LOGLEVEL": "INFO", **(env or {})}
+        if self.preload:
+            proc: Any = start_preloaded([*args, *extra], log, env)
+            self.children.procs.append(proc)
+        else:
+            with open(log, "w") as stderr:
+                proc = self.children.start(peerd_cmd(*args, *extra), stdout=subprocess.DEVNULL, stderr=stderr,
+                                           env={**os.environ, **env})
         peer = Peer(name, proc, log)
         self.peers.append(peer)
         return peer
@@ -155,6 +167,60 @@ class Swarm:
 
     def close(self) -> None:
         self.children.stop(grace_s=0.0)
+
+
+#: What the preloading parent imports before it forks workers (``torch._dynamo``: torch's optimizers import it on
+#: first use, ~100 MB).
+PRELOAD = ("torch", "torch._dynamo", "hivemind", "peerd.cli", "peerd.daemon", "peerd.roles.diloco")
+
+
+class PreloadedProcess:
+    """A ``peerd`` process forked from the preloading parent, with the part of ``subprocess.Popen``'s interface the
+    swarm uses (``pid``, ``poll``, ``wait``, ``returncode``)."""
+
+    def __init__(self, process: Any):
+        self._process = process
+        self.pid: int = process.pid
+
+    @property
+    def returncode(self) -> Optional[int]:
+        return self._process.exitcode
+
+    def poll(self) -> Optional[int]:
+        return self._process.exitcode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(["peerd"], timeout or 0.0)
+        return self._process.exitcode
+
+
+def start_preloaded(argv: list[str], log: Path, env: dict[str, str]) -> PreloadedProcess:
+    """``peerd <argv>`` in a process forked from multiprocessing's fork server, which imported :data:`PRELOAD`
+    once (started on first use, one per launching process): stderr to ``log``, stdout to /dev/null, ``env`` added
+    to the environment, leading its own session like :meth:`ProcessSet.start`'s processes. Modules that read the
+    environment at import time see the launcher's environment, not ``env``."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(PRELOAD))
+    process = context.Process(target=_preloaded_main, args=(argv, str(log), env), daemon=False)
+    process.start()
+    return PreloadedProcess(process)
+
+
+def _preloaded_main(argv: list[str], log: str, env: dict[str, str]) -> None:
+    """In the forked process: detach, redirect, run the CLI, exit with its code."""
+    import gc
+
+    gc.freeze()  # objects inherited from the parent: the collector no longer writes to (and so copies) their pages
+    os.setsid()
+    with open(log, "w") as stderr, open(os.devnull, "w") as devnull:
+        os.dup2(stderr.fileno(), 2)
+        os.dup2(devnull.fileno(), 1)
+    os.environ.update(env)
+    from peerd.cli import main
+
+    sys.exit(main(argv))
 
 
 class ProcessSet:

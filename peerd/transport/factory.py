@@ -69,6 +69,7 @@ async def open_transport(node: NodeConfig, role: str = "worker", client_mode: bo
             client_mode=client_mode,
             record_validators=[OwnerRecordValidator()],
             relay=node.relay,
+            dht=node.dht,
         )
     except BaseException:
         hold.release()

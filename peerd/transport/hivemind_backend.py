@@ -1,13 +1,18 @@
 """The default transport: hivemind's Kademlia DHT for discovery and its libp2p daemon (p2pd) for peer streams.
 
-The DHT runs in a child process with its own p2pd; this process attaches a second client to the same p2pd
-(``DHT.replicate_p2p``), so both share one PeerID and one set of listening sockets. Peer streams are raw libp2p
+By default (node config ``dht = "process"``) the DHT runs in a child process with its own p2pd; this process attaches a
+second client to the same p2pd (``DHT.replicate_p2p``), so both share one PeerID and one set of listening sockets.
+With ``dht = "inline"`` the DHT node runs in this process's event loop on a p2pd this process starts
+(:class:`InlineDHT`): no second Python interpreter and no torch shared-memory manager (hivemind's ``DHT`` pipes its
+futures through torch shared memory), ~200 MB less per peer, for many peers on one machine; DHT maintenance then
+shares this process's CPU with training. Peer streams are raw libp2p
 streams (``add_binary_stream_handler``): peerd frames them itself (:mod:`protocols.wire`), avoiding a protobuf message
 per tensor part.
 
 The DHT process and its p2pd die with this process, however it dies (SIGKILL, the OOM killer): an orphan would keep
 announcing a dead peer. Nothing runs in a SIGKILLed process, so the DHT process watches its parent itself
-(:func:`_die_with_parent`) and takes p2pd, its own child, down with it.
+(:func:`_die_with_parent`) and takes p2pd, its own child, down with it; an inline p2pd is watched by a tiny shell
+process (:func:`_tie_to_this_process`).
 """
 
 from __future__ import annotations
@@ -17,15 +22,19 @@ import contextlib
 import logging
 import os
 import signal
+import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import hivemind
+from hivemind.dht.node import DHTNode
+from hivemind.dht.validation import CompositeValidator
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 
+from peerd.config import DHT_MODES
 from peerd.transport.linger import CLOSE_LINGER_S, until_remote_closes
 from protocols.interfaces import Record, StreamHandler
 
@@ -124,14 +133,20 @@ def _add_p2pd_flags(flags: dict[str, Any]) -> None:
     attaches to the running p2pd) is untouched."""
     import hivemind.dht.node as dht_node
 
-    base = dht_node.P2P
+    dht_node.P2P = _p2p_with_flags(dht_node.P2P, flags)
+
+
+def _p2p_with_flags(base: type[P2P], flags: dict[str, Any]) -> type[P2P]:
+    """``base`` (hivemind's ``P2P``) whose p2pd command line ends with ``flags`` (``-name=value``)."""
+    if not flags:
+        return base
 
     class _P2PWithFlags(base):  # type: ignore[misc, valid-type]
         @staticmethod
         def _make_process_args(*args: Any, **kwargs: Any) -> list[str]:
             return base._make_process_args(*args, **{**kwargs, **flags})
 
-    dht_node.P2P = _P2PWithFlags
+    return _P2PWithFlags
 
 
 def relay_options(relay: str, client_mode: bool = False, relays: Sequence[str] = ()) -> dict[str, Any]:
@@ -192,6 +207,84 @@ class HivemindDiscovery:
             for subkey, item in found.value.items()
             if item.expiration_time > now
         }
+
+
+class NodeDiscovery:
+    """:class:`protocols.interfaces.Discovery` on a :class:`hivemind.dht.DHTNode` in this process's event loop."""
+
+    def __init__(self, node: DHTNode):
+        self.node = node
+
+    def time(self) -> float:
+        return get_dht_time()
+
+    async def store(self, key: str, subkey: str, value: Any, expiration_time: float) -> bool:
+        return bool(await self.node.store(key, value, expiration_time, subkey=subkey))
+
+    async def get(self, key: str) -> dict[str, Record]:
+        found = await self.node.get(key, latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return {}
+        now = self.time()
+        return {
+            str(subkey): Record(item.value, item.expiration_time)
+            for subkey, item in found.value.items()
+            if item.expiration_time > now
+        }
+
+
+def _tie_to_this_process(pid: int) -> subprocess.Popen:
+    """A watchdog that stops process ``pid`` (this process's p2pd) once this process is gone, however it died: a
+    POSIX shell polling once a second (~1 MB), in this process's group. Kill it on a clean shutdown."""
+    script = ('while kill -0 "$0" 2>/dev/null; do sleep 1; done; '
+              'kill -TERM "$1" 2>/dev/null; sleep 1; kill -KILL "$1" 2>/dev/null')
+    return subprocess.Popen(["sh", "-c", script, str(os.getpid()), str(pid)], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True)
+
+
+class InlineDHT:
+    """A DHT node in this process's event loop on a p2pd this process started (node config ``dht = "inline"``):
+    the part of :class:`hivemind.DHT` that :class:`HivemindTransport` uses (``get_visible_maddrs``, shutdown).
+    Same DHT protocol and records as the child-process DHT; peers of both kinds form one DHT."""
+
+    def __init__(self, node: DHTNode, p2p: P2P, maddrs: list[Any], watchdog: Optional[subprocess.Popen]):
+        self.node, self.p2p, self._maddrs, self._watchdog = node, p2p, maddrs, watchdog
+
+    @classmethod
+    async def create(cls, *, initial_peers: Sequence[str], client_mode: bool, record_validators: Sequence[Any],
+                     p2pd_flags: Optional[dict[str, Any]] = None, **p2p_options: Any) -> "InlineDHT":
+        """Start p2pd (``p2p_options``: hivemind ``P2P.create`` keyword arguments; ``p2pd_flags``: extra p2pd
+        flags) and a DHT node on it. Raises what p2pd or ``DHTNode.create`` raise; nothing is left running then."""
+        p2p = await _p2p_with_flags(P2P, dict(p2pd_flags or {})).create(initial_peers=list(initial_peers),
+                                                                        **p2p_options)
+        child = getattr(p2p, "_child", None)
+        watchdog = _tie_to_this_process(child.pid) if child is not None else None
+        try:
+            node = await DHTNode.create(p2p=p2p, initial_peers=list(initial_peers), client_mode=client_mode,
+                                        record_validator=CompositeValidator(list(record_validators)))
+            return cls(node, p2p, await p2p.get_visible_maddrs(), watchdog)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await p2p.shutdown()
+            if watchdog is not None:
+                watchdog.kill()
+            raise
+
+    def get_visible_maddrs(self, latest: bool = False) -> list[Any]:
+        """The multiaddrs (with ``/p2p/<PeerID>``) p2pd announced when it started."""
+        return list(self._maddrs)
+
+    async def aclose(self) -> None:
+        """Stop the DHT node, then p2pd (idempotent)."""
+        with contextlib.suppress(Exception):
+            await self.node.shutdown()
+        with contextlib.suppress(Exception):
+            await self.p2p.shutdown()
+        if self._watchdog is not None:
+            with contextlib.suppress(OSError):
+                self._watchdog.kill()
+                self._watchdog.wait(5)
+            self._watchdog = None
 
 
 # the p2pd close-order quirk: a served stream stays open until the remote closed it (see peerd.transport.linger)
@@ -275,8 +368,8 @@ class HivemindStreams:
 class HivemindTransport:
     """Discovery and streams of one peer on hivemind. Create with :meth:`create`, release with :meth:`shutdown`."""
 
-    dht: hivemind.DHT
-    discovery: HivemindDiscovery
+    dht: "hivemind.DHT | InlineDHT"
+    discovery: "HivemindDiscovery | NodeDiscovery"
     streams: HivemindStreams
     on_shutdown: list[Callable[[], None]] = field(default_factory=list)
     """Called after the DHT process is gone (e.g. releasing the identity lock)."""
@@ -294,16 +387,20 @@ class HivemindTransport:
         startup_timeout_s: float = 30.0,
         record_validators: Sequence[Any] = (),
         relay: str = "off",
+        dht: str = "process",
     ) -> "HivemindTransport":
-        """Start a DHT node (child process + p2pd) and attach streams to it.
+        """Start a DHT node (child process + p2pd; ``dht = "inline"``: in this event loop, :class:`InlineDHT`) and
+        attach streams to it.
 
         ``record_validators`` (hivemind ``RecordValidatorBase`` instances, e.g.
         :class:`peerd.transport.records.OwnerRecordValidator`) check every record this node is asked to store and
         every record it reads from others. ``relay`` (node config ``relay``): ``off``, ``auto`` or ``always``
         (:func:`relay_options`).
 
-        Raises ConnectionError if none of ``initial_peers`` can be reached.
+        Raises ConnectionError if none of ``initial_peers`` can be reached, ValueError for an unknown ``dht``.
         """
+        if dht not in DHT_MODES:
+            raise ValueError(f"dht must be one of {', '.join(DHT_MODES)}, got {dht!r}")
         kwargs: dict[str, Any] = dict(
             initial_peers=list(initial_peers),
             host_maddrs=list(host_maddrs),
@@ -318,13 +415,22 @@ class HivemindTransport:
         )
         if announce_maddrs:
             kwargs["announce_maddrs"] = list(announce_maddrs)
+        if dht == "inline":
+            for name in ("record_validators", "client_mode", "initial_peers"):
+                kwargs.pop(name)
+            try:
+                inline = await InlineDHT.create(initial_peers=initial_peers, client_mode=client_mode,
+                                                record_validators=record_validators, **kwargs)
+            except Exception as e:
+                raise dht_start_error(e, initial_peers) from e
+            return cls(inline, NodeDiscovery(inline.node), HivemindStreams(inline.p2p))
         loop = asyncio.get_running_loop()
         try:
-            dht = await loop.run_in_executor(None, lambda: _TiedDHT(start=True, **kwargs))
+            child = await loop.run_in_executor(None, lambda: _TiedDHT(start=True, **kwargs))
         except Exception as e:
             raise dht_start_error(e, initial_peers) from e
-        p2p = await dht.replicate_p2p()
-        return cls(dht, HivemindDiscovery(dht), HivemindStreams(p2p))
+        p2p = await child.replicate_p2p()
+        return cls(child, HivemindDiscovery(child), HivemindStreams(p2p))
 
     @property
     def peer_id(self) -> str:
@@ -335,13 +441,22 @@ class HivemindTransport:
         return [str(m) for m in self.dht.get_visible_maddrs()]
 
     async def shutdown(self) -> None:
+        if isinstance(self.dht, InlineDHT):  # one p2p client, the node's: the node goes first
+            try:
+                await self.dht.aclose()
+            finally:
+                self._released()
+            return
         with contextlib.suppress(Exception):
             await self.streams.p2p.shutdown()
         loop = asyncio.get_running_loop()
         try:
             await loop.run_in_executor(None, self.dht.shutdown)
         finally:
-            for callback in self.on_shutdown:
-                with contextlib.suppress(Exception):
-                    callback()
-            self.on_shutdown.clear()
+            self._released()
+
+    def _released(self) -> None:
+        for callback in self.on_shutdown:
+            with contextlib.suppress(Exception):
+                callback()
+        self.on_shutdown.clear()

@@ -195,9 +195,10 @@ class LibP2PTransport(HivemindTransport):
         startup_timeout_s: float = 30.0,
         record_validators: Sequence[Any] = (),
         relay: str = "off",
+        dht: str = "process",
     ) -> "LibP2PTransport":
-        """Start the py-libp2p daemon, then a DHT node on it (child process). ``nat_port_map`` and ``relay`` are
-        accepted for symmetry and ignored: py-libp2p's UPnP stays off and this daemon has no circuit relay. Raises ConnectionError if the daemon or the DHT node
+        """Start the py-libp2p daemon, then a DHT node on it (child process). ``nat_port_map``, ``relay`` and
+        ``dht`` are accepted for symmetry and ignored: py-libp2p's UPnP stays off and this daemon has no circuit relay. Raises ConnectionError if the daemon or the DHT node
         cannot start or none of ``initial_peers`` answers."""
         problem = libp2p_available()
         if problem is not None:
