@@ -6,8 +6,9 @@ its DHT node in a child process: ``peerd join`` as a volunteer runs it by defaul
 the DHT node in the worker's own event loop); ``preload`` (``--dht inline``, and each worker forked from a process
 that already imported peerd, torch and hivemind, :class:`peerd.testing.localswarm.Swarm` with ``preload=True``:
 the imported modules' memory is shared copy-on-write). A bootstrap node plus N workers of
-one run on 127.0.0.1 (the first creates the run from the tiny-model run config below; the others join it, download
-its state and train); each worker does ``--rounds`` outer rounds and leaves. Reported per row: workers that
+one run on 127.0.0.1, started together, each given the same run config (the tiny model, below; the first to look
+publishes it, the others read it), so that no worker trains ahead while the others start; each worker does
+``--rounds`` outer rounds and leaves. Reported per row: workers that
 reached the last outer round and left, outer rounds completed (a joiner that downloaded the state of
 round k completes the rounds after it) and failed, group sizes of the completed rounds, whether every
 group's members ended with the same theta_outer (digests per outer round), start-up time (launch until every worker
@@ -72,10 +73,8 @@ def run_one(n: int, mode: str, args: argparse.Namespace) -> dict:
     peak, started_all, stopped = 0, None, None
     try:
         swarm.start_bootstrap(120.0)
-        first = swarm.start_peer("w0", "scale", config, "--dht", dht)
-        swarm.wait_for(lambda: bool(first.of("config_published")), 300, "the run's config")
-        for i in range(1, n):
-            swarm.start_peer(f"w{i}", "scale", None, "--dht", dht)
+        for i in range(n):  # all with the same run config: whoever comes first publishes it, nobody trains ahead
+            swarm.start_peer(f"w{i}", "scale", config, "--dht", dht)
         deadline = time.time() + args.timeout_s
         while time.time() < deadline:
             mem = psutil.virtual_memory()
@@ -131,7 +130,8 @@ def report(rows: list[dict], args: argparse.Namespace) -> str:
         f"mode process, the DHT child process and torch's shared-memory manager; mode inline: `--dht inline`; mode "
         f"preload: `--dht inline`, forked from a process that imported peerd, torch and hivemind) of the tiny model (0.9M "
         f"parameters, `node_configs/runs/tiny-test.toml` with {args.rounds} outer rounds of {args.inner_steps} inner "
-        f"steps and timeouts for a loaded machine), 1 torch thread each, on 127.0.0.1. Memory = peak of the "
+        f"steps and timeouts for a loaded machine), 1 torch thread each, all started together with that run config, "
+        f"on 127.0.0.1. Memory = peak of the "
         f"machine's memory in use (total - available) above what was in use before the row started, / N. "
         f"\"Same theta_outer\" lists, per outer round, how many workers ended it with each digest (one number = all "
         f"the workers that completed that round agree).", "",

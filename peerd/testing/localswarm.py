@@ -196,14 +196,26 @@ class PreloadedProcess:
         return self._process.exitcode
 
 
+def _preload_context() -> Any:
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(PRELOAD))
+    return context
+
+
+def warm_preload() -> None:
+    """Start the fork server and wait until it imported :data:`PRELOAD` (seconds; the first
+    :func:`start_preloaded` call otherwise pays for it), so that later starts take well under a second."""
+    process = _preload_context().Process(target=int, daemon=True)
+    process.start()
+    process.join()
+
+
 def start_preloaded(argv: list[str], log: Path, env: dict[str, str]) -> PreloadedProcess:
     """``peerd <argv>`` in a process forked from multiprocessing's fork server, which imported :data:`PRELOAD`
     once (started on first use, one per launching process): stderr to ``log``, stdout to /dev/null, ``env`` added
     to the environment, leading its own session like :meth:`ProcessSet.start`'s processes. Modules that read the
     environment at import time see the launcher's environment, not ``env``."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(list(PRELOAD))
-    process = context.Process(target=_preloaded_main, args=(argv, str(log), env), daemon=False)
+    process = _preload_context().Process(target=_preloaded_main, args=(argv, str(log), env), daemon=False)
     process.start()
     return PreloadedProcess(process)
 

@@ -8,8 +8,8 @@ objects of its DHT node and averaging services remain. Peers of one process stil
 peers elsewhere, only over their p2pd sockets (loopback or network), exactly like separate processes.
 
 Used by the standalone averaging peer (``peerd.testing.avgpeer --peers K``) to run tens of peers on one box. The
-DiLoCo worker keeps :class:`HivemindTransport`: a volunteer runs one peer, and the DHT child process keeps DHT
-maintenance off the training loop.
+DiLoCo worker keeps :class:`HivemindTransport` (one peer per process; its node config ``dht = "inline"`` puts its
+DHT node in its own event loop the same way, :class:`peerd.transport.hivemind_backend.InlineDHT`).
 """
 
 from __future__ import annotations
@@ -18,41 +18,15 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P, PeerID
 from multiaddr import Multiaddr
-from hivemind.utils import get_dht_time
 
-from peerd.transport.hivemind_backend import HivemindStreams, dht_start_error
-from protocols.interfaces import Record
+from peerd.transport.hivemind_backend import HivemindStreams, NodeDiscovery, dht_start_error
 
 logger = logging.getLogger(__name__)
-
-
-class LightDiscovery:
-    """:class:`protocols.interfaces.Discovery` on an in-loop :class:`DHTNode`."""
-
-    def __init__(self, node: DHTNode):
-        self.node = node
-
-    def time(self) -> float:
-        return get_dht_time()
-
-    async def store(self, key: str, subkey: str, value: Any, expiration_time: float) -> bool:
-        return bool(await self.node.store(key, value, expiration_time, subkey=subkey))
-
-    async def get(self, key: str) -> dict[str, Record]:
-        found = await self.node.get(key, latest=True)
-        if found is None or not isinstance(found.value, dict):
-            return {}
-        now = self.time()
-        return {
-            str(subkey): Record(item.value, item.expiration_time)
-            for subkey, item in found.value.items()
-            if item.expiration_time > now
-        }
 
 
 @dataclass
@@ -62,7 +36,7 @@ class LightTransport:
 
     node: DHTNode
     p2p: P2P
-    discovery: LightDiscovery
+    discovery: NodeDiscovery
     streams: HivemindStreams
 
     @classmethod
@@ -107,7 +81,7 @@ class LightTransport:
             with contextlib.suppress(Exception):
                 await p2p.shutdown()
             raise dht_start_error(e, initial_peers) from e
-        return cls(node, p2p, LightDiscovery(node), HivemindStreams(p2p))
+        return cls(node, p2p, NodeDiscovery(node), HivemindStreams(p2p))
 
     @property
     def peer_id(self) -> str:

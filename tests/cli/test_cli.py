@@ -33,6 +33,7 @@ def test_help_exits_zero_and_describes_the_command(command):
         (["join", "--run-id", "bad id!"], "invalid run id"),
         (["join", "--run-id", "x", "--device", "tpu"], "--device"),
         (["join", "--run-id", "x", "--role", "boss"], "--role"),
+        (["join", "--run-id", "x", "--dht", "remote"], "--dht"),
         (["join", "--run-id", "x", "--stage", "-1"], "stage"),
         (["join", "--run-id", "x", "--stage", "2", "--run-config", "node_configs/runs/swarm-tiny.toml"],
          "--stage 2"),

@@ -176,6 +176,9 @@ def test_out_of_range_values_name_the_file(tmp_path):
     assert "model" in str(info.value) and str(path) in str(info.value)
     with pytest.raises(ConfigError, match="device"):
         load_node_config(str(write(tmp_path, '[node]\ndevice = "tpu"\n', "n.toml")), environ={})
+    with pytest.raises(ConfigError, match="dht must be one of process, inline"):
+        load_node_config(str(write(tmp_path, '[node]\ndht = "remote"\n', "d.toml")), environ={})
+    assert load_node_config(str(write(tmp_path, '[node]\ndht = "inline"\n', "i.toml")), environ={}).dht == "inline"
 
 
 def test_string_given_for_a_list_becomes_a_one_element_tuple(tmp_path):
