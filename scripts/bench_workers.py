@@ -73,8 +73,9 @@ def run_one(n: int, mode: str, args: argparse.Namespace) -> dict:
     peak, started_all, stopped = 0, None, None
     try:
         swarm.start_bootstrap(120.0)
+        status = {"PEERD_STATUS_INTERVAL_S": str(args.status_interval_s), "PEERD_STATUS_TTL_S": str(args.status_ttl_s)}
         for i in range(n):  # all with the same run config: whoever comes first publishes it, nobody trains ahead
-            swarm.start_peer(f"w{i}", "scale", config, "--dht", dht)
+            swarm.start_peer(f"w{i}", "scale", config, "--dht", dht, env=status)
         deadline = time.time() + args.timeout_s
         while time.time() < deadline:
             mem = psutil.virtual_memory()
@@ -89,23 +90,29 @@ def run_one(n: int, mode: str, args: argparse.Namespace) -> dict:
             time.sleep(1.0)
         else:
             stopped = f"stopped after {args.timeout_s:g} s"
+    except KeyboardInterrupt:  # Ctrl-C ends this row; what it had is reported
+        stopped = "interrupted"
     finally:
         swarm.close()
-    rounds = [e for p in swarm.peers for e in p.of("outer_round")]
-    failed = sum(p.of("leave")[-1].get("rounds_failed", 0) if p.of("leave") else 0 for p in swarm.peers)
-    finished = sum(1 for p in swarm.peers if p.of("leave") and p.of("leave")[-1].get("outer_round", 0) >= args.rounds)
-    digests: dict[int, set] = collections.defaultdict(set)
-    for e in rounds:
-        digests[(e["outer_round"], e.get("group_size"))].add(e["digest"])
+    return summarize(swarm.peers, n, mode, args.rounds, {
+        "startup_s": started_all, "peak_gb": peak / 1e9, "per_worker_mb": peak / n / 1e6,
+        "wall_s": time.time() - launched, "stopped": stopped})
+
+
+def summarize(peers: list, n: int, mode: str, rounds_target: int, measured: dict) -> dict:
+    """The row of one run from its workers' JSON logs (``peers``: :class:`peerd.testing.localswarm.Peer`) and
+    ``measured`` (start-up, memory, wall time, why it stopped)."""
+    rounds = [e for p in peers for e in p.of("outer_round")]
+    left = [p.of("leave")[-1] for p in peers if p.of("leave")]
     by_round: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
     for e in rounds:
         by_round[e["outer_round"]][e["digest"]] += 1
     return {
-        "workers": n, "mode": mode, "finished": finished, "rounds": len(rounds), "failed": failed,
+        "workers": n, "mode": mode, "finished": sum(1 for e in left if e.get("outer_round", 0) >= rounds_target),
+        "rounds": len(rounds), "failed": sum(len(p.of("round_failed")) for p in peers),
         "sizes": dict(collections.Counter(e.get("group_size") for e in rounds)),
         "digests": {r: sorted(c.values(), reverse=True) for r, c in sorted(by_round.items())},
-        "startup_s": started_all, "peak_gb": peak / 1e9, "per_worker_mb": peak / n / 1e6,
-        "wall_s": time.time() - launched, "stopped": stopped,
+        **measured,
     }
 
 
@@ -130,7 +137,8 @@ def report(rows: list[dict], args: argparse.Namespace) -> str:
         f"mode process, the DHT child process and torch's shared-memory manager; mode inline: `--dht inline`; mode "
         f"preload: `--dht inline`, forked from a process that imported peerd, torch and hivemind) of the tiny model (0.9M "
         f"parameters, `node_configs/runs/tiny-test.toml` with {args.rounds} outer rounds of {args.inner_steps} inner "
-        f"steps and timeouts for a loaded machine), 1 torch thread each, all started together with that run config, "
+        f"steps and timeouts for a loaded machine), 1 torch thread each, status records every "
+        f"{args.status_interval_s:g} s with a {args.status_ttl_s:g} s TTL, all started together with that run config, "
         f"on 127.0.0.1. Memory = peak of the "
         f"machine's memory in use (total - available) above what was in use before the row started, / N. "
         f"\"Same theta_outer\" lists, per outer round, how many workers ended it with each digest (one number = all "
@@ -152,19 +160,21 @@ def main() -> None:
                    "~29 GB, more than this 24 GiB machine has)")
     p.add_argument("--rounds", type=int, default=3, help="outer rounds per worker")
     p.add_argument("--inner-steps", type=int, default=20, help="inner steps per outer round (H)")
+    p.add_argument("--status-interval-s", type=float, default=5.0,
+                   help="workers' status_interval_s (the node default; the test preset's 1 s loads a busy machine)")
+    p.add_argument("--status-ttl-s", type=float, default=30.0, help="workers' status_ttl_s (the node default)")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="a row is stopped after this long")
     p.add_argument("--min-available-gb", type=float, default=1.0,
                    help="stop a row when available memory falls below this (GiB)")
     p.add_argument("--md", default=None, help="replace this section in that markdown file")
     args = p.parse_args()
+    runs = [(n, mode) for n in args.workers for mode in args.modes if mode == "preload" or n <= args.full_up_to]
     rows = []
-    for n in args.workers:
-        for mode in args.modes:
-            if mode != "preload" and n > args.full_up_to:
-                continue
-            row = run_one(n, mode, args)
-            print(fmt_row(row), flush=True)
-            rows.append(row)
+    for n, mode in runs:
+        rows.append(run_one(n, mode, args))
+        print(fmt_row(rows[-1]), flush=True)
+        if rows[-1]["stopped"] == "interrupted":
+            break
     section = report(rows, args)
     print(section)
     if args.md:
