@@ -1,18 +1,19 @@
 #!/usr/bin/env python
 """Many DiLoCo workers on one machine: N real ``peerd join`` workers of the tiny model, one process tree each.
 
-Each size runs in up to three modes in one invocation: ``process``, the baseline (each worker a fresh interpreter with
-its DHT node in a child process: ``peerd join`` as a volunteer runs it by default); ``inline`` (``--dht inline``:
-the DHT node in the worker's own event loop); ``preload`` (``--dht inline``, and each worker forked from a process
-that already imported peerd, torch and hivemind, :class:`peerd.testing.localswarm.Swarm` with ``preload=True``:
-the imported modules' memory is shared copy-on-write). A bootstrap node plus N workers of
-one run on 127.0.0.1, started together, each given the same run config (the tiny model, below; the first to look
-publishes it, the others read it), so that no worker trains ahead while the others start; each worker does
-``--rounds`` outer rounds and leaves. Reported per row: workers that
-reached the last outer round and left, outer rounds completed (a joiner that downloaded the state of
-round k completes the rounds after it) and failed, group sizes of the completed rounds, whether every
-group's members ended with the same theta_outer (digests per outer round), start-up time (launch until every worker
-logged its first inner step), peak system memory in use above the idle machine's, per worker, and the wall time.
+Each size runs in up to three modes in one invocation: ``process``, the baseline (each worker a fresh interpreter
+with its DHT node in a child process: ``peerd join`` as a volunteer runs it by default); ``inline`` (``--dht
+inline``: the DHT node in the worker's own event loop); ``preload`` (``--dht inline``, and each worker forked from a
+process that already imported peerd, torch and hivemind, :class:`peerd.testing.localswarm.Swarm` with
+``preload=True``: the imported modules' memory is shared copy-on-write).
+
+A bootstrap node plus N workers of one run on 127.0.0.1, started together, each given the same run config (the tiny
+model, :func:`run_config`; the first to look publishes it, the others read it), so that no worker trains ahead while
+the others start; each worker does ``--rounds`` outer rounds and leaves. Reported per row: workers that reached the
+last outer round and left, outer rounds completed (a joiner that downloaded the state of round k completes the
+rounds after it) and failed attempts, group sizes of the completed rounds, how many workers ended each outer round
+with each theta_outer digest, start-up time (launch until every worker logged its first inner step), peak memory in
+use above the idle machine's, per worker, and the wall time.
 
 A row stops early (reported as such) when the machine's available memory falls below ``--min-available-gb``: the
 workers are killed before the kernel's OOM killer picks processes at random.
@@ -44,8 +45,8 @@ HEADING = "## Many DiLoCo workers on one machine (scripts/bench_workers.py)"
 
 
 def run_config(path: Path, rounds: int, inner_steps: int) -> Path:
-    """The tiny test run with ``rounds`` outer rounds of ``inner_steps`` steps, generous matchmaking timeouts (a
-    loaded machine) and the default reducer timeouts."""
+    """The tiny test run with ``rounds`` outer rounds of ``inner_steps`` steps and timeouts for a loaded machine
+    (matchmaking window 60 s, sender 60 s, reducer 120 s, state download 120 s; the test preset's are 15-20 s)."""
     text = TINY.read_text()
     text = text.replace("max_outer_rounds = 2", f"max_outer_rounds = {rounds}")
     text = text.replace("inner_steps = 10", f"inner_steps = {inner_steps}")
