@@ -67,7 +67,7 @@ def _node_flags(p: argparse.ArgumentParser, listen_default: Optional[str] = None
                    "auto (p2pd where its binary runs, else py-libp2p; the default)")
     g.add_argument("--dht", choices=("process", "inline"),
                    help="where the DHT node runs: process (a child process; the default) or inline (in the "
-                   "daemon, ~200 MB less memory: for many peers on one machine)")
+                   "daemon, ~250 MB less memory: for many peers on one machine)")
     g.add_argument("--relay", choices=("off", "auto", "always"),
                    help="libp2p circuit relays: auto (relay for others; use a relay when behind a NAT; the default), "
                    "always (always reserve a relay slot) or off")

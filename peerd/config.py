@@ -125,7 +125,7 @@ class NodeConfig:
     which and why). Both speak the same protocols: one swarm may hold peers of both kinds."""
     dht: str = "process"
     """Where this peer's DHT node runs (p2pd transport): ``process`` = a child Python process, so DHT maintenance
-    never waits for training (the default); ``inline`` = in the daemon's own event loop, ~200 MB less memory per
+    never waits for training (the default); ``inline`` = in the daemon's own event loop, ~250 MB less memory per
     peer (no second interpreter, no torch shared-memory manager), for many peers on one machine. Same DHT either
     way: peers of both kinds form one swarm. The py-libp2p transport always runs it in a child process."""
     nat_port_map: bool = False

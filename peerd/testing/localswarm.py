@@ -68,8 +68,8 @@ class Swarm:
 
     ``preload=True``: workers are forked from a process that already imported peerd, torch and hivemind
     (:func:`start_preloaded`) instead of each starting a fresh interpreter: the same ``peerd join`` in its own
-    process, with the imported modules' memory shared copy-on-write (~230 MB less per worker, measured), so that
-    tens of workers fit on one machine."""
+    process, with the imported modules' memory shared copy-on-write (tiny model, 16 workers: 277 MB per worker
+    instead of 444 with ``--dht inline``, docs/benchmarks.md), so that tens of workers fit on one machine."""
 
     def __init__(self, workdir: Path, preload: bool = False):
         self.workdir = workdir

@@ -1,13 +1,13 @@
 """The default transport: hivemind's Kademlia DHT for discovery and its libp2p daemon (p2pd) for peer streams.
 
-By default (node config ``dht = "process"``) the DHT runs in a child process with its own p2pd; this process attaches a
-second client to the same p2pd (``DHT.replicate_p2p``), so both share one PeerID and one set of listening sockets.
-With ``dht = "inline"`` the DHT node runs in this process's event loop on a p2pd this process starts
+By default (node config ``dht = "process"``) the DHT runs in a child process with its own p2pd; this process
+attaches a second client to the same p2pd (``DHT.replicate_p2p``), so both share one PeerID and one set of listening
+sockets. With ``dht = "inline"`` the DHT node runs in this process's event loop on a p2pd this process starts
 (:class:`InlineDHT`): no second Python interpreter and no torch shared-memory manager (hivemind's ``DHT`` pipes its
-futures through torch shared memory), ~200 MB less per peer, for many peers on one machine; DHT maintenance then
-shares this process's CPU with training. Peer streams are raw libp2p
-streams (``add_binary_stream_handler``): peerd frames them itself (:mod:`protocols.wire`), avoiding a protobuf message
-per tensor part.
+futures through torch shared memory), ~250 MB less per peer (tiny model: 696 -> 444 MB, docs/benchmarks.md), for
+many peers on one machine; DHT maintenance then shares this process's CPU with training. Peer streams are raw libp2p
+streams (``add_binary_stream_handler``): peerd frames them itself (:mod:`protocols.wire`), avoiding a protobuf
+message per tensor part.
 
 The DHT process and its p2pd die with this process, however it dies (SIGKILL, the OOM killer): an orphan would keep
 announcing a dead peer. Nothing runs in a SIGKILLed process, so the DHT process watches its parent itself
