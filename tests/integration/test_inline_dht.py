@@ -83,7 +83,8 @@ _HOLDER = textwrap.dedent("""
 
 
 def test_the_inline_p2pd_stops_when_its_daemon_is_sigkilled():
-    """Nothing runs in a SIGKILLed process: the watchdog it left behind stops its p2pd."""
+    """Nothing runs in a SIGKILLed process, yet its p2pd must not outlive it (the watchdog stops it; p2pd also exits
+    on its next write to the dead daemon's output pipe, so a p2pd that logs covers for a missing watchdog)."""
     holder = subprocess.Popen([sys.executable, "-c", _HOLDER], stdout=subprocess.PIPE, text=True,
                               start_new_session=True)
     try:
