@@ -7,6 +7,7 @@ JSON log events, stop them, and always clean up whole process trees (a worker's 
 
 from __future__ import annotations
 
+import gc
 import json
 import multiprocessing
 import os
@@ -222,8 +223,6 @@ def start_preloaded(argv: list[str], log: Path, env: dict[str, str]) -> Preloade
 
 def _preloaded_main(argv: list[str], log: str, env: dict[str, str]) -> None:
     """In the forked process: detach, redirect, run the CLI, exit with its code."""
-    import gc
-
     gc.freeze()  # objects inherited from the parent: the collector no longer writes to (and so copies) their pages
     os.setsid()
     with open(log, "w") as stderr, open(os.devnull, "w") as devnull:

@@ -185,6 +185,15 @@ def dht_start_error(error: BaseException, initial_peers: Sequence[str]) -> Conne
     return ConnectionError(message)
 
 
+def unexpired_records(found: Any, now: float) -> dict[str, Record]:
+    """Subkey -> :class:`Record` of a hivemind DHT ``get`` result (``ValueWithExpiration`` of a dictionary, or
+    None) whose expiration time (DHT time, seconds) is after ``now``; {} if nothing or no dictionary was found."""
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    return {str(subkey): Record(item.value, item.expiration_time)
+            for subkey, item in found.value.items() if item.expiration_time > now}
+
+
 class HivemindDiscovery:
     """:class:`protocols.interfaces.Discovery` on a running :class:`hivemind.DHT`."""
 
@@ -198,15 +207,7 @@ class HivemindDiscovery:
         return bool(await self.dht.store(key, value, expiration_time, subkey=subkey, return_future=True))
 
     async def get(self, key: str) -> dict[str, Record]:
-        found = await self.dht.get(key, latest=True, return_future=True)
-        if found is None or not isinstance(found.value, dict):
-            return {}
-        now = self.time()
-        return {
-            str(subkey): Record(item.value, item.expiration_time)
-            for subkey, item in found.value.items()
-            if item.expiration_time > now
-        }
+        return unexpired_records(await self.dht.get(key, latest=True, return_future=True), self.time())
 
 
 class NodeDiscovery:
@@ -222,15 +223,7 @@ class NodeDiscovery:
         return bool(await self.node.store(key, value, expiration_time, subkey=subkey))
 
     async def get(self, key: str) -> dict[str, Record]:
-        found = await self.node.get(key, latest=True)
-        if found is None or not isinstance(found.value, dict):
-            return {}
-        now = self.time()
-        return {
-            str(subkey): Record(item.value, item.expiration_time)
-            for subkey, item in found.value.items()
-            if item.expiration_time > now
-        }
+        return unexpired_records(await self.node.get(key, latest=True), self.time())
 
 
 def _tie_to_this_process(pid: int) -> subprocess.Popen:
@@ -270,7 +263,7 @@ class InlineDHT:
                 watchdog.kill()
             raise
 
-    def get_visible_maddrs(self, latest: bool = False) -> list[Any]:
+    def get_visible_maddrs(self) -> list[Any]:
         """The multiaddrs (with ``/p2p/<PeerID>``) p2pd announced when it started."""
         return list(self._maddrs)
 
@@ -401,32 +394,25 @@ class HivemindTransport:
         """
         if dht not in DHT_MODES:
             raise ValueError(f"dht must be one of {', '.join(DHT_MODES)}, got {dht!r}")
-        kwargs: dict[str, Any] = dict(
-            initial_peers=list(initial_peers),
+        p2p_options: dict[str, Any] = dict(  # hivemind P2P.create's (p2pd_flags: _TiedDHT's / InlineDHT's)
             host_maddrs=list(host_maddrs),
             identity_path=identity_path,
             nat_port_map=nat_port_map,
             **relay_options(relay, client_mode, relays=initial_peers),
             use_ipfs=False,
             check_if_identity_free=False,
-            client_mode=client_mode,
             startup_timeout=startup_timeout_s,
-            record_validators=list(record_validators),
         )
         if announce_maddrs:
-            kwargs["announce_maddrs"] = list(announce_maddrs)
-        if dht == "inline":
-            for name in ("record_validators", "client_mode", "initial_peers"):
-                kwargs.pop(name)
-            try:
-                inline = await InlineDHT.create(initial_peers=initial_peers, client_mode=client_mode,
-                                                record_validators=record_validators, **kwargs)
-            except Exception as e:
-                raise dht_start_error(e, initial_peers) from e
-            return cls(inline, NodeDiscovery(inline.node), HivemindStreams(inline.p2p))
-        loop = asyncio.get_running_loop()
+            p2p_options["announce_maddrs"] = list(announce_maddrs)
+        node_options = dict(initial_peers=list(initial_peers), client_mode=client_mode,
+                            record_validators=list(record_validators))
         try:
-            child = await loop.run_in_executor(None, lambda: _TiedDHT(start=True, **kwargs))
+            if dht == "inline":
+                inline = await InlineDHT.create(**node_options, **p2p_options)
+                return cls(inline, NodeDiscovery(inline.node), HivemindStreams(inline.p2p))
+            loop = asyncio.get_running_loop()
+            child = await loop.run_in_executor(None, lambda: _TiedDHT(start=True, **node_options, **p2p_options))
         except Exception as e:
             raise dht_start_error(e, initial_peers) from e
         p2p = await child.replicate_p2p()
