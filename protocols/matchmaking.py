@@ -56,7 +56,7 @@ import logging
 import secrets
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 from protocols.bans import BanList
 from protocols.interfaces import Transport
@@ -81,6 +81,9 @@ _PROBE_KEY = "probe.alive"
 
 #: Most keys a probe's answer lists (a matchmaker remembers the last 64 sealed keys, plus its open sessions).
 _PROBE_MAX_KEYS = 128
+
+#: Most PeerIDs a join request may list as expected (``expects``); a longer list is a malformed request.
+_MAX_EXPECTS = 10_000
 
 #: ``admit(own_info, peer_id, peer_info) -> None`` to accept the peer, or a reason string to refuse it.
 AdmitFn = Callable[[dict, str, dict], Optional[str]]
@@ -174,6 +177,8 @@ class _Session:
     idle_until: float  # loop time at which a group this peer leads seals for lack of new members
     expected_size: Optional[int]
     expected_members: Optional[frozenset] = None  # when known: seal once all joined, else at max_wait (no idle seal)
+    expects: Optional[tuple[str, ...]] = None  # the peers this one believes are coming (its own view), sent when joining
+    pooled: Optional[set[str]] = None  # as leader: the peers any member expects (our view and the followers' joined)
     round_prefix: Optional[str] = None  # keys of the same round's other groups start with it
     probe_failures: dict[str, int] = field(default_factory=dict)  # missing expected member -> failed probes in a row
     following: Optional[str] = None  # the leader we defer to, when not leading
@@ -228,7 +233,7 @@ class Matchmaker(Service):
 
     async def form_group(self, key: str, info: dict[str, Any], expected_size: Optional[int] = None,
                          on_late: str = "fail", expected_members: Optional[Sequence[str]] = None,
-                         round_prefix: Optional[str] = None) -> Group:
+                         round_prefix: Optional[str] = None, expected_peers: Optional[Iterable[str]] = None) -> Group:
         """Join or lead the group for ``key``; returns the sealed group.
 
         Args:
@@ -250,6 +255,11 @@ class Matchmaker(Service):
                 (Moshpit: ``moshpit.r<round>.``); a missing member found matchmaking under such a key (its view of
                 the swarm gave it another group) is left out at the next probe instead of holding the group up to
                 ``max_wait_s``.
+            expected_peers: with ``expected_size``: the PeerIDs this peer believes are coming (its view of the swarm;
+                at most 10,000). Views are pooled: a follower sends its own to the leader (``expects``), and the group
+                seals early only once it has ``expected_size`` members *and* every peer that any member expects (or
+                on the idle window, as without). A leader whose view lacks peers (status records missing from a
+                loaded DHT) no longer seals before the peers its followers know of arrive.
 
         Raises:
             AdmissionRefused: the leader refused this peer.
@@ -266,7 +276,8 @@ class Matchmaker(Service):
             try:
                 if generation == 0 and members is not None:
                     return await self._form_group(attempt, info, len(members), give_up, members, round_prefix)
-                return await self._form_group(attempt, info, expected_size, give_up)
+                expects = None if generation or expected_peers is None else tuple(sorted(set(expected_peers)))
+                return await self._form_group(attempt, info, expected_size, give_up, expects=expects)
             except _Late as e:
                 if on_late == "fail":
                     raise SealedWithout(attempt, e.leader) from None
@@ -274,14 +285,17 @@ class Matchmaker(Service):
         raise MatchmakingFailed(f"no group formed for {key!r}: sealed 64 times before we joined")
 
     async def _form_group(self, key: str, info: dict[str, Any], expected_size: Optional[int], give_up: float,
-                          expected_members: Optional[frozenset] = None, round_prefix: Optional[str] = None) -> Group:
+                          expected_members: Optional[frozenset] = None, round_prefix: Optional[str] = None,
+                          expects: Optional[tuple[str, ...]] = None) -> Group:
         if key in self._sessions:
             raise RuntimeError(f"already matchmaking for {key!r}")
         loop = asyncio.get_running_loop()
         cfg = self.config
         now = loop.time()
+        if expects is not None and len(expects) > _MAX_EXPECTS:
+            raise ValueError(f"expected_peers lists {len(expects)} peers, at most {_MAX_EXPECTS}")
         session = _Session(key, info, give_up, min(give_up, now + cfg.matchmaking_timeout_s), expected_size,
-                           expected_members, round_prefix)
+                           expected_members, expects, None if expects is None else set(expects), round_prefix)
         self._sessions[key] = session
         self._sealed_keys.pop(key, None)
         discovery = self.transport.discovery
@@ -449,9 +463,11 @@ class Matchmaker(Service):
             if session.expected_members is not None:
                 if session.expected_members <= session.followers.keys() | {self.peer_id}:
                     break
-            elif session.expected_size is not None and size >= max(session.expected_size, self.config.min_group_size):
+            elif (session.expected_size is not None and size >= max(session.expected_size, self.config.min_group_size)
+                  and not _awaited(session, self.peer_id)):
                 # a smaller group would fail every member's round: an expected size below the minimum comes from a
-                # view missing some peers (a status record that lapsed under load), so wait for them instead
+                # view missing some peers (a status record that lapsed under load), so wait for them instead; and
+                # so does a peer that a follower's view has and ours lacks
                 break
             remaining = _seal_at(session) - loop.time()
             if remaining <= _DUE_S:
@@ -506,6 +522,8 @@ class Matchmaker(Service):
         cfg = self.config
         remaining = session.deadline - loop.time()
         request = {"key": session.key, "info": session.info, "remaining_s": max(0.0, remaining)}
+        if session.expects is not None:
+            request["expects"] = list(session.expects)
         try:
             reply = await call(self.transport.streams, leader, self.prefix, "join", request,
                                timeout_s=max(0.0, remaining) + cfg.request_timeout_s,
@@ -537,6 +555,9 @@ class Matchmaker(Service):
         key = require(request.header, "key", str)
         info = require(request.header, "info", dict)
         remaining = float(require(request.header, "remaining_s", (int, float)))
+        expects = request.header.get("expects", [])
+        if not isinstance(expects, list) or len(expects) > _MAX_EXPECTS or not all(isinstance(p, str) for p in expects):
+            raise ProtocolViolation(f"'expects' must be a list of at most {_MAX_EXPECTS} PeerIDs")
         if key == _PROBE_KEY:
             keys = [*self._sessions, *(k for k in reversed(self._sealed_keys) if k not in self._sessions)]
             return {"type": "alive", "keys": keys[:_PROBE_MAX_KEYS]}
@@ -563,6 +584,8 @@ class Matchmaker(Service):
         if previous is None:  # the group grew: give the ones still on their way another idle window
             session.idle_until = max(session.idle_until, now + self.config.matchmaking_timeout_s)
         session.followers[peer] = follower
+        if session.pooled is not None:
+            session.pooled.update(expects)
         session.changed.set()
         watcher = asyncio.ensure_future(_watch_closed(request, follower))
         try:
@@ -585,6 +608,13 @@ def _rival_key(session: _Session, keys: Sequence[str]) -> Optional[str]:
         if key.startswith(session.round_prefix) and key != session.key and not key.startswith(session.key + "."):
             return key
     return None
+
+
+def _awaited(session: _Session, me: str) -> set[str]:
+    """The peers that some member of the group ``session`` leads expects (pooled views) and that have not joined."""
+    if session.pooled is None:
+        return set()
+    return session.pooled - session.followers.keys() - {me}
 
 
 def _deadline(session: _Session) -> float:

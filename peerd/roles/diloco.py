@@ -348,7 +348,7 @@ class DiLoCoRole:
         local = self.part.fragment.flatten(self.model)  # (P,)
         if self._sat_out_diverged(r, local):
             return
-        syncing = sum(1 for p, v in records.items() if p != self.peer_id and v.get("role") == SYNCING)
+        syncing = _syncing(records)
         weight = float(self.samples_since_sync)
         steps = self.steps_since_sync
         outcome = await self.sync.round(local, weight, live, syncing)
@@ -356,7 +356,7 @@ class DiLoCoRole:
             return
         if isinstance(outcome, Refused):
             logger.warning("round %d: %s; adopting the leader's state after its round", r + 1, outcome.reason)
-            await self._wait_for_round(outcome.leader, outcome.outer_round)
+            await self._wait_for_round(outcome.outer_round)
             await self._download_from([outcome.leader])
             return
         if isinstance(outcome, LeftOut) and await self._rejoin(r, outcome):
@@ -392,7 +392,7 @@ class DiLoCoRole:
         round behind, sealed that round without it too; and one with the smallest PeerID averaged alone after an
         idle window, then reached every later boundary that window after the others and missed every later group."""
         carry, steps = self._straggler_carry(), self.steps_since_sync
-        await self._wait_for_round(outcome.leader, outcome.outer_round)
+        await self._wait_for_round(outcome.outer_round)
         if not await self._catch_up(await self._live_peers()):
             return False
         self._round_failed(r, outcome.reason, "adopted the state of the round that went on without us, "
@@ -456,7 +456,7 @@ class DiLoCoRole:
         if self._cycle is None:
             self._cycle = dict(started=time.perf_counter(), sent=0, received=0, seconds=0.0, excluded={}, attempts=1,
                                group=0, weight=0.0, steps=0)
-        syncing = sum(1 for p, v in records.items() if p != self.peer_id and v.get("role") == SYNCING)
+        syncing = _syncing(records)
         samples_at, steps_at = self._synced_at[j]
         weight, steps = float(self._samples_total - samples_at), self._steps_total - steps_at
         outcome = await sync.round(local, weight, live, syncing)
@@ -464,7 +464,7 @@ class DiLoCoRole:
             return
         if isinstance(outcome, Refused):
             logger.warning("round %d of fragment %d: %s; adopting the leader's state", r + 1, j, outcome.reason)
-            await self._wait_for_round(outcome.leader, outcome.outer_round if j == len(self.parts) - 1 else r)
+            await self._wait_for_round(outcome.outer_round if j == len(self.parts) - 1 else r)
             await self._download_from([outcome.leader])
             return
         if isinstance(outcome, RoundFailure):
@@ -550,13 +550,13 @@ class DiLoCoRole:
         live = _workers(records)
         if await self._catch_up(live, self.sync.catch_up_margin or 1):
             return
-        syncing = sum(1 for p, v in records.items() if p != self.peer_id and v.get("role") == SYNCING)
+        syncing = _syncing(records)
         # the last group's members without any status record now: on a loaded machine a record can lapse between two
         # publications, and a leader that did not count such a peer sealed the group without it. Waiting for one
         # that died costs an idle window of the background matchmaking, not compute
-        lapsed = len(self.sync.last_members - records.keys() - {self.peer_id})
+        lapsed = self.sync.last_members - records.keys() - {self.peer_id}
         self._in_flight = asyncio.ensure_future(
-            self._background_exchange(delta, weight, steps, live, syncing + lapsed))
+            self._background_exchange(delta, weight, steps, live, syncing | lapsed))
         self.steps_since_sync, self.samples_since_sync = 0, 0  # theta_local goes on: no restart
         self.round_quota = self.schedule.stride
         self._save_checkpoint()
@@ -570,7 +570,8 @@ class DiLoCoRole:
         await self._land_in_flight()
         return self._finished()
 
-    async def _background_exchange(self, delta: torch.Tensor, weight: float, steps: int, live: dict, syncing: int):
+    async def _background_exchange(self, delta: torch.Tensor, weight: float, steps: int, live: dict,
+                                   syncing: frozenset[str]):
         """All-reduce ``delta`` (P,) for the round after theta_outer; ``(outcome, delta, weight, steps, started)``.
         Peers still at the previous round (not at their boundary yet) are expected too."""
         started = time.perf_counter()
@@ -587,7 +588,7 @@ class DiLoCoRole:
         r = self.outer.outer_round
         if isinstance(outcome, Refused):
             logger.warning("round %d: %s; adopting the leader's state after its round", r + 1, outcome.reason)
-            await self._wait_for_round(outcome.leader, outcome.outer_round)
+            await self._wait_for_round(outcome.outer_round)
             await self._download_from([outcome.leader])
             return "adopted"
         if not isinstance(outcome, tuple):  # a failure, or abandoned by a pause or stop
@@ -676,15 +677,17 @@ class DiLoCoRole:
                 self.steps_since_sync = min(max(max(in_round, default=0), self.steps_since_sync), self.round_quota - 1)
         return adopted
 
-    async def _wait_for_round(self, peer: str, outer_round: int) -> None:
-        """Wait (bounded by the round's timeouts) until ``peer``'s status shows ``outer_round``: the leader that
-        refused us is finishing that round right now, and its state after the round is the one worth adopting."""
+    async def _wait_for_round(self, outer_round: int) -> None:
+        """Wait (bounded by the round's timeouts) until a live worker's status shows ``outer_round``: the group of
+        the leader that refused us (or sealed without us) is finishing that round right now, and its state after the
+        round is the one worth adopting. The leader's record missing from our view does not end the wait: on a loaded
+        DHT records go missing for seconds, and a peer that stopped waiting then found nobody ahead, failed its round
+        and trained the next one on the stale state (a third of 64 workers on one machine, in each of two rounds)."""
         loop = asyncio.get_running_loop()
         averaging = self.run_cfg.averaging
         deadline = loop.time() + averaging.matchmaking().max_wait + averaging.allreduce().reducer_timeout_s
         while loop.time() < deadline and not self.ctx.stop.is_set():
-            status = (await self._live_peers()).get(peer)
-            if status is None or status["outer_round"] >= outer_round:
+            if any(s["outer_round"] >= outer_round for p, s in (await self._live_peers()).items() if p != self.peer_id):
                 return
             await asyncio.sleep(min(1.0, self.ctx.node.status_interval_s))
 
@@ -896,6 +899,11 @@ class DiLoCoRole:
         self.stats.tokens = int(meta.get("tokens", 0))
         self.ctx.events.publish(CheckpointResumed(self.outer.outer_round, self._digest(), str(path),
                                                   self.steps_since_sync))
+
+
+def _syncing(records: dict[str, dict]) -> frozenset[str]:
+    """The peers whose status records say they are downloading the state (to join the round)."""
+    return frozenset(peer for peer, value in records.items() if value.get("role") == SYNCING)
 
 
 def _workers(records: dict[str, dict]) -> dict[str, dict]:

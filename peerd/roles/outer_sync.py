@@ -9,8 +9,9 @@ One class per averaging method, behind :class:`OuterSync`; :data:`OUTER_SYNCS` m
   round's grid group.
 - :class:`GossipSync`: apply our own outer step, then average the outer state with random partners.
 
-Contract: :meth:`OuterSync.round` takes theta_local of the fragment ((P,) fp32) and its weight (samples since the
-last successful round); it returns a :class:`RoundResult` after updating ``state.outer``, a :class:`RoundFailure`
+Contract: :meth:`OuterSync.round` takes theta_local of the fragment ((P,) fp32), its weight (samples since the
+last successful round), the live workers' status records and the PeerIDs of peers without such a record that the round
+should wait for (downloading the state to join it, or the last group's members whose records lapsed); it returns a :class:`RoundResult` after updating ``state.outer``, a :class:`RoundFailure`
 with ``state.outer`` untouched, :class:`Refused` (the leader's theta_outer differs: adopt its state), or None when
 a stop or a pause abandoned the round.
 """
@@ -165,7 +166,8 @@ class OuterSync:
         cls = SparseAllGather if config.exchange == "gather" else ButterflyAllReduce
         return cls(self.ctx.transport, self.state.fragment.scope, config, bans=self.ctx.bans)
 
-    async def round(self, local: torch.Tensor, weight: float, live: dict[str, dict], syncing: int) -> RoundOutcome:
+    async def round(self, local: torch.Tensor, weight: float, live: dict[str, dict],
+                    syncing: frozenset[str]) -> RoundOutcome:
         raise NotImplementedError
 
 
@@ -173,7 +175,9 @@ class AllReduceSync(OuterSync):
     """Average pseudo-gradients with everyone present; apply the shared outer step (bit-identical theta_outer).
 
     The group is sealed early once it has every live peer at our round plus the ``syncing`` peers (downloading the
-    state to join this round); otherwise matchmaking waits out its timeout. If the all-reduce fails (a member died
+    state to join this round), in the pooled views of all its members (each sends the PeerIDs it expects:
+    ``expected_peers`` of :meth:`protocols.matchmaking.Matchmaker.form_group`); otherwise matchmaking waits out its
+    idle window. One leader's view alone missed a third of 64 workers on a loaded machine and sealed without them. If the all-reduce fails (a member died
     mid-round), the survivors retry once right away among themselves, under a fresh group key. A round that failed
     is tried again (at the next boundary) under a fresh key too, agreed through the status records
     (:func:`group_key`, :func:`agreed_retry`). A peer that reaches the rendezvous after its group sealed (the leader's
@@ -214,8 +218,9 @@ class AllReduceSync(OuterSync):
         return RoundResult(result.group_size, result.bytes_sent, result.bytes_received, round(result.seconds, 3),
                            result.excluded, attempt)
 
-    async def exchange(self, pseudo_gradient: torch.Tensor, weight: float, live: dict[str, dict], syncing: int,
-                       also_expect: tuple[int, ...] = ()) -> Union[tuple[AllReduceResult, int], RoundOutcome]:
+    async def exchange(self, pseudo_gradient: torch.Tensor, weight: float, live: dict[str, dict],
+                       syncing: frozenset[str], also_expect: tuple[int, ...] = ()
+                       ) -> Union[tuple[AllReduceResult, int], RoundOutcome]:
         """All-reduce ``pseudo_gradient`` ((P,) fp32) for the round after ``state.outer`` without applying it:
         ``(result, attempts)``, or the :data:`RoundOutcome` that ended it (failure, refusal, None on stop).
         ``also_expect``: other outer rounds whose live peers will join this one (the delayed overlap counts the
@@ -224,28 +229,32 @@ class AllReduceSync(OuterSync):
         r = outer.outer_round
         me = self.ctx.peer_id
         rounds = (r, *also_expect)
-        expected = 1 + syncing + sum(1 for p, s in live.items() if p != me and s.get("outer_round") in rounds)
+        coming = frozenset(syncing) | {p for p, s in live.items() if s.get("outer_round") in rounds}
+        coming -= {me}
         if self.feedback is not None:
             compensated = pseudo_gradient = self.feedback.compensate(pseudo_gradient)
         own = self._failed[1] if self._failed[0] == r else 0
         retry = agreed_retry(r, own, self.state.fragment.name, {p: s for p, s in live.items() if p != me})
-        outcome = await self._tries(r, retry, pseudo_gradient, weight, expected)
-        if isinstance(outcome, RoundFailure):
+        outcome = await self._tries(r, retry, pseudo_gradient, weight, coming)
+        if isinstance(outcome, RoundFailure) and not isinstance(outcome, LeftOut):
+            # left out, the round went on: its result is ours to adopt, and a fresh key would only gather the
+            # other latecomers into a rival group that forks theta_outer
             self._failed = (r, retry + 1)
         if isinstance(outcome, tuple) and self.feedback is not None:
             self.feedback.record(compensated, outcome[0].sent)
         return outcome
 
     async def _tries(self, r: int, retry: int, pseudo_gradient: torch.Tensor, weight: float,
-                     expected: int) -> Union[tuple[AllReduceResult, int], RoundOutcome]:
+                     coming: frozenset[str]) -> Union[tuple[AllReduceResult, int], RoundOutcome]:
         outer = self.state.outer
         result = None
+        expected, expected_peers = 1 + len(coming), coming
         for attempt in range(1, MAX_ROUND_ATTEMPTS + 1):
             key = group_key(r, retry, attempt)
             try:
                 group = await unless_stopped(
                     self.ctx, self.matchmaker.form_group(key, {"digest": outer.digest(), **self.allreduce.announce()},
-                                                   expected_size=expected))
+                                                         expected_size=expected, expected_peers=expected_peers))
                 if group is None:
                     return None
                 result = await bounded_on_stop(self.ctx, self.allreduce.run(group, pseudo_gradient, weight))
@@ -259,7 +268,7 @@ class AllReduceSync(OuterSync):
             except AllReduceFailed as e:
                 if attempt < MAX_ROUND_ATTEMPTS and not self.ctx.stop.is_set():
                     logger.warning("round %d all-reduce failed (%s); retrying among the survivors", r + 1, e)
-                    expected = max(1, len(group.members) - 1)
+                    expected, expected_peers = max(1, len(group.members) - 1), None  # who died is not known
                     continue
                 return RoundFailure(str(e))
             except (MatchmakingFailed, asyncio.TimeoutError) as e:

@@ -312,7 +312,7 @@ class SwarmRole:
             weight = float(service.samples - self._samples_at_round)
             samples = service.samples
             # mates behind adopt our state first and then join this round: wait for them too
-            behind = sum(1 for a in mates.values() if a.outer_round < state.outer.outer_round)
+            behind = frozenset(p for p, a in mates.items() if a.outer_round < state.outer.outer_round)
             outcome = await self.outer_sync.round(local, weight, live, behind)
             if isinstance(outcome, RoundResult):
                 # steps taken while the round ran are kept on top of the new theta_outer (zero if none: then the

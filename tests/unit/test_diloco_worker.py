@@ -200,7 +200,7 @@ def test_the_allreduce_round_announces_the_measured_rates_in_its_group_info(tmp_
 
         worker.sync.matchmaker.form_group = capture
         worker.sync.allreduce.rates = {"up": 1.25e7, "down": 2.5e7}  # as measured after a few long runs
-        outcome = await worker.sync.exchange(torch.zeros(worker.sync.state.outer.numel), 1.0, {}, 0)
+        outcome = await worker.sync.exchange(torch.zeros(worker.sync.state.outer.numel), 1.0, {}, frozenset())
         assert not isinstance(outcome, tuple)  # the round failed (no group), as arranged
         assert infos == [{"digest": worker.sync.state.outer.digest(), "rates": {"up": 1.25e7, "down": 2.5e7}}]
 

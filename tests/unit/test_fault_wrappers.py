@@ -78,5 +78,5 @@ def test_the_sync_wrapper_tells_the_schedule_which_round_a_delayed_exchange_is()
 
     faults = Faults()
     wrapped = FaultyOuterSync(Strategy(), faults)
-    assert asyncio.run(wrapped.exchange(None, 1.0, {}, 0, also_expect=(3,))) == ("exchanged", (3,))
+    assert asyncio.run(wrapped.exchange(None, 1.0, {}, frozenset(), also_expect=(3,))) == ("exchanged", (3,))
     assert faults.round == 5

@@ -1,6 +1,7 @@
 """Matchmaking with many peers arriving spread out (in-process, on the simulator's virtual clock)."""
 
 import asyncio
+import random
 from dataclasses import replace
 
 import pytest
@@ -8,7 +9,7 @@ import pytest
 from peerd.testing.sim import run_virtual
 from peerd.transport.inprocess import Hub
 from protocols.matchmaking import Matchmaker, MatchmakingConfig, MatchmakingFailed, SealedWithout
-from protocols.rpc import Refused
+from protocols.rpc import Refused, RpcError, call
 from tests.unit.conftest import start_averaging_peers
 
 WINDOW = MatchmakingConfig(matchmaking_timeout_s=1.0, request_timeout_s=0.5, poll_interval_s=0.05)
@@ -401,3 +402,78 @@ def test_a_late_peer_with_the_smallest_peer_id_is_told_the_key_sealed_instead_of
     assert told_after < 0.5 * WINDOW.matchmaking_timeout_s  # before: a group of one after the whole 1 s window
     assert [m for _, m in nxt] == [("peer00", "peer04")] * 2  # a key nobody sealed: the smallest peer still leads
     assert both == [("moshpit.r2.late1", ("peer00", "peer04"))] * 2
+
+
+def _partial_views(n: int, seen: float, seed: int) -> list[set[str]]:
+    """Each of peers ``peer00``.. ``peer<n-1>``'s view of the others: each other peer in it with probability
+    ``seen`` (status records missing from a loaded DHT's answers)."""
+    rng = random.Random(seed)
+    names = [f"peer{i:02d}" for i in range(n)]
+    return [{p for p in names if p != me and rng.random() < seen} for me in names]
+
+
+async def _form_with_views(peers, delays, views, pooled: bool):
+    async def one(peer, delay, view):
+        await asyncio.sleep(delay)
+        try:
+            group = await peer.matchmaker.form_group("round0", {}, expected_size=1 + len(view),
+                                                     expected_peers=view if pooled else None)
+            return group.members
+        except MatchmakingFailed as e:
+            return str(e)
+
+    return await asyncio.gather(*(one(p, d, v) for p, d, v in zip(peers, delays, views)))
+
+
+@pytest.mark.timeout(60)
+def test_views_pooled_from_every_member_hold_the_group_until_the_peers_any_of_them_expects_arrive():
+    """64 peers whose views of the swarm each lack a third of the others, arriving over 1.9 s (gaps well inside the
+    1 s idle window): with the leader's view alone the group sealed when its count was reached and the rest failed
+    "already sealed" (a DiLoCo round of 64 workers on one machine: groups of 43 and 41); with the views pooled it
+    holds one group of all 64, sealed at the last arrival, not a window later."""
+    n = 64
+    views = _partial_views(n, seen=2 / 3, seed=7)
+    delays = [0.03 * i for i in range(n)]
+
+    async def main(pooled):
+        loop = asyncio.get_running_loop()
+        peers = await start_averaging_peers(Hub(), n, "run", WINDOW)
+        out = await _form_with_views(peers, delays, views, pooled)
+        return out, loop.time()
+
+    alone, _ = run_virtual(main(pooled=False))
+    failed = [o for o in alone if isinstance(o, str)]
+    assert failed and all("already sealed" in o for o in failed), alone  # the fault: the leader's view lacks peers
+    out, took = run_virtual(main(pooled=True))
+    assert all(isinstance(o, tuple) and len(o) == n for o in out), out
+    assert len(set(out)) == 1
+    assert took == pytest.approx(delays[-1], abs=0.3)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("expects", ["peer09", [1, 2], ["p"] * 10_001])
+def test_a_join_request_with_malformed_expects_is_refused_and_the_group_forms_without_it(expects):
+    """A join request whose ``expects`` is not a list of at most 10,000 PeerIDs breaks the protocol: its sender gets an
+    error (and is reported to ``on_bad_request``), the leader's group forms as if it never came."""
+    async def main():
+        hub = Hub()
+        peers = await start_averaging_peers(hub, 3, "run", WINDOW)
+        bad = []
+        peers[0].matchmaker.on_bad_request = lambda peer, method, error: bad.append((peer, method))
+        rogue = hub.transport("peer09")
+
+        async def rogue_join():
+            await asyncio.sleep(0.1)
+            request = {"key": "round0", "info": {}, "remaining_s": 1.0, "expects": expects}
+            with pytest.raises(RpcError):
+                await call(rogue.streams, "peer00", "run", "join", request, timeout_s=2.0)
+            return True
+
+        out, refused = await asyncio.gather(
+            _form_with_views(peers, [0.0, 0.2, 0.3], [{"peer01"}, {"peer00", "peer02"}, {"peer00"}], pooled=True),
+            rogue_join())
+        return out, refused, bad
+
+    out, refused, bad = run_virtual(main())
+    assert refused and bad == [("peer09", "join")]
+    assert out == [("peer00", "peer01", "peer02")] * 3

@@ -1,0 +1,113 @@
+"""DiLoCo all-reduce rounds when the workers' views of the swarm differ (in-process transport): status records
+missing from one worker's view, as on a loaded DHT, no longer seal a round without a peer that others know of, nor
+leave a peer that came late to the round training on a stale state."""
+
+import asyncio
+
+import pytest
+
+from peerd.config import NodeConfig
+from peerd.roles.base import RunContext
+from peerd.roles.diloco import DiLoCoRole
+from peerd.roles.outer_sync import RETRIES_FIELD
+from peerd.run_config import AveragingConfig, RunConfig
+from peerd.transport.inprocess import Hub
+from protocols.diloco import DiLoCoHyperparams
+
+pytestmark = pytest.mark.timeout(90)
+
+NAMES = ("peer-a", "peer-b", "peer-c")  # peer-a has the smallest PeerID: it leads every group
+
+
+def _workers(tmp_path) -> list[DiLoCoRole]:
+    run = RunConfig(
+        model="tiny", seq_len=32, batch_size=4, eval_batches=0,
+        diloco=DiLoCoHyperparams(inner_steps=3, warmup_steps=2, inner_lr=1e-3),
+        averaging=AveragingConfig.from_flat(matchmaking_timeout_s=4.0, request_timeout_s=1.0, sender_timeout_s=3.0,
+                                            reducer_timeout_s=6.0),
+    )
+    hub = Hub()
+    return [DiLoCoRole(RunContext.build("unit", run, NodeConfig(checkpoint_dir=str(tmp_path / name), threads=1,
+                                                                device="cpu"), hub.transport(name)))
+            for name in NAMES]
+
+
+def _hide(worker: DiLoCoRole, *peers: str) -> list[int]:
+    """``worker``'s reads of the status records lack ``peers``' records from now on; returns the count of reads that
+    dropped one (proof the fault fired)."""
+    real, hidden = worker._peer_records, []
+
+    async def records():
+        out = await real()
+        if any(out.pop(p, None) is not None for p in peers):
+            hidden.append(1)
+        return out
+
+    worker._peer_records = records
+    return hidden
+
+
+async def _start(workers):
+    for w in workers:
+        for component in w.components:
+            await component.start()
+        await w._publish_status()
+
+
+async def _round(workers, late, delay_s):
+    """Every worker trains its quota and runs its outer round; ``late`` reaches the boundary ``delay_s`` later."""
+    for w in workers:
+        await w._train_until_quota()
+
+    async def boundary(w):
+        if w is late:
+            await asyncio.sleep(delay_s)
+        await w._outer_round()
+
+    await asyncio.gather(*(boundary(w) for w in workers))
+
+
+def test_the_leader_waits_for_a_peer_its_own_view_lacks_but_a_followers_view_has(tmp_path):
+    """peer-a's view lacks peer-c: alone it expected 2 and sealed when peer-b came, and peer-c, 0.5 s later, was left
+    out. peer-b's view has peer-c and it says so when it joins: the group waits and all three average."""
+    async def main():
+        a, b, c = workers = _workers(tmp_path)
+        await _start(workers)
+        hidden = _hide(a, "peer-c")
+        await _round(workers, late=c, delay_s=0.5)
+        return workers, hidden
+
+    workers, hidden = asyncio.run(main())
+    assert hidden  # the leader's view did lack peer-c
+    assert [w.outer.outer_round for w in workers] == [1, 1, 1]
+    assert len({w.outer.digest() for w in workers}) == 1
+    assert all(w.stats.rounds_ok == 1 and w.stats.rounds_failed == 0 for w in workers)
+
+
+def test_a_peer_left_out_adopts_the_rounds_state_though_its_view_lacks_the_leader(tmp_path):
+    """Neither peer-a's nor peer-b's view has peer-c, which comes 0.3 s late, while their all-reduce runs: the group
+    sealed without it and peer-c is told so. Its own view lacks the leader's record: it used to stop waiting for the leader's round at once, find
+    nobody ahead yet, fail the round and train the next on the stale state. It now waits until a live worker (peer-b)
+    has finished the round, adopts that state, and counts no failed try (no fresh group key for the latecomers)."""
+    async def main():
+        a, b, c = workers = _workers(tmp_path)
+        await _start(workers)
+        hidden = [_hide(a, "peer-c"), _hide(b, "peer-c"), _hide(c, "peer-a")]
+        for w in (a, b):  # an all-reduce that takes a while (64 workers on a loaded machine: ~20 s)
+            real_run = w.sync.allreduce.run
+
+            async def slow_run(group, tensor, weight, real_run=real_run):
+                await asyncio.sleep(1.0)
+                return await real_run(group, tensor, weight)
+
+            w.sync.allreduce.run = slow_run
+        await _round(workers, late=c, delay_s=0.3)
+        return workers, hidden
+
+    (a, b, c), hidden = asyncio.run(main())
+    assert all(hidden)
+    assert a.stats.rounds_ok == b.stats.rounds_ok == 1
+    assert c.stats.rounds_ok == 0 and c.stats.rounds_failed == 1  # left out of round 1 ...
+    assert [w.outer.outer_round for w in (a, b, c)] == [1, 1, 1]  # ... and adopted its state
+    assert c.outer.digest() == a.outer.digest() == b.outer.digest()
+    assert RETRIES_FIELD not in c._status_fields()
