@@ -105,14 +105,14 @@ async def network_checks(node: NodeConfig, run_id: str, identity_dir: Optional[s
         note = ""
         try:
             try:
-                transport = await open_transport(probe)
+                transport = await open_transport(probe, bootstrap_retry_s=())  # a check answers now
             except ConnectionError:
                 fixed = [m for m in node.host_maddrs if _port(m) not in (None, 0)]
                 if not fixed:
                     raise
                 # the configured port may be held by this machine's running daemon: check the rest on any port
                 probe = dataclasses.replace(probe, host_maddrs=tuple(_with_port(m, 0) for m in node.host_maddrs))
-                transport = await open_transport(probe)
+                transport = await open_transport(probe, bootstrap_retry_s=())  # a check answers now
                 note = f" (checked on another port: {fixed[0]} could not be used, a running daemon may hold it)"
         except Exception as e:  # noqa: BLE001 - every failure is a FAIL line
             detail = str(e).splitlines()[0][:300] if str(e) else type(e).__name__

@@ -20,6 +20,13 @@ the rest were still on their way, failing their round. While members keep arrivi
 still costs one timeout. A peer that nevertheless arrives after the seal can ask (``on_late="next"``) to form the
 next group of late peers under a successor key instead of failing its round.
 
+The expected size comes from the peer's own view of the swarm (DiLoCo: the live workers' status records), and a
+view read from a loaded DHT lacks records: a leader counting 42 of 64 workers sealed at the 43rd arrival and left the
+rest out of the round. So views are pooled (``expected_peers``): every member sends the PeerIDs it expects with its
+join request (``expects``), and the leader seals early only once every peer that any member expects has joined; a
+peer that all views lack is the only one still missed. A peer that some view wrongly holds (it died moments ago)
+costs one idle window, as in a view of one.
+
 When the members are known in advance (``expected_members``: Moshpit's sharded rendezvous, where every peer computes
 its 2-M groupmates from the grid) the idle window is the wrong rule: a group of three sees gaps between its members'
 arrivals as long as their previous rounds' spread, and sealed short after one quiet window (a third to a half of
@@ -192,7 +199,8 @@ class Matchmaker(Service):
     """Forms averaging groups among peers that share a discovery prefix.
 
     An RPC service (:mod:`protocols.rpc`) named ``prefix`` with one method, ``join`` (stream handler
-    ``<prefix>.join``): the request is ``{key, info, remaining_s}``; the leader answers when the group is sealed
+    ``<prefix>.join``): the request is ``{key, info, remaining_s}`` and optionally ``expects`` (the PeerIDs the
+    joining peer expects in the group, at most 10,000); the leader answers when the group is sealed
     (``{"type": "group", group_id, members, infos}``) or it defers (``{"type": "redirect", leader}``), or refuses
     with code ``refused`` (admission), ``late`` (already sealed) or ``gone`` (not matchmaking for that key). A
     request for the probe key ``probe.alive`` is answered ``{"type": "alive", "keys": [...]}``: the keys this peer is

@@ -36,9 +36,12 @@ outlive the failure, and a peer reaching the old key before its former leader ca
 sealed" (or handed the failed group) and failed once more. A group is never sealed early below ``min_group_size``
 (:class:`protocols.matchmaking.Matchmaker`), and the delayed overlap also expects the last group's members whose
 status records lapsed: a leader that missed one record sealed every member's round into failure.
-A peer that reaches the rendezvous after its group sealed without it (the leaders' view lacked its record) is told
-so by the sealer (:class:`peerd.roles.outer_sync.LeftOut`) and, without the overlap, waits for that round and adopts
-its state at once (its steps carried with ``straggler = "carry"``), so it trains the next round with the others. It
+The members' views of the live peers are pooled in matchmaking (each sends the PeerIDs it expects), so a group
+seals early only once it has every peer any member knows of. A peer that still reaches the rendezvous after its group
+sealed without it (no member's view had its record) is told so by the sealer
+(:class:`peerd.roles.outer_sync.LeftOut`) and, without the overlap, waits until some live worker has finished that
+round and adopts its state (its steps carried with ``straggler = "carry"``), so it trains the next round with the
+others; being left out counts no failed try (a fresh group key would gather the latecomers into a rival group). It
 used to train a further round on the stale state (missing that round too), or, with the smallest PeerID, average
 alone after a matchmaking window, forking theta_outer and staying that window behind in every later round.
 
@@ -670,7 +673,9 @@ class DiLoCoRole:
         adopted = await self._download_from([p for _, p in ahead])
         if adopted:
             # join the round in progress: do only what the others still have to do
-            in_round = [s.get("inner_step") or 0 for s in live.values() if s["outer_round"] == self.outer.outer_round]
+            now, tokens_per_step = time.time(), self.run_cfg.batch_size * self.run_cfg.seq_len
+            in_round = [steps_done_now(s, now, tokens_per_step, self.hp.inner_steps)
+                        for s in live.values() if s["outer_round"] == self.outer.outer_round]
             if len(self.parts) == 1:
                 self.round_quota = max(1, self.hp.inner_steps - max(in_round, default=0))
             else:  # into the cycle, before the next fragment boundary the adopted state has not synced
@@ -899,6 +904,19 @@ class DiLoCoRole:
         self.stats.tokens = int(meta.get("tokens", 0))
         self.ctx.events.publish(CheckpointResumed(self.outer.outer_round, self._digest(), str(path),
                                                   self.steps_since_sync))
+
+
+def steps_done_now(record: dict, now: float, tokens_per_step: int, inner_steps: int) -> int:
+    """A live worker's inner steps in its current round at wall-clock time ``now`` (seconds since the epoch): its
+    status record's ``inner_step`` plus the steps its ``tokens_per_s`` gives for the record's age (``now`` - its
+    ``time``), at most ``inner_steps``. A record read from a loaded DHT can be a minute old: a joiner that trusted its
+    ``inner_step`` (3 of 20 where the others were at 18) trained 17 steps while they sealed the next round without it,
+    and fell a round behind again."""
+    steps = record.get("inner_step") or 0
+    rate, published = record.get("tokens_per_s"), record.get("time")
+    if isinstance(rate, (int, float)) and rate > 0 and isinstance(published, (int, float)) and tokens_per_step > 0:
+        steps += int(max(0.0, now - published) * rate / tokens_per_step)
+    return min(steps, inner_steps)
 
 
 def _syncing(records: dict[str, dict]) -> frozenset[str]:

@@ -10,6 +10,7 @@ with no identity, for ``peerd status``.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 from pathlib import Path
@@ -18,10 +19,14 @@ from typing import Optional
 from peerd.config import NodeConfig
 from peerd.identity import IdentityHold, hold_identity, load_or_create_identity
 from peerd.signing import Signer
-from peerd.transport.hivemind_backend import HivemindTransport
+from peerd.transport.hivemind_backend import BootstrapUnreachable, HivemindTransport
 from peerd.transport.records import OwnerRecordValidator, SignedDiscovery
 
 logger = logging.getLogger(__name__)
+
+#: Seconds to wait before each further attempt to start the DHT node when no initial peer answered: a bootstrap node
+#: restarting, or answering too late on a loaded machine (one of 64 workers started together failed its only try).
+BOOTSTRAP_RETRY_S = (5.0, 15.0)
 
 #: Where every daemon kept its identity before it moved into the checkpoint dir.
 LEGACY_IDENTITY = "~/.peerd/identity.key"
@@ -40,15 +45,17 @@ def transport_class(node: NodeConfig, quiet: bool = False) -> type[HivemindTrans
 
 
 async def open_transport(node: NodeConfig, role: str = "worker", client_mode: bool = False,
-                         hold: Optional[IdentityHold] = None) -> HivemindTransport:
+                         hold: Optional[IdentityHold] = None,
+                         bootstrap_retry_s: tuple[float, ...] = BOOTSTRAP_RETRY_S) -> HivemindTransport:
     """The DHT node and streams of this peer (``role``: "worker" or "bootstrap", which picks the default identity
     file, :meth:`NodeConfig.identity_path_for`). Its DHT node refuses forged owner records (OwnerRecordValidator),
     and its discovery signs what this peer stores and returns only validly signed records (SignedDiscovery).
 
     The identity file stays locked until ``transport.shutdown()`` (``hold``: a lock the caller already took with
     :func:`peerd.identity.hold_identity`, e.g. before anything else starts; it is released on failure and on
-    shutdown). Raises IdentityInUse if another daemon holds it, IdentityError if it is unusable, ConnectionError if
-    the DHT node cannot start."""
+    shutdown). When no initial peer answers, it tries again after each of ``bootstrap_retry_s`` (seconds), warning
+    each time. Raises IdentityInUse if another daemon holds it, IdentityError if it is unusable, ConnectionError if
+    the DHT node cannot start (:class:`BootstrapUnreachable` if no initial peer answered any attempt)."""
     path = node.identity_path_for(role)
     identity = str(path)
     hold = hold if hold is not None else hold_identity(path)
@@ -60,17 +67,27 @@ async def open_transport(node: NodeConfig, role: str = "worker", client_mode: bo
         if node.identity is None and role == "worker" and legacy.exists() and legacy != path:
             logger.warning("%s, the identity of earlier peerd versions, is no longer the default; pass --identity %s "
                            "to keep its PeerID", LEGACY_IDENTITY, LEGACY_IDENTITY)
-        transport = await transport_class(node, quiet=client_mode).create(
-            initial_peers=node.initial_peers,
-            host_maddrs=node.host_maddrs,
-            announce_maddrs=node.announce_maddrs,
-            identity_path=identity,
-            nat_port_map=node.nat_port_map,
-            client_mode=client_mode,
-            record_validators=[OwnerRecordValidator()],
-            relay=node.relay,
-            dht=node.dht,
-        )
+        cls = transport_class(node, quiet=client_mode)
+        for attempt, wait_s in enumerate((*bootstrap_retry_s, None), start=1):
+            try:
+                transport = await cls.create(
+                    initial_peers=node.initial_peers,
+                    host_maddrs=node.host_maddrs,
+                    announce_maddrs=node.announce_maddrs,
+                    identity_path=identity,
+                    nat_port_map=node.nat_port_map,
+                    client_mode=client_mode,
+                    record_validators=[OwnerRecordValidator()],
+                    relay=node.relay,
+                    dht=node.dht,
+                )
+                break
+            except BootstrapUnreachable as e:
+                if wait_s is None:
+                    raise
+                logger.warning("%s; trying again in %g s (attempt %d of %d)", e, wait_s, attempt + 1,
+                               len(bootstrap_retry_s) + 1)
+                await asyncio.sleep(wait_s)
     except BaseException:
         hold.release()
         raise

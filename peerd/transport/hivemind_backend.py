@@ -175,13 +175,21 @@ def relay_options(relay: str, client_mode: bool = False, relays: Sequence[str] =
     return options
 
 
+class BootstrapUnreachable(ConnectionError):
+    """The DHT node could not start because none of its initial peers answered (they may be down, or only slow)."""
+
+
 def dht_start_error(error: BaseException, initial_peers: Sequence[str]) -> ConnectionError:
     """The error a DHT node that could not start raises: ``error``, plus what to check where the cause is that no
-    initial peer answered (p2pd says "failed to connect to bootstrap peers", the light node times out)."""
+    initial peer answered (p2pd says "failed to connect to bootstrap peers", hivemind's DHT node "none of the
+    initial_peers responded to a ping", the light node times out): then a :class:`BootstrapUnreachable`."""
     message = f"could not start the DHT node: {error}"
-    if initial_peers and ("bootstrap peers" in str(error) or isinstance(error, TimeoutError)):
+    text = str(error)
+    if initial_peers and ("bootstrap peers" in text or "initial_peers responded" in text
+                          or isinstance(error, TimeoutError)):
         message += (f"; none of the {len(initial_peers)} initial peer(s) answered: check that the node at "
                     f"{initial_peers[0]} is running and that the address and PeerID are its current ones")
+        return BootstrapUnreachable(message)
     return ConnectionError(message)
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from peerd.config import NodeConfig
 from peerd.roles.base import RunContext
-from peerd.roles.diloco import DiLoCoRole
+from peerd.roles.diloco import DiLoCoRole, steps_done_now
 from peerd.roles.outer_sync import RETRIES_FIELD
 from peerd.run_config import AveragingConfig, RunConfig
 from peerd.transport.inprocess import Hub
@@ -111,3 +111,15 @@ def test_a_peer_left_out_adopts_the_rounds_state_though_its_view_lacks_the_leade
     assert [w.outer.outer_round for w in (a, b, c)] == [1, 1, 1]  # ... and adopted its state
     assert c.outer.digest() == a.outer.digest() == b.outer.digest()
     assert RETRIES_FIELD not in c._status_fields()
+
+
+def test_a_joiner_counts_the_steps_a_peer_took_since_its_status_record_was_published():
+    """A record published 60 s ago at step 3, at 128 tokens/s with 256 tokens a step: the peer is at step 33 now,
+    capped at the round's 20 (the joiner then trains 1 step, not 17); no rate or a record from the future: as
+    published."""
+    record = {"inner_step": 3, "tokens_per_s": 128.0, "time": 1000.0}
+    assert steps_done_now(record, 1010.0, 256, 20) == 8
+    assert steps_done_now(record, 1060.0, 256, 20) == 20
+    assert steps_done_now({**record, "tokens_per_s": None}, 1060.0, 256, 20) == 3
+    assert steps_done_now(record, 990.0, 256, 20) == 3
+    assert steps_done_now({"inner_step": None, "tokens_per_s": 0.0, "time": 1000.0}, 1060.0, 256, 20) == 0
