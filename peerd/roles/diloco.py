@@ -343,7 +343,7 @@ class DiLoCoRole:
         margin = self.sync.catch_up_margin
         if margin is not None:
             carry = self._straggler_carry()
-            if await self._catch_up(live, margin):
+            if await self._catch_up(live, margin, heal_fork=True):
                 self._apply_straggler_carry(carry)
                 return
         started = time.perf_counter()
@@ -660,27 +660,49 @@ class DiLoCoRole:
         """Status records of live, training workers of this run (role ``diloco``; PeerID -> record)."""
         return _workers(await self._peer_records())
 
-    async def _catch_up(self, live: dict[str, dict], margin: int = 1) -> bool:
-        """Download the state of the most advanced live peer if it is ``margin`` or more rounds ahead of us.
-        True if we adopted a state."""
+    async def _catch_up(self, live: dict[str, dict], margin: int = 1, heal_fork: bool = False) -> bool:
+        """Download the state of the most advanced live peer if it is ``margin`` or more rounds ahead of us; with
+        ``heal_fork``, else that of the live workers at our round whose theta_outer differs from ours and is held by
+        more workers than ours (:meth:`_fork_majority`). True if we adopted a state."""
         mine = self.outer.outer_round
         ahead = sorted(
             ((s["outer_round"], p) for p, s in live.items() if p != self.peer_id and s["outer_round"] >= mine + margin),
             reverse=True,
         )
-        if not ahead:
+        sources = [p for _, p in ahead] or (self._fork_majority(live) if heal_fork else [])
+        if not sources:
             return False
-        adopted = await self._download_from([p for _, p in ahead])
+        adopted = await self._download_from(sources)
         if adopted:
             # join the round in progress: do only what the others still have to do
             now, tokens_per_step = time.time(), self.run_cfg.batch_size * self.run_cfg.seq_len
-            in_round = [steps_done_now(s, now, tokens_per_step, self.hp.inner_steps)
+            in_round = [steps_done_now(s, now, tokens_per_step, self.hp.inner_steps, self.ctx.node.status_interval_s)
                         for s in live.values() if s["outer_round"] == self.outer.outer_round]
             if len(self.parts) == 1:
                 self.round_quota = max(1, self.hp.inner_steps - max(in_round, default=0))
             else:  # into the cycle, before the next fragment boundary the adopted state has not synced
                 self.steps_since_sync = min(max(max(in_round, default=0), self.steps_since_sync), self.round_quota - 1)
         return adopted
+
+    def _fork_majority(self, live: dict[str, dict]) -> list[str]:
+        """The live workers at our outer round that hold the theta_outer (status ``digest``) most workers at that
+        round hold, ours counted, when it is not ours (ties: the larger digest, so that every worker picks the same);
+        [] otherwise, and for methods whose members need not share theta_outer.
+
+        Two groups of one round sealed apart (a latecomer's DHT reads missed the first group's records: 61 workers in
+        one group, 2 in another) fork theta_outer under the same round numbers; their members never meet in one
+        group again (the two reach each boundary at different times), so the fork lasted to the end of the run."""
+        if not self.sync.same_theta or len(self.parts) > 1:
+            return []
+        own = self._digest()[:16]
+        holders: dict[str, list[str]] = {}
+        for peer, status in live.items():
+            if peer != self.peer_id and status["outer_round"] == self.outer.outer_round and status.get("digest"):
+                holders.setdefault(status["digest"], []).append(peer)
+        counts = {digest: len(peers) for digest, peers in holders.items()}
+        counts[own] = counts.get(own, 0) + 1
+        best = max(counts, key=lambda digest: (counts[digest], digest))
+        return [] if best == own else holders[best]
 
     async def _wait_for_round(self, outer_round: int) -> None:
         """Wait (bounded by the round's timeouts) until a live worker's status shows ``outer_round``: the group of
@@ -906,16 +928,17 @@ class DiLoCoRole:
                                                   self.steps_since_sync))
 
 
-def steps_done_now(record: dict, now: float, tokens_per_step: int, inner_steps: int) -> int:
+def steps_done_now(record: dict, now: float, tokens_per_step: int, inner_steps: int, fresh_s: float = 0.0) -> int:
     """A live worker's inner steps in its current round at wall-clock time ``now`` (seconds since the epoch): its
     status record's ``inner_step`` plus the steps its ``tokens_per_s`` gives for the record's age (``now`` - its
-    ``time``), at most ``inner_steps``. A record read from a loaded DHT can be a minute old: a joiner that trusted its
-    ``inner_step`` (3 of 20 where the others were at 18) trained 17 steps while they sealed the next round without it,
-    and fell a round behind again."""
+    ``time``) beyond ``fresh_s`` (the publication interval: a record younger than that is as fresh as records get,
+    and its worker may have spent the time evaluating or matchmaking), at most ``inner_steps``. A record read from a
+    loaded DHT can be a minute old: a joiner that trusted its ``inner_step`` (3 of 20 where the others were at 18)
+    trained 17 steps while they sealed the next round without it, and fell a round behind again."""
     steps = record.get("inner_step") or 0
     rate, published = record.get("tokens_per_s"), record.get("time")
     if isinstance(rate, (int, float)) and rate > 0 and isinstance(published, (int, float)) and tokens_per_step > 0:
-        steps += int(max(0.0, now - published) * rate / tokens_per_step)
+        steps += int(max(0.0, now - published - fresh_s) * rate / tokens_per_step)
     return min(steps, inner_steps)
 
 

@@ -115,11 +115,38 @@ def test_a_peer_left_out_adopts_the_rounds_state_though_its_view_lacks_the_leade
 
 def test_a_joiner_counts_the_steps_a_peer_took_since_its_status_record_was_published():
     """A record published 60 s ago at step 3, at 128 tokens/s with 256 tokens a step: the peer is at step 33 now,
-    capped at the round's 20 (the joiner then trains 1 step, not 17); no rate or a record from the future: as
-    published."""
+    capped at the round's 20 (the joiner then trains 1 step, not 17); the first ``fresh_s`` of its age (the
+    publication interval) count no steps; no rate or a record from the future: as published."""
     record = {"inner_step": 3, "tokens_per_s": 128.0, "time": 1000.0}
     assert steps_done_now(record, 1010.0, 256, 20) == 8
+    assert steps_done_now(record, 1010.0, 256, 20, fresh_s=5.0) == 5
+    assert steps_done_now(record, 1004.0, 256, 20, fresh_s=5.0) == 3
     assert steps_done_now(record, 1060.0, 256, 20) == 20
     assert steps_done_now({**record, "tokens_per_s": None}, 1060.0, 256, 20) == 3
     assert steps_done_now(record, 990.0, 256, 20) == 3
     assert steps_done_now({"inner_step": None, "tokens_per_s": 0.0, "time": 1000.0}, 1060.0, 256, 20) == 0
+
+
+def test_a_worker_whose_theta_outer_only_a_minority_holds_adopts_the_majority_s_at_the_same_round(tmp_path):
+    """After one round of all three, peer-c's theta_outer is made to differ (a group of one round that sealed apart
+    from the others', a fork under the same round number). At its next boundary peer-c sees 2 workers at its round
+    with another digest against its 1 and downloads their state; peer-a, holding the majority's, downloads nothing."""
+    from protocols.diloco import OuterState
+
+    async def main():
+        a, b, c = workers = _workers(tmp_path)
+        await _start(workers)
+        await _round(workers, late=None, delay_s=0)
+        majority = a.outer.digest()
+        c.outer = OuterState(c.outer.theta + 1e-3, c.outer.momentum.clone(), c.outer.outer_round)
+        await c._publish_status()
+        forked = c.outer.digest()
+        live = await a._live_peers()
+        assert not await a._catch_up(live, 1, heal_fork=True)  # the majority keeps its state
+        assert await c._catch_up(await c._live_peers(), 1, heal_fork=True)
+        return workers, majority, forked
+
+    (a, b, c), majority, forked = asyncio.run(main())
+    assert forked != majority
+    assert a.outer.digest() == b.outer.digest() == c.outer.digest() == majority
+    assert [w.outer.outer_round for w in (a, b, c)] == [1, 1, 1]
