@@ -184,7 +184,7 @@ class _Session:
     idle_until: float  # loop time at which a group this peer leads seals for lack of new members
     expected_size: Optional[int]
     expected_members: Optional[frozenset] = None  # when known: seal once all joined, else at max_wait (no idle seal)
-    expects: Optional[tuple[str, ...]] = None  # the peers this one believes are coming (its own view), sent when joining
+    expects: Optional[tuple[str, ...]] = None  # the peers we believe are coming (our view), sent when joining
     pooled: Optional[set[str]] = None  # as leader: the peers any member expects (our view and the followers' joined)
     round_prefix: Optional[str] = None  # keys of the same round's other groups start with it
     probe_failures: dict[str, int] = field(default_factory=dict)  # missing expected member -> failed probes in a row

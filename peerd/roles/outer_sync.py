@@ -10,10 +10,11 @@ One class per averaging method, behind :class:`OuterSync`; :data:`OUTER_SYNCS` m
 - :class:`GossipSync`: apply our own outer step, then average the outer state with random partners.
 
 Contract: :meth:`OuterSync.round` takes theta_local of the fragment ((P,) fp32), its weight (samples since the
-last successful round), the live workers' status records and the PeerIDs of peers without such a record that the round
-should wait for (downloading the state to join it, or the last group's members whose records lapsed); it returns a :class:`RoundResult` after updating ``state.outer``, a :class:`RoundFailure`
-with ``state.outer`` untouched, :class:`Refused` (the leader's theta_outer differs: adopt its state), or None when
-a stop or a pause abandoned the round.
+last successful round), the live workers' status records and the PeerIDs of peers without such a record that the
+round should wait for (downloading the state to join it, or the last group's members whose records lapsed); it
+returns a :class:`RoundResult` after updating ``state.outer``, a :class:`RoundFailure` with ``state.outer``
+untouched, :class:`Refused` (the leader's theta_outer differs: adopt its state), or None when a stop or a pause
+abandoned the round.
 """
 
 from __future__ import annotations
@@ -177,11 +178,12 @@ class AllReduceSync(OuterSync):
     The group is sealed early once it has every live peer at our round plus the ``syncing`` peers (downloading the
     state to join this round), in the pooled views of all its members (each sends the PeerIDs it expects:
     ``expected_peers`` of :meth:`protocols.matchmaking.Matchmaker.form_group`); otherwise matchmaking waits out its
-    idle window. One leader's view alone missed a third of 64 workers on a loaded machine and sealed without them. If the all-reduce fails (a member died
-    mid-round), the survivors retry once right away among themselves, under a fresh group key. A round that failed
-    is tried again (at the next boundary) under a fresh key too, agreed through the status records
-    (:func:`group_key`, :func:`agreed_retry`). A peer that reaches the rendezvous after its group sealed (the leader's
-    view lacked its status record) gets :class:`LeftOut`, naming the leader whose state to catch up with.
+    idle window. One leader's view alone missed a third of 64 workers on a loaded machine and sealed without them.
+    If the all-reduce fails (a member died mid-round), the survivors retry once right away among themselves, under
+    a fresh group key. A round that failed is tried again (at the next boundary) under a fresh key too, agreed
+    through the status records (:func:`group_key`, :func:`agreed_retry`). A peer that reaches the rendezvous after
+    its group sealed (no member's view had its status record) gets :class:`LeftOut`, naming the leader whose state
+    to catch up with; that is no failed try of the round.
 
     With a sparse codec (``compression = "topk"``, SparseLoCo) the pseudo-gradient is sent through this peer's
     :class:`protocols.codecs.ErrorFeedback`: what the codec did not deliver in a completed round is added to the next

@@ -86,9 +86,10 @@ def test_the_leader_waits_for_a_peer_its_own_view_lacks_but_a_followers_view_has
 
 def test_a_peer_left_out_adopts_the_rounds_state_though_its_view_lacks_the_leader(tmp_path):
     """Neither peer-a's nor peer-b's view has peer-c, which comes 0.3 s late, while their all-reduce runs: the group
-    sealed without it and peer-c is told so. Its own view lacks the leader's record: it used to stop waiting for the leader's round at once, find
-    nobody ahead yet, fail the round and train the next on the stale state. It now waits until a live worker (peer-b)
-    has finished the round, adopts that state, and counts no failed try (no fresh group key for the latecomers)."""
+    sealed without it and peer-c is told so. Its own view lacks the leader's record: it used to stop waiting for the
+    leader's round at once, find nobody ahead yet, fail the round and train the next on the stale state. It now waits
+    until a live worker (peer-b) has finished the round, adopts that state, and counts no failed try (no fresh group
+    key for the latecomers)."""
     async def main():
         a, b, c = workers = _workers(tmp_path)
         await _start(workers)
