@@ -84,6 +84,7 @@ from peerd.events import (
     RoundFailed,
     StateDownloaded,
 )
+from peerd.heap import trim_heap
 from peerd.inner_step import InnerStep, enable_tf32, micro_batch_count, resolve_precision
 from peerd.models import build_model
 from peerd.roles.base import RunContext, eval_units, held_out_loss
@@ -207,6 +208,7 @@ class DiLoCoRole:
                 if self.ctx.gate.paused:
                     continue
                 await self._outer_round()
+                trim_heap()  # the round's freed buffers back to the OS: without it the worker's RSS kept growing
         finally:
             if self._in_flight is not None:
                 with contextlib.suppress(Exception):
