@@ -553,7 +553,7 @@ class DiLoCoRole:
             self._carry = None
         records = await self._peer_records()
         live = _workers(records)
-        if await self._catch_up(live, self.sync.catch_up_margin or 1):
+        if await self._catch_up(live, self.sync.catch_up_margin or 1, heal_fork=True):
             return
         syncing = _syncing(records)
         # the last group's members without any status record now: on a loaded machine a record can lapse between two

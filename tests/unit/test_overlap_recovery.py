@@ -1,5 +1,6 @@
 """Delayed-overlap DiLoCo rounds under the two faults of a loaded WAN run (in-process transport): a leader whose view
-lacks a peer's lapsed status record, and a failed round tried again while its former leader is still training."""
+lacks a peer's lapsed status record, and a failed round tried again while its former leader is still training; and a
+worker whose theta_outer forked from the others' at the same round."""
 
 import asyncio
 
@@ -146,3 +147,31 @@ def test_group_keys_and_the_agreed_try_of_a_round():
     assert agreed_retry(3, 0, "f0", live) == 5
     assert agreed_retry(4, 0, "model", live) == 0
     assert agreed_retry(3, 1, "model", {}) == 1
+
+
+def test_a_forked_worker_adopts_the_majority_s_theta_outer_at_its_delayed_boundary(tmp_path):
+    """After a round all three landed, peer-c's theta_outer is made to differ at the same outer round (a fork): at
+    its next boundary with the delayed overlap it sees two workers at its round holding another digest and adopts
+    their state instead of launching an exchange nobody else's theta_outer matches."""
+    from protocols.diloco import OuterState
+
+    async def main():
+        a, b, c = workers = _workers(tmp_path)
+        await _start(workers)
+        await _boundary(workers)  # launches round 0
+        await _boundary(workers)  # lands round 0, launches round 1
+        await _settle(workers)
+        for w in workers:
+            w._drop_in_flight()
+        majority = a.outer.digest()
+        c.outer = OuterState(c.outer.theta + 1e-3, c.outer.momentum.clone(), c.outer.outer_round)
+        await c._publish_status()
+        forked = c.outer.digest()
+        await c._train_until_quota()
+        await c._delayed_round()
+        return workers, majority, forked
+
+    (a, b, c), majority, forked = asyncio.run(main())
+    assert forked != majority
+    assert c.outer.digest() == majority and c._in_flight is None  # adopted, no exchange launched
+    assert [w.outer.outer_round for w in (a, b, c)] == [1, 1, 1]
