@@ -16,6 +16,7 @@ from typing import Any, Optional, Sequence
 
 from peerd import __version__
 from peerd.config import (
+    DHT_MODES,
     ConfigError,
     NodeConfig,
     load_node_config,
@@ -65,7 +66,7 @@ def _node_flags(p: argparse.ArgumentParser, listen_default: Optional[str] = None
     g.add_argument("--transport", choices=("p2pd", "libp2p", "auto"),
                    help="libp2p implementation: p2pd (hivemind's Go daemon), libp2p (py-libp2p, pure Python) or "
                    "auto (p2pd where its binary runs, else py-libp2p; the default)")
-    g.add_argument("--dht", choices=("process", "inline"),
+    g.add_argument("--dht", choices=DHT_MODES,
                    help="where the DHT node runs: process (a child process; the default) or inline (in the "
                    "daemon, ~250 MB less memory: for many peers on one machine)")
     g.add_argument("--relay", choices=("off", "auto", "always"),

@@ -2,7 +2,7 @@
 
 A DiLoCo worker allocates and frees tens of MB per outer round (the checkpoint's tensors, the state snapshot served to
 joiners, the all-reduce's part buffers and encoded chunks). glibc keeps freed blocks in its arenas, and the holes
-between blocks still in use are never given back: the resident memory of a tiny-model worker grew from 500 to 755 MB
+between blocks still in use are never given back: the resident memory of a tiny-model worker grew from 500 to 750 MB
 over 60 outer rounds (``docs/benchmarks.md``). ``malloc_trim(0)`` releases the free pages of every arena.
 ``PEERD_TRIM_HEAP=0`` in the environment turns it off (``scripts/bench_worker_rss.py`` measures both).
 """

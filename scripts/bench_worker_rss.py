@@ -26,19 +26,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import psutil  # noqa: E402
 
+from bench_workers import run_config  # noqa: E402
 from benchlib import machine_line, replace_section, result_args  # noqa: E402
 from peerd.heap import TRIM_ENV  # noqa: E402
-from peerd.testing.localswarm import TINY, Swarm  # noqa: E402
+from peerd.testing.localswarm import Swarm  # noqa: E402
 
 HEADING = "## Worker memory over outer rounds (scripts/bench_worker_rss.py)"
 MODES = {"no trim (baseline)": "0", "malloc_trim after each round": "1"}
-
-
-def run_config(path: Path, rounds: int, inner_steps: int) -> Path:
-    """The tiny test run with ``rounds`` outer rounds of ``inner_steps`` steps (a few seconds a round)."""
-    text = TINY.read_text().replace("max_outer_rounds = 2", f"max_outer_rounds = {rounds}")
-    path.write_text(text.replace("inner_steps = 10", f"inner_steps = {inner_steps}"))
-    return path
 
 
 def run_one(trim: str, args: argparse.Namespace) -> dict[str, dict[int, float]]:
@@ -72,8 +66,9 @@ def report(results: dict[str, dict[str, dict[int, float]]], args: argparse.Names
         f"Date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}  ",
         f"Machine: {machine_line()}.", "",
         f"Setup: 2 `peerd join` workers of the tiny model (`node_configs/runs/tiny-test.toml` with {args.rounds} outer "
-        f"rounds of {args.inner_steps} inner steps), 1 torch thread each, on 127.0.0.1; RSS of each worker process "
-        "(MB) after the outer round named; a blank: the sample fell between two rounds.", "",
+        f"rounds of {args.inner_steps} inner steps and bench_workers.py's timeouts), 1 torch thread each, on "
+        "127.0.0.1; RSS of each worker process (MB) after the outer round named; a blank: the sample fell between two "
+        "rounds.", "",
         "| mode | worker | " + " | ".join(f"r{m}" for m in marks) + " |",
         "|---|---|" + "---|" * len(marks),
     ]

@@ -33,6 +33,7 @@ from hivemind.dht.node import DHTNode
 from hivemind.dht.validation import CompositeValidator
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
+from multiaddr import Multiaddr
 
 from peerd.config import DHT_MODES
 from peerd.transport.linger import CLOSE_LINGER_S, until_remote_closes
@@ -234,6 +235,30 @@ class NodeDiscovery:
         return unexpired_records(await self.node.get(key, latest=True), self.time())
 
 
+async def start_dht_node(p2p: P2P, initial_peers: Sequence[str], startup_timeout_s: float,
+                         **node_options: Any) -> DHTNode:
+    """A :class:`DHTNode` on ``p2p`` in the running event loop, bootstrapped through ``initial_peers``
+    (``node_options``: more ``DHTNode.create`` keyword arguments). hivemind's node pings its initial peers once and
+    gives up; a loaded machine answers the ping late, not never (one of 64 workers started together failed there), so
+    the ping is repeated every 0.5 s until one answers or ``startup_timeout_s`` (seconds) is spent. Raises
+    TimeoutError then, or what ``DHTNode.create`` raises; the caller shuts ``p2p`` down."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + startup_timeout_s
+    node = await DHTNode.create(p2p=p2p, initial_peers=list(initial_peers), ensure_bootstrap_success=False,
+                                **node_options)
+    bootstrap = [PeerID.from_base58(Multiaddr(m)["p2p"]) for m in initial_peers]
+    while bootstrap and not node.protocol.routing_table.uid_to_peer_id:
+        if loop.time() >= deadline:
+            await node.shutdown()
+            raise TimeoutError(f"none of the initial peers answered within {startup_timeout_s:g} s")
+        await asyncio.gather(*(node.protocol.call_ping(peer) for peer in bootstrap))
+        if node.protocol.routing_table.uid_to_peer_id:
+            await node.find_nearest_nodes([node.node_id])
+        else:
+            await asyncio.sleep(0.5)
+    return node
+
+
 def _tie_to_this_process(pid: int) -> subprocess.Popen:
     """A watchdog that stops process ``pid`` (this process's p2pd) once this process is gone, however it died: a
     POSIX shell polling once a second (~1 MB), in this process's group. Kill it on a clean shutdown."""
@@ -261,7 +286,8 @@ class InlineDHT:
         child = getattr(p2p, "_child", None)
         watchdog = _tie_to_this_process(child.pid) if child is not None else None
         try:
-            node = await DHTNode.create(p2p=p2p, initial_peers=list(initial_peers), client_mode=client_mode,
+            node = await start_dht_node(p2p, initial_peers, p2p_options.get("startup_timeout", 30.0),
+                                        client_mode=client_mode,
                                         record_validator=CompositeValidator(list(record_validators)))
             return cls(node, p2p, await p2p.get_visible_maddrs(), watchdog)
         except BaseException:

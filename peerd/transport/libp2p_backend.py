@@ -198,8 +198,9 @@ class LibP2PTransport(HivemindTransport):
         dht: str = "process",
     ) -> "LibP2PTransport":
         """Start the py-libp2p daemon, then a DHT node on it (child process). ``nat_port_map``, ``relay`` and
-        ``dht`` are accepted for symmetry and ignored: py-libp2p's UPnP stays off and this daemon has no circuit relay. Raises ConnectionError if the daemon or the DHT node
-        cannot start or none of ``initial_peers`` answers."""
+        ``dht`` are accepted for symmetry and ignored: py-libp2p's UPnP stays off and this daemon has no circuit
+        relay. Raises ConnectionError if the daemon or the DHT node cannot start or none of ``initial_peers``
+        answers."""
         problem = libp2p_available()
         if problem is not None:
             raise ConnectionError(f"the libp2p transport is unavailable: {problem}")

@@ -14,17 +14,15 @@ DHT node in its own event loop the same way, :class:`peerd.transport.hivemind_ba
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Sequence
 
 from hivemind.dht.node import DHTNode
-from hivemind.p2p import P2P, PeerID
-from multiaddr import Multiaddr
+from hivemind.p2p import P2P
 
-from peerd.transport.hivemind_backend import HivemindStreams, NodeDiscovery, dht_start_error
+from peerd.transport.hivemind_backend import HivemindStreams, NodeDiscovery, dht_start_error, start_dht_node
 
 logger = logging.getLogger(__name__)
 
@@ -62,21 +60,8 @@ class LightTransport:
             )
         except Exception as e:
             raise ConnectionError(f"could not start p2pd: {e}") from e
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + startup_timeout_s
         try:
-            node = await DHTNode.create(p2p=p2p, initial_peers=list(initial_peers), num_workers=num_workers,
-                                        ensure_bootstrap_success=False)
-            # a loaded box answers the bootstrap ping late, not never: ping again within the start-up budget
-            bootstrap = [PeerID.from_base58(Multiaddr(m)["p2p"]) for m in initial_peers]
-            while bootstrap and not node.protocol.routing_table.uid_to_peer_id:
-                if loop.time() >= deadline:
-                    raise TimeoutError(f"none of the initial peers answered within {startup_timeout_s:g} s")
-                await asyncio.gather(*(node.protocol.call_ping(peer) for peer in bootstrap))
-                if node.protocol.routing_table.uid_to_peer_id:
-                    await node.find_nearest_nodes([node.node_id])
-                else:
-                    await asyncio.sleep(0.5)
+            node = await start_dht_node(p2p, initial_peers, startup_timeout_s, num_workers=num_workers)
         except Exception as e:
             with contextlib.suppress(Exception):
                 await p2p.shutdown()
