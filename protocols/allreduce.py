@@ -481,6 +481,9 @@ class ButterflyAllReduce(Service):
         self.result_codec = get_codec(result)
         self._sessions: dict[str, _ReduceSession] = {}
         self._session_ready: dict[str, asyncio.Event] = {}
+        self.dial_only = False
+        """This peer cannot be dialed directly (behind a NAT): announced in the group info, it then reduces no part
+        while another member can (:meth:`part_sizes`); it still sends its own parts, dialing out. Set it per round."""
         self.rates: Optional[dict[str, float]] = None
         """This peer's rates in bytes/s, ``{"up", "down"}``: set by the operator, or measured from the all-reduce's
         own transfers: the median of the last :data:`RATE_HISTORY` runs that moved at least :data:`RATE_MIN_BYTES`
@@ -501,18 +504,30 @@ class ButterflyAllReduce(Service):
         await self.serve("reduce", peer, reader, writer)
 
     def announce(self) -> dict:
-        """Group-info entries for the matchmaking: ``{"rates": {"up", "down"}}`` once known, else ``{}``."""
-        return {"rates": dict(self.rates)} if self.rates else {}
+        """Group-info entries for the matchmaking: ``{"rates": {"up", "down"}}`` once known, ``{"dial_only": true}``
+        while :attr:`dial_only`; ``{}`` for neither."""
+        return {**({"rates": dict(self.rates)} if self.rates else {}), **({"dial_only": True} if self.dial_only else {})}
 
     def part_sizes(self, group: Group, numel: int) -> list[int]:
-        """Values each member reduces, in member order: bandwidth-proportional
+        """Values each member reduces, in member order. Members that announced ``dial_only`` reduce nothing while
+        another member can (a reducer is dialed by every sender: a dial-only reducer would pull every sender's part
+        through a relay, or fail it); the others' parts are bandwidth-proportional
         (:func:`protocols.partition.proportional_sizes` of min(up, down)) if ``partition == "bandwidth"``, every
-        member announced valid rates and the fastest is more than :data:`RATE_SPREAD` times the slowest, else equal.
-        Every member computes the same sizes."""
-        if self.config.partition == "bandwidth" and len(group.members) > 1:
+        one of them announced valid rates and the fastest is more than :data:`RATE_SPREAD` times the slowest, else
+        equal. Every member computes the same sizes."""
+        infos = group.infos if isinstance(group.infos, dict) else {}
+        reducers = [m for m in group.members
+                    if not (isinstance(infos.get(m), dict) and infos[m].get("dial_only") is True)]
+        if not reducers or len(reducers) == len(group.members):
+            return self._reducer_sizes(group.members, infos, numel)
+        sizes = dict(zip(reducers, self._reducer_sizes(reducers, infos, numel)))
+        return [sizes.get(m, 0) for m in group.members]
+
+    def _reducer_sizes(self, members: Sequence[str], infos: dict, numel: int) -> list[int]:
+        if self.config.partition == "bandwidth" and len(members) > 1:
             rates = []
-            for member in group.members:
-                info = group.infos.get(member) if isinstance(group.infos, dict) else None
+            for member in members:
+                info = infos.get(member)
                 announced = info.get("rates") if isinstance(info, dict) else None
                 up = valid_rate(announced.get("up")) if isinstance(announced, dict) else None
                 down = valid_rate(announced.get("down")) if isinstance(announced, dict) else None
@@ -523,7 +538,7 @@ class ButterflyAllReduce(Service):
                 # rates within RATE_SPREAD of each other are measurement noise: equal parts are as good, and stable
                 if sum(rates) > 0 and max(rates) > RATE_SPREAD * min(rates):
                     return proportional_sizes(numel, rates, MIN_SHARE)
-        return partition_sizes(numel, len(group.members))
+        return partition_sizes(numel, len(members))
 
     def _round_trip(self, part: torch.Tensor) -> torch.Tensor:
         """What ``part`` decodes to at its reducer (fp32, its length). Chunks are multiples of every codec's block,
@@ -570,6 +585,8 @@ class ButterflyAllReduce(Service):
         uploaded: list[tuple[int, float]] = []
 
         async def exchange(i: int, peer: str) -> tuple[torch.Tensor, int, int]:
+            if not sizes[i]:  # it reduces nothing: no stream (a dial-only member is dialed by nobody)
+                return averaged[offsets[i]:offsets[i]], 0, 0
             try:
                 return await self._exchange(peer, group, tensor[offsets[i] : offsets[i] + sizes[i]], weight, start,
                                             averaged[offsets[i] : offsets[i] + sizes[i]], uploaded)
@@ -608,7 +625,8 @@ class ButterflyAllReduce(Service):
             self._measure(uploaded, session.downloads)
             logger.info("all-reduce of group %s (%s) done: %d members", group.group_id, group.key, len(group.members),
                         extra={"event": "allreduce", "group_id": group.group_id, "key": group.key,
-                               "group_size": len(group.members), "cpu_s": time.process_time() - cpu_start})
+                               "group_size": len(group.members), "part_numel": sizes[my_index],
+                               "cpu_s": time.process_time() - cpu_start})
             return AllReduceResult(
                 averaged,
                 len(group.members),
@@ -685,6 +703,11 @@ class ButterflyAllReduce(Service):
     async def _seal_chunks(self, session: _ReduceSession) -> None:
         """Seal this peer's part chunk by chunk: chunk k once every member delivered it or was excluded (for
         centered_clip: once every chunk is complete), every chunk still open once the sender timeout passed."""
+        if session.part_numel == 0:  # nothing to reduce: senders skip an empty part, so nobody is coming
+            while len(session.sealed) < len(session.bounds):
+                self._seal_next(session)
+            session.finished.set()
+            return
         last = len(session.bounds) - 1
         whole_part = session.reducer.aggregation != "mean"
 

@@ -1,12 +1,14 @@
 """Group formation for one averaging round: discovery records plus a leader that seals the group.
 
 Every peer that wants to average under a group key (e.g. ``round7``) registers itself in discovery under
-``<prefix>.mm.<key>``. The registered peer with the smallest PeerID leads: the others open a *join* stream to it and
+``<prefix>.mm.<key>``. The registered peer with the smallest PeerID (dialable peers first, below) leads: the others open a *join* stream to it and
 wait; the leader seals the group when it has the expected number of members, when nobody new has joined for
 ``matchmaking_timeout_s``, or when the earliest member's whole wait (``max_wait_s``) runs out, and answers every waiting
 member with the same member list. A leader that discovers a smaller registered peer
 hands its followers over to that peer (a redirect) and joins it itself, so concurrent views of the discovery records
-converge on one leader. A leader watches every join stream: a follower whose stream closes before the seal (its
+converge on one leader. "Smaller" orders peers that can be dialed before dial-only ones (behind a NAT, reached
+through a relay or not at all: their record says ``"dial_only": true``), then by PeerID: every follower dials its
+leader, and only a dialable leader takes the joins directly. A leader watches every join stream: a follower whose stream closes before the seal (its
 process died) is left out of the group.
 
 The leader can refuse a member (``admit`` callback): DiLoCo refuses peers whose outer state digest differs from its
@@ -195,6 +197,12 @@ class _Session:
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
 
+def _rank(peer: str, record: Any) -> tuple[bool, str]:
+    """Who leads a key: the smallest (dial-only, PeerID), so peers that can be dialed lead before those that cannot."""
+    value = getattr(record, "value", None)
+    return isinstance(value, dict) and value.get("dial_only") is True, peer
+
+
 class Matchmaker(Service):
     """Forms averaging groups among peers that share a discovery prefix.
 
@@ -227,6 +235,10 @@ class Matchmaker(Service):
         self._sessions: dict[str, _Session] = {}
         self._sealed_keys: OrderedDict[str, Optional[Group]] = OrderedDict()
         self._probers: set[asyncio.Task] = set()  # probes of missing members still in flight
+        self.dial_only = False
+        """This peer cannot be dialed directly (behind a NAT: reached through a relay, or not at all). Its discovery
+        record says so (``"dial_only": true``) and peers that can be dialed lead before it: every follower dials its
+        leader, and a dial-only leader would pull each join through a relay (or fail it). Set it per round."""
 
     @property
     def peer_id(self) -> str:
@@ -235,6 +247,10 @@ class Matchmaker(Service):
     @property
     def handler_name(self) -> str:
         return self.handler_name_of("join")
+
+    @property
+    def _rank(self) -> tuple[bool, str]:
+        return self.dial_only, self.peer_id
 
     def _discovery_key(self, key: str) -> str:
         return f"{self.prefix}.mm.{key}"
@@ -310,7 +326,8 @@ class Matchmaker(Service):
         dkey = self._discovery_key(key)
         try:
             expiration = session.expiration = discovery.time() + (give_up - now) + cfg.request_timeout_s
-            await discovery.store(dkey, self.peer_id, {"joined": discovery.time()}, expiration)
+            joined = {"joined": discovery.time(), **({"dial_only": True} if self.dial_only else {})}
+            await discovery.store(dkey, self.peer_id, joined, expiration)
             unreachable: set[str] = set()  # leaders we could not reach, and leaders that defer to one of those
             failures: dict[str, int] = {}  # failed attempts to reach each leader
             redirect: Optional[str] = None
@@ -318,8 +335,10 @@ class Matchmaker(Service):
                 if redirect is not None and redirect not in unreachable and not self.bans.is_banned(redirect):
                     leader = redirect
                 else:
-                    candidates = set(await discovery.get(dkey)) | {self.peer_id}
-                    leader = min(p for p in candidates - unreachable if p == self.peer_id or not self.bans.is_banned(p))
+                    ranks = {p: _rank(p, record) for p, record in (await discovery.get(dkey)).items()}
+                    ranks[self.peer_id] = self._rank
+                    leader = min((p for p in ranks.keys() - unreachable if p == self.peer_id or not self.bans.is_banned(p)),
+                                 key=ranks.__getitem__)
                 redirect = None
                 if leader == self.peer_id:
                     session.following = None
@@ -503,9 +522,10 @@ class Matchmaker(Service):
                 session.following = sealers[0]
                 self._hand_over(session, session.following)
                 return None
-            smaller = [p for p in records if p < self.peer_id and p not in unreachable and not self.bans.is_banned(p)]
+            smaller = {p: _rank(p, record) for p, record in records.items()
+                       if _rank(p, record) < self._rank and p not in unreachable and not self.bans.is_banned(p)}
             if smaller:
-                session.following = min(smaller)
+                session.following = min(smaller, key=smaller.__getitem__)
                 self._hand_over(session, session.following)
                 return None
         members = tuple(sorted([self.peer_id, *session.followers]))

@@ -251,6 +251,9 @@ class AllReduceSync(OuterSync):
         outer = self.state.outer
         result = None
         expected, expected_peers = 1 + len(coming), coming
+        # behind a NAT (the dial-back check found nobody could dial us): lead no group and reduce no part, so that
+        # every stream of the round is one we open (relayed bytes are slow and a relay's circuits are limited)
+        self.matchmaker.dial_only = self.allreduce.dial_only = self.ctx.status.reachable is False
         for attempt in range(1, MAX_ROUND_ATTEMPTS + 1):
             key = group_key(r, retry, attempt)
             try:

@@ -184,7 +184,9 @@ async def check_transport(transport: Any, helpers: Sequence[str], announce_maddr
 
 async def helpers_for(node: Any, discovery: Any = None, status_key: Optional[str] = None) -> list[str]:
     """Whom to ask: the PeerIDs of the node config's initial peers (bootstrap nodes are reachable by design), then
-    the run's live peers from their status records (shuffled), if ``discovery`` and ``status_key`` are given."""
+    the run's live peers from their status records (shuffled), if ``discovery`` and ``status_key`` are given; not
+    those whose own check found them unreachable (a peer behind a NAT or firewall may fail to dial an address that
+    others reach: it once told a reachable peer it was not)."""
     import random
 
     from peerd.status import StatusFilter
@@ -193,7 +195,7 @@ async def helpers_for(node: Any, discovery: Any = None, status_key: Optional[str
     if discovery is not None and status_key is not None:
         with contextlib.suppress(Exception):
             live = [p for p, s in StatusFilter(logger)(await discovery.get(status_key)).items()
-                    if s.get("role") != "left"]
+                    if s.get("role") != "left" and s.get("reachable") is not False]
             random.shuffle(live)
             helpers += live
     return list(dict.fromkeys(helpers))
@@ -207,22 +209,28 @@ def log_verdict(verdict: Verdict) -> None:
                                                    "relays": verdict.relays})
 
 
+#: Seconds before each new check while nobody answered: soon at first (a helper answers one check at a time, and
+#: every peer of a swarm that starts together asks the same bootstrap node), then seldom.
+RECHECK_S = (5.0, 15.0, 60.0, 60.0)
+
+
 async def watch_reachability(transport: Any, node: Any, status_key: Optional[str] = None, on_verdict=None,
-                             retry_s: float = 60.0, tries: int = 5) -> Optional[Verdict]:
-    """Run the check after joining and log its line; while nobody answered, check again every ``retry_s`` (at
-    most ``tries`` times). ``on_verdict(verdict)`` gets each verdict (the status board records ``reachable``)."""
+                             recheck_s: Sequence[float] = RECHECK_S) -> Optional[Verdict]:
+    """Run the check after joining and log its line; while nobody answered, check again after each delay of
+    ``recheck_s`` (seconds) in turn. ``on_verdict(verdict)`` gets each verdict (the status board records
+    ``reachable``)."""
     verdict = None
-    for attempt in range(tries):
+    for attempt in range(len(recheck_s) + 1):
         helpers = await helpers_for(node, transport.discovery, status_key)
         verdict = await check_transport(transport, helpers, node.announce_maddrs, node.relay)
         if on_verdict is not None:
             on_verdict(verdict)
-        if verdict.reachable is not None or attempt == tries - 1:
+        if verdict.reachable is not None or attempt == len(recheck_s):
             log_verdict(verdict)
             return verdict
         if attempt == 0:
             log_verdict(verdict)
-        await asyncio.sleep(retry_s)
+        await asyncio.sleep(recheck_s[attempt])
     return verdict
 
 

@@ -23,7 +23,9 @@ leave these namespaces.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -33,9 +35,10 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.netns, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.netns, pytest.mark.timeout(300)]
 
 ROOT = Path(__file__).resolve().parents[2]
+LOCAL = ROOT / "node_configs" / "machines" / "local-test.toml"
 #: The reachable side ("public" to go-libp2p, see the module docstring) and the router's address on it.
 PUBLIC_IP, ROUTER_IP, PUBLIC_PREFIX = "192.0.0.65", "192.0.0.66", 29
 #: A second address of the reachable side that the router does not let the LAN reach (a peer behind a firewall).
@@ -242,3 +245,87 @@ def test_a_peer_behind_nat_is_unreachable_and_reached_through_a_relay(nat, tmp_p
     finally:
         _stop(*procs)
         print(f"stopped after {time.monotonic() - started:.1f} s")
+
+
+def _join(ns: str, name: str, host: str, bootstrap: str, run: Path, tmp_path: Path) -> subprocess.Popen:
+    """``peerd join`` in namespace ``ns`` listening on ``host`` (JSON events to ``<name>.log``)."""
+    argv = ["ip", "netns", "exec", ns, "env", f"PYTHONPATH={ROOT}", "PEERD_LOGLEVEL=INFO", sys.executable, "-m",
+            "peerd.cli", "join", "--run-id", "nat", "--run-config", str(run), "--config", str(LOCAL),
+            "--log-format", "json", "--identity", str(tmp_path / f"{name}.key"),
+            "--checkpoint-dir", str(tmp_path / f"ckpt-{name}"), "--initial-peers", bootstrap, "--host-maddrs", host]
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=(tmp_path / f"{name}.log").open("w"))
+
+
+def _events(log: Path, event: str) -> list[dict]:
+    out = []
+    for line in log.read_text(errors="replace").splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            record = json.loads(line)
+            if isinstance(record, dict) and record.get("event") == event:
+                out.append(record)
+    return out
+
+
+def test_a_diloco_worker_behind_nat_trains_with_reachable_workers_and_reduces_nothing(nat, tmp_path):
+    """Three ``peerd join`` workers and a bootstrap node (default relay = "auto"): ``pub0`` and ``pub1`` on the
+    reachable side, ``nated`` behind the router. The NATed worker is found not reachable but relayed, and in the
+    rounds it starts after that it leads no group and reduces no part: its rounds' streams are all its own; groups
+    of all three hold one theta_outer after their round. (Both reachable workers listen on PUBLIC_IP: a second IP
+    of the same namespace would reach the helper from PUBLIC_IP, the kernel's source for local traffic, and be
+    found unreachable.)"""
+    pub, lan = nat
+    started = time.monotonic()
+    text = (ROOT / "node_configs" / "runs" / "tiny-test.toml").read_text()
+    for key, value in (("max_outer_rounds", 5), ("inner_steps", 80)):
+        text = re.sub(rf"(?m)^{key} = .*$", f"{key} = {value}", text)
+    run = tmp_path / "run.toml"
+    run.write_text(text)
+    boot_out = (tmp_path / "bootstrap.out").open("w")
+    bootstrap = subprocess.Popen(
+        ["ip", "netns", "exec", pub, "env", f"PYTHONPATH={ROOT}", sys.executable, "-m", "peerd.cli", "bootstrap",
+         "--config", str(LOCAL), "--identity", str(tmp_path / "bootstrap.key"), "--checkpoint-dir",
+         str(tmp_path / "bootstrap-state"), "--host-maddrs", f"/ip4/{PUBLIC_IP}/tcp/0"],
+        stdout=boot_out, stderr=(tmp_path / "bootstrap.err").open("w"))
+    workers: dict[str, subprocess.Popen] = {}
+    try:
+        deadline = time.monotonic() + 90
+        while not (maddrs := [l for l in (tmp_path / "bootstrap.out").read_text().splitlines() if "/p2p/" in l]):
+            assert time.monotonic() < deadline and bootstrap.poll() is None, (tmp_path / "bootstrap.err").read_text()
+            time.sleep(0.2)
+        boot = maddrs[0].strip()
+        for name, ns, host in (("pub0", pub, PUBLIC_IP), ("pub1", pub, PUBLIC_IP), ("nated", lan, "0.0.0.0")):
+            workers[name] = _join(ns, name, f"/ip4/{host}/tcp/0", boot, run, tmp_path)
+        for name, proc in workers.items():
+            assert proc.wait(200) == 0, (name, (tmp_path / f"{name}.log").read_text()[-3000:])
+        print(f"workers done after {time.monotonic() - started:.1f} s")
+    finally:
+        for proc in [*workers.values(), bootstrap]:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in [*workers.values(), bootstrap]:
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    logs = {name: tmp_path / f"{name}.log" for name in workers}
+    verdict = _events(logs["nated"], "reachability")
+    assert verdict and verdict[-1]["reachable"] is False and verdict[-1]["relayed"] is True, verdict
+    rounds = {name: {e["outer_round"]: e for e in _events(log, "outer_round")} for name, log in logs.items()}
+    assert all(_events(log, "leave")[-1]["outer_round"] == 5 for log in logs.values()), rounds
+    # in the rounds it started once it knew, the NATed worker reduced nothing in a group (alone it reduces its whole
+    # vector) ...
+    known_at = verdict[-1]["time"]
+    progress = sorted(e["time"] for kind in ("outer_round", "state_download") for e in _events(logs["nated"], kind))
+    after = [e for e in _events(logs["nated"], "allreduce") if e["group_size"] > 1
+             and max((p for p in progress if p < e["time"]), default=0.0) > known_at]
+    assert after and all(e["part_numel"] == 0 for e in after), (known_at, after)
+    # ... and averaged with both others, ending those rounds with the same theta_outer as they did
+    trio = [k for k, e in rounds["nated"].items() if e["time"] > known_at and e["group_size"] == 3
+            and all(rounds[n].get(k, {}).get("group_size") == 3 for n in ("pub0", "pub1"))]
+    assert trio, {name: {k: e["group_size"] for k, e in r.items()} for name, r in rounds.items()}
+    assert all(len({rounds[n][k]["digest"] for n in rounds}) == 1 for k in trio), rounds
+    print(f"nated: verdict {known_at - min(e['time'] for e in _events(logs['nated'], 'eval')):.1f} s after its first "
+          f"eval; {len(after)} all-reduces after it, part 0 in each; rounds in a group of 3 with one theta_outer: "
+          f"{trio}; failed rounds: " + ", ".join(f"{n} {len(_events(log, 'round_failed'))}" for n, log in logs.items()))

@@ -242,7 +242,7 @@ async def test_join_check_logs_one_line_and_the_status_record_carries_it(caplog,
         caplog.clear()
         lonely = NodeConfig(checkpoint_dir=str(tmp_path))  # nobody to ask: unknown, asked again, logged twice
         with caplog.at_level(logging.INFO, logger="peerd.transport.dialback"):
-            verdict = await watch_reachability(me, lonely, None, retry_s=0.01, tries=3)
+            verdict = await watch_reachability(me, lonely, None, recheck_s=(0.01, 0.01))
         assert verdict.reachable is None
         assert [r.getMessage()[:22] for r in caplog.records
                 if getattr(r, "event", None) == "reachability"] == ["reachability unknown: "] * 2
