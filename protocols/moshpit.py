@@ -234,8 +234,9 @@ class MoshpitAverager:
             return await self._average_sharded(outer_round, tensor, weight, live_peers)
         expected = len(set(live_peers) | {me})
         # a peer that comes after the seal averages with the other late peers rather than failing its round
-        rendezvous = await self.matchmaker.form_group(round_key(outer_round), {}, expected_size=expected,
-                                                      on_late="next")
+        # the all-reduce's announcement (measured rates, dial-only) reaches every member through the group infos
+        rendezvous = await self.matchmaker.form_group(round_key(outer_round), self.allreduce.announce(),
+                                                      expected_size=expected, on_late="next")
         group = grid_group(me, rendezvous, outer_round, self.target_group_size)
         if len(group.members) < self.matchmaker.config.min_group_size:
             raise MatchmakingFailed(f"grid group {group.key} of {len(group.members)} peer(s) is smaller than "
@@ -250,8 +251,8 @@ class MoshpitAverager:
             groups = partition(_sorted_peers([*live_peers, me]), outer_round, self.target_group_size)
         key, mates = groups[me]
         # a groupmate whose view gave it another group of this round is not waited for (see form_group)
-        group = await self.matchmaker.form_group(key, {}, expected_members=mates, on_late="next",
-                                                 round_prefix=round_key(outer_round) + ".")
+        group = await self.matchmaker.form_group(key, self.allreduce.announce(), expected_members=mates,
+                                                 on_late="next", round_prefix=round_key(outer_round) + ".")
         if len(group.members) < self.matchmaker.config.min_group_size:
             raise MatchmakingFailed(f"group {group.key} of {len(group.members)} peer(s) is smaller than "
                                     f"min_group_size={self.matchmaker.config.min_group_size}")

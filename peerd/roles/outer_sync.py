@@ -167,6 +167,12 @@ class OuterSync:
         cls = SparseAllGather if config.exchange == "gather" else ButterflyAllReduce
         return cls(self.ctx.transport, self.state.fragment.scope, config, bans=self.ctx.bans)
 
+    def _set_dial_only(self) -> None:
+        """Behind a NAT (the dial-back check found that nobody can dial us): lead no group and reduce no part, so
+        that every stream of the round is one we open (relayed bytes are slow and a relay's circuits are limited).
+        Read from the status board at each round: the check's verdict comes after joining."""
+        self.matchmaker.dial_only = self.allreduce.dial_only = self.ctx.status.reachable is False
+
     async def round(self, local: torch.Tensor, weight: float, live: dict[str, dict],
                     syncing: frozenset[str]) -> RoundOutcome:
         raise NotImplementedError
@@ -251,9 +257,7 @@ class AllReduceSync(OuterSync):
         outer = self.state.outer
         result = None
         expected, expected_peers = 1 + len(coming), coming
-        # behind a NAT (the dial-back check found nobody could dial us): lead no group and reduce no part, so that
-        # every stream of the round is one we open (relayed bytes are slow and a relay's circuits are limited)
-        self.matchmaker.dial_only = self.allreduce.dial_only = self.ctx.status.reachable is False
+        self._set_dial_only()
         for attempt in range(1, MAX_ROUND_ATTEMPTS + 1):
             key = group_key(r, retry, attempt)
             try:
@@ -297,6 +301,7 @@ class _MixingSync(OuterSync):
         stepped = OuterState(stepped.theta, stepped.momentum, r + 1)
         me = self.ctx.peer_id
         peers = sorted(live) if me in live else sorted([*live, me])
+        self._undialable = frozenset(p for p, s in live.items() if p != me and s.get("reachable") is False)
         started = time.perf_counter()
         failure = None
         try:
@@ -335,6 +340,7 @@ class MoshpitSync(_MixingSync):
 
     async def _exchange(self, r, stepped, weight, peers):
         packed = torch.cat([stepped.theta, stepped.momentum])  # (2P,)
+        self._set_dial_only()
         try:
             result = await unless_stopped(self.ctx, self.moshpit.average(r, packed, weight, peers))
         finally:  # our status keeps showing round r until the group is done: others match with us
@@ -355,6 +361,7 @@ class GossipSync(_MixingSync):
                                      self._gossip_state, self._set_gossip_state, bans=ctx.bans)
         self.components = (self.gossip,)
         self._bytes = (0, 0)  # the averager's byte counters at our last round
+        self._undialable: frozenset[str] = frozenset()
         self._served = 0  # and its count of exchanges answered
 
     def _gossip_state(self) -> tuple[torch.Tensor, float]:
@@ -366,7 +373,9 @@ class GossipSync(_MixingSync):
 
     async def _exchange(self, r, stepped, weight, peers):
         self.state.outer, self.state.gossip_weight = stepped, weight
-        result = await unless_stopped(self.ctx, self.gossip.gossip_round(peers))
+        # peers found unreachable are not dialed while another partner can be (they start exchanges themselves)
+        dialable = [p for p in peers if p not in self._undialable]
+        result = await unless_stopped(self.ctx, self.gossip.gossip_round(dialable if len(dialable) > 1 else peers))
         if result is None:
             return None
         # exchanges we answered since our last round mixed other peers' states into ours as well: they count in the

@@ -115,3 +115,62 @@ def test_peers_found_unreachable_do_not_check_others_reachability():
     node = types.SimpleNamespace(initial_peers=["/ip4/127.0.0.1/tcp/1/p2p/12D3KooWboot"])
     helpers = asyncio.run(helpers_for(node, Discovery(), "status"))
     assert helpers[0] == "12D3KooWboot" and sorted(helpers[1:]) == ["12D3KooWreach", "12D3KooWunknown"]
+
+
+class _Behind:
+    """A transport whose streams cannot reach ``nated`` (see :class:`_Nat`); everything else is the inner one's."""
+
+    def __init__(self, inner, nated: str):
+        self._inner, self.streams = inner, _Nat(inner.streams, nated)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+@pytest.mark.parametrize("method", ["allreduce", "moshpit", "gossip"])
+def test_diloco_workers_average_with_a_worker_found_unreachable_without_dialing_it(method, tmp_path):
+    """Three DiLoCo workers; ``peer-a`` (the smallest PeerID: it would lead) is behind a NAT: the others' streams to
+    it fail, and its dial-back verdict says not reachable. Its round still averages with both (all-reduce and
+    moshpit: one group of 3, the same theta_outer on all; gossip: it starts exchanges and the others mix its state)
+    and nobody tried to dial it."""
+    from peerd.config import NodeConfig
+    from peerd.roles.base import RunContext
+    from peerd.roles.diloco import DiLoCoRole
+    from peerd.run_config import AveragingConfig, RunConfig
+    from protocols.diloco import DiLoCoHyperparams
+
+    async def main():
+        run = RunConfig(
+            model="tiny", seq_len=32, batch_size=4, eval_batches=0,
+            diloco=DiLoCoHyperparams(inner_steps=3, warmup_steps=2, inner_lr=1e-3),
+            averaging=AveragingConfig.from_flat(method=method, group_size=4, matchmaking_timeout_s=3.0,
+                                                request_timeout_s=1.0, sender_timeout_s=3.0, reducer_timeout_s=6.0),
+        )
+        hub, nats = Hub(), []
+        workers = []
+        for name in ("peer-a", "peer-b", "peer-c"):
+            transport = hub.transport(name)
+            if name != "peer-a":
+                transport = _Behind(transport, "peer-a")
+                nats.append(transport.streams)
+            node = NodeConfig(checkpoint_dir=str(tmp_path / name), threads=1, device="cpu")
+            workers.append(DiLoCoRole(RunContext.build("unit", run, node, transport)))
+        workers[0].ctx.status.reachable = False
+        for w in workers:
+            for component in w.components:
+                await component.start()
+            await w._publish_status()
+        for w in workers:
+            await w._train_until_quota()
+        await asyncio.gather(*(w._outer_round() for w in workers))
+        return workers, nats
+
+    workers, nats = asyncio.run(main())
+    assert sum(n.tries for n in nats) == 0
+    assert [w.outer.outer_round for w in workers] == [1, 1, 1]
+    if method == "gossip":
+        assert workers[0].sync.gossip.served == 0 and workers[0].sync.gossip.bytes_sent > 0
+        assert sum(w.sync.gossip.served for w in workers[1:]) >= 1  # peer-a's exchanges were answered
+    else:
+        assert len({w.outer.digest() for w in workers}) == 1
+        assert all(w.stats.rounds_ok == 1 and w.stats.rounds_failed == 0 for w in workers)
