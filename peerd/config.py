@@ -135,7 +135,8 @@ class NodeConfig:
     finds it behind a NAT, reserves a slot on a relay (the initial peers by default) so others reach it through
     there; ``always`` = reserve a relay slot even where AutoNAT finds nothing wrong; ``off`` = no relays, as before.
     The dial-back check at join (:mod:`protocols.reachability`) says whether others can dial this peer directly.
-    The py-libp2p transport has no relays yet and ignores it."""
+    On the py-libp2p transport (no AutoNAT there) ``auto`` reserves slots on the initial peers when no listen
+    address is a public IP (:mod:`peerd.transport.libp2p_relay`); it relays for nobody."""
     log_every_steps: int = 10
     """Log a progress line every this many inner steps; the loss is read back from the device only then."""
     micro_batch_size: int = 0

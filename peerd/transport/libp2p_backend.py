@@ -72,9 +72,11 @@ class PyLibp2pP2P(P2P):
         announce_maddrs: Sequence[str] = (),
         identity_path: Optional[str] = None,
         startup_timeout_s: float = 30.0,
+        relay: str = "off",
     ) -> "PyLibp2pP2P":
-        """Start the daemon process and connect hivemind's client to it. Raises P2PDaemonError if it does not
-        start within ``startup_timeout_s`` (its stderr goes to ours)."""
+        """Start the daemon process and connect hivemind's client to it (``relay``: see
+        :func:`peerd.transport.libp2p_relay.wants_reservation`). Raises P2PDaemonError if it does not start within
+        ``startup_timeout_s`` (its stderr goes to ours)."""
         self = cls()
         uid = secrets.token_urlsafe(8)
         control = f"/tmp/peerd-libp2p-{uid}.sock"
@@ -83,7 +85,7 @@ class PyLibp2pP2P(P2P):
         args = [sys.executable, "-m", "peerd.transport.libp2p_daemon", "--control", control,
                 "--host-addrs", ",".join(map(str, host_maddrs)),
                 "--announce-addrs", ",".join(map(str, announce_maddrs)),
-                "--bootstrap", ",".join(map(str, initial_peers)),
+                "--bootstrap", ",".join(map(str, initial_peers)), "--relay", relay,
                 "--log-level", logging.getLevelName(min(logging.getLogger().getEffectiveLevel(), logging.WARNING))]
         if identity_path is not None:
             args += ["--identity", str(identity_path)]
@@ -197,9 +199,10 @@ class LibP2PTransport(HivemindTransport):
         relay: str = "off",
         dht: str = "process",
     ) -> "LibP2PTransport":
-        """Start the py-libp2p daemon, then a DHT node on it (child process). ``nat_port_map``, ``relay`` and
-        ``dht`` are accepted for symmetry and ignored: py-libp2p's UPnP stays off and this daemon has no circuit
-        relay. Raises ConnectionError if the daemon or the DHT node cannot start or none of ``initial_peers``
+        """Start the py-libp2p daemon, then a DHT node on it (child process). ``relay`` (off | auto | always): reserve
+        circuit relay slots on the initial peers (:mod:`peerd.transport.libp2p_relay`; ``auto`` = when no listen
+        address is public; never for a ``client_mode`` node). ``nat_port_map`` and ``dht`` are accepted for symmetry
+        and ignored: py-libp2p's UPnP stays off. Raises ConnectionError if the daemon or the DHT node cannot start or none of ``initial_peers``
         answers."""
         problem = libp2p_available()
         if problem is not None:
@@ -207,7 +210,8 @@ class LibP2PTransport(HivemindTransport):
         try:
             p2p = await PyLibp2pP2P.create_daemon(initial_peers=initial_peers, host_maddrs=host_maddrs,
                                                   announce_maddrs=announce_maddrs, identity_path=identity_path,
-                                                  startup_timeout_s=startup_timeout_s)
+                                                  startup_timeout_s=startup_timeout_s,
+                                                  relay="off" if client_mode else relay)
         except Exception as e:
             raise ConnectionError(f"could not start the py-libp2p daemon: {e}") from e
         loop = asyncio.get_running_loop()

@@ -45,6 +45,9 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from libp2p.tools.anyio_service import background_trio_service
 
+from peerd.config import RELAY_MODES
+from peerd.transport.libp2p_relay import concrete_addrs, reserve_on_relays, wants_reservation
+
 logger = logging.getLogger("peerd.libp2p_daemon")
 
 #: Largest control or unary message accepted (hivemind's DEFAULT_MAX_MSG_SIZE is 4 MiB; p2pd allows this too).
@@ -209,6 +212,7 @@ class Daemon:
     """The running daemon: a py-libp2p host, its Kademlia DHT and the control socket."""
 
     def __init__(self, host: Any, dht: KadDHT, nursery: trio.Nursery):
+        self.circuits: list[str] = []  # our /p2p-circuit addresses through relays that gave us a slot
         self.host, self.dht, self.nursery = host, dht, nursery
         self.stream_handlers: dict[str, str] = {}  # protocol -> client socket path
         self.unary_handlers: dict[str, Any] = {}  # protocol -> the persistent connection that serves it
@@ -380,7 +384,7 @@ class Daemon:
         for addr in self.host.get_addrs():
             text = str(addr).split("/p2p/")[0]
             out.append(multiaddr.Multiaddr(text).to_bytes())
-        return out
+        return out + [multiaddr.Multiaddr(a).to_bytes() for a in self.circuits]
 
     def _binary_handler(self, proto: str) -> Callable[[Any], Awaitable[None]]:
         async def handle(stream: Any) -> None:
@@ -581,6 +585,11 @@ async def run(args: argparse.Namespace) -> None:
                     await dht.add_peer(info.peer_id, skip_server_mode_check=True)
                 except Exception as e:  # noqa: BLE001 - the parent's DHT decides whether that is fatal
                     logger.warning("bootstrap peer %s unreachable: %s", maddr, e)
+            relays = [a for a in args.bootstrap.split(",") if "/p2p/" in a]
+            own = concrete_addrs([str(a) for a in host.get_addrs()], relays)
+            if wants_reservation(args.relay, own):
+                logger.info("listening on %s only (no public IP): reserving relay slots on %s", own, relays)
+                await reserve_on_relays(host, relays, nursery, daemon.circuits)
             await nursery.start(_serve_unix, args.control, daemon.serve_control)
             print(READY_LINE, flush=True)
             await _wait_for_parent()
@@ -598,6 +607,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--announce-addrs", default="")
     parser.add_argument("--bootstrap", default="", help="comma-separated full multiaddrs (with /p2p/<PeerID>)")
     parser.add_argument("--identity", default="", help="libp2p Ed25519 PrivateKey protobuf file")
+    parser.add_argument("--relay", default="off", choices=RELAY_MODES,
+                        help="reserve circuit relay slots on the bootstrap peers: auto = when no listen address is "
+                             "public (peerd.transport.libp2p_relay)")
     parser.add_argument("--log-level", default="WARNING")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
