@@ -278,7 +278,8 @@ def _events(log: Path, event: str) -> list[dict]:
 
 def test_a_diloco_worker_behind_nat_trains_with_reachable_workers_and_reduces_nothing(nat, tmp_path):
     """Three ``peerd join`` workers and a bootstrap node (default relay = "auto"): ``pub0`` and ``pub1`` on the
-    reachable side, ``nated`` behind the router. The NATed worker is found not reachable but relayed, and in the
+    reachable side, ``nated`` behind the router. The NATed worker is found not reachable but relayed (``peerd
+    doctor`` run on its machine meanwhile says so in an OK line), and in the
     rounds it starts after that it leads no group and reduces no part: its rounds' streams are all its own; groups
     of all three hold one theta_outer after their round. (Both reachable workers listen on PUBLIC_IP: a second IP
     of the same namespace would reach the helper from PUBLIC_IP, the kernel's source for local traffic, and be
@@ -305,6 +306,15 @@ def test_a_diloco_worker_behind_nat_trains_with_reachable_workers_and_reduces_no
         boot = maddrs[0].strip()
         for name, ns, host in (("pub0", pub, PUBLIC_IP), ("pub1", pub, PUBLIC_IP), ("nated", lan, "0.0.0.0")):
             workers[name] = _join(ns, name, f"/ip4/{host}/tcp/0", boot, run, tmp_path)
+        # `peerd doctor` on the NATed machine while the run trains: its reachable line says relayed
+        doctor = subprocess.run(
+            ["ip", "netns", "exec", lan, "env", f"PYTHONPATH={ROOT}", sys.executable, "-m", "peerd.cli", "doctor",
+             "--run-id", "nat", "--config", str(LOCAL), "--initial-peers", boot, "--host-maddrs", "/ip4/0.0.0.0/tcp/0",
+             "--identity", str(tmp_path / "doctor.key")],
+            capture_output=True, text=True, timeout=150)
+        reach = [line for line in doctor.stdout.splitlines() if " reachable " in f" {line} "]
+        assert reach and reach[0].startswith("OK") and "reachable through relay" in reach[0], doctor.stdout
+        print(f"doctor after {time.monotonic() - started:.1f} s: {reach[0]}")
         for name, proc in workers.items():
             assert proc.wait(200) == 0, (name, (tmp_path / f"{name}.log").read_text()[-3000:])
         print(f"workers done after {time.monotonic() - started:.1f} s")
