@@ -202,8 +202,8 @@ class LibP2PTransport(HivemindTransport):
         """Start the py-libp2p daemon, then a DHT node on it (child process). ``relay`` (off | auto | always): reserve
         circuit relay slots on the initial peers (:mod:`peerd.transport.libp2p_relay`; ``auto`` = when no listen
         address is public; never for a ``client_mode`` node). ``nat_port_map`` and ``dht`` are accepted for symmetry
-        and ignored: py-libp2p's UPnP stays off. Raises ConnectionError if the daemon or the DHT node cannot start or none of ``initial_peers``
-        answers."""
+        and ignored: py-libp2p's UPnP stays off. Raises ConnectionError if the daemon or the DHT node cannot start
+        or none of ``initial_peers`` answers."""
         problem = libp2p_available()
         if problem is not None:
             raise ConnectionError(f"the libp2p transport is unavailable: {problem}")

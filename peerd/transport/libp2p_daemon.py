@@ -589,7 +589,7 @@ async def run(args: argparse.Namespace) -> None:
             own = concrete_addrs([str(a) for a in host.get_addrs()], relays)
             if wants_reservation(args.relay, own):
                 logger.info("listening on %s only (no public IP): reserving relay slots on %s", own, relays)
-                await reserve_on_relays(host, relays, nursery, daemon.circuits)
+                nursery.start_soon(reserve_on_relays, host, relays, nursery, daemon.circuits)
             await nursery.start(_serve_unix, args.control, daemon.serve_control)
             print(READY_LINE, flush=True)
             await _wait_for_parent()

@@ -84,10 +84,11 @@ def circuit_addr(relay_maddr: str) -> str:
 
 async def reserve_on_relays(host: Any, relays: Sequence[str], nursery: trio.Nursery, circuits: list[str]) -> None:
     """Answer relayed connections (and upgrade them to direct ones through DCUtR where possible) and reserve a slot
-    on each of ``relays`` (full multiaddrs with ``/p2p/``); append
-    the circuit address of each reservation made to ``circuits`` (the daemon announces them). A relay that refuses
-    or cannot be reached is logged and skipped. The reservations are refreshed before they expire (py-libp2p's
-    transport, in ``nursery``) for as long as ``nursery`` runs."""
+    on each of ``relays`` (full multiaddrs with ``/p2p/``), one after the other, each within
+    :data:`RESERVE_TIMEOUT_S`; append the circuit address of each reservation made to ``circuits`` (the daemon
+    announces them). A relay that refuses or cannot be reached is logged and skipped. The reservations are refreshed
+    before they expire (py-libp2p's transport, in ``nursery``) for as long as ``nursery`` runs. The daemon runs this
+    in the background: it serves its client meanwhile."""
     from libp2p.peer.peerinfo import info_from_p2p_addr
     from libp2p.relay.circuit_v2 import PROTOCOL_ID, CircuitV2Protocol, CircuitV2Transport, DCUtRProtocol
     from libp2p.relay.circuit_v2.config import RelayConfig
