@@ -506,7 +506,10 @@ class ButterflyAllReduce(Service):
     def announce(self) -> dict:
         """Group-info entries for the matchmaking: ``{"rates": {"up", "down"}}`` once known, ``{"dial_only": true}``
         while :attr:`dial_only`; ``{}`` for neither."""
-        return {**({"rates": dict(self.rates)} if self.rates else {}), **({"dial_only": True} if self.dial_only else {})}
+        out: dict = {"rates": dict(self.rates)} if self.rates else {}
+        if self.dial_only:
+            out["dial_only"] = True
+        return out
 
     def part_sizes(self, group: Group, numel: int) -> list[int]:
         """Values each member reduces, in member order. Members that announced ``dial_only`` reduce nothing while

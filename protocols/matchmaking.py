@@ -1,15 +1,15 @@
 """Group formation for one averaging round: discovery records plus a leader that seals the group.
 
 Every peer that wants to average under a group key (e.g. ``round7``) registers itself in discovery under
-``<prefix>.mm.<key>``. The registered peer with the smallest PeerID (dialable peers first, below) leads: the others open a *join* stream to it and
-wait; the leader seals the group when it has the expected number of members, when nobody new has joined for
-``matchmaking_timeout_s``, or when the earliest member's whole wait (``max_wait_s``) runs out, and answers every waiting
-member with the same member list. A leader that discovers a smaller registered peer
-hands its followers over to that peer (a redirect) and joins it itself, so concurrent views of the discovery records
-converge on one leader. "Smaller" orders peers that can be dialed before dial-only ones (behind a NAT, reached
-through a relay or not at all: their record says ``"dial_only": true``), then by PeerID: every follower dials its
-leader, and only a dialable leader takes the joins directly. A leader watches every join stream: a follower whose stream closes before the seal (its
-process died) is left out of the group.
+``<prefix>.mm.<key>``. The registered peer with the smallest PeerID (dialable peers first, below) leads: the others open
+a *join* stream to it and wait; the leader seals the group when it has the expected number of members, when nobody new
+has joined for ``matchmaking_timeout_s``, or when the earliest member's whole wait (``max_wait_s``) runs out, and
+answers every waiting member with the same member list. A leader that discovers a smaller registered peer hands its
+followers over to that peer (a redirect) and joins it itself, so concurrent views of the discovery records converge on
+one leader. "Smaller" orders peers that can be dialed before dial-only ones (behind a NAT, reached through a relay or
+not at all: their record says ``"dial_only": true``), then by PeerID: every follower dials its leader, and only a
+dialable leader takes the joins directly. A leader watches every join stream: a follower whose stream closes before the
+seal (its process died) is left out of the group.
 
 The leader can refuse a member (``admit`` callback): DiLoCo refuses peers whose outer state digest differs from its
 own, so a group never mixes peers that disagree on theta_outer; the refused peer re-synchronizes its state instead.
@@ -249,7 +249,7 @@ class Matchmaker(Service):
         return self.handler_name_of("join")
 
     @property
-    def _rank(self) -> tuple[bool, str]:
+    def _own_rank(self) -> tuple[bool, str]:
         return self.dial_only, self.peer_id
 
     def _discovery_key(self, key: str) -> str:
@@ -336,9 +336,10 @@ class Matchmaker(Service):
                     leader = redirect
                 else:
                     ranks = {p: _rank(p, record) for p, record in (await discovery.get(dkey)).items()}
-                    ranks[self.peer_id] = self._rank
-                    leader = min((p for p in ranks.keys() - unreachable if p == self.peer_id or not self.bans.is_banned(p)),
-                                 key=ranks.__getitem__)
+                    ranks[self.peer_id] = self._own_rank
+                    eligible = [p for p in ranks.keys() - unreachable
+                                if p == self.peer_id or not self.bans.is_banned(p)]
+                    leader = min(eligible, key=ranks.__getitem__)
                 redirect = None
                 if leader == self.peer_id:
                     session.following = None
@@ -523,7 +524,7 @@ class Matchmaker(Service):
                 self._hand_over(session, session.following)
                 return None
             smaller = {p: _rank(p, record) for p, record in records.items()
-                       if _rank(p, record) < self._rank and p not in unreachable and not self.bans.is_banned(p)}
+                       if _rank(p, record) < self._own_rank and p not in unreachable and not self.bans.is_banned(p)}
             if smaller:
                 session.following = min(smaller, key=smaller.__getitem__)
                 self._hand_over(session, session.following)
