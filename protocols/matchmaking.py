@@ -235,10 +235,6 @@ class Matchmaker(Service):
         self._sessions: dict[str, _Session] = {}
         self._sealed_keys: OrderedDict[str, Optional[Group]] = OrderedDict()
         self._probers: set[asyncio.Task] = set()  # probes of missing members still in flight
-        self.dial_only = False
-        """This peer cannot be dialed directly (behind a NAT: reached through a relay, or not at all). Its discovery
-        record says so (``"dial_only": true``) and peers that can be dialed lead before it: every follower dials its
-        leader, and a dial-only leader would pull each join through a relay (or fail it). Set it per round."""
 
     @property
     def peer_id(self) -> str:
@@ -248,9 +244,8 @@ class Matchmaker(Service):
     def handler_name(self) -> str:
         return self.handler_name_of("join")
 
-    @property
-    def _own_rank(self) -> tuple[bool, str]:
-        return self.dial_only, self.peer_id
+    def _own_rank(self, session: _Session) -> tuple[bool, str]:
+        return session.info.get("dial_only") is True, self.peer_id
 
     def _discovery_key(self, key: str) -> str:
         return f"{self.prefix}.mm.{key}"
@@ -263,7 +258,10 @@ class Matchmaker(Service):
         Args:
             key: group key shared by the peers that should average together (e.g. ``"round7"``).
             info: msgpack-serializable facts about this peer that every member receives (and the leader's ``admit``
-                checks).
+                checks). ``"dial_only": True`` in it says this peer cannot be dialed directly (behind a NAT: reached
+                through a relay, or not at all): its discovery record says so too, and peers that can be dialed lead
+                before it (every follower dials its leader; a dial-only leader would pull each join through a relay,
+                or fail it).
             expected_size: seal as soon as this many peers (this one included) have joined, but never with fewer
                 than ``min_group_size`` (such a group would fail); None = wait until nobody new joins for
                 ``matchmaking_timeout_s``.
@@ -326,7 +324,8 @@ class Matchmaker(Service):
         dkey = self._discovery_key(key)
         try:
             expiration = session.expiration = discovery.time() + (give_up - now) + cfg.request_timeout_s
-            joined = {"joined": discovery.time(), **({"dial_only": True} if self.dial_only else {})}
+            dial_only = self._own_rank(session)[0]
+            joined = {"joined": discovery.time(), **({"dial_only": True} if dial_only else {})}
             await discovery.store(dkey, self.peer_id, joined, expiration)
             unreachable: set[str] = set()  # leaders we could not reach, and leaders that defer to one of those
             failures: dict[str, int] = {}  # failed attempts to reach each leader
@@ -336,7 +335,7 @@ class Matchmaker(Service):
                     leader = redirect
                 else:
                     ranks = {p: _rank(p, record) for p, record in (await discovery.get(dkey)).items()}
-                    ranks[self.peer_id] = self._own_rank
+                    ranks[self.peer_id] = self._own_rank(session)
                     eligible = [p for p in ranks.keys() - unreachable
                                 if p == self.peer_id or not self.bans.is_banned(p)]
                     leader = min(eligible, key=ranks.__getitem__)
@@ -524,7 +523,7 @@ class Matchmaker(Service):
                 self._hand_over(session, session.following)
                 return None
             smaller = {p: _rank(p, record) for p, record in records.items()
-                       if _rank(p, record) < self._own_rank and p not in unreachable and not self.bans.is_banned(p)}
+                       if _rank(p, record) < self._own_rank(session) and p not in unreachable and not self.bans.is_banned(p)}
             if smaller:
                 session.following = min(smaller, key=smaller.__getitem__)
                 self._hand_over(session, session.following)

@@ -168,10 +168,11 @@ class OuterSync:
         return cls(self.ctx.transport, self.state.fragment.scope, config, bans=self.ctx.bans)
 
     def _set_dial_only(self) -> None:
-        """Behind a NAT (the dial-back check found that nobody can dial us): lead no group and reduce no part, so
-        that every stream of the round is one we open (relayed bytes are slow and a relay's circuits are limited).
-        Read from the status board at each round: the check's verdict comes after joining."""
-        self.matchmaker.dial_only = self.allreduce.dial_only = self.ctx.status.reachable is False
+        """Behind a NAT (the dial-back check found that nobody can dial us): announce ``dial_only`` in the group info,
+        so that we lead no group and reduce no part and every stream of the round is one we open (relayed bytes are
+        slow and a relay's circuits are limited). Read from the status board at each round: the check's verdict
+        comes after joining."""
+        self.allreduce.dial_only = self.ctx.status.reachable is False
 
     async def round(self, local: torch.Tensor, weight: float, live: dict[str, dict],
                     syncing: frozenset[str]) -> RoundOutcome:
@@ -291,7 +292,10 @@ class _MixingSync(OuterSync):
     """Apply our own outer step onto the current state (gossip may have mixed it), then average the outer state.
     A failed exchange keeps our own step: peers drift apart a little until a later exchange pulls them together."""
 
-    async def _exchange(self, r: int, stepped: OuterState, weight: float, peers: list[str]) -> Optional[RoundResult]:
+    async def _exchange(self, r: int, stepped: OuterState, weight: float, peers: list[str],
+                        live: dict[str, dict]) -> Optional[RoundResult]:
+        """Average ``stepped`` with some of ``peers`` (sorted PeerIDs, ours included; ``live``: their status
+        records)."""
         raise NotImplementedError
 
     async def round(self, local, weight, live, syncing):
@@ -301,11 +305,10 @@ class _MixingSync(OuterSync):
         stepped = OuterState(stepped.theta, stepped.momentum, r + 1)
         me = self.ctx.peer_id
         peers = sorted(live) if me in live else sorted([*live, me])
-        self._undialable = frozenset(p for p, s in live.items() if p != me and s.get("reachable") is False)
         started = time.perf_counter()
         failure = None
         try:
-            result = await self._exchange(r, stepped, weight, peers)
+            result = await self._exchange(r, stepped, weight, peers, live)
         except (MatchmakingFailed, AllReduceFailed) as e:
             result, failure = None, str(e)
         if result is None:
@@ -338,7 +341,7 @@ class MoshpitSync(_MixingSync):
             self.state.outer = OuterState(outer.theta, outer.momentum, joined)
         return joined
 
-    async def _exchange(self, r, stepped, weight, peers):
+    async def _exchange(self, r, stepped, weight, peers, live):
         packed = torch.cat([stepped.theta, stepped.momentum])  # (2P,)
         self._set_dial_only()
         try:
@@ -361,7 +364,6 @@ class GossipSync(_MixingSync):
                                      self._gossip_state, self._set_gossip_state, bans=ctx.bans)
         self.components = (self.gossip,)
         self._bytes = (0, 0)  # the averager's byte counters at our last round
-        self._undialable: frozenset[str] = frozenset()
         self._served = 0  # and its count of exchanges answered
 
     def _gossip_state(self) -> tuple[torch.Tensor, float]:
@@ -371,10 +373,10 @@ class GossipSync(_MixingSync):
         self.state.outer = unpack(packed, self.state.outer.outer_round)
         self.state.gossip_weight = weight
 
-    async def _exchange(self, r, stepped, weight, peers):
+    async def _exchange(self, r, stepped, weight, peers, live):
         self.state.outer, self.state.gossip_weight = stepped, weight
         # peers found unreachable are not dialed while another partner can be (they start exchanges themselves)
-        dialable = [p for p in peers if p not in self._undialable]
+        dialable = [p for p in peers if live.get(p, {}).get("reachable") is not False or p == self.ctx.peer_id]
         result = await unless_stopped(self.ctx, self.gossip.gossip_round(dialable if len(dialable) > 1 else peers))
         if result is None:
             return None

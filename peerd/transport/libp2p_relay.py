@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import socket
 from typing import Any, Sequence
 
 import multiaddr
@@ -57,8 +58,6 @@ def concrete_addrs(listen: Sequence[str], peers: Sequence[str]) -> list[str]:
     """``listen`` addresses with wildcards (``0.0.0.0``, ``::``) replaced by the local IPs this host reaches
     ``peers`` from (full multiaddrs; the kernel's route lookup of a UDP ``connect``, which sends nothing): py-libp2p
     reports a wildcard listener as such, and :func:`wants_reservation` needs IPs."""
-    import socket
-
     out = [a for a in listen if "/ip4/0.0.0.0/" not in f"{a}/" and "/ip6/::/" not in f"{a}/"]
     if len(out) == len(listen):
         return out

@@ -71,7 +71,7 @@ def test_a_dial_only_peer_with_the_smallest_peer_id_follows_and_the_round_needs_
             return wrapped
 
         peers = await averaging_peers(hub, 4, "run", MM, CFG, wrap=behind)
-        peers[0].matchmaker.dial_only = peers[0].allreduce.dial_only = True
+        peers[0].allreduce.dial_only = True  # announced in the group info: the matchmaker reads it there
         groups = await asyncio.gather(*[p.matchmaker.form_group("r", p.allreduce.announce(), expected_size=4)
                                         for p in peers])
         assert {g.members for g in groups} == {("peer00", "peer01", "peer02", "peer03")}
