@@ -314,6 +314,11 @@ RATE_MIN_RUNS = 3
 #: A run's measurement counts only if it moved at least this many bytes each way: short transfers measure latency
 #: and the event loop, not the link.
 RATE_MIN_BYTES = 4 << 20
+#: A sender still sending after ``sender_timeout_s`` is slow, not stalled, while each next chunk arrives within this
+#: many times its average time per chunk so far...
+SLOW_SENDER_PACES = 4.0
+#: ...and at least this many seconds (its chunks sealed without it are read and dropped, nothing is banned).
+SLOW_SENDER_GRACE_S = 1.0
 #: With bandwidth-proportional parts, every member within partition.FLOOR_SPREAD of the fastest reduces at least
 #: MIN_SHARE of an equal part, so that every honest reducer validates (and can exclude) every sender.
 MIN_SHARE = 0.25
@@ -415,7 +420,8 @@ class AllReduceResult:
     part_sizes: tuple[int, ...] = ()
     """Values each member reduced, in member order (equal or bandwidth-proportional)."""
     late: tuple[str, ...] = ()
-    """Members whose part reached this peer (as reducer) only after ``sender_timeout_s``: left out, not banned."""
+    """Members whose part reached this peer (as reducer) only after ``sender_timeout_s``: left out, not banned. A
+    slow member still sending when this peer returns is not listed yet (the reducer's session lists it later)."""
 
 
 @dataclass
@@ -440,7 +446,8 @@ class _ReduceSession:
     answered: asyncio.Event = field(default_factory=asyncio.Event)
     late_logged: bool = False
     late: list = field(default_factory=list)
-    """Members whose request arrived after the sender deadline: read and answered, never added, never banned."""
+    """Members whose request arrived after the sender deadline (read and answered, never added), or who kept sending
+    at their pace after it (their chunks sealed without them read and dropped): never banned."""
     downloads: list = field(default_factory=list)
     """``(bytes, seconds from our start)`` of every member's part that arrived whole."""
     gone: set = field(default_factory=set)
@@ -856,23 +863,45 @@ class ButterflyAllReduce(Service):
                        weight: float, late: bool = False) -> Optional[str]:
         """Read a member's chunks into our reducer; None, or the reason to exclude it. A ``late`` member's chunks
         are only read (drained, so that its call completes), within ``reducer_timeout_s`` from now (its own call
-        ends by then); if it breaks off or times out, raises Refused without a ban."""
+        ends by then); if it breaks off or times out, raises Refused without a ban.
+
+        A member still sending when our part is sealed is *slow*, not stalled, while it keeps its pace: each chunk
+        gives it :data:`SLOW_SENDER_PACES` times its average time per chunk (at least :data:`SLOW_SENDER_GRACE_S`)
+        for the next one, up to ``reducer_timeout_s`` (and never less than 1 s past the sender deadline); its chunks
+        sealed without it are only read, and it is reported in ``late``, not banned. One that sends nothing for
+        longer is stalled: excluded and banned."""
         peer, k = request.peer, 0
         loop = asyncio.get_running_loop()
+        opened = loop.time()
+        dropped = 0
 
         def on_frame(index: int, payload) -> None:
-            nonlocal k
+            nonlocal k, dropped
             k = index
-            if not late and len(session.sealed) <= index:  # a chunk sealed without it is only read
+            if late:
+                pass  # it started after the deadline: read only
+            elif len(session.sealed) <= index:
                 a, b = session.bounds[index]
                 session.reducer.add(peer, index, decode_chunk(session.codec, payload, b - a), weight,
                                     finite_checked=True)
                 session.changed.set()
+            else:  # sealed without it: a slow sender's chunk is only read
+                dropped += 1
             k = index + 1
+
+        def keeps_pace(index: int) -> Optional[float]:
+            if late:
+                return None
+            now = loop.time()
+            pace = (now - opened) / (index + 1)
+            allowed = min(now + max(SLOW_SENDER_GRACE_S, SLOW_SENDER_PACES * pace),
+                          opened + self.config.reducer_timeout_s)
+            return max(session.deadline + 1.0, allowed)
 
         try:
             await request.read_frames(sizes, on_frame,
-                                      loop.time() + self.config.reducer_timeout_s if late else session.deadline + 1.0)
+                                      loop.time() + self.config.reducer_timeout_s if late else session.deadline + 1.0,
+                                      keeps_pace)
         except (RpcTimeout, Unreachable) as e:
             if late:  # its part no longer counts here: a late stream that breaks off is no offence
                 raise Refused(f"late part not read: {e}", "timeout") from None
@@ -886,6 +915,11 @@ class ButterflyAllReduce(Service):
             session.bytes_received += request.stream.bytes_received
         if late:  # its pace says nothing about our link: it started late
             return None
+        if dropped:
+            session.late.append(peer)
+            logger.info("%s sent %d of %d chunks of group %s after sender_timeout_s=%s: left out of those, not "
+                        "banned (slow, not stalled)", peer, dropped, len(sizes), session.group.group_id,
+                        self.config.sender_timeout_s, extra={"event": "late_sender", "peer": peer})
         started = session.deadline - self.config.sender_timeout_s
         session.downloads.append((request.stream.bytes_received, asyncio.get_running_loop().time() - started))
         return None

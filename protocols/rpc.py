@@ -602,29 +602,52 @@ class Request:
             yield data
 
     async def read_frames(self, sizes: Sequence[int], on_frame: Callable[[int, Union[bytes, bytearray]], None],
-                          deadline: Optional[float] = None) -> None:
+                          deadline: Optional[float] = None,
+                          extend: Optional[Callable[[int], Optional[float]]] = None) -> None:
         """Read the request payload framed as ``sizes`` (:func:`call_framed`), calling ``on_frame(k, payload)`` for
         each frame in order as it arrives: :meth:`payload_frames` with one timer for the whole read instead of one
         per frame (a pipelined reader pays the event loop per frame, so this matters per byte).
 
         Checks the announced total and every frame's size before reading it. ``deadline`` (event loop time) bounds
-        the whole read. Raises ProtocolViolation (framed otherwise, truncated, malformed), RpcTimeout, Unreachable;
-        whatever ``on_frame`` raises propagates.
+        the whole read; ``extend(k)``, called after frame k was handled, may return a new deadline (a reader that
+        gives a sender which keeps its pace more time). Raises ProtocolViolation (framed otherwise, truncated,
+        malformed), RpcTimeout, Unreachable; whatever ``on_frame`` or ``extend`` raise propagates.
         """
         self._claim_framed_payload(sizes)
         reader = self.stream.reader
+        timeout_at = getattr(asyncio, "timeout_at", None)
+        scope = None  # the one timer of the read (Python 3.11+); older Pythons bound each frame by the deadline
+        current = deadline
+
+        async def frame(k: int, length: int, header_bytes: int) -> None:
+            nonlocal current
+            on_frame(k, await read_payload(reader, length))
+            self.stream.bytes_received += header_bytes + length
+            moved = extend(k) if extend is not None else None
+            if moved is not None and moved != current:
+                current = moved
+                if scope is not None:
+                    scope.reschedule(moved)
 
         async def read_all() -> None:
-            on_frame(0, await read_payload(reader, sizes[0]))
-            self.stream.bytes_received += sizes[0]
+            if scope is None and current is not None:  # no timer to move: every frame under the current deadline
+                await until(frame(0, sizes[0], 0), current)
+                for k, size in enumerate(sizes[1:], 1):
+                    length, header_bytes = await until(_continuation_header(reader, k, size), current)
+                    await until(frame(k, length, header_bytes), current)
+                return
+            await frame(0, sizes[0], 0)
             for k, size in enumerate(sizes[1:], 1):
                 length, header_bytes = await _continuation_header(reader, k, size)
-                on_frame(k, await read_payload(reader, length))
-                self.stream.bytes_received += header_bytes + length
+                await frame(k, length, header_bytes)
 
         what = f"reading the request of {self.peer}"
         try:
-            await until(read_all(), deadline)
+            if deadline is not None and timeout_at is not None:
+                async with timeout_at(deadline) as scope:
+                    await read_all()
+            else:
+                await read_all()
         except asyncio.TimeoutError:
             raise RpcTimeout(f"{what} did not finish by its deadline") from None
         except (ConnectionError, OSError) as e:

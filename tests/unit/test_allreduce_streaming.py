@@ -11,7 +11,7 @@ import torch
 from peerd.transport.inprocess import Hub
 from protocols.allreduce import AllReduceConfig, AllReduceFailed, ButterflyAllReduce, ChunkedPartReducer
 from protocols.matchmaking import MatchmakingConfig
-from protocols.rpc import ProtocolViolation, Refused, Service, call_framed
+from protocols.rpc import ProtocolViolation, Refused, RpcError, RpcTimeout, Service, call_framed
 from tests.streams import StreamsWrapper
 
 pytestmark = pytest.mark.timeout(60)
@@ -397,6 +397,85 @@ def test_a_sender_starting_after_the_deadline_is_late_not_banned_and_every_membe
     asyncio.run(main())
 
 
+class _PacedWriter:
+    """A writer that waits ``pace_s`` in the drain after every whole chunk (a slow link that keeps its pace)."""
+
+    def __init__(self, inner, pace_s: float, marks: list):
+        self.inner, self.pace_s, self.marks = inner, pace_s, marks
+        self.unpaced = 0
+
+    def write(self, data):
+        self.inner.write(data)
+        self.unpaced += len(data)
+
+    async def drain(self):
+        if self.unpaced >= CHUNK * 4:
+            self.unpaced = 0
+            self.marks.append(asyncio.get_running_loop().time())
+            await asyncio.sleep(self.pace_s)
+        await self.inner.drain()
+
+    def close(self):
+        self.inner.close()
+
+
+class _PacedTowards(StreamsWrapper):
+    """Streams whose ``.reduce`` stream to ``reducer`` goes through a :class:`_PacedWriter`."""
+
+    def __init__(self, inner, reducer: str, pace_s: float, marks: list):
+        self.inner, self.reducer, self.pace_s, self.marks = inner, reducer, pace_s, marks
+
+    async def open(self, peer_id, name):
+        reader, writer = await self.inner.open(peer_id, name)
+        if peer_id == self.reducer and name.endswith(".reduce"):
+            return reader, _PacedWriter(writer, self.pace_s, self.marks)
+        return reader, writer
+
+
+def test_a_slow_sender_that_keeps_its_pace_past_the_deadline_is_left_out_not_banned(averaging_peers):
+    # chunk 0 arrives at once, then one chunk every 0.6 s: the part is sealed at 0.5 s without chunks 1-3 of the slow
+    # sender, whose last chunk comes at ~1.8 s, after the sender deadline's 1 s of read grace (1.5 s): slow, not
+    # stalled (it kept its pace), so it is read to its end and nobody bans it
+    sender_timeout_s, pace_s = 0.5, 0.6
+    marks: list = []
+
+    async def main():
+        hub = Hub()
+
+        def wrap(i, t):
+            if i != 2:
+                return t
+            wrapped = _Wrapped(t, lambda w: w)
+            wrapped.streams = _PacedTowards(t.streams, "peer00", pace_s, marks)
+            return wrapped
+
+        peers = await averaging_peers(hub, 3, "run", MM, _cfg(sender_timeout_s=sender_timeout_s,
+                                                               reducer_timeout_s=6.0), ban_s=60.0, wrap=wrap)
+        group, by_id = await _group(peers)
+        reducer, slow = "peer00", "peer02"
+        xs = {m: _vector(i, 3) for i, m in enumerate(group.members)}
+        out = dict(zip(group.members, await asyncio.gather(
+            *[by_id[m].allreduce.run(group, xs[m], 1.0) for m in group.members], return_exceptions=True)))
+        assert len(marks) >= CHUNKS - 1 and marks[-1] - marks[0] >= (CHUNKS - 2) * pace_s  # it did keep that pace
+        for m, result in out.items():
+            assert not isinstance(result, BaseException), (m, result)
+            assert torch.equal(result.averaged, out[reducer].averaged)
+            assert not result.excluded
+        part = CHUNKS * CHUNK
+        i = group.members.index(reducer)
+        expected = sum(xs.values()) / 3
+        others = (xs["peer00"] + xs["peer01"]) / 2
+        lo = i * part + CHUNK  # chunk 0 of peer00's part has all three, chunks 1-3 the two on time
+        expected[lo:(i + 1) * part] = others[lo:(i + 1) * part]
+        assert torch.equal(out[reducer].averaged, expected)
+        session = by_id[reducer].allreduce._sessions[group.group_id]
+        assert session.late == [slow] and slow not in session.excluded  # (after peer00 returned: not in its result)
+        for p in peers:
+            assert not p.bans.is_banned(slow)
+
+    asyncio.run(main())
+
+
 def test_bandwidth_proportional_parts_from_announced_rates(averaging_peers):
     async def main():
         hub = Hub()
@@ -486,6 +565,72 @@ def test_call_framed_pipelines_both_directions_and_checks_the_framing():
         with pytest.raises(ValueError):  # our own frame of the wrong size never reaches the wire as such
             await call_framed(client, "server", "echo", "frames", {"sizes": sizes}, iter([b"a" * 4]), sizes, sizes,
                               lambda k, p: None, timeout_s=5.0)
+
+    asyncio.run(main())
+
+
+class _DeadlineReader(Service):
+    """Reads a framed request under a 0.15 s deadline, moved to 0.15 s after every frame if ``extend``."""
+
+    name = "reader"
+
+    def __init__(self, extend: bool):
+        super().__init__()
+        self.extend, self.outcome = extend, []
+
+    async def rpc_frames(self, request):
+        sizes = request.header["sizes"]
+        loop = asyncio.get_running_loop()
+        got: list = []
+        moved = (lambda k: loop.time() + 0.15) if self.extend else None
+        try:
+            await request.read_frames(sizes, lambda k, payload: got.append(k), loop.time() + 0.15, moved)
+        except RpcTimeout:
+            self.outcome.append(("timeout", got))
+            raise
+        self.outcome.append(("read", got))
+        for k, size in enumerate(sizes):
+            await request.reply_frame(k, sizes, b"x" * size)
+
+
+@pytest.mark.parametrize("timer", ["timeout_at", "per frame"])
+@pytest.mark.parametrize("extend", [True, False])
+def test_read_frames_deadline_moves_with_each_frame_when_extended(extend, timer, monkeypatch):
+    # 4 frames 0.1 s apart take ~0.3 s: past a fixed 0.15 s deadline, within one moved to 0.15 s after every frame;
+    # "per frame" is the path of Pythons without asyncio.timeout_at (each frame bounded by the current deadline)
+    if timer == "per frame":
+        monkeypatch.delattr(asyncio, "timeout_at", raising=False)
+
+    async def main():
+        hub = Hub()
+        reader = _DeadlineReader(extend)
+        await reader.start(hub.transport("server"))
+        inner = hub.transport("client").streams
+
+        class _Paced:
+            peer_id = "client"
+
+            async def open(self, peer, name):
+                stream_reader, writer = await inner.open(peer, name)
+                drain = writer.drain
+
+                async def slow_drain():
+                    await asyncio.sleep(0.1)
+                    await drain()
+
+                writer.drain = slow_drain
+                return stream_reader, writer
+
+        sizes = [5, 5, 5, 5]
+        call = call_framed(_Paced(), "server", "reader", "frames", {"sizes": sizes}, iter([b"a" * 5] * 4), sizes,
+                           sizes, lambda k, p: None, timeout_s=5.0)
+        if extend:
+            await call
+            assert reader.outcome == [("read", [0, 1, 2, 3])]
+        else:
+            with pytest.raises(RpcError):
+                await call
+            assert reader.outcome[0][0] == "timeout" and len(reader.outcome[0][1]) < 4
 
     asyncio.run(main())
 
