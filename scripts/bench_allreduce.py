@@ -17,6 +17,11 @@ mean.
 Bound: 2 (N-1)/N * S_wire / B (B = the slowest peer's rate; S_wire = S after compression), the traffic each peer of
 a butterfly or ring all-reduce must upload and download. Link utilization = bound / measured.
 
+Ceilings (``--impls tcp tcp-ring``): plain sockets moving exactly the bytes of a butterfly (every peer to every other
+at once) or of a ring (every peer to its right neighbour), no computation, no waiting between peers: what TCP
+itself gets out of the same links, in the same run. No implementation can beat them by much: a 1,514-byte frame
+carries 1,448 bytes of payload (0.956), and the ACKs of the download share the upload.
+
 Results are appended to docs/benchmarks.md (a new dated section; other sections are left alone) unless --no-md.
 Network hygiene: peers listen only on their namespace's own 10.88.0.x address (or 127.0.0.1 inside a namespace of
 ours); hivemind with nat_port_map=False, use_ipfs=False, no relays.
@@ -624,7 +629,10 @@ def render(rows: list[Row], scenarios: dict[str, Scenario], args, meta: dict) ->
            "(defaults, part_size 512 KB, "
            "min_matchmaking_time 2 s); "
            "gloo = "
-           "`torch.distributed.all_reduce` (fp16 = a half tensor; gloo has no int8 all-reduce). Time = median of "
+           "`torch.distributed.all_reduce` (fp16 = a half tensor; gloo has no int8 all-reduce); tcp and tcp-ring "
+           "= ceilings, not all-reduces: plain sockets (one warm connection per direction and pair) moving exactly "
+           "a butterfly's bytes (every peer sends 2 S_wire / N to every other, all at once) or a ring's (every "
+           "peer sends 2 (N-1)/N S_wire to its right neighbour), no computation. Time = median of "
            f"{args.reps} repetitions after one warm-up of `max(end) - min(start)` over peers, start = the peer has its "
            "group (peerd, hivemind) or left a barrier (gloo); matchmaking (median over peers, from the common 'go' to "
            "having the group) is excluded and shown apart. Bound = 2(N-1)/N x wire bytes / slowest rate; link "
