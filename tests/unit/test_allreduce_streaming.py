@@ -516,27 +516,33 @@ class _Echo(Service):
             k += 1
 
 
+class _PacedClient:
+    """The client's streams, each drain waiting ``delay_s`` first (a slow link)."""
+
+    peer_id = "client"
+
+    def __init__(self, inner, delay_s: float):
+        self.inner, self.delay_s = inner, delay_s
+
+    async def open(self, peer, name):
+        reader, writer = await self.inner.open(peer, name)
+        drain = writer.drain
+
+        async def slow_drain():
+            await asyncio.sleep(self.delay_s)
+            await drain()
+
+        writer.drain = slow_drain
+        return reader, writer
+
+
 def test_call_framed_pipelines_both_directions_and_checks_the_framing():
     async def main():
         hub = Hub()
         await _Echo().start(hub.transport("server"))
         inner = hub.transport("client").streams
 
-        class _Paced:  # a link slow enough that the answer to frame 0 can come back before frame 2 leaves
-            peer_id = "client"
-
-            async def open(self, peer, name):
-                reader, writer = await inner.open(peer, name)
-                drain = writer.drain
-
-                async def slow_drain():
-                    await asyncio.sleep(0.02)
-                    await drain()
-
-                writer.drain = slow_drain
-                return reader, writer
-
-        client = _Paced()
+        client = _PacedClient(inner, 0.02)  # slow enough that the answer to frame 0 comes back before frame 2 leaves
         events = []
         sizes = [5, 5, 3]
 
@@ -607,22 +613,8 @@ def test_read_frames_deadline_moves_with_each_frame_when_extended(extend, timer,
         await reader.start(hub.transport("server"))
         inner = hub.transport("client").streams
 
-        class _Paced:
-            peer_id = "client"
-
-            async def open(self, peer, name):
-                stream_reader, writer = await inner.open(peer, name)
-                drain = writer.drain
-
-                async def slow_drain():
-                    await asyncio.sleep(0.1)
-                    await drain()
-
-                writer.drain = slow_drain
-                return stream_reader, writer
-
         sizes = [5, 5, 5, 5]
-        call = call_framed(_Paced(), "server", "reader", "frames", {"sizes": sizes}, iter([b"a" * 5] * 4), sizes,
+        call = call_framed(_PacedClient(inner, 0.1), "server", "reader", "frames", {"sizes": sizes}, iter([b"a" * 5] * 4), sizes,
                            sizes, lambda k, p: None, timeout_s=5.0)
         if extend:
             await call
