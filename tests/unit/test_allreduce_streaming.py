@@ -67,20 +67,22 @@ class _RecordingAllReduce(ButterflyAllReduce):
 
 
 class _SlowWriter:
-    """A writer that, once ``after`` bytes went through, waits ``delay_s`` in its next drain (a slow link)."""
+    """A writer that, once ``after`` bytes went through, waits ``delay_s`` in its next drain (a slow link); with
+    ``repeat``, again after every further ``after`` bytes (a slow link that keeps its pace). Counts each wait in
+    ``marks``."""
 
-    def __init__(self, inner, after: int, delay_s: float, marks: list):
-        self.inner, self.after, self.delay_s, self.marks = inner, after, delay_s, marks
-        self.written = 0
+    def __init__(self, inner, after: int, delay_s: float, marks: list, repeat: bool = False):
+        self.inner, self.after, self.delay_s, self.marks, self.repeat = inner, after, delay_s, marks, repeat
+        self.since_wait = 0
         self.delayed = False
 
     def write(self, data):
         self.inner.write(data)
-        self.written += len(data)
+        self.since_wait += len(data)
 
     async def drain(self):
-        if self.written >= self.after and not self.delayed:
-            self.delayed = True
+        if self.since_wait >= self.after and (self.repeat or not self.delayed):
+            self.delayed, self.since_wait = True, 0
             self.marks.append(asyncio.get_running_loop().time())
             await asyncio.sleep(self.delay_s)
         await self.inner.drain()
@@ -397,30 +399,8 @@ def test_a_sender_starting_after_the_deadline_is_late_not_banned_and_every_membe
     asyncio.run(main())
 
 
-class _PacedWriter:
-    """A writer that waits ``pace_s`` in the drain after every whole chunk (a slow link that keeps its pace)."""
-
-    def __init__(self, inner, pace_s: float, marks: list):
-        self.inner, self.pace_s, self.marks = inner, pace_s, marks
-        self.unpaced = 0
-
-    def write(self, data):
-        self.inner.write(data)
-        self.unpaced += len(data)
-
-    async def drain(self):
-        if self.unpaced >= CHUNK * 4:
-            self.unpaced = 0
-            self.marks.append(asyncio.get_running_loop().time())
-            await asyncio.sleep(self.pace_s)
-        await self.inner.drain()
-
-    def close(self):
-        self.inner.close()
-
-
 class _PacedTowards(StreamsWrapper):
-    """Streams whose ``.reduce`` stream to ``reducer`` goes through a :class:`_PacedWriter`."""
+    """Streams whose ``.reduce`` stream to ``reducer`` waits ``pace_s`` after every chunk (:class:`_SlowWriter`)."""
 
     def __init__(self, inner, reducer: str, pace_s: float, marks: list):
         self.inner, self.reducer, self.pace_s, self.marks = inner, reducer, pace_s, marks
@@ -428,7 +408,7 @@ class _PacedTowards(StreamsWrapper):
     async def open(self, peer_id, name):
         reader, writer = await self.inner.open(peer_id, name)
         if peer_id == self.reducer and name.endswith(".reduce"):
-            return reader, _PacedWriter(writer, self.pace_s, self.marks)
+            return reader, _SlowWriter(writer, CHUNK * 4, self.pace_s, self.marks, repeat=True)
         return reader, writer
 
 
