@@ -37,6 +37,12 @@ async def _group(peers, key="r"):
     return groups[0], {p.matchmaker.peer_id: p for p in peers}
 
 
+async def _run_all(group, by_id, xs) -> dict:
+    """Every member's all-reduce of ``xs[member]`` (weight 1) at once: {member: result, or the exception}."""
+    return dict(zip(group.members, await asyncio.gather(
+        *[by_id[m].allreduce.run(group, xs[m], 1.0) for m in group.members], return_exceptions=True)))
+
+
 @pytest.mark.parametrize("compression", ["none", "fp16", "int8"])
 def test_chunked_parts_give_the_unchunked_result_bit_for_bit(compression, averaging_peers):
     async def main():
@@ -157,8 +163,7 @@ def test_garbage_in_chunk_k_of_n_excludes_and_bans_the_sender_from_chunk_k_on(av
         honest = [m for m in group.members if m != bad]
         xs = {m: _vector(i, 4) for i, m in enumerate(group.members)}
         xs[bad] = _marked(4)
-        out = dict(zip(group.members, await asyncio.gather(
-            *[by_id[m].allreduce.run(group, xs[m], 1.0) for m in group.members], return_exceptions=True)))
+        out = await _run_all(group, by_id, xs)
         assert isinstance(out[bad], AllReduceFailed)  # refused mid-answer by every honest reducer
         reference = out[honest[0]].averaged
         part = CHUNKS * CHUNK
@@ -298,8 +303,7 @@ def test_a_member_refused_by_one_reducer_still_takes_that_reducers_part_and_the_
         group, by_id = await _group(peers)
         by_id["peer00"].bans.ban("peer02", "an earlier offence")
         xs = {m: _vector(i, 3) for i, m in enumerate(group.members)}
-        out = dict(zip(group.members, await asyncio.gather(
-            *[by_id[m].allreduce.run(group, xs[m], 1.0) for m in group.members], return_exceptions=True)))
+        out = await _run_all(group, by_id, xs)
         assert opener[0].delayed == 1  # peer00's part reached peer02 after peer02's call had been refused
         assert isinstance(out["peer02"], AllReduceFailed) and "refused" in str(out["peer02"])
         for m in ("peer00", "peer01"):
@@ -375,8 +379,7 @@ def test_a_sender_starting_after_the_deadline_is_late_not_banned_and_every_membe
         group, by_id = await _group(peers)
         reducer, sender = "peer00", "peer02"
         xs = {m: _vector(i, 3) for i, m in enumerate(group.members)}
-        out = dict(zip(group.members, await asyncio.gather(
-            *[by_id[m].allreduce.run(group, xs[m], 1.0) for m in group.members], return_exceptions=True)))
+        out = await _run_all(group, by_id, xs)
         assert opener[0].delayed == 1  # only the late sender's call to peer00 was held back...
         assert len(opener[0].pauses) == 1  # ...and paused mid-part
         for m, result in out.items():
@@ -434,8 +437,7 @@ def test_a_slow_sender_that_keeps_its_pace_past_the_deadline_is_left_out_not_ban
         group, by_id = await _group(peers)
         reducer, slow = "peer00", "peer02"
         xs = {m: _vector(i, 3) for i, m in enumerate(group.members)}
-        out = dict(zip(group.members, await asyncio.gather(
-            *[by_id[m].allreduce.run(group, xs[m], 1.0) for m in group.members], return_exceptions=True)))
+        out = await _run_all(group, by_id, xs)
         assert len(marks) >= CHUNKS - 1 and marks[-1] - marks[0] >= (CHUNKS - 2) * pace_s  # it did keep that pace
         for m, result in out.items():
             assert not isinstance(result, BaseException), (m, result)
