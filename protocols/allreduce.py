@@ -878,14 +878,12 @@ class ButterflyAllReduce(Service):
         def on_frame(index: int, payload) -> None:
             nonlocal k, dropped
             k = index
-            if late:
-                pass  # it started after the deadline: read only
-            elif len(session.sealed) <= index:
+            if not late and len(session.sealed) <= index:  # a late sender's chunks are only read
                 a, b = session.bounds[index]
                 session.reducer.add(peer, index, decode_chunk(session.codec, payload, b - a), weight,
                                     finite_checked=True)
                 session.changed.set()
-            else:  # sealed without it: a slow sender's chunk is only read
+            elif not late:  # sealed without it: a slow sender's chunk is only read
                 dropped += 1
             k = index + 1
 

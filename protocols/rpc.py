@@ -629,17 +629,15 @@ class Request:
                 if scope is not None:
                     scope.reschedule(moved)
 
+        def bounded(step: Awaitable[Any]) -> Awaitable[Any]:
+            """``step`` under the current deadline where no one timer bounds the whole read."""
+            return step if scope is not None or current is None else until(step, current)
+
         async def read_all() -> None:
-            if scope is None and current is not None:  # no timer to move: every frame under the current deadline
-                await until(frame(0, sizes[0], 0), current)
-                for k, size in enumerate(sizes[1:], 1):
-                    length, header_bytes = await until(_continuation_header(reader, k, size), current)
-                    await until(frame(k, length, header_bytes), current)
-                return
-            await frame(0, sizes[0], 0)
+            await bounded(frame(0, sizes[0], 0))
             for k, size in enumerate(sizes[1:], 1):
-                length, header_bytes = await _continuation_header(reader, k, size)
-                await frame(k, length, header_bytes)
+                length, header_bytes = await bounded(_continuation_header(reader, k, size))
+                await bounded(frame(k, length, header_bytes))
 
         what = f"reading the request of {self.peer}"
         try:

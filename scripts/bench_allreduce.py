@@ -62,12 +62,11 @@ CODECS = ("none", "fp16", "int8")
 #: peerd-direct = peerd with its streams on the direct TCP data plane (peerd/transport/direct.py), one connection per
 #: stream; peerd-mux = the same with one warm multiplexed connection per peer pair (peerd/transport/mux.py);
 #: peerd-libp2p = peerd on the py-libp2p transport (peerd/transport/libp2p_backend.py) instead of p2pd.
-#: tcp and tcp-ring are ceilings, not all-reduces: plain blocking sockets (one warm connection per direction and pair)
-#: move exactly the bytes a butterfly (every peer sends 2 S_wire / N to every other, all at once) or a ring (every
-#: peer sends 2 (N-1)/N S_wire to its right neighbour) moves, with no computation and no waiting between peers: what
-#: TCP itself achieves on the testbed's links for each traffic pattern.
+#: tcp and tcp-ring are ceilings, not all-reduces (see the module docstring and worker_tcp).
 IMPLS = ("peerd", "peerd-direct", "peerd-mux", "peerd-libp2p", "hivemind", "gloo", "tcp", "tcp-ring")
 CEILINGS = ("tcp", "tcp-ring")
+#: Workers without a DHT: no bootstrap peer, no matchmaking, fp32 and fp16 only.
+STANDALONE = ("gloo", *CEILINGS)
 GLOO_CODECS = ("none", "fp16")  # gloo sums in the tensor's dtype: no int8 all-reduce
 WIRE_BYTES_PER_VALUE = {"none": 4.0, "fp16": 2.0, "int8": 1.0 + 4.0 / 256}
 
@@ -323,7 +322,7 @@ def worker_tcp(a: argparse.Namespace) -> None:
     peers = [r for r in range(a.world) if r != a.rank]
     out: dict[int, socket.socket] = {}
     for r in peers:
-        host = a.host if a.host == "127.0.0.1" else a.peer_hosts[r]
+        host = a.peer_hosts[r]
         deadline = time.time() + 60
         while True:
             try:
@@ -342,8 +341,7 @@ def worker_tcp(a: argparse.Namespace) -> None:
     for sock in out.values():
         sock.settimeout(None)
     right = (a.rank + 1) % a.world
-    buf = bytearray(int(2 * WIRE_BYTES_PER_VALUE["none"] * a.numel) + 1)
-    view = memoryview(buf)
+    view = memoryview(bytearray(int(2 * WIRE_BYTES_PER_VALUE["none"] * a.numel)))  # the largest send: 2 S
 
     def recv_exactly(sock: socket.socket, n: int) -> None:
         scratch = memoryview(bytearray(min(n, 1 << 20) or 1))
@@ -496,7 +494,7 @@ def run_impl(tb, sc: Scenario, impl: str, args, workdir: str) -> list[Row]:
     A repetition that fails on some peer (e.g. AllReduceFailed) is counted in ``Row.failures`` and left out of the
     times; a worker that crashes or hangs fails the rest of that codec, and fresh workers start for the next codec.
     """
-    codecs = [c for c in sc.codecs if impl not in ("gloo", *CEILINGS) or c in GLOO_CODECS]
+    codecs = [c for c in sc.codecs if impl not in STANDALONE or c in GLOO_CODECS]
     rows = {c: Row(sc.key, impl, c, sc.world) for c in codecs}
     workers: list[Worker] = []
     generation = 0
@@ -524,9 +522,9 @@ def run_impl(tb, sc: Scenario, impl: str, args, workdir: str) -> list[Row]:
                     argv += ["--initial-peers", first_maddr]
                 log = os.path.join(workdir, f"{sc.key}-{impl}-g{generation}-{rank}.log")
                 started.append(Worker(tb.wrap(0 if sc.loopback else rank, argv), log))
-                if impl not in ("gloo", *CEILINGS) and rank == 0:
+                if impl not in STANDALONE and rank == 0:
                     first_maddr = started[0].read(120)["ready"]
-            for w in started[1:] if impl not in ("gloo", *CEILINGS) else started:
+            for w in started[1:] if impl not in STANDALONE else started:
                 w.read(180)
         except BaseException:
             stop_workers(started)
@@ -665,7 +663,7 @@ def render(rows: list[Row], scenarios: dict[str, Scenario], args, meta: dict) ->
                     g = by.get((sc.key, "gloo", codec, sc.world))
                     gt = med(g.times) if g else None
                     cells += [f"{t / gt:.1f}x" if (t and gt) else "-"]
-                cells += [fmt(med(r.matchmaking)) if impl not in ("gloo", *CEILINGS) else "-"]
+                cells += [fmt(med(r.matchmaking)) if impl not in STANDALONE else "-"]
                 c = r.cpu_median()
                 parts = " + ".join(f"{c.get(k, 0.0):.2f}" for k in ("main", "p2pd", "helpers"))
                 cells += [f"{sum(c.values()):.2f} = {parts}" if c else "-"]
