@@ -70,11 +70,18 @@ def test_rate_limits_hold_within_10_percent_both_directions():
     # peer 0 is shaped both ways, peer 1 is not: each push is limited by exactly one shaper of peer 0
     links = wt.make_links(2, rate="50mbit", overrides=["1:none"])
     with wt.Testbed(links, name=f"t{os.getpid() % 10**8}") as tb:
-        upload = push(tb, 0, 1)  # peer 0's egress tbf
-        download = push(tb, 1, 0)  # the hub's tbf towards peer 0
-    for what, bps in (("upload", upload), ("download", download)):
-        # goodput excludes Ethernet/IP/TCP headers (~4% of the wire rate at MTU 1500)
-        assert abs(bps / RATE_BPS - 1) <= 0.10, f"{what}: {bps / 1e6:.1f} Mbit/s vs limit {RATE_BPS / 1e6:.0f}"
+        # peer 0's egress tbf (upload), then the hub's tbf towards peer 0 (download)
+        for what, (src, dst) in (("upload", (0, 1)), ("download", (1, 0))):
+            samples = []
+            # a shaper never lets more through than its rate, but a CPU-starved receiver can fall below it (tbf's
+            # small bucket does not give back the time lost): every sample must stay under the limit, and the best
+            # of up to 3 must reach it
+            while len(samples) < 3 and (not samples or max(samples) / RATE_BPS < 0.9):
+                samples.append(push(tb, src, dst))
+            # goodput excludes Ethernet/IP/TCP headers (~4% of the wire rate at MTU 1500)
+            rates = ", ".join(f"{bps / 1e6:.1f}" for bps in samples)
+            assert max(samples) / RATE_BPS <= 1.10, f"{what}: {rates} Mbit/s vs limit {RATE_BPS / 1e6:.0f}"
+            assert max(samples) / RATE_BPS >= 0.90, f"{what}: {rates} Mbit/s vs limit {RATE_BPS / 1e6:.0f}"
 
 
 def test_down_kills_processes_and_removes_namespaces():

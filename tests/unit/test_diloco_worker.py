@@ -16,12 +16,13 @@ from protocols.diloco import DiLoCoHyperparams, OuterState, flatten_parameters
 pytestmark = pytest.mark.timeout(120)
 
 
-def _run(min_group_size: int) -> RunConfig:
+def _run(min_group_size: int, matchmaking_timeout_s: float = 4.0) -> RunConfig:
     return RunConfig(
         model="tiny", seq_len=32, batch_size=4, eval_batches=0,
         diloco=DiLoCoHyperparams(inner_steps=3, warmup_steps=2, inner_lr=1e-3),
-        averaging=AveragingConfig.from_flat(compression="none", min_group_size=min_group_size, matchmaking_timeout_s=4.0,
-                                  request_timeout_s=1.0, sender_timeout_s=3.0, reducer_timeout_s=6.0),
+        averaging=AveragingConfig.from_flat(compression="none", min_group_size=min_group_size,
+                                            matchmaking_timeout_s=matchmaking_timeout_s, request_timeout_s=1.0,
+                                            sender_timeout_s=3.0, reducer_timeout_s=6.0),
     )
 
 
@@ -57,7 +58,10 @@ def test_round_without_enough_peers_keeps_theta_outer_and_local_progress(tmp_pat
 def test_injected_allreduce_failure_rolls_back_everyone_then_the_next_round_succeeds(tmp_path):
     async def main():
         hub = Hub()
-        a, b = (_worker(hub, name, _run(min_group_size=2), tmp_path) for name in ("peer-a", "peer-b"))
+        # b's retry waits in matchmaking for a, which notices the failure only at its sender timeout (3 s): on a loaded
+        # machine that can take longer than the default 4 s window, and then the retry never forms
+        run = _run(min_group_size=2, matchmaking_timeout_s=30.0)
+        a, b = (_worker(hub, name, run, tmp_path) for name in ("peer-a", "peer-b"))
         for w in (a, b):
             await _start(w)
         fired = []
