@@ -195,7 +195,8 @@ class RunConfig:
     """Everything peers of one run must agree on. Published in the DHT under the run id."""
 
     model: str = "small"
-    """Model size: tiny (~0.9M parameters) or small (~10.7M)."""
+    """A name of the model registry (:data:`MODEL_NAMES`, ``peerd/models/registry.py``): dense tiny (~0.9M
+    parameters), small (~10.7M), 125m, 350m, 1.1b; mixture-of-experts tiny-moe (~2.7M) and small-moe (~46M)."""
     seq_len: int = 256
     """Training window length in bytes (tokens of the byte-level tokenizer)."""
     batch_size: int = 16

@@ -329,7 +329,7 @@ class AllReduceConfig:
     """Wire format and timeouts (seconds) of one all-reduce."""
 
     compression: str = "fp16"
-    """Codec for parts (and, if dense, results) on the wire: none | fp16 | bf16 | int8 | fp4 | topk."""
+    """Codec for parts (and, if dense, results) on the wire: none | fp16 | bf16 | int8 | fp4 | sign | topk."""
     sender_timeout_s: float = 30.0
     """A reducer waits this long, from its own start, for the members' parts before averaging without them."""
     reducer_timeout_s: float = 60.0

@@ -74,7 +74,7 @@ class GossipConfig:
     partners_per_round: int = 2
     """k: exchanges a peer initiates per gossip round."""
     compression: str = "fp16"
-    """Codec of vectors on the wire: none | fp16 | int8."""
+    """Codec of vectors on the wire: none | fp16 | bf16 | int8 | fp4."""
     exchange_timeout_s: float = 30.0
     """Longest one pairwise exchange may take before it is abandoned (neither side changes on a timeout before the
     answer; an answer lost in transit leaves only the responder updated)."""
