@@ -5,7 +5,8 @@ Usage: ``.venv/bin/python scripts/gen_config_reference.py`` (rewrites the file) 
 when the committed file differs from what the code says; ``tests/unit/test_config_reference.py`` runs the same
 check, so the reference cannot drift from the code).
 
-Sources: :class:`peerd.config.NodeConfig` (the node config) and :class:`peerd.run_config.RunConfig` with every
+Sources: the presets' leading comments (``node_configs/machines``, ``node_configs/runs``),
+:class:`peerd.config.NodeConfig` (the node config) and :class:`peerd.run_config.RunConfig` with every
 dataclass it embeds (``[diloco]``, ``[averaging]`` and its protocol sub-tables, ``[swarm]``, ``[spes]``). A field's
 text is the string literal right after its annotated assignment in the class body (read with :mod:`ast`, the
 convention of this code base); types and defaults come from the dataclass itself. Exit codes: 0 written or up to
@@ -49,9 +50,13 @@ peerd has two configurations, both TOML, both frozen dataclasses validated when 
   `--run-config` differs is refused. Options added after a run format existed default to the earlier behaviour and
   leave the run's fingerprint unchanged while at their default.
 
-Unknown keys and values of the wrong type are errors that name the key and the file, the variable or the flag
-(exit code 2), before anything starts. `[averaging]` tables of older run configs, with flat keys
-(`compression`, `sender_timeout_s`, ...), still load with their old meaning and the same fingerprint.
+Unknown keys and values of the wrong type are errors (exit code 2) in one line that names the key and the file,
+the variable (`PEERD_INITIAL_PEERS`) or the flag (`--initial-peers`), before anything starts; so are malformed
+multiaddrs in `initial_peers`, `host_maddrs` and `announce_maddrs` (each `initial_peers` entry must end with
+`/p2p/<PeerID>`), a `checkpoint_dir` that is a file and an `identity` that is a folder. `[averaging]` tables of
+older run configs, with flat keys (`compression`, `sender_timeout_s`, ...), still load with their old meaning (the
+all-reduce's compression and sender timeout also applied to gossip, state downloads waited `reducer_timeout_s`)
+and the same fingerprint.
 """
 
 
@@ -163,18 +168,35 @@ def render_section(s: Section) -> list[str]:
     return out
 
 
+def presets(folder: str) -> list[str]:
+    """One line per preset file of ``node_configs/<folder>``: its name and its leading comment."""
+    out = []
+    root = os.path.join(REPO, "node_configs", folder)
+    for name in sorted(os.listdir(root)):
+        if not name.endswith(".toml"):
+            continue
+        comment = []
+        with open(os.path.join(root, name)) as f:
+            for line in f:
+                if not line.startswith("#"):
+                    break
+                comment.append(line.lstrip("#").strip())
+        out.append(f"- `node_configs/{folder}/{name}`: {to_markdown(' '.join(comment)) or '(no description)'}")
+    return out
+
+
 def render() -> str:
     """The whole reference, as docs/configuration.md holds it."""
     sys.path.insert(0, REPO)
     from peerd.config import NodeConfig
     from peerd.run_config import RunConfig
 
-    lines = [INTRO, "## Node config", ""]
+    lines = [INTRO, "## Node config", "", "Presets:", "", *presets("machines"), ""]
     for s in sections(NodeConfig, "node", env_prefix="PEERD_"):
         lines += render_section(s)
     lines += ["## Run config", "",
               "Top-level keys first, then one table per section; every key may be left out (its default applies).",
-              ""]
+              "", "Presets:", "", *presets("runs"), ""]
     for s in sections(RunConfig, "(top level)"):
         lines += render_section(s)
     return "\n".join(lines).rstrip("\n") + "\n"

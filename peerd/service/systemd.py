@@ -86,7 +86,7 @@ async def watchdog_loop(notifier: Notifier, timeout_s: float) -> None:
 # ------------------------------------------------------------------------------------------------------------- unit
 
 UNIT_TEMPLATE = """\
-# peerd as a volunteer's service. Written by `peerd install-service`; README.md, "Running as a service".
+# peerd as a volunteer's service. Written by `peerd install-service`; docs/volunteer.md, "systemd".
 [Unit]
 Description=peerd volunteer compute (decentralized training peer)
 Wants=network-online.target
