@@ -22,7 +22,8 @@ at once) or of a ring (every peer to its right neighbour), no computation, no wa
 itself gets out of the same links, in the same run. No implementation can beat them by much: a 1,514-byte frame
 carries 1,448 bytes of payload (0.956), and the ACKs of the download share the upload.
 
-Results are appended to docs/benchmarks.md (a new dated section; other sections are left alone) unless --no-md.
+Results replace the section ``SECTION`` of docs/benchmarks.md (other sections are kept; the date is in its text)
+unless --no-md.
 Network hygiene: peers listen only on their namespace's own 10.88.0.x address (or 127.0.0.1 inside a namespace of
 ours); hivemind with nat_port_map=False, use_ipfs=False, no relays.
 """
@@ -53,7 +54,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from benchlib import load_wan_testbed, machine_line, result_args  # noqa: E402
+from benchlib import load_wan_testbed, machine_line, replace_section, result_args  # noqa: E402
 from peerd.testing.localswarm import ProcessSet, kill_tree  # noqa: E402
 from protocols.allreduce import RATE_MIN_RUNS  # noqa: E402
 
@@ -609,7 +610,7 @@ def fmt(x: Optional[float], digits: int = 2) -> str:
 def render(rows: list[Row], scenarios: dict[str, Scenario], args, meta: dict) -> str:
     med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
     by = {(r.scenario, r.impl, r.codec, r.world): r for r in rows}
-    out = [f"{SECTION}, {meta['date'][:10]}",
+    out = [SECTION,
            "",
            f"Command: `{meta['command']}`  ",
            f"Date: {meta['date']}  ",
@@ -756,7 +757,7 @@ def main() -> int:
     p.add_argument("--scenarios", nargs="+", default=["wan", "loopback", "hetero"],
                    choices=("wan", "loopback", "hetero"))
     p.add_argument("--impls", nargs="+", default=["peerd", "hivemind", "gloo"], choices=IMPLS)
-    p.add_argument("--no-md", action="store_true", help="do not append to docs/benchmarks.md")
+    p.add_argument("--no-md", action="store_true", help="do not write the section into docs/benchmarks.md")
     p.add_argument("--md", default=os.path.join(REPO, "docs", "benchmarks.md"))
     args = p.parse_args()
     if args.worker:
@@ -814,14 +815,8 @@ def main() -> int:
     with open(os.path.join(workdir, "results.json"), "w") as f:
         json.dump([r.__dict__ for r in rows], f, indent=1)
     if not args.no_md:
-        append_section(args.md, text)
+        replace_section(args.md, SECTION, text)
     return 0
-
-
-def append_section(path: str, text: str) -> None:
-    """Append our section at the end; never rewrite what other benchmarks wrote."""
-    with open(path, "a") as f:
-        f.write("\n" + text)
 
 
 if __name__ == "__main__":

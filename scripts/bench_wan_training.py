@@ -23,8 +23,8 @@ last round (DiLoCo) or of its last step (data parallel); evaluation time of the 
 its wall clock (it evaluates every few steps only to find the target), DiLoCo's per-round evaluation is included
 (the daemon does it inside its round).
 
-Results are appended to docs/benchmarks.md as a new dated section unless --no-md. Network hygiene: everything
-listens on 10.88.0.x inside namespaces of this testbed only; hivemind with nat_port_map off.
+Results replace the section ``SECTION`` of docs/benchmarks.md (the date is in its text) unless --no-md. Network
+hygiene: everything listens on 10.88.0.x inside namespaces of this testbed only; hivemind with nat_port_map off.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from benchlib import load_wan_testbed, machine_line, result_args  # noqa: E402
+from benchlib import load_wan_testbed, machine_line, replace_section, result_args  # noqa: E402
 from peerd.testing.localswarm import kill_tree  # noqa: E402
 
 SECTION = "## DiLoCo vs per-step data parallel on a virtual WAN (scripts/bench_wan_training.py)"
@@ -363,7 +363,7 @@ def render(res: Results, a, meta: dict) -> str:
     peers = d.get("peers", [])
     n = a.peers
     tokens_per_step = n * a.batch * a.seq_len
-    lines = [f"{SECTION}, {meta['date'][:10]}", "",
+    lines = [SECTION, "",
              f"Command: `{meta['command']}`  ",
              f"Date: {meta['date']}  ",
              f"Machine: {meta['machine']}  ",
@@ -502,7 +502,7 @@ def main() -> int:
                    help="limit of the DiLoCo run (default: 300 s per round boundary, plus 300 s; the delayed "
                         "overlap needs one boundary more than --rounds)")
     p.add_argument("--skip-dp", action="store_true")
-    p.add_argument("--no-md", action="store_true", help="do not append to docs/benchmarks.md")
+    p.add_argument("--no-md", action="store_true", help="do not write the section into docs/benchmarks.md")
     p.add_argument("--md", default=os.path.join(REPO, "docs", "benchmarks.md"))
     a = p.parse_args()
     if a.dp_worker:
@@ -577,8 +577,7 @@ def main() -> int:
     with open(os.path.join(workdir, "results.json"), "w") as f:
         json.dump({"diloco": res.diloco, "dp": res.dp, "meta": meta}, f, indent=1, default=str)
     if not a.no_md:
-        with open(a.md, "a") as f:
-            f.write("\n" + text)
+        replace_section(a.md, SECTION, text)
     return 0
 
 
