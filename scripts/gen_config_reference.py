@@ -62,7 +62,10 @@ and the same fingerprint.
 
 @dataclasses.dataclass
 class Section:
+    """One TOML table of the reference: the dataclass that defines it and where that class lives."""
+
     heading: str
+    """The table's dotted name (``averaging.matchmaking``); "" for a run config's top level."""
     source: str
     doc: str
     cls: type
@@ -71,14 +74,15 @@ class Section:
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """Field name -> the string literal that follows its annotated assignment in ``cls``'s body (cleaned)."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body  # type: ignore[attr-defined]
+    """Field name -> the string literal that follows its annotated assignment in the body of ``cls`` or of the
+    dataclass it inherits the field from (cleaned)."""
     docs: dict[str, str] = {}
-    for stmt, nxt in zip(body, body[1:]):
-        if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and isinstance(nxt, ast.Expr)
-                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
-            docs[stmt.target.id] = inspect.cleandoc(nxt.value.value)
+    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):  # subclasses override
+        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body  # type: ignore[attr-defined]
+        for stmt, nxt in zip(body, body[1:]):
+            if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and isinstance(nxt, ast.Expr)
+                    and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+                docs[stmt.target.id] = inspect.cleandoc(nxt.value.value)
     return docs
 
 
@@ -121,6 +125,7 @@ def toml_value(value: Any) -> str:
 
 
 def default_of(f: dataclasses.Field) -> Any:
+    """The field's default value (built by its factory), or ``dataclasses.MISSING``."""
     if f.default is not dataclasses.MISSING:
         return f.default
     if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
@@ -142,11 +147,11 @@ def sections(cls: type, table: str, env_prefix: str = "") -> Iterator[Section]:
     for f in dataclasses.fields(cls):
         if dataclasses.is_dataclass(hints[f.name]):
             sub = table_name(f.name)
-            yield from sections(hints[f.name], f"{table}.{sub}" if table != "(top level)" else sub)
+            yield from sections(hints[f.name], f"{table}.{sub}" if table else sub)
 
 
 def render_section(s: Section) -> list[str]:
-    title = "Top-level keys" if s.heading == "(top level)" else f"`[{s.heading}]`"
+    title = f"`[{s.heading}]`" if s.heading else "Top-level keys"
     out = [f"### {title}", "", f"From {s.source}."]
     if s.doc:
         out += ["", s.doc]
@@ -187,7 +192,8 @@ def presets(folder: str) -> list[str]:
 
 def render() -> str:
     """The whole reference, as docs/configuration.md holds it."""
-    sys.path.insert(0, REPO)
+    if REPO not in sys.path:
+        sys.path.insert(0, REPO)  # this tree's peerd, not an installed one
     from peerd.config import NodeConfig
     from peerd.run_config import RunConfig
 
@@ -197,7 +203,7 @@ def render() -> str:
     lines += ["## Run config", "",
               "Top-level keys first, then one table per section; every key may be left out (its default applies).",
               "", "Presets:", "", *presets("runs"), ""]
-    for s in sections(RunConfig, "(top level)"):
+    for s in sections(RunConfig, ""):
         lines += render_section(s)
     return "\n".join(lines).rstrip("\n") + "\n"
 
