@@ -1,6 +1,8 @@
 """The ``peerd`` command line. Parses arguments and calls :mod:`peerd.daemon`; nothing else imports this module.
 
-Exit codes: 0 clean stop, 1 runtime failure, 2 usage or configuration error.
+Exit codes: 0 clean stop (``join``, ``bootstrap`` and ``dashboard`` stopped by SIGINT/SIGTERM included), 1 runtime
+failure, 2 usage or configuration error, 128 + the signal's number (130 SIGINT, 143 SIGTERM) for a command interrupted
+before it was done, or stopped by a second signal (:mod:`peerd.processes`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from peerd.config import (
 )
 from peerd.service.control import ControlUnavailable
 from peerd.namespace import RunIdError
+from peerd.processes import Interrupted, interruptible
 
 logger = logging.getLogger("peerd")
 
@@ -391,7 +394,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     node = _node_config(args)
     if not node.initial_peers:
         raise UsageError("peerd status: --initial-peers is required (any peer of the run)")
-    peers, config = _run_async(read_status(node, args.run_id))
+    peers, config = _run_async(interruptible(read_status(node, args.run_id)))
     if args.json:
         print(json.dumps({"run_id": args.run_id, "config": config, "peers": peers}, indent=2, sort_keys=True))
         return 0
@@ -454,12 +457,15 @@ def _cmd_dashboard(args: argparse.Namespace) -> int:
 
 async def _serve_dashboard(node: NodeConfig, run_id: str) -> None:
     from peerd.dashboard.app import Dashboard, control_socket_node
-    from peerd.daemon import install_stop_handlers, read_run_status
+    from peerd.daemon import read_run_status
+    from peerd.processes import install_stop_handlers, unless_stopped
     from peerd.transport.factory import open_reader
 
     stop = asyncio.Event()
     install_stop_handlers(stop)
-    transport = await open_reader(node)
+    transport = await unless_stopped(stop, open_reader(node))
+    if transport is None:
+        return  # stopped while the DHT client was starting
     try:
         dashboard = Dashboard(run_id, lambda: read_run_status(transport.discovery, run_id),
                               control_socket_node(node.control_socket_path), node.dashboard_token, node.status_ttl_s)
@@ -713,7 +719,7 @@ def _generate_through_swarm(args: argparse.Namespace) -> int:
             except NoPath as e:
                 raise ConnectionError(f"run {run_id}: {e}") from None
 
-    text, skipped = _run_async(go())
+    text, skipped = _run_async(interruptible(go()))
     print(text)
     print(f"skipped stages: {', '.join(map(str, skipped)) or 'none'}", file=sys.stderr)
     return 0
@@ -747,7 +753,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             except NoPath as e:  # the first or the last stage is unreachable: a runtime failure, one line
                 raise ConnectionError(f"run {run_id}: {e}") from None
 
-    result, units = _run_async(go())
+    result, units = _run_async(interruptible(go()))
     where = (f"through stages {', '.join(map(str, result.path))}; skipped: "
              f"{', '.join(map(str, result.skipped)) or 'none'}")
     if units["eval_unit"] == "byte":
@@ -792,6 +798,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except Interrupted as e:
+        print(f"peerd {args.command}: {e}", file=sys.stderr)
+        return 128 + e.signum
     except ControlUnavailable as e:  # pause/resume/health without a daemon: one line, and no heavy imports
         print(f"{'unhealthy' if args.command == 'health' else 'peerd ' + args.command}: {e}", file=sys.stderr)
         return 1

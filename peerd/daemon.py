@@ -14,7 +14,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import signal
 from pathlib import Path
 from typing import Optional
 
@@ -33,6 +32,7 @@ from peerd.membership import (
     save_pin,
 )
 from peerd.namespace import RunNamespace, RunRef, as_run_ref
+from peerd.processes import install_stop_handlers, unless_stopped
 from peerd.signing import InvalidRecord, key_id
 from peerd.status import StatusFilter
 from peerd.transport.admission import admit_only
@@ -45,23 +45,6 @@ logger = logging.getLogger(__name__)
 #: Lifetime of the published run config in the DHT; every live peer re-publishes it well before it expires.
 CONFIG_TTL_S = 600.0
 CONFIG_REFRESH_S = 60.0
-
-
-def install_stop_handlers(stop: asyncio.Event) -> None:
-    """SIGINT/SIGTERM set ``stop``; a second signal restores the default (an impatient user can still kill us)."""
-    loop = asyncio.get_running_loop()
-
-    def on_signal(signum: int) -> None:
-        if stop.is_set():
-            loop.remove_signal_handler(signum)
-            signal.raise_signal(signum)
-            return
-        logger.info("received %s: finishing up (checkpoint, then leave)", signal.Signals(signum).name)
-        stop.set()
-
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, on_signal, signum)
-
 
 
 async def resolve_run_config(transport, run_id: RunRef | str, local: Optional[RunConfig],
@@ -194,7 +177,9 @@ async def join(run_id: RunRef | str, node: NodeConfig, local_run: Optional[RunCo
         apply_cpu_threads(node.threads)
         apply_gpu_memory_fraction(node.gpu_memory_fraction,  # the helpers of other local devices apply their own
                                   pick_device(node.local_devices[0] if node.local_devices else node.device))
-        transport = await open_transport(node, hold=hold)
+        transport = await unless_stopped(stop, open_transport(node, hold=hold))
+        if transport is None:
+            return  # stopped while the DHT node was starting
         keeper = data_plane = files = dashboard = dialback = reach = None
         try:
             logger.info("listening on %s", " ".join(transport.visible_maddrs()))
@@ -325,7 +310,9 @@ async def bootstrap(node: NodeConfig, on_ready=print) -> None:
     install_stop_handlers(stop)
     hold = hold_identity(node.identity_path_for("bootstrap"))
     async with VolunteerServices(node, "bootstrap", stop) as services:
-        transport = await open_transport(node, role="bootstrap", hold=hold)
+        transport = await unless_stopped(stop, open_transport(node, role="bootstrap", hold=hold))
+        if transport is None:
+            return  # stopped while the DHT node was starting
         dialback = None
         try:
             dialback = await serve_dialback(transport)

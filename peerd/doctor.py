@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from peerd.config import NodeConfig
+from peerd.processes import interruptible
 
 #: A peer's clock may differ from the others' by this many seconds before records go wrong (status records live
 #: ``status_ttl_s``, 30 s by default; signed records carry times).
@@ -158,7 +159,7 @@ def run_doctor(node: NodeConfig, run_id: str, network: Any = None) -> list[Check
     """Every check, in report order. ``network``: replaces :func:`network_checks` (tests)."""
     checks = [check_p2pd(), check_libp2p()]
     try:
-        checks += asyncio.run((network or network_checks)(node, run_id))
+        checks += asyncio.run(interruptible((network or network_checks)(node, run_id)))
     except Exception as e:  # noqa: BLE001 - one line, never a traceback
         checks.append(Check("network", False, f"{type(e).__name__}: {e}", "run again with --log-level DEBUG"))
     checks.append(check_device(node))

@@ -12,7 +12,9 @@ message per tensor part.
 The DHT process and its p2pd die with this process, however it dies (SIGKILL, the OOM killer): an orphan would keep
 announcing a dead peer. Nothing runs in a SIGKILLed process, so the DHT process watches its parent itself
 (:func:`_die_with_parent`) and takes p2pd, its own child, down with it; an inline p2pd is watched by a tiny shell
-process (:func:`_tie_to_this_process`).
+process (:func:`_tie_to_this_process`). Signals sent to this process's group (Ctrl-C, ``timeout``) never reach them:
+each runs in a session of its own, and this process stops them itself, within a bounded time
+(:mod:`peerd.processes`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from hivemind.utils import get_dht_time
 from multiaddr import Multiaddr
 
 from peerd.config import DHT_MODES
+from peerd.processes import blocked_stop_signals, in_own_session, leave_terminal_session, stop_processes, tree_of
 from peerd.transport.linger import CLOSE_LINGER_S, until_remote_closes
 from protocols.interfaces import Record, StreamHandler
 
@@ -48,6 +51,11 @@ PARENT_POLL_S = 0.25
 OBSERVED_MAX = 4096
 #: How long p2pd gets to exit on SIGTERM once the daemon is gone, before SIGKILL.
 ORPHAN_GRACE_S = 1.0
+#: How long the DHT process and its p2pd get to exit after hivemind's shutdown returned, before SIGKILL (hivemind
+#: itself waits up to its ``shutdown_timeout``, 3 s, then sends SIGTERM).
+DHT_EXIT_GRACE_S = 2.0
+#: How long a p2pd this process started gets to exit on SIGTERM, before SIGKILL.
+P2PD_EXIT_GRACE_S = 5.0
 
 
 def _children_of(pid: int) -> list[int]:
@@ -120,11 +128,78 @@ class _TiedDHT(hivemind.DHT):
         self._p2pd_flags = dict(p2pd_flags or {})
         super().__init__(*args, **kwargs)
 
+    def start(self) -> None:
+        """Fork the DHT process with the stop signals blocked until it left this process's session."""
+        with blocked_stop_signals():
+            super().start()
+
     def run(self) -> None:
+        leave_terminal_session()
         _die_with_parent(self._starter_pid)
         if self._p2pd_flags:
             _add_p2pd_flags(self._p2pd_flags)
         super().run()
+
+
+async def start_dht_process(**kwargs: Any) -> _TiedDHT:
+    """A running :class:`_TiedDHT` (``kwargs``: hivemind ``DHT`` keyword arguments), once its node is ready.
+    Cancellable (e.g. by Ctrl-C during start-up): then, or if the node fails to start, the DHT process and its
+    p2pd are killed before this returns. Raises what the DHT node raised, or ConnectionError if its process died
+    before it was ready."""
+    dht = _TiedDHT(start=False, **kwargs)  # built here, in the event loop: its ready future can be awaited
+    dht.start()
+    loop = asyncio.get_running_loop()
+    died = loop.create_future()
+    loop.add_reader(dht.sentinel, lambda: died.done() or died.set_result(None))
+
+    async def ready() -> None:
+        await dht._ready  # hivemind's own start-up future (hivemind is pinned to 1.1.12)
+
+    waiting = asyncio.ensure_future(ready())
+    try:
+        await asyncio.wait({waiting, died}, return_when=asyncio.FIRST_COMPLETED)
+        if not waiting.done():
+            raise ConnectionError(f"the DHT process exited with code {dht.exitcode} before its node was ready")
+        waiting.result()
+    except BaseException:
+        stop_processes(tree_of(dht.pid), grace_s=0.0)
+        dht.join(5.0)
+        raise
+    finally:
+        loop.remove_reader(dht.sentinel)
+        waiting.cancel()
+    return dht
+
+
+async def stop_dht_process(dht: hivemind.DHT) -> None:
+    """Shut the DHT process down (its node stops its p2pd), then SIGKILL whatever of it and its descendants is left
+    after :data:`DHT_EXIT_GRACE_S`, and reap it: returns within ~10 s, and nothing of it is left (a DHT process that
+    multiprocessing would still see alive would make its exit handler wait for it forever)."""
+    loop = asyncio.get_running_loop()
+    tree = tree_of(dht.pid) if dht.pid is not None else []
+
+    def stop() -> None:
+        with contextlib.suppress(Exception):
+            dht.shutdown()  # waits up to hivemind's shutdown_timeout, then SIGTERM
+        stop_processes(tree, DHT_EXIT_GRACE_S if dht.is_alive() else 0.0)
+        dht.join(5.0)
+
+    await loop.run_in_executor(None, stop)
+
+
+async def stop_p2pd(p2p: P2P) -> None:
+    """hivemind's ``P2P.shutdown`` (SIGTERM to the p2pd it started), bounded: SIGKILL after
+    :data:`P2PD_EXIT_GRACE_S`."""
+    child = getattr(p2p, "_child", None)
+    try:
+        await asyncio.wait_for(p2p.shutdown(), P2PD_EXIT_GRACE_S)
+    except Exception:  # noqa: BLE001 - a p2pd that does not stop is killed below
+        pass
+    if child is not None and child.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            child.kill()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(child.wait(), 5.0)
 
 
 def _add_p2pd_flags(flags: dict[str, Any]) -> None:
@@ -137,15 +212,17 @@ def _add_p2pd_flags(flags: dict[str, Any]) -> None:
     dht_node.P2P = _p2p_with_flags(dht_node.P2P, flags)
 
 
-def _p2p_with_flags(base: type[P2P], flags: dict[str, Any]) -> type[P2P]:
-    """``base`` (hivemind's ``P2P``) whose p2pd command line ends with ``flags`` (``-name=value``)."""
-    if not flags:
+def _p2p_with_flags(base: type[P2P], flags: dict[str, Any], own_session: bool = False) -> type[P2P]:
+    """``base`` (hivemind's ``P2P``) whose p2pd command line ends with ``flags`` (``-name=value``); with
+    ``own_session``, p2pd runs in a session of its own (:func:`peerd.processes.in_own_session`)."""
+    if not flags and not own_session:
         return base
 
     class _P2PWithFlags(base):  # type: ignore[misc, valid-type]
         @staticmethod
         def _make_process_args(*args: Any, **kwargs: Any) -> list[str]:
-            return base._make_process_args(*args, **{**kwargs, **flags})
+            argv = base._make_process_args(*args, **{**kwargs, **flags})
+            return in_own_session(argv) if own_session else argv
 
     return _P2PWithFlags
 
@@ -261,11 +338,12 @@ async def start_dht_node(p2p: P2P, initial_peers: Sequence[str], startup_timeout
 
 def _tie_to_this_process(pid: int) -> subprocess.Popen:
     """A watchdog that stops process ``pid`` (this process's p2pd) once this process is gone, however it died: a
-    POSIX shell polling once a second (~1 MB), in this process's group. Kill it on a clean shutdown."""
+    POSIX shell polling once a second (~1 MB), in a session of its own. Kill it on a clean shutdown."""
     script = ('while kill -0 "$0" 2>/dev/null; do sleep 1; done; '
               'kill -TERM "$1" 2>/dev/null; sleep 1; kill -KILL "$1" 2>/dev/null')
     return subprocess.Popen(["sh", "-c", script, str(os.getpid()), str(pid)], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True,
+                            start_new_session=True)  # a Ctrl-C to our group must not end the watch
 
 
 class InlineDHT:
@@ -281,8 +359,8 @@ class InlineDHT:
                      p2pd_flags: Optional[dict[str, Any]] = None, **p2p_options: Any) -> "InlineDHT":
         """Start p2pd (``p2p_options``: hivemind ``P2P.create`` keyword arguments; ``p2pd_flags``: extra p2pd
         flags) and a DHT node on it. Raises what p2pd or ``DHTNode.create`` raise; nothing is left running then."""
-        p2p = await _p2p_with_flags(P2P, dict(p2pd_flags or {})).create(initial_peers=list(initial_peers),
-                                                                        **p2p_options)
+        p2p = await _p2p_with_flags(P2P, dict(p2pd_flags or {}), own_session=True).create(
+            initial_peers=list(initial_peers), **p2p_options)
         child = getattr(p2p, "_child", None)
         watchdog = _tie_to_this_process(child.pid) if child is not None else None
         try:
@@ -291,10 +369,10 @@ class InlineDHT:
                                         record_validator=CompositeValidator(list(record_validators)))
             return cls(node, p2p, await p2p.get_visible_maddrs(), watchdog)
         except BaseException:
-            with contextlib.suppress(Exception):
-                await p2p.shutdown()
+            await stop_p2pd(p2p)
             if watchdog is not None:
                 watchdog.kill()
+                watchdog.wait(5)
             raise
 
     def get_visible_maddrs(self) -> list[Any]:
@@ -302,11 +380,10 @@ class InlineDHT:
         return list(self._maddrs)
 
     async def aclose(self) -> None:
-        """Stop the DHT node, then p2pd (idempotent)."""
+        """Stop the DHT node, then p2pd (idempotent; bounded: p2pd is killed if it does not stop)."""
         with contextlib.suppress(Exception):
-            await self.node.shutdown()
-        with contextlib.suppress(Exception):
-            await self.p2p.shutdown()
+            await asyncio.wait_for(self.node.shutdown(), P2PD_EXIT_GRACE_S)
+        await stop_p2pd(self.p2p)
         if self._watchdog is not None:
             with contextlib.suppress(OSError):
                 self._watchdog.kill()
@@ -445,11 +522,14 @@ class HivemindTransport:
             if dht == "inline":
                 inline = await InlineDHT.create(**node_options, **p2p_options)
                 return cls(inline, NodeDiscovery(inline.node), HivemindStreams(inline.p2p))
-            loop = asyncio.get_running_loop()
-            child = await loop.run_in_executor(None, lambda: _TiedDHT(start=True, **node_options, **p2p_options))
+            child = await start_dht_process(**node_options, **p2p_options)
         except Exception as e:
             raise dht_start_error(e, initial_peers) from e
-        p2p = await child.replicate_p2p()
+        try:
+            p2p = await child.replicate_p2p()
+        except BaseException:
+            await stop_dht_process(child)
+            raise
         return cls(child, HivemindDiscovery(child), HivemindStreams(p2p))
 
     @property
@@ -469,9 +549,8 @@ class HivemindTransport:
             return
         with contextlib.suppress(Exception):
             await self.streams.p2p.shutdown()
-        loop = asyncio.get_running_loop()
         try:
-            await loop.run_in_executor(None, self.dht.shutdown)
+            await stop_dht_process(self.dht)
         finally:
             self._released()
 

@@ -15,7 +15,8 @@ asyncio and trio never share a thread or a process: py-libp2p's protobuf modules
 hivemind's (both define ``crypto.pb.KeyType`` in protobuf's default pool), so the trio side lives in its own process
 and the hand-off between the two is the p2pd control protocol over unix sockets, the same one p2pd serves. The
 libp2p daemon exits when this process closes its stdin (:meth:`PyLibp2pP2P.shutdown`) or dies (the pipe's EOF);
-the DHT process dies with this process (:class:`peerd.transport.hivemind_backend._TiedDHT`).
+the DHT process dies with this process (:class:`peerd.transport.hivemind_backend._TiedDHT`). Both run in sessions of
+their own, so that a Ctrl-C to this process's group reaches this process only (:mod:`peerd.processes`).
 
 Identity: the daemon reads the same Ed25519 key file as p2pd (:mod:`peerd.identity`): same PeerID on both backends.
 """
@@ -39,7 +40,7 @@ from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from hivemind.utils.multiaddr import Multiaddr
 
 from peerd.transport.hivemind_backend import (
-    HivemindDiscovery, HivemindStreams, HivemindTransport, _TiedDHT, dht_start_error,
+    HivemindDiscovery, HivemindStreams, HivemindTransport, dht_start_error, start_dht_process, stop_dht_process,
 )
 
 logger = logging.getLogger(__name__)
@@ -93,8 +94,8 @@ class PyLibp2pP2P(P2P):
         # the daemon imports this very peerd (e.g. a worktree on PYTHONPATH), not whatever else is installed
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-        self._child = await asyncio.create_subprocess_exec(
-            *args, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env)
+        self._child = await asyncio.create_subprocess_exec(  # own session: a Ctrl-C to our group is ours to handle
+            *args, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env, start_new_session=True)
         self._alive = True
         try:
             while True:
@@ -121,7 +122,8 @@ class PyLibp2pP2P(P2P):
             pass
 
     async def shutdown(self) -> None:
-        """Close the client, then the daemon's stdin (it exits cleanly), SIGTERM after EXIT_GRACE_S."""
+        """Close the client, then the daemon's stdin (it exits cleanly), SIGTERM after EXIT_GRACE_S, SIGKILL after
+        as long again."""
         child = self._child
         if child is not None and child.returncode is None and child.stdin is not None:
             with contextlib.suppress(Exception):
@@ -129,7 +131,13 @@ class PyLibp2pP2P(P2P):
                     self._client.close()
                 child.stdin.close()
                 await asyncio.wait_for(child.wait(), EXIT_GRACE_S)
-        await super().shutdown()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(super().shutdown(), EXIT_GRACE_S)
+        if child is not None and child.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                child.kill()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(child.wait(), 5.0)
 
 
 #: ELF ``e_machine`` of the architectures p2pd may be built for, by ``platform.machine()``.
@@ -214,21 +222,20 @@ class LibP2PTransport(HivemindTransport):
                                                   relay="off" if client_mode else relay)
         except Exception as e:
             raise ConnectionError(f"could not start the py-libp2p daemon: {e}") from e
-        loop = asyncio.get_running_loop()
         try:
-            dht = await loop.run_in_executor(None, lambda: _TiedDHT(
-                initial_peers=list(initial_peers), p2p=p2p, start=True, client_mode=client_mode,
-                record_validators=list(record_validators)))
-        except Exception as e:
+            dht = await start_dht_process(initial_peers=list(initial_peers), p2p=p2p, client_mode=client_mode,
+                                          record_validators=list(record_validators))
+        except BaseException as e:
             await p2p.shutdown()
-            raise dht_start_error(e, initial_peers) from e
+            if isinstance(e, Exception):
+                raise dht_start_error(e, initial_peers) from e
+            raise
         return cls(dht, HivemindDiscovery(dht), HivemindStreams(p2p))
 
     async def shutdown(self) -> None:
         """The DHT process first (it talks through our daemon), then the daemon."""
-        loop = asyncio.get_running_loop()
         try:
-            await loop.run_in_executor(None, self.dht.shutdown)
+            await stop_dht_process(self.dht)
             await self.streams.p2p.shutdown()
         finally:
             for callback in self.on_shutdown:

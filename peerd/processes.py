@@ -1,0 +1,190 @@
+"""How peerd's processes stop: on SIGINT/SIGTERM, helpers out of reach of the terminal's signals, bounded stops of
+helper process trees, and the immediate exit on a second signal.
+
+A long-running command (``join``, ``bootstrap``, ``dashboard``) stops cleanly on the first SIGINT or SIGTERM
+(:func:`install_stop_handlers`: it checkpoints and leaves; a start-up still waiting on the network is abandoned,
+:func:`unless_stopped`) and exits 0; a command that waits for an answer (``status``, ``doctor``, ``eval``,
+``generate``) is cancelled (:func:`interruptible`) and exits 128 + the signal's number (130 for SIGINT, 143 for
+SIGTERM); a second signal exits at once with that code (:func:`exit_now`).
+
+A terminal's Ctrl-C sends SIGINT to its whole foreground process group; ``timeout``, ``kill -- -PGID`` and some
+supervisors send SIGTERM to a whole group. The daemon's helpers (hivemind's DHT process, p2pd, the py-libp2p daemon,
+the watchdog of an inline p2pd) must not get those signals: each reacts in its own way (p2pd exits at once, so the
+daemon could no longer leave its run; hivemind's DHT process ignores SIGINT and, forked from the daemon, inherits a
+SIGTERM handler that does nothing), and multiprocessing's exit handler then waits forever for a DHT process that
+will not go. So every helper runs in a session of its own (:func:`leave_terminal_session`,
+:func:`in_own_session`), only the daemon decides when it stops (:func:`stop_processes`: bounded, then SIGKILL), and
+each helper still dies with the daemon however the daemon dies (its own watch of its parent: the DHT process's
+thread, the py-libp2p daemon's stdin, the inline p2pd's watchdog).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+from typing import Any, Awaitable, Iterable, Optional, TypeVar
+
+import psutil
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Signals that stop a peerd command: the first asks for a clean stop, a second one exits at once.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+#: Run ``argv[1:]`` in a new session (same pid: exec, no fork). ``-S``: no site import, a few ms of start-up.
+_SETSID_EXEC = "import os, sys; os.setsid(); os.execv(sys.argv[1], sys.argv[1:])"
+
+
+def in_own_session(argv: list[str]) -> list[str]:
+    """``argv`` prefixed so that the program runs in a session of its own (out of reach of signals sent to this
+    process's group), with the pid the caller spawned: for helpers started by code that takes only a command line
+    (hivemind's p2pd)."""
+    return [sys.executable, "-S", "-c", _SETSID_EXEC, *argv]
+
+
+def leave_terminal_session() -> None:
+    """In a freshly forked helper (whose parent blocked :data:`STOP_SIGNALS` around the fork,
+    :func:`blocked_stop_signals`): move into a session of its own, stop writing the parent's signal wake-up fd
+    (inherited through fork: every signal the helper got would reach the parent's event loop as its own), and let
+    SIGTERM kill again (the inherited handler did nothing). A stop signal sent to the old group before the move is
+    dropped; SIGINT stays ignored (hivemind's DHT process ignores it anyway)."""
+    with contextlib.suppress(OSError):  # already a group leader: not forked by peerd
+        os.setsid()
+    with contextlib.suppress(ValueError):
+        signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # drops a pending SIGTERM from the old group
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def blocked_stop_signals():
+    """Block :data:`STOP_SIGNALS` in this thread for the duration (around a fork: the child starts with them
+    blocked until :func:`leave_terminal_session`; this process's other threads still take them)."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def tree_of(pid: int) -> list[psutil.Process]:
+    """Process ``pid`` and its descendants ([] if it is gone). Collect it before stopping the root: orphans are
+    reparented and can no longer be found from it."""
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def stop_processes(procs: Iterable[psutil.Process], grace_s: float) -> list[psutil.Process]:
+    """Wait up to ``grace_s`` seconds for ``procs`` to exit, SIGKILL those left, and wait up to 5 s more for them.
+    Returns the ones still there after that (only a process stuck in the kernel)."""
+    procs = list(procs)
+    _, alive = psutil.wait_procs(procs, timeout=max(0.0, grace_s))
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    _, alive = psutil.wait_procs(alive, timeout=5.0)
+    return alive
+
+
+def exit_now(signum: int) -> None:
+    """The second stop signal: SIGKILL every descendant (helpers must not outlive us), say so in one line, and exit
+    with 128 + ``signum`` (130 for SIGINT) without unwinding: no traceback, no exit handlers. Checkpoints are written
+    atomically (:mod:`peerd.checkpoint`), so the last complete one stays valid."""
+    with contextlib.suppress(psutil.Error):
+        for proc in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+    with contextlib.suppress(Exception):
+        os.write(2, f"peerd: {signal.Signals(signum).name} again: exiting now\n".encode())
+    os._exit(128 + signum)
+
+
+class Interrupted(BaseException):
+    """A command was stopped by signal ``signum`` before it was done (exit code 128 + ``signum``). A BaseException,
+    like KeyboardInterrupt: a handler of runtime failures (``except Exception``) must not report it as one."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+def install_stop_handlers(stop: asyncio.Event) -> None:
+    """SIGINT/SIGTERM set ``stop`` (the daemon finishes up: checkpoint, then leave); a second one exits at once
+    (:func:`exit_now`)."""
+    loop = asyncio.get_running_loop()
+
+    def on_signal(signum: int) -> None:
+        if stop.is_set():
+            exit_now(signum)
+        logger.info("received %s: finishing up (checkpoint, then leave; the same signal again exits at once)",
+                    signal.Signals(signum).name)
+        stop.set()
+
+    for signum in STOP_SIGNALS:
+        loop.add_signal_handler(signum, on_signal, signum)
+
+
+async def unless_stopped(stop: asyncio.Event, work: Awaitable[T]) -> Optional[T]:
+    """``await work``, unless ``stop`` is set first: then ``work`` is cancelled (and cleans up after itself) and
+    this returns None. For start-ups that may wait long on the network (a bootstrap node that does not answer)."""
+    task = asyncio.ensure_future(work)
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+        if not task.done():
+            task.cancel()
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if stop.is_set() and not _cancelling():
+            return None
+        raise
+
+
+def _cancelling() -> bool:
+    """Whether the current task itself is being cancelled (not only the work it waited on)."""
+    current = asyncio.current_task()
+    return current is not None and current.cancelling() > 0
+
+
+async def interruptible(work: Awaitable[T]) -> T:
+    """``await work``; the first SIGINT/SIGTERM cancels it (its clean-up runs: finally blocks, bounded transport
+    shutdowns) and raises :class:`Interrupted`; a second one exits at once (:func:`exit_now`). Outside the main
+    thread (where signal handlers cannot be installed) it is a plain ``await``."""
+    task = asyncio.ensure_future(work)
+    if threading.current_thread() is not threading.main_thread():
+        return await task
+    loop = asyncio.get_running_loop()
+    received: list[int] = []
+
+    def on_signal(signum: int) -> None:
+        if received:
+            exit_now(signum)
+        received.append(signum)
+        task.cancel()
+
+    for signum in STOP_SIGNALS:
+        loop.add_signal_handler(signum, on_signal, signum)
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if received:
+            raise Interrupted(received[0]) from None
+        raise
+    finally:
+        for signum in STOP_SIGNALS:
+            loop.remove_signal_handler(signum)
