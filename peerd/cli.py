@@ -87,7 +87,8 @@ def _device_list(text: str) -> tuple[str, ...]:
 
 def _worker_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("worker")
-    g.add_argument("--device", choices=("auto", "cpu", "cuda"), help="where to train (default auto)")
+    g.add_argument("--device", metavar="DEV", help="where to train: auto (default: a CUDA/ROCm GPU, else Apple's "
+                   "mps, else the CPU), cpu, cuda, cuda:N, mps, or GPUs as one peer: cuda:0,cuda:1")
     g.add_argument("--threads", type=int, metavar="N", help="CPU threads for torch (default: torch's choice)")
     g.add_argument("--checkpoint-dir", metavar="DIR",
                    help="checkpoint folder, also holds the control socket (default ~/.peerd/checkpoints)")
@@ -294,7 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=50, metavar="K",
                    help="sample among the K most likely tokens; 0 = all (default 50)")
     p.add_argument("--seed", type=int, default=0, help="seed of the draws (default 0)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to run the model (default cpu)")
+    p.add_argument("--device", default="cpu", metavar="DEV",
+                   help="where to run the model: cpu (default), auto, cuda, cuda:N or mps")
     p.add_argument("--initial-peers", nargs="+", metavar="MADDR",
                    help="sample through the live stage servers of SWARM run --run-id instead of a checkpoint "
                    "(middle stages without a server are skipped), via any peer of the run")
@@ -668,13 +670,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         raise UsageError(f"peerd generate: --temperature must be >= 0, got {args.temperature}")
     if args.initial_peers:
         return _generate_through_swarm(args)
-    _, model, tokenizer = _checkpoint_model(args)
-    if args.device == "cuda":
-        import torch
+    from peerd.devices import device_problem, resolve_device
 
-        if not torch.cuda.is_available():
-            raise UsageError("peerd generate: --device cuda, but torch sees no CUDA device")
-        model = model.to("cuda")
+    problem = f"takes one device, got {args.device!r}" if "," in args.device else device_problem(args.device)
+    if problem:
+        raise UsageError(f"peerd generate: --device {problem}")
+    _, model, tokenizer = _checkpoint_model(args)
+    if args.device != "cpu":
+        model = model.to(resolve_device(args.device))  # DeviceUnavailable: one line, exit 1
     print(generate_text(model, args.prompt, args.max_tokens, args.temperature, args.top_k, args.seed, tokenizer))
     return 0
 
@@ -808,11 +811,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from peerd.checkpoint import CheckpointError
         from peerd.daemon import RunConfigConflict
         from peerd.data import DataError
+        from peerd.devices import DeviceUnavailable
         from peerd.identity import IdentityError
         from peerd.service.volunteer import ServiceError
 
         if isinstance(e, (RunConfigConflict, CheckpointError, DataError, IdentityError, ConnectionError,
-                          ServiceError)):
+                          ServiceError, DeviceUnavailable)):
             logger.error("%s", e)
             return 1
         logger.exception("peerd failed: %s", e)

@@ -17,7 +17,7 @@ import types
 import typing
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Union
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -101,8 +101,10 @@ class NodeConfig:
     ``<checkpoint_dir>/bootstrap.key`` for bootstrap nodes."""
     checkpoint_dir: str = "~/.peerd/checkpoints"
     """Where outer-round checkpoints are written (one subfolder per run id)."""
-    device: str = "auto"
-    """auto | cpu | cuda | cuda:N."""
+    device: Union[str, tuple[str, ...]] = "auto"
+    """auto (a CUDA or ROCm GPU, else Apple's MPS, else the CPU) | cpu | cuda | cuda:N | mps (:mod:`peerd.devices`).
+    A list of GPUs (``["cuda:0", "cuda:1"]``; ``cuda:0,cuda:1`` as a flag or variable) trains on them as one peer:
+    it is ``local_devices``, and ``device`` becomes the first of them."""
     local_devices: tuple[str, ...] = ()
     """Several devices of this machine as one peer, e.g. ``["cuda:0", "cuda:1"]``: one PeerID and one
     pseudo-gradient per outer round, each inner step data-parallel across them (the first is the daemon's own;
@@ -207,6 +209,29 @@ class NodeConfig:
     """Secret the dashboard asks for (``?token=`` once, then a cookie) when bound beyond loopback; at least 16
     characters."""
 
+    def _normalize_device(self) -> None:
+        """``device`` as one name; a list of several devices moves to ``local_devices`` (the first stays the peer's
+        device). Raises ConfigError for a name that is no device, or a list that contradicts ``local_devices``."""
+        from peerd.devices import device_problem, split_devices
+
+        devices = split_devices(self.device)
+        if not devices:
+            raise ConfigError("device: names no device", key="device", reason="names no device")
+        for name in devices:
+            problem = device_problem(name)
+            if problem:
+                raise ConfigError(f"device {problem}", key="device", reason=problem)
+        if len(devices) > 1:
+            problem = local_devices_problem(devices)
+            if problem:
+                raise ConfigError(f"device: {problem}", key="device", reason=problem)
+            if self.local_devices and tuple(self.local_devices) != devices:
+                reason = (f"the list {', '.join(devices)} contradicts local_devices = {', '.join(self.local_devices)}:"
+                          " give the devices once")
+                raise ConfigError(f"device: {reason}", key="device", reason=reason)
+            object.__setattr__(self, "local_devices", devices)  # frozen: set once, while constructing
+        object.__setattr__(self, "device", devices[0])
+
     def __post_init__(self) -> None:
         from peerd.multiaddrs import check_multiaddr
 
@@ -224,8 +249,7 @@ class NodeConfig:
             if not want_dir and path.is_dir():
                 raise ConfigError(f"{name}: {str(path)!r} is a folder, not a key file", key=name,
                                   reason=f"{str(path)!r} is a folder, not a key file")
-        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
-            raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        self._normalize_device()
         problem = local_devices_problem(self.local_devices)
         if problem:
             raise ConfigError(f"local_devices: {problem}", key="local_devices", reason=problem)
@@ -287,7 +311,7 @@ class NodeConfig:
                               reason=f"must be in [0, 100] (0 = off), got {self.pause_when_cpu_busy_percent}")
         if not self.cpu_busy_window_s > 0:
             raise ConfigError(f"cpu_busy_window_s must be > 0, got {self.cpu_busy_window_s}")
-        if not self.gpu and self.device.startswith("cuda"):
+        if not self.gpu and self.device not in ("auto", "cpu"):
             raise ConfigError(f"device {self.device!r} contradicts gpu = false: use device auto or cpu", key="gpu",
                               reason=f"gpu = false contradicts device {self.device!r}: use device auto or cpu")
         if self.dashboard_port is not None and not 0 <= self.dashboard_port <= 65535:

@@ -161,6 +161,7 @@ async def join(run_id: RunRef | str, node: NodeConfig, local_run: Optional[RunCo
     choice of the config is keyed by the run name. Raises :class:`peerd.roles.status_board.DuplicateIdentity` if
     another live daemon uses this peer's identity."""
     from peerd.service.limits import apply_cpu_threads, apply_gpu_memory_fraction
+    from peerd.devices import describe_device
     from peerd.roles.base import RunContext, parallelism, pick_device, role_class  # torch-heavy: keep --help fast
     from peerd.roles.tokenizer_sync import resolve_tokenizer, serve_tokenizers
     from peerd.tokenizer import TokenizerCache, tokenizer_dir
@@ -175,8 +176,9 @@ async def join(run_id: RunRef | str, node: NodeConfig, local_run: Optional[RunCo
     hold = hold_identity(node.identity_path_for("worker"))  # before any service: a second daemon stops right here
     async with VolunteerServices(node, "diloco", stop, run_id=run_id) as services:
         apply_cpu_threads(node.threads)
-        apply_gpu_memory_fraction(node.gpu_memory_fraction,  # the helpers of other local devices apply their own
-                                  pick_device(node.local_devices[0] if node.local_devices else node.device))
+        device = pick_device(node.local_devices[0] if node.local_devices else node.device)  # absent: one line, exit 1
+        logger.info("training device: %s", describe_device(device))
+        apply_gpu_memory_fraction(node.gpu_memory_fraction, device)  # the helpers of other local devices apply theirs
         transport = await unless_stopped(stop, open_transport(node, hold=hold))
         if transport is None:
             return  # stopped while the DHT node was starting

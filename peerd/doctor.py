@@ -65,13 +65,11 @@ def check_device(node: NodeConfig) -> Check:
 
         device = pick_device(effective_device(node.device, node.gpu))
     except Exception as e:  # noqa: BLE001 - reported, not raised
-        return Check("device", False, str(e), "set device = \"cpu\" or \"auto\", or install the CUDA build of torch")
-    detail = str(device)
-    if device.type == "cuda":
-        import torch
+        return Check("device", False, str(e), "set device = \"cpu\" or \"auto\", or install a GPU build of torch "
+                     "(CUDA or ROCm)")
+    from peerd.devices import describe_device
 
-        detail += f" ({torch.cuda.get_device_name(device)})"
-    return Check("device", True, f"training on {detail}")
+    return Check("device", True, f"training on {describe_device(device)}")
 
 
 def clock_check(record_times: list[float], now: float, skew_s: float = CLOCK_SKEW_S) -> Check:

@@ -65,12 +65,12 @@ def role_class(name: str) -> Callable[["RunContext"], Role]:
 
 
 def pick_device(device: str) -> torch.device:
-    """``auto`` -> CUDA if present else CPU. Raises RuntimeError if CUDA is asked for but absent."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise RuntimeError(f"--device {device} requested but CUDA is not available on this machine")
-    return torch.device(device)
+    """The device the name ``device`` means here (:func:`peerd.devices.resolve_device`: ``auto`` -> a CUDA or ROCm
+    GPU, else MPS, else the CPU). Raises :class:`peerd.devices.DeviceUnavailable` (a RuntimeError) in one line if
+    it is not there."""
+    from peerd.devices import resolve_device
+
+    return resolve_device(device)
 
 
 class CheckpointStore:

@@ -673,6 +673,7 @@ class DiLoCoRole:
         )
         sources = [p for _, p in ahead] or (self._fork_majority(live) if heal_fork else [])
         if not sources:
+            self._align_with_round(live)
             return False
         adopted = await self._download_from(sources)
         if adopted:
@@ -685,6 +686,26 @@ class DiLoCoRole:
             else:  # into the cycle, before the next fragment boundary the adopted state has not synced
                 self.steps_since_sync = min(max(max(in_round, default=0), self.steps_since_sync), self.round_quota - 1)
         return adopted
+
+    def _align_with_round(self, live: dict[str, dict]) -> None:
+        """Before our first step of a round (a fresh start, a resume, the end of a pause), with live workers at our
+        outer round already some steps into it: train only what they still have to do, so that we reach the round's
+        rendezvous with them (hivemind's optimizer likewise lets a joiner add its samples to the epoch in progress).
+
+        Before, a joiner that started while the run's creator was in round 0 trained a whole round (40 steps) from
+        theta_0 while the creator's round sealed without it, and dropped them all to adopt the creator's state.
+        If they have finished their steps (they are at the rendezvous), one step: we meet them there if their group
+        is still open, else we are told the round went on (:class:`LeftOut`) and lose one step, not a round."""
+        if self.steps_since_sync or len(self.parts) > 1:
+            return
+        now, tokens_per_step = time.time(), self.run_cfg.batch_size * self.run_cfg.seq_len
+        in_round = [steps_done_now(s, now, tokens_per_step, self.hp.inner_steps, self.ctx.node.status_interval_s)
+                    for p, s in live.items() if p != self.peer_id and s["outer_round"] == self.outer.outer_round]
+        if not in_round or not max(in_round):
+            return
+        self.round_quota = max(1, self.hp.inner_steps - max(in_round))
+        logger.info("joining round %d in progress: live peers are %d of %d inner steps into it; training the %d "
+                    "left", self.outer.outer_round + 1, max(in_round), self.hp.inner_steps, self.round_quota)
 
     def _fork_majority(self, live: dict[str, dict]) -> list[str]:
         """The live workers at our outer round that hold the theta_outer (status ``digest``) most workers at that

@@ -1,7 +1,9 @@
-"""Fixtures of the in-process tests: averaging peers (matchmaker + butterfly all-reduce) on a :class:`Hub`."""
+"""Fixtures of the in-process tests: averaging peers (matchmaker + butterfly all-reduce) on a :class:`Hub`, and both
+orders in which asyncio's ``wait_for`` schedules (Python 3.11's and 3.12's)."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Union
 
@@ -75,3 +77,28 @@ def averaging_peers():
     """``await averaging_peers(hub, n, prefix, matchmaking_config, allreduce_config, ...)``: see
     :func:`start_averaging_peers`."""
     return start_averaging_peers
+
+
+async def _wait_for_in_caller_task(aw, timeout):
+    """``asyncio.wait_for`` as Python 3.12 runs it: the awaitable runs inside the caller's task under a timeout
+    scope, with no task of its own, so the caller resumes event-loop turns earlier than under 3.11."""
+    if timeout is None:
+        return await aw
+    async with asyncio.timeout(timeout):
+        return await aw
+
+
+@pytest.fixture(params=["this_python", "py312_wait_for"])
+def wait_for_order(request, monkeypatch) -> str:
+    """Run the test under this interpreter's ``asyncio.wait_for`` and under Python 3.12's, whichever runs here.
+
+    The order in which coroutines finish differs between the two: under 3.12 a client that read a reply can run on
+    before the handler that wrote it has resumed (an in-process hub). Tests that passed under 3.11 alone failed on a
+    machine with Python 3.12: a counter updated after an await lost updates, a counter read before the handler that
+    bumps it resumed. Every in-process module looks ``asyncio.wait_for`` up at call time, so patching it is enough.
+    """
+    if request.param == "py312_wait_for":
+        if not hasattr(asyncio, "timeout"):
+            pytest.skip("asyncio.timeout (Python 3.11+) is needed to run 3.12's wait_for order")
+        monkeypatch.setattr(asyncio, "wait_for", _wait_for_in_caller_task)
+    return request.param

@@ -263,3 +263,63 @@ def test_a_gossip_round_counts_the_exchanges_a_peer_answered_in_its_group_size(t
         assert sizes["peer-b"] == [2], sizes
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(90)
+def test_a_joiner_starting_during_round_0_trains_what_is_left_of_it_and_joins_the_creators_group(tmp_path):
+    """b starts while a (the run's creator) is k of H inner steps into round 0: b trains the H - k steps left and
+    both average in round 0's group. Before, b trained all H steps; a, at the rendezvous with b still k steps behind
+    (longer than a's matchmaking window here: b's steps past H - k wait for a's round to end), sealed round 0 alone
+    and b dropped its steps to adopt a's state."""
+    import threading
+
+    from peerd.events import RoundDone
+
+    H, k = 10, 7
+    run = RunConfig(
+        model="tiny", seq_len=32, batch_size=4, eval_batches=0, max_outer_rounds=1,
+        diloco=DiLoCoHyperparams(inner_steps=H, warmup_steps=2, inner_lr=1e-3),
+        averaging=AveragingConfig.from_flat(compression="none", min_group_size=1, matchmaking_timeout_s=2.0,
+                                            request_timeout_s=1.0, sender_timeout_s=3.0, reducer_timeout_s=6.0))
+
+    async def main():
+        hub = Hub()
+        a, b = (_worker(hub, name, run, tmp_path) for name in ("peer-a", "peer-b"))
+        done = {a.peer_id: [], b.peer_id: []}
+        a_round_over, a_at_k, b_stepping, release_a = (threading.Event() for _ in range(4))
+        for w in (a, b):
+            w.ctx.events.subscribe(lambda e, w=w: done[w.peer_id].append(e) if isinstance(e, RoundDone) else None)
+        a.ctx.events.subscribe(lambda e: a_round_over.set() if isinstance(e, RoundDone) else None)
+        a_step, b_step = a._inner_step, b._inner_step
+
+        def a_steps():  # runs in the executor: a holds at step k until b trains
+            if a.steps_since_sync == k:
+                a_at_k.set()
+                assert release_a.wait(30)
+            return a_step()
+
+        def b_steps():  # b's steps beyond what is left of a's round come after a's round: b is that far behind
+            b_stepping.set()
+            if b.steps_since_sync >= H - k:
+                a_round_over.wait(30)
+            return b_step()
+
+        a._inner_step, b._inner_step = a_steps, b_steps
+        loop = asyncio.get_running_loop()
+        a_run = asyncio.ensure_future(a.run())
+        assert await loop.run_in_executor(None, a_at_k.wait, 30)
+        await a.ctx.status.publish()  # a's record now says k steps into round 0
+        b_run = asyncio.ensure_future(b.run())
+        assert await loop.run_in_executor(None, b_stepping.wait, 30)
+        while b.peer_id not in await a._live_peers():  # a counts on b at its rendezvous
+            await asyncio.sleep(0.05)
+        release_a.set()
+        await asyncio.wait_for(asyncio.gather(a_run, b_run), 60)
+        return a, b, done
+
+    a, b, done = asyncio.run(main())
+    (ra,), (rb,) = done[a.peer_id], done[b.peer_id]
+    assert (ra.outer_round, ra.group_size, ra.inner_steps) == (1, 2, H)
+    assert (rb.outer_round, rb.group_size, rb.inner_steps) == (1, 2, H - k)
+    assert rb.weight == (H - k) * run.batch_size and ra.digest == rb.digest
+    assert a.stats.rounds_failed == b.stats.rounds_failed == 0

@@ -60,7 +60,7 @@ def test_members_get_the_bit_identical_mean_of_the_decoded_topk_vectors(n, avera
     asyncio.run(main())
 
 
-def test_bytes_are_exactly_n_minus_1_sparse_vectors_plus_headers(averaging_peers):
+def test_bytes_are_exactly_n_minus_1_sparse_vectors_plus_headers(averaging_peers, wait_for_order):
     async def main():
         n, numel = 4, 4096 * 20
         peers = await averaging_peers(Hub(), n, allreduce=GATHER, allreduce_class=SparseAllGather)
@@ -246,7 +246,7 @@ def test_gather_needs_a_sparse_codec_and_the_mean():
         AllReduceConfig(compression="topk", exchange="scatter")
 
 
-def test_the_topk_fraction_sets_the_density_and_the_exact_size(averaging_peers):
+def test_the_topk_fraction_sets_the_density_and_the_exact_size(averaging_peers, wait_for_order):
     config = AllReduceConfig(compression="topk", exchange="gather", topk_fraction=0.05, sender_timeout_s=1.0,
                              reducer_timeout_s=2.0)
     codec = config.make_codec()

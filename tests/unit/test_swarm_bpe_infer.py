@@ -32,7 +32,7 @@ def service_name(k: int) -> str:
     return f"bpe.swarm.stage{k}"
 
 
-def test_swarm_eval_and_generate_of_a_bpe_run_fetch_its_tokenizer(tmp_path, monkeypatch, capsys):
+def test_swarm_eval_and_generate_of_a_bpe_run_fetch_its_tokenizer(tmp_path, monkeypatch, capsys, wait_for_order):
     import peerd.swarm_infer as swarm_infer
     from peerd.cli import main
 

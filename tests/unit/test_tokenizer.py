@@ -125,7 +125,7 @@ class LyingServer(BlobServer):
         await request.reply({}, b"not the tokenizer you asked for")
 
 
-def test_a_joiner_fetches_the_file_from_a_live_peer_and_skips_a_liar(tmp_path, bpe):
+def test_a_joiner_fetches_the_file_from_a_live_peer_and_skips_a_liar(tmp_path, bpe, wait_for_order):
     async def main():
         hub = Hub()
         ns = RunNamespace(RunRef("unit"))
