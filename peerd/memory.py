@@ -317,12 +317,12 @@ def fit_node(node: Any, run: Any, device: Any, vocab_size: int,
     where = found[1] if found else str(device)
     line = f"{run.model}: {chosen.describe(run.seq_len, where)}"
     if not chosen.fits:
-        fixed = [k for k, v in (("micro_batch_size", node.micro_batch_size),
-                                ("activation_checkpointing", node.activation_checkpointing)) if v not in (0, None)]
+        fixed = (["micro_batch_size"] if node.micro_batch_size else []) + \
+            (["activation_checkpointing"] if node.activation_checkpointing is not None else [])
         fix = (f"unset {' and '.join(fixed)} to let peerd choose" if fixed else
                "free GPU memory" + ("" if node.optimizer_8bit else ", set optimizer_8bit = true") +
                ", or join a run of a smaller model")
-        raise ConfigError(f"{run.model} does not fit {where}: {line.split(': ', 1)[1]}; {fix}",
+        raise ConfigError(f"{run.model} does not fit {where}: {chosen.describe(run.seq_len)}; {fix}",
                           key="micro_batch_size", reason=f"does not fit {where}")
     if found is None:  # nothing known about free memory: the user's values, the whole batch by default
         return dataclasses.replace(node, activation_checkpointing=bool(node.activation_checkpointing)), line
