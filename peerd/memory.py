@@ -242,7 +242,7 @@ def plan(shape: Shape, *, seq_len: int, batch_size: int, budget: Optional[int], 
     this order: the largest divisor of ``batch_size`` that fits without checkpointing and still holds
     :data:`MIN_EFFICIENT_TOKENS` tokens (or the whole batch); else the largest that fits with checkpointing; else
     the largest that fits without. With ``budget`` None (unknown) or nothing fitting: the user's values, else the
-    whole batch without checkpointing where nothing is known, or the smallest plan where nothing fits
+    whole batch without checkpointing where nothing is known, or the plan of the lowest peak where nothing fits
     (``Plan.fits`` is then False). Raises ``ValueError`` when ``micro_batch_size`` does not divide ``batch_size``.
     """
     if micro_batch_size and batch_size % micro_batch_size:
@@ -257,14 +257,14 @@ def plan(shape: Shape, *, seq_len: int, batch_size: int, budget: Optional[int], 
 
     if budget is None:
         return make(sizes[0], bool(modes[0]))
-    fitting = [make(m, ckpt) for ckpt in modes for m in sizes]
-    fitting = [p for p in fitting if p.fits]
+    candidates = [make(m, ckpt) for ckpt in modes for m in sizes]
+    fitting = [p for p in candidates if p.fits]
     efficient = [p for p in fitting if not p.activation_checkpointing
                  and (p.micro_batch_size == batch_size or p.micro_batch_size * seq_len >= MIN_EFFICIENT_TOKENS)]
     for group in (efficient, [p for p in fitting if p.activation_checkpointing], fitting):
         if group:
             return max(group, key=lambda p: p.micro_batch_size)
-    return make(sizes[-1], bool(modes[-1]))
+    return min(candidates, key=lambda p: p.estimate.peak)
 
 
 def device_budget(device: Any, memory_fraction: float = 0.0) -> Optional[tuple[int, str]]:
