@@ -64,6 +64,11 @@ BNB_MIN_8BIT_SIZE = 4096
 _COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
+def format_bytes(n: int) -> str:
+    """``n`` bytes as GiB with one decimal, or MiB below 1 GiB."""
+    return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / (1 << 20):.0f} MiB"
+
+
 @dataclass(frozen=True)
 class Shape:
     """What the memory of a dense transformer depends on."""
@@ -227,8 +232,8 @@ class Plan:
     def describe(self, seq_len: int, where: str = "") -> str:
         """One line: the predicted peak, the budget and the choices, e.g. ``predicted peak 17.9 GiB of 23.5 GiB
         free on cuda:0 (NVIDIA GeForce RTX 4090): micro-batch 4 x 1024 tokens, activation checkpointing on``."""
-        budget = f" of {self.budget / GIB:.1f} GiB free" if self.budget is not None else ""
-        return (f"predicted peak {self.estimate.peak / GIB:.1f} GiB{budget}{' on ' + where if where else ''}: "
+        budget = f" of {format_bytes(self.budget)} free" if self.budget is not None else ""
+        return (f"predicted peak {format_bytes(self.estimate.peak)}{budget}{' on ' + where if where else ''}: "
                 f"micro-batch {self.micro_batch_size} x {seq_len} tokens, activation checkpointing "
                 f"{'on' if self.activation_checkpointing else 'off'}")
 
