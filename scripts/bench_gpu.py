@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import json
 import os
 import sys
 import time
@@ -199,6 +200,37 @@ def memory_fit(preset: str, cap_gib: float, args, device: torch.device, tmp: str
     return row
 
 
+def fit_pairs(presets: list[str], caps: list[float]) -> list[tuple[str, float]]:
+    """Every (preset, cap), each preset's own card first (presets smallest first, caps largest first: the largest
+    preset at the largest cap, ...), so a run cut short has the rows that matter most."""
+    order = sorted(range(len(presets)), key=lambda i: get_preset(presets[i]).parameter_count(), reverse=True)
+    caps_desc = sorted(caps, reverse=True)
+    own = [(presets[i], caps_desc[k]) for k, i in enumerate(order) if k < len(caps_desc)]
+    return own + [(p, c) for p in presets for c in caps if (p, c) not in own]
+
+
+def fit_row_in_child(preset: str, cap_gib: float, args) -> dict:
+    """:func:`memory_fit` in a fresh process: each row starts from an empty GPU (no cached blocks, no memory held by
+    the rows before it), so its cap and its measured peak are its own."""
+    import subprocess
+
+    cmd = [sys.executable, os.path.abspath(__file__), "--fit-row", preset, str(cap_gib), "--device", args.device,
+           "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size), "--precision", args.precision,
+           "--fit-steps", str(args.fit_steps)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.fit_timeout)
+    except subprocess.TimeoutExpired:
+        print(f"memory {preset} @ {cap_gib:g} GiB: no result within {args.fit_timeout:g} s", flush=True)
+        return {"preset": preset, "cap_gib": cap_gib, "fits_predicted": None, "error": "timeout"}
+    for line in done.stdout.splitlines():
+        if line.startswith("FITROW "):
+            print(next((x for x in done.stdout.splitlines() if x.startswith("memory ")), ""), flush=True)
+            return json.loads(line[len("FITROW "):])
+    tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+    print(f"memory {preset} @ {cap_gib:g} GiB: failed (exit {done.returncode}): {tail}", flush=True)
+    return {"preset": preset, "cap_gib": cap_gib, "fits_predicted": None, "error": tail}
+
+
 def round_boundary(preset: str, args, device: torch.device, tmp: str) -> dict:
     """The outer round's fixed costs beyond the all-reduce, in seconds (see the module docstring)."""
     from peerd.roles.base import held_out_loss
@@ -261,6 +293,8 @@ def main() -> int:
     ap.add_argument("--caps", nargs="+", type=float, default=[24.0, 12.0, 8.0], help="GiB caps of --memory-fit")
     ap.add_argument("--fit-presets", nargs="+", default=["125m", "350m", "1.1b"], help="presets of --memory-fit")
     ap.add_argument("--fit-steps", type=int, default=3, help="timed inner steps per memory-fit row (default 3)")
+    ap.add_argument("--fit-timeout", type=float, default=90.0, help="seconds per memory-fit row (default 90)")
+    ap.add_argument("--fit-row", nargs=2, metavar=("PRESET", "CAP_GIB"), help=argparse.SUPPRESS)
     ap.add_argument("--boundary", action="store_true", help="also the round-boundary rows, per --presets")
     ap.add_argument("--only-extra", action="store_true", help="skip the throughput table (only --memory-fit and "
                     "--boundary)")
@@ -284,10 +318,16 @@ def main() -> int:
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
+        if args.fit_row:
+            print("FITROW " + json.dumps(memory_fit(args.fit_row[0], float(args.fit_row[1]), args, device, tmp)))
+            return 0
         if args.memory_fit:
-            for preset in args.fit_presets:
-                for cap in args.caps:
-                    fits.append(memory_fit(preset, cap, args, device, tmp))
+            for preset, cap in fit_pairs(args.fit_presets, args.caps):
+                fits.append(fit_row_in_child(preset, cap, args))
+                if args.json:  # row by row: a run cut short keeps what it measured
+                    with open(args.json, "w") as f:
+                        json.dump({"device": where, "argv": sys.argv[1:], "memory_fit": fits, "partial": True}, f,
+                                  indent=1)
         if args.boundary:
             for preset in args.presets:
                 try:
@@ -319,8 +359,6 @@ def main() -> int:
                   + (f"; peerd on {len(local)} devices {several:,.0f} tok/s ({several / ours:.2f}x one device)"
                      if local else ""), flush=True)
     if args.json:
-        import json
-
         with open(args.json, "w") as f:
             json.dump({"device": where, "machine": machine_line(), "argv": sys.argv[1:], "throughput": [
                 dict(zip(("preset", "peerd", "plain", "mfu", "plain_mfu", "local_devices"), r)) for r in rows],
@@ -331,6 +369,9 @@ def main() -> int:
                  "| preset | cap GiB | micro-batch x seq | checkpointing | predicted peak GiB (w/o reserve) | "
                  "measured peak GiB | ran | tok/s |", "|---|---:|---|---|---:|---:|---|---:|"]
         for r in fits:
+            if r["fits_predicted"] is None:
+                lines.append(f"| {r['preset']} | {r['cap_gib']:g} | no result: {r['error']} | | | | | |")
+                continue
             if not r["fits_predicted"]:
                 lines.append(f"| {r['preset']} | {r['cap_gib']:g} | refused: does not fit | | | | | |")
                 continue
