@@ -4,8 +4,9 @@ Checks, in order: the p2pd binary runs here; py-libp2p is importable (the transp
 peers answer (a short-lived node of ours joins the DHT through them, with a throw-away identity so a running daemon
 keeps its own); the run's configuration is published; other peers can dial this machine back (the dial-back check
 of :mod:`protocols.reachability`, on the node config's listen addresses); this clock agrees with the peers' status
-records; the run's predicted peak memory fits the training device (and the micro-batch and checkpointing
-``peerd join`` will choose); the training device is usable. A check that cannot run because an earlier one failed says so.
+records; the run's predicted peak memory fits the training device (with the micro-batch and checkpointing
+``peerd join`` will choose); the training device is usable. A check that cannot run because an earlier one failed
+says so.
 """
 
 from __future__ import annotations

@@ -363,18 +363,18 @@ class OuterState:
         mu, lr = hp.outer_momentum, hp.outer_lr
         # One multiply and one add per kernel, in this order, never a fused add(alpha=...): a fused multiply-add
         # rounds once and its use depends on the CPU's vector width, which would break bit-identity across peers.
-        # The new state lands in page-locked memory when the old one is there (a GPU trains): copying theta to
-        # the device at the round's end then runs at the bus's speed, not through a staging buffer.
-        pinned = self.theta.is_pinned()
-        buf = torch.mul(self.momentum, mu, out=_host_empty(self.numel, pinned))
+        buf = self.momentum * mu
         buf.add_(g)
         if hp.outer_nesterov:
-            step = torch.mul(buf, mu, out=_host_empty(self.numel, pinned))
+            step = buf * mu
             step.add_(g)
         else:
-            step = _host_empty(self.numel, pinned).copy_(buf)
+            step = buf.clone()
         step.mul_(lr)
-        theta = torch.sub(self.theta, step, out=_host_empty(self.numel, pinned))
+        # The new theta lands in page-locked memory when the old one is there (a GPU trains): copying it to the
+        # device at the round's end then runs at the bus's speed, not through a staging buffer. The momentum never
+        # goes to the device and stays in ordinary (swappable) memory.
+        theta = torch.sub(self.theta, step, out=_host_empty(self.numel, self.theta.is_pinned()))
         return OuterState(theta, buf, self.outer_round + 1)
 
     def digest(self) -> str:

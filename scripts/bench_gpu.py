@@ -201,8 +201,9 @@ def memory_fit(preset: str, cap_gib: float, args, device: torch.device, tmp: str
 
 
 def fit_pairs(presets: list[str], caps: list[float]) -> list[tuple[str, float]]:
-    """Every (preset, cap), each preset's own card first (presets smallest first, caps largest first: the largest
-    preset at the largest cap, ...), so a run cut short has the rows that matter most."""
+    """Every (preset, cap), each preset's own card first (the largest preset at the largest cap, the second largest
+    at the second largest cap, ...: 1.1b at 24, 350m at 12, 125m at 8), so a run cut short has the rows that matter
+    most."""
     order = sorted(range(len(presets)), key=lambda i: get_preset(presets[i]).parameter_count(), reverse=True)
     caps_desc = sorted(caps, reverse=True)
     own = [(presets[i], caps_desc[k]) for k, i in enumerate(order) if k < len(caps_desc)]

@@ -96,5 +96,10 @@ class FragmentState:
         """theta_local := theta_outer (``outer`` adopted first if given); the next local steps start from it."""
         if outer is not None:
             self.outer = outer
+        theta = self.outer.theta
+        if not theta.is_pinned() and any(p.is_cuda for p in self.fragment._params(model)):
+            # a GPU trains: theta_outer moves to page-locked memory once (a resumed or downloaded state comes in
+            # ordinary memory); OuterState.apply keeps every later theta there
+            self.outer = OuterState(theta.pin_memory(), self.outer.momentum, self.outer.outer_round)
         self.fragment.load_(model, self.outer.theta)
         self.round_start_theta = self.outer.theta
