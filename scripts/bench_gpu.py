@@ -259,8 +259,10 @@ def round_boundary(preset: str, args, device: torch.device, tmp: str) -> dict:
     timed("checkpoint", role._save_checkpoint)
     timed("eval", lambda: asyncio.run(held_out_loss(role.model, role.eval_tokens, run)))
     times["total"] = sum(times.values())
-    row = {"preset": preset, "eval_batches": run.eval_batches, **{k + "_s": v for k, v in times.items()}}
-    print(f"boundary {preset}: " + ", ".join(f"{k} {v:.3f} s" for k, v in times.items()), flush=True)
+    row = {"preset": preset, "eval_batches": run.eval_batches, "theta_outer_pinned": part.outer.theta.is_pinned(),
+           **{k + "_s": v for k, v in times.items()}}
+    print(f"boundary {preset}: " + ", ".join(f"{k} {v:.3f} s" for k, v in times.items())
+          + f"; theta_outer pinned: {row['theta_outer_pinned']}", flush=True)
     return row
 
 
