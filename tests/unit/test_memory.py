@@ -85,9 +85,12 @@ def test_model_state_bytes_are_exact_after_an_adamw_step():
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("vocab", [256, 1000])
-def test_predicted_activations_match_what_autograd_saves(precision, vocab):
-    model = _model(vocab=vocab, layers=3)
+@pytest.mark.parametrize("model_name", ["d192-vocab256", "d192-vocab1000", "small"])
+def test_predicted_activations_match_what_autograd_saves(precision, model_name):
+    if model_name == "small":  # the preset itself: 6 blocks of width 384
+        model = get_preset("small").build(seq_len=64, seed=0).train()
+    else:
+        model = _model(vocab=int(model_name.split("vocab")[1]), layers=3)
     e = 4 if precision == "fp32" else 2
     one, two = (_saved_bytes(model, b, 64, precision) for b in (1, 2))
     per_sequence = two - one  # what scales with the batch: the activations
