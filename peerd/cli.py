@@ -101,14 +101,19 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("using the GPU well (node options: the run's tokens per inner step stay the same)")
     g.add_argument("--micro-batch-size", type=int, metavar="M",
                    help="sequences per forward/backward; the run's batch_size is reached by accumulating "
-                   "batch_size/M micro-batches (must divide it; default 0 = the whole batch at once)")
+                   "batch_size/M micro-batches (must divide it; default 0 = chosen from the GPU's free memory, the "
+                   "whole batch on a CPU)")
     g.add_argument("--precision", choices=("auto", "fp32", "bf16", "fp16"),
                    help="auto (default): bf16 autocast on GPUs that support it, fp16 + loss scaling on older "
                    "ones, fp32 on CPU; master weights and the outer state stay fp32")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile the model with torch.compile (warm-up left out of tokens/s; default off)")
     g.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=None,
-                   help="recompute activations in the backward pass to fit bigger micro-batches (default off)")
+                   help="recompute activations in the backward pass to fit bigger micro-batches (default: chosen "
+                   "from the GPU's free memory, off on a CPU)")
+    g.add_argument("--optimizer-8bit", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep the inner AdamW's moments in 8 bits (bitsandbytes, CUDA; 2 instead of 8 bytes per "
+                   "parameter; default off)")
     g.add_argument("--local-devices", type=_device_list, metavar="DEV,DEV,...",
                    help="DiLoCo runs: train as one peer on several devices of this machine, e.g. cuda:0,cuda:1 "
                    "(inner steps data-parallel across them; default: one device)")
@@ -346,7 +351,8 @@ def _node_config(args: argparse.Namespace) -> NodeConfig:
 #: Node config keys that commands may take as flags (besides the addresses and identity of every DHT command).
 NODE_FLAGS = ("device", "threads", "checkpoint_dir", "data", "gpu_memory_fraction", "upload_limit_mb_s",
               "download_limit_mb_s", "active_hours", "metrics_port", "control_socket", "stage", "swarm_role",
-              "micro_batch_size", "precision", "compile", "activation_checkpointing", "local_devices",
+              "micro_batch_size", "precision", "compile", "activation_checkpointing", "optimizer_8bit",
+              "local_devices",
               "dashboard_port", "dashboard_host", "dashboard_token")
 
 

@@ -73,6 +73,14 @@ def local_devices_problem(devices: Any) -> Optional[str]:
     return None
 
 
+def bitsandbytes_installed() -> bool:
+    """Whether the ``bitsandbytes`` package can be imported (found on the path; not imported here: it loads CUDA
+    libraries)."""
+    import importlib.util
+
+    return importlib.util.find_spec("bitsandbytes") is not None
+
+
 #: Values of the node config key ``transport``.
 TRANSPORTS = ("p2pd", "libp2p", "auto")
 
@@ -142,17 +150,23 @@ class NodeConfig:
     log_every_steps: int = 10
     """Log a progress line every this many inner steps; the loss is read back from the device only then."""
     micro_batch_size: int = 0
-    """Sequences per forward/backward pass; 0 = the run's ``batch_size``. Must divide the run's ``batch_size``:
-    each inner step accumulates ``batch_size / micro_batch_size`` micro-batches, so the run's tokens per inner step
-    (and the science) are unchanged and only this machine's memory use is."""
+    """Sequences per forward/backward pass; must divide the run's ``batch_size``: each inner step accumulates
+    ``batch_size / micro_batch_size`` micro-batches, so the run's tokens per inner step (and the science) are
+    unchanged and only this machine's memory use is. 0 = chosen: on a GPU the largest that fits its free memory
+    (:mod:`peerd.memory`), elsewhere the run's ``batch_size``."""
     precision: str = "auto"
     """Inner-step arithmetic: ``fp32``; ``bf16`` (autocast, fp32 master weights); ``fp16`` (autocast + loss
     scaling); ``auto`` = bf16 on a CUDA GPU that supports it, fp16 on an older one, fp32 on CPU. The outer state
     and pseudo-gradients stay fp32 in every mode."""
     compile: bool = False
     """Compile the model with ``torch.compile`` (warm-up steps are left out of tokens/s)."""
-    activation_checkpointing: bool = False
-    """Recompute each block's activations in the backward pass: less memory for a bigger micro-batch."""
+    activation_checkpointing: Optional[bool] = None
+    """Recompute each block's activations in the backward pass: less memory for a bigger micro-batch (about a third
+    more compute). None = chosen with ``micro_batch_size`` from the GPU's free memory (:mod:`peerd.memory`); off
+    on a CPU."""
+    optimizer_8bit: bool = False
+    """Keep the inner AdamW's moments in 8 bits (bitsandbytes' ``AdamW8bit``: ~2 bytes per parameter instead of 8)
+    on a CUDA GPU. Needs the ``bitsandbytes`` package (``pip install bitsandbytes``)."""
     background_eval: bool = False
     """Evaluate after outer rounds on a copy of the model in a background thread while the next inner steps run;
     the loss comes as an ``eval`` event instead of in the round's event. False: each round waits for its eval."""
@@ -282,6 +296,12 @@ class NodeConfig:
             raise ConfigError(f"micro_batch_size must be >= 0 (0 = the run's batch_size), got {self.micro_batch_size}")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.optimizer_8bit and not bitsandbytes_installed():
+            reason = "needs the bitsandbytes package (pip install bitsandbytes), or set optimizer_8bit = false"
+            raise ConfigError(f"optimizer_8bit: {reason}", key="optimizer_8bit", reason=reason)
+        if self.optimizer_8bit and self.device == "cpu":
+            reason = "bitsandbytes' 8-bit AdamW trains on a CUDA GPU: use device auto or cuda, or drop optimizer_8bit"
+            raise ConfigError(f"optimizer_8bit: {reason}", key="optimizer_8bit", reason=reason)
         if self.status_interval_s <= 0 or self.status_ttl_s <= self.status_interval_s:
             raise ConfigError(
                 f"status_ttl_s ({self.status_ttl_s}) must exceed status_interval_s ({self.status_interval_s}) > 0:"

@@ -163,6 +163,7 @@ async def join(run_id: RunRef | str, node: NodeConfig, local_run: Optional[RunCo
     from peerd.service.limits import apply_cpu_threads, apply_gpu_memory_fraction
     from peerd.devices import describe_device
     from peerd.roles.base import RunContext, parallelism, pick_device, role_class  # torch-heavy: keep --help fast
+    from peerd.memory import fit_node
     from peerd.roles.tokenizer_sync import resolve_tokenizer, serve_tokenizers
     from peerd.tokenizer import TokenizerCache, tokenizer_dir
 
@@ -218,6 +219,9 @@ async def join(run_id: RunRef | str, node: NodeConfig, local_run: Optional[RunCo
             ctx.tokenizer = await resolve_tokenizer(run.tokenizer, tokenizers, role_transport, ctx.namespace, stop)
             if ctx.tokenizer is None:
                 return  # stopped while waiting for the tokenizer file
+            ctx.node, memory = fit_node(ctx.node, run, ctx.device, ctx.tokenizer.vocab_size)  # refuses what can't fit
+            if memory:
+                logger.info("memory: %s", memory)
             role = role_class(parallelism(run))(ctx)
             services.watch_peers(role_transport.discovery, ctx.namespace.status_key)
             reach = asyncio.ensure_future(_check_reachability(transport, node, ctx))

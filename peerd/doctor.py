@@ -4,7 +4,9 @@ Checks, in order: the p2pd binary runs here; py-libp2p is importable (the transp
 peers answer (a short-lived node of ours joins the DHT through them, with a throw-away identity so a running daemon
 keeps its own); the run's configuration is published; other peers can dial this machine back (the dial-back check
 of :mod:`protocols.reachability`, on the node config's listen addresses); this clock agrees with the peers' status
-records; the training device is usable. A check that cannot run because an earlier one failed says so.
+records; the run's predicted peak memory fits the training device (with the micro-batch and checkpointing
+``peerd join`` will choose); the training device is usable. A check that cannot run because an earlier one failed
+says so.
 """
 
 from __future__ import annotations
@@ -72,6 +74,36 @@ def check_device(node: NodeConfig) -> Check:
     return Check("device", True, f"training on {describe_device(device)}")
 
 
+def check_memory(node: NodeConfig, run: Any, budget: Optional[tuple[int, str]] = None) -> Optional[Check]:
+    """The run's predicted peak memory on this machine's training device (:func:`peerd.memory.fit_node`): FAIL
+    when it cannot fit. ``run``: a :class:`peerd.run_config.RunConfig`; ``budget``: ``(bytes, name)`` instead of
+    asking the device (tests). None where there is no prediction (another parallelism, a mixture-of-experts model,
+    a BPE vocabulary whose file is not here yet)."""
+    from peerd.config import ConfigError
+    from peerd.memory import fit_node
+    from peerd.roles.base import pick_device
+    from peerd.service.rules import effective_device
+    from peerd.tokenizer import TokenizerCache, parse_spec, tokenizer_dir
+
+    digest = parse_spec(run.tokenizer)
+    if digest is None:
+        vocab = 256
+    else:
+        tokenizer = TokenizerCache(tokenizer_dir(node)).get(digest)
+        if tokenizer is None:
+            return None
+        vocab = tokenizer.vocab_size
+    try:
+        device = pick_device(effective_device(node.local_devices[0] if node.local_devices else node.device, node.gpu))
+        _, line = fit_node(node, run, device, vocab, budget)
+    except ConfigError as e:
+        detail, _, fix = str(e).partition("; ")
+        return Check("memory", False, detail, fix)
+    except Exception as e:  # noqa: BLE001 - the device check says what is wrong with the device
+        return Check("memory", False, f"no prediction: {e}", "see the device line")
+    return Check("memory", True, line) if line else None
+
+
 def clock_check(record_times: list[float], now: float, skew_s: float = CLOCK_SKEW_S) -> Check:
     """Our clock against the peers' status records (each written at most a refresh interval ago): a record from
     the future means our clock is behind; the newest record being old only means quiet peers, so only the future
@@ -132,6 +164,11 @@ async def network_checks(node: NodeConfig, run_id: str, identity_dir: Optional[s
             else:
                 checks.append(Check("run", True, f"run {ref.name!r}: configuration {config['fingerprint'][:12]} "
                                     f"by {config['creator'][:16]}..., {len(live)} live peer(s)"))
+                from peerd.run_config import RunConfig
+
+                memory = check_memory(node, RunConfig.from_dict(config["config"]))
+                if memory is not None:
+                    checks.append(memory)
             helpers = await helpers_for(node, transport.discovery, RunNamespace(ref).status_key)
             verdict = await check_transport(transport, helpers, node.announce_maddrs, node.relay)
             checks.append(reachability_check(verdict, note))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Optional
+from typing import Any, Callable, ContextManager, Iterable, Optional
 
 import torch
 from torch import nn
@@ -68,6 +68,27 @@ def enable_tf32(device: torch.device | str) -> None:
     if torch.device(device).type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+
+
+def make_optimizer(params: Iterable[nn.Parameter], device_type: str = "cpu", *, hp: Any,
+                   eight_bit: bool = False) -> torch.optim.Optimizer:
+    """The run's inner AdamW over ``params`` on a device of type ``device_type``: torch's
+    (:func:`protocols.diloco.make_inner_optimizer`), or with ``eight_bit`` bitsandbytes' ``AdamW8bit`` (the same
+    update with both moments stored blockwise-quantized in 8 bits, Dettmers et al. 2022, "8-bit Optimizers via
+    Block-wise Quantization"; CUDA only). ``hp``: the run's :class:`protocols.diloco.DiLoCoHyperparams`.
+
+    Raises ``ValueError`` for ``eight_bit`` off CUDA and ``ImportError`` when bitsandbytes is not installed (the
+    node config refuses ``optimizer_8bit`` before either can happen)."""
+    from protocols.diloco import make_inner_optimizer
+
+    if not eight_bit:
+        return make_inner_optimizer(params, hp, device_type)
+    if device_type != "cuda":
+        raise ValueError(f"8-bit AdamW (bitsandbytes) needs a CUDA device, got {device_type}")
+    import bitsandbytes
+
+    return bitsandbytes.optim.AdamW8bit(params, lr=hp.inner_lr, betas=tuple(hp.inner_betas),
+                                        weight_decay=hp.inner_weight_decay)
 
 
 def micro_batch_count(batch_size: int, micro_batch_size: int) -> int:

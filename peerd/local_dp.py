@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import hashlib
 import logging
 import multiprocessing
@@ -35,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from peerd.config import local_devices_problem
-from peerd.inner_step import InnerStep, Precision, enable_tf32, micro_batch_count
+from peerd.inner_step import InnerStep, Precision, enable_tf32, make_optimizer, micro_batch_count
 
 logger = logging.getLogger(__name__)
 
@@ -399,8 +400,10 @@ def replica_spec(run, node, vocab_size: int, precision: Precision) -> ReplicaSpe
     return ReplicaSpec(model=run.model, seq_len=run.seq_len, seed=run.seed, vocab_size=vocab_size, hp=run.diloco,
                        batch_size=run.batch_size, micro_batch_size=node.micro_batch_size, precision=precision.name,
                        grad_clip_norm=run.diloco.grad_clip_norm, compile=node.compile,
-                       activation_checkpointing=node.activation_checkpointing, threads=node.threads,
-                       gpu_memory_fraction=node.gpu_memory_fraction)
+                       activation_checkpointing=bool(node.activation_checkpointing), threads=node.threads,
+                       gpu_memory_fraction=node.gpu_memory_fraction,
+                       optimizer=(functools.partial(make_optimizer, hp=run.diloco, eight_bit=True)
+                                  if node.optimizer_8bit else None))
 
 
 __all__ = ["COLLECTIVE_TIMEOUT_S", "DataParallelStep", "LocalDataParallel", "LocalDevicesError", "ReplicaSpec",

@@ -297,6 +297,11 @@ def _check_vector(name: str, t: Any, numel: int | None = None) -> None:
         raise ValueError(f"{name} contains non-finite values")
 
 
+def _host_empty(numel: int, pinned: bool) -> torch.Tensor:
+    """An uninitialised fp32 (numel,) CPU tensor, page-locked if ``pinned``."""
+    return torch.empty(numel, dtype=torch.float32, pin_memory=pinned)
+
+
 class OuterState:
     """Snapshot of DiLoCo's outer optimizer; a value, immutable by convention (never mutate its tensors).
 
@@ -323,7 +328,9 @@ class OuterState:
     @classmethod
     def initial(cls, theta: torch.Tensor) -> "OuterState":
         """Round 0 from a copy of ``theta`` (fp32 (P,)), momentum zeros."""
-        theta = theta.detach().to("cpu", torch.float32, copy=True) if isinstance(theta, torch.Tensor) else theta
+        if isinstance(theta, torch.Tensor):  # a page-locked theta (see Fragment.flatten) stays page-locked
+            pinned = theta.is_pinned()
+            theta = _host_empty(theta.numel(), pinned).view(theta.shape).copy_(theta.detach())
         _check_vector("theta", theta)
         return cls(theta, torch.zeros_like(theta), 0)
 
@@ -364,7 +371,10 @@ class OuterState:
         else:
             step = buf.clone()
         step.mul_(lr)
-        theta = self.theta - step
+        # The new theta lands in page-locked memory when the old one is there (a GPU trains): copying it to the
+        # device at the round's end then runs at the bus's speed, not through a staging buffer. The momentum never
+        # goes to the device and stays in ordinary (swappable) memory.
+        theta = torch.sub(self.theta, step, out=_host_empty(self.numel, self.theta.is_pinned()))
         return OuterState(theta, buf, self.outer_round + 1)
 
     def digest(self) -> str:

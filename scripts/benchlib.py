@@ -26,14 +26,14 @@ def load_wan_testbed() -> ModuleType:
 
 
 def result_args(argv: list[str]) -> list[str]:
-    """The command-line arguments that shape the results (where the report is written does not)."""
+    """The command-line arguments that shape the results (where the report or the JSON is written does not)."""
     out, skip = [], False
     for x in argv:
         if skip:
             skip = False
-        elif x == "--md":
+        elif x in ("--md", "--json"):
             skip = True
-        elif x != "--no-md" and not x.startswith("--md="):
+        elif x != "--no-md" and not x.startswith(("--md=", "--json=")):
             out.append(x)
     return out
 

@@ -85,14 +85,14 @@ from peerd.events import (
     StateDownloaded,
 )
 from peerd.heap import trim_heap
-from peerd.inner_step import InnerStep, enable_tf32, micro_batch_count, resolve_precision
+from peerd.inner_step import InnerStep, enable_tf32, make_optimizer, micro_batch_count, resolve_precision
 from peerd.models import build_model
 from peerd.roles.base import RunContext, eval_units, held_out_loss
 from peerd.roles.fragments import FragmentState, fragment, whole_model
 from peerd.roles.outer_sync import RETRIES_FIELD, LeftOut, Refused, RoundFailure, RoundResult, make_outer_sync
 from peerd.roles.state_sync import StateSync
 from protocols.codecs import all_finite
-from protocols.diloco import DelayedOuterStep, OuterState, inner_lr_at, make_inner_optimizer, set_lr
+from protocols.diloco import DelayedOuterStep, OuterState, inner_lr_at, set_lr
 from protocols.state_transfer import StateSnapshot
 from protocols.streaming import FragmentSchedule, strided_fragments
 from protocols.wire import ProtocolViolation
@@ -269,7 +269,8 @@ class DiLoCoRole:
 
     def _new_optimizer(self) -> None:
         """A fresh inner optimizer (and the step that drives it)."""
-        self.optimizer = make_inner_optimizer(self.model.parameters(), self.hp, torch.device(self.device).type)
+        self.optimizer = make_optimizer(self.model.parameters(), torch.device(self.device).type, hp=self.hp,
+                                        eight_bit=self.ctx.node.optimizer_8bit)
         if self._local_dp is not None:
             self.inner_step = self._local_dp.inner_step(self.optimizer, self.precision)
             return

@@ -34,13 +34,18 @@ class Fragment:
         return sum(p.numel() for p in self._params(model))
 
     def flatten(self, model: torch.nn.Module) -> torch.Tensor:
-        """Fresh fp32 CPU copy of the fragment's parameters, concatenated in order. Returns (P,)."""
+        """Fresh fp32 CPU copy of the fragment's parameters, concatenated in order. Returns (P,), in page-locked
+        (pinned) host memory when they live on a CUDA GPU: the copies then run asynchronously at the bus's speed
+        (one wait at the end), and the outer state derived from it stays pinned for the copies back."""
         params = self._params(model)
-        flat = torch.empty(sum(p.numel() for p in params), dtype=torch.float32)  # (P,)
+        pinned = any(p.is_cuda for p in params)
+        flat = torch.empty(sum(p.numel() for p in params), dtype=torch.float32, pin_memory=pinned)  # (P,)
         offset = 0
         for p in params:
-            flat[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
+            flat[offset:offset + p.numel()].copy_(p.detach().reshape(-1), non_blocking=pinned)
             offset += p.numel()
+        if pinned:
+            torch.cuda.synchronize(next(p.device for p in params if p.is_cuda))
         return flat
 
     def load_(self, model: torch.nn.Module, flat: torch.Tensor) -> None:
@@ -91,5 +96,10 @@ class FragmentState:
         """theta_local := theta_outer (``outer`` adopted first if given); the next local steps start from it."""
         if outer is not None:
             self.outer = outer
+        theta = self.outer.theta
+        if not theta.is_pinned() and any(p.is_cuda for p in self.fragment._params(model)):
+            # a GPU trains: theta_outer moves to page-locked memory once (a resumed or downloaded state comes in
+            # ordinary memory); OuterState.apply keeps every later theta there
+            self.outer = OuterState(theta.pin_memory(), self.outer.momentum, self.outer.outer_round)
         self.fragment.load_(model, self.outer.theta)
         self.round_start_theta = self.outer.theta

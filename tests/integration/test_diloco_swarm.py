@@ -90,6 +90,9 @@ def test_sigterm_checkpoints_and_restart_resumes(swarm, tmp_path):
     peer.proc.send_signal(signal.SIGTERM)
     assert swarm.wait_exit(peer, 60) == 0
     assert peer.of("leave"), "no leave event after SIGTERM"
+    # join says what the run needs on this machine before it trains (the whole batch on a CPU)
+    assert "memory: tiny: predicted peak" in peer.log.read_text() and "micro-batch 8 x 64 tokens" in \
+        peer.log.read_text()
     last_round = peer.of("leave")[-1]["outer_round"]
     again = swarm.start_peer("solo", "solo", config)
     assert swarm.wait_exit(again, 120) == 0, swarm.tails()
