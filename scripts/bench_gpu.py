@@ -152,6 +152,8 @@ def memory_fit(preset: str, cap_gib: float, args, device: torch.device, tmp: str
     run = RunConfig(model=preset, seq_len=args.seq_len, batch_size=args.batch_size, eval_batches=0,
                     diloco=DiLoCoHyperparams(inner_steps=10**9, warmup_steps=1))
     gpu = device.type == "cuda"
+    if gpu and device.index is None:  # the memory-fraction and statistics calls want the card's index
+        device = torch.device("cuda", torch.cuda.current_device())
     precision = args.precision if gpu or args.precision != "auto" else "bf16"  # as a GPU would resolve it
     node = NodeConfig(checkpoint_dir=os.path.join(tmp, f"fit-{preset}-{cap_gib}"), device=device.type,
                       precision=precision, log_every_steps=10**9)

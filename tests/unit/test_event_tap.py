@@ -25,8 +25,10 @@ class Stderr:
 
 
 @pytest.fixture
-def stderr(capsys):
-    """What setup_logging's handler writes (to the sys.stderr of its call: capsys's); restores the root logger."""
+def stderr(capsys, monkeypatch):
+    """What setup_logging's handler writes (to the sys.stderr of its call: capsys's); restores the root logger. The
+    level is setup_logging's own default (INFO), whatever PEERD_LOGLEVEL the suite runs under."""
+    monkeypatch.delenv("PEERD_LOGLEVEL", raising=False)
     root = logging.getLogger()
     saved = (root.handlers[:], root.level, logging.getLogger("peerd").level)
     yield Stderr(capsys)

@@ -13,14 +13,20 @@ pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_auto_picks_libp2p_where_p2pd_cannot_run_and_says_why(monkeypatch, tmp_path):
+@pytest.fixture
+def libp2p_installed(monkeypatch):
+    """The choice as on a machine with py-libp2p installed, whether or not this one has it."""
+    monkeypatch.setattr(libp2p_backend, "libp2p_available", lambda: None)
+
+
+def test_auto_picks_libp2p_where_p2pd_cannot_run_and_says_why(monkeypatch, tmp_path, libp2p_installed):
     monkeypatch.setenv("PEERD_P2PD_BINARY", str(tmp_path / "missing" / "p2pd"))
     backend, why = choose_backend("auto")
     assert backend == "libp2p"
     assert str(tmp_path / "missing" / "p2pd") in why and "py-libp2p" in why
 
 
-def test_auto_picks_p2pd_where_it_runs_and_explicit_choices_stand(monkeypatch, tmp_path):
+def test_auto_picks_p2pd_where_it_runs_and_explicit_choices_stand(monkeypatch, tmp_path, libp2p_installed):
     monkeypatch.delenv("PEERD_P2PD_BINARY", raising=False)
     assert choose_backend("auto")[0] == "p2pd"  # hivemind's bundled binary, built for this (linux x86_64) machine
     script = tmp_path / "p2pd"
