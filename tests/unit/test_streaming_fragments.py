@@ -73,8 +73,8 @@ def test_fragments_are_fingerprint_neutral_at_one_and_validated():
         DiLoCoHyperparams(inner_steps=10, fragments=4)
     with pytest.raises(ConfigError, match="fragments"):
         RunConfig(diloco=DiLoCoHyperparams(fragments=2), averaging=AveragingConfig(method="gossip"))
-    with pytest.raises(ConfigError, match="fragments"):
-        RunConfig(diloco=DiLoCoHyperparams(fragments=2, overlap="delayed"))
+    # fragments + the delayed overlap compose (each fragment's all-reduce overlaps the next inner steps)
+    assert RunConfig(diloco=DiLoCoHyperparams(fragments=2, overlap="delayed")).diloco.overlap == "delayed"
 
 
 def _run(fragments=4, max_outer_rounds=2) -> RunConfig:

@@ -66,9 +66,7 @@ class FragmentRounds(RoundStrategy):
         if w.sat_out_diverged(r, local):
             self.seek(position, j)  # the schedule goes on with the others
             return
-        if self._cycle is None:
-            self._cycle = dict(started=time.perf_counter(), sent=0, received=0, seconds=0.0, excluded={}, attempts=1,
-                               group=0, weight=0.0, steps=0)
+        self._open_cycle()
         samples_at, steps_at = self.synced_at[j]
         weight, steps = float(w.samples_total - samples_at), w.steps_total - steps_at
         outcome = await sync.round(local, weight, live, syncing(records))
@@ -87,20 +85,35 @@ class FragmentRounds(RoundStrategy):
         assert isinstance(outcome, RoundResult)
         part.reset_to_outer(w.model)
         self.synced_at[j] = (w.samples_total, w.steps_total)
-        cycle = self._cycle
-        cycle["sent"] += outcome.bytes_sent
-        cycle["received"] += outcome.bytes_received
-        cycle["seconds"] += outcome.allreduce_s
-        cycle["excluded"].update(outcome.excluded)
-        cycle["attempts"] = max(cycle["attempts"], outcome.attempts)
-        cycle["group"] = max(cycle["group"], outcome.group_size)
-        cycle["weight"], cycle["steps"] = weight, steps
-        w.stats.bytes_sent += outcome.bytes_sent
-        w.stats.bytes_received += outcome.bytes_received
         last = j == len(self.parts) - 1
         self.seek(0 if last else position, 0 if last else j + 1)
+        await self._fragment_done(j, outcome.bytes_sent, outcome.bytes_received, outcome.allreduce_s,
+                                  outcome.excluded, outcome.attempts, outcome.group_size, weight, steps)
+
+    def _open_cycle(self) -> None:
+        """The cycle's totals start with its first fragment round's exchange."""
+        if self._cycle is None:
+            self._cycle = dict(started=time.perf_counter(), sent=0, received=0, seconds=0.0, excluded={}, attempts=1,
+                               group=0, weight=0.0, steps=0)
+
+    async def _fragment_done(self, j: int, sent: int, received: int, seconds: float, excluded: dict, attempts: int,
+                             group_size: int, weight: float, steps: int) -> None:
+        """Fragment ``j``'s round succeeded (bytes, seconds, its group): add it to the cycle's totals and publish
+        the status; after the cycle's last fragment, count the round, checkpoint, evaluate and publish RoundDone."""
+        w = self.worker
+        self._open_cycle()  # normally opened at the cycle's first exchange already
+        cycle = self._cycle
+        cycle["sent"] += sent
+        cycle["received"] += received
+        cycle["seconds"] += seconds
+        cycle["excluded"].update(excluded)
+        cycle["attempts"] = max(cycle["attempts"], attempts)
+        cycle["group"] = max(cycle["group"], group_size)
+        cycle["weight"], cycle["steps"] = weight, steps
+        w.stats.bytes_sent += sent
+        w.stats.bytes_received += received
         await w.ctx.status.publish()
-        if not last:
+        if j != len(self.parts) - 1:
             return
         cycle, self._cycle = self._cycle, None
         w.stats.rounds_ok += 1
