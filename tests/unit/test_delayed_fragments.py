@@ -130,3 +130,21 @@ def test_a_failed_background_fragment_round_keeps_theta_outer_and_counts_its_sam
         assert a.parts[0].outer.digest() == b.parts[0].outer.digest() != start[0]
 
     asyncio.run(main())
+
+
+def test_workers_run_to_max_rounds_end_on_theta_outer_and_resume_from_the_last_checkpoint(tmp_path):
+    async def main():
+        hub = Hub()
+        workers = [_worker(hub, f"peer-{c}", _run(max_outer_rounds=2), tmp_path) for c in "ab"]
+        await asyncio.gather(*[w.run() for w in workers])
+        for w in workers:
+            assert w.fragment_rounds() == [2, 2] and w.rounds.in_flight is None  # drained, not overshooting
+            assert w.stats.rounds_ok == 2 and w.stats.rounds_failed == 0
+            for part in w.parts:  # the model kept is theta_outer
+                assert torch.equal(part.fragment.flatten(w.model), part.outer.theta)
+        assert workers[0].digest() == workers[1].digest()
+        again = _worker(Hub(), "peer-a", _run(max_outer_rounds=2), tmp_path)  # peer-a's checkpoint dir
+        again.resume()
+        assert again.digest() == workers[0].digest() and again.fragment_rounds() == [2, 2]
+
+    asyncio.run(main())
