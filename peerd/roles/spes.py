@@ -122,8 +122,8 @@ class SpesRole(WorkerCore):
     async def join(self) -> None:
         view = await self.claims_view()
         await self.catch_up(view)
-        self._set_own(self._claim(await self.claims_view()))
-        await self._publish_claim()
+        self.set_own(self._claim(await self.claims_view()))
+        await self.publish_claim()
         await self.evaluate_and_publish()
 
     async def train_until_quota(self) -> None:
@@ -141,7 +141,7 @@ class SpesRole(WorkerCore):
             self.save_checkpoint()
 
     async def _after_left(self) -> None:
-        await self._publish_claim(left=True)
+        await self.publish_claim(left=True)
 
     async def _after_stop(self) -> None:
         # refresh answers served after the last RoundDone still count in the totals
@@ -150,13 +150,13 @@ class SpesRole(WorkerCore):
 
     async def _on_pause(self) -> None:
         # the claim published as left: the others neither wait for this peer nor count it as a holder
-        await self._publish_claim()
+        await self.publish_claim()
 
     async def _on_resume(self) -> None:
         # adopt the model of a peer that went past our round, re-claim, publish
         await self.catch_up(await self.claims_view())
-        self._set_own(self._claim(await self.claims_view()))
-        await self._publish_claim()
+        self.set_own(self._claim(await self.claims_view()))
+        await self.publish_claim()
         await self.ctx.status.publish()
 
     # ------------------------------------------------------------------------------------------------- expert claims
@@ -196,7 +196,7 @@ class SpesRole(WorkerCore):
         return claim_experts(self.peer_id, self.n_experts, others, self.capacity, self.cfg.min_holders,
                              self.cfg.experts_per_peer, self.own)
 
-    def _set_own(self, own: frozenset[int]) -> None:
+    def set_own(self, own: frozenset[int]) -> None:
         """Train ``own`` from now on; AdamW state is kept for every parameter that stays trained."""
         if own == self.own and self.optimizer is not None:
             return
@@ -218,7 +218,7 @@ class SpesRole(WorkerCore):
         self.own = own
         self.sync.set_own(own)
 
-    async def _publish_claim(self, left: bool = False) -> None:
+    async def publish_claim(self, left: bool = False) -> None:
         """Publish this peer's claim; as left when ``left`` or while paused."""
         left = left or self.ctx.gate.paused
         discovery = self.ctx.transport.discovery
@@ -229,7 +229,7 @@ class SpesRole(WorkerCore):
 
     async def _publish_loop(self) -> None:
         while True:
-            await self._publish_claim()
+            await self.publish_claim()
             with contextlib.suppress(Exception):
                 await self.ctx.status.records()
             await self.ctx.status.publish()
@@ -294,8 +294,8 @@ class SpesRole(WorkerCore):
             # the others synced round r without us (our round failed): their model, not ours, is round r's result
             await self.catch_up(view)
             if self.outer_round > r:
-                self._set_own(self._claim(await self.claims_view()))
-                await self._publish_claim()
+                self.set_own(self._claim(await self.claims_view()))
+                await self.publish_claim()
                 return
         report = await unless_stopped(
             self.ctx, self.sync.sync(r, len(self._round_peers(r, view, left)),
@@ -316,12 +316,12 @@ class SpesRole(WorkerCore):
         self.stats.rounds_ok += 1
         self.stats.bytes_received += report.allreduce_bytes_received + report.refresh_bytes_received
         self.refresh_bytes_received += report.refresh_bytes_received
-        self._snapshot_model()
+        self.snapshot_model()
         # every member re-claims from the same claims (this round's): they agree on who trains what next
         self._round_members = frozenset(report.claims)
-        self._set_own(rebalance(self.n_experts, report.claims, self.cfg.min_holders,
+        self.set_own(rebalance(self.n_experts, report.claims, self.cfg.min_holders,
                                 self.cfg.experts_per_peer)[self.peer_id])
-        await self._publish_claim()
+        await self.publish_claim()
         self.save_checkpoint()
         eval_loss = await self.evaluate()
         # the members refreshing from us download after our sync returned: count their answers in this round
@@ -339,7 +339,7 @@ class SpesRole(WorkerCore):
             self.stats.tokens, **self._units))
         await self.ctx.status.publish()
 
-    def _snapshot_model(self) -> None:
+    def snapshot_model(self) -> None:
         """The whole model as of the latest sync (fp32, flat), served to joining peers."""
         self._model_snapshot = StateSnapshot.from_tensors(
             {"model": torch.cat([p.detach().reshape(-1).float().cpu() for p in self.model.parameters()])},
@@ -411,7 +411,7 @@ class SpesRole(WorkerCore):
             with torch.no_grad():
                 for name, p in self.model.named_parameters():
                     p.copy_(t[f"model.{name}"])
-            self._set_own(experts)
+            self.set_own(experts)
             load_optimizer_tensors(self.optimizer, t, self.device)
             self.sampler.load_state_dict(meta["sampler"])
             self.outer_round, self.global_step = int(meta["outer_round"]), int(meta["global_step"])
@@ -421,5 +421,5 @@ class SpesRole(WorkerCore):
         except (KeyError, ValueError, TypeError, RuntimeError) as e:
             raise CheckpointError(f"checkpoint {path} is incomplete or mismatched: {e}") from None
         if self.steps_since_sync == 0:  # the synced model of outer_round: serve it to joiners
-            self._snapshot_model()
+            self.snapshot_model()
         self.ctx.events.publish(CheckpointResumed(self.outer_round, self.digest(), str(path), self.steps_since_sync))
