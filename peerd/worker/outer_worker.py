@@ -23,7 +23,7 @@ from peerd.roles.outer_sync import RETRIES_FIELD
 from peerd.roles.state_sync import StateSync
 from peerd.worker.catch_up import SYNCING, TRAINING, CatchUp
 from peerd.worker.checkpointing import OuterCheckpoint
-from peerd.worker.core import WorkerCore
+from peerd.worker.core import PAUSED, WorkerCore
 from peerd.worker.evaluation import RoundEvaluation
 from peerd.worker.inner import InnerLoop
 from peerd.worker.rounds import make_rounds
@@ -142,7 +142,7 @@ class OuterWorker(InnerLoop, CatchUp, OuterCheckpoint, RoundEvaluation, WorkerCo
     # ------------------------------------------------------------------------------------------------------- status
 
     def status_role(self) -> str:
-        return "paused" if self.ctx.gate.paused else SYNCING if self.syncing else self.name
+        return PAUSED if self.ctx.gate.paused else SYNCING if self.syncing else self.name
 
     def status_fields(self) -> dict:
         retries = {part.fragment.name: tries for part, sync in zip(self.parts, self.syncs)
