@@ -26,7 +26,7 @@ from peerd.worker.checkpointing import OuterCheckpoint
 from peerd.worker.core import PAUSED, WorkerCore
 from peerd.worker.evaluation import RoundEvaluation
 from peerd.worker.inner import InnerLoop
-from peerd.worker.rounds import make_rounds
+from peerd.worker.rounds import RoundEnd, make_rounds
 from protocols.codecs import all_finite
 from protocols.diloco import OuterState
 from protocols.state_transfer import StateSnapshot
@@ -100,9 +100,10 @@ class OuterWorker(InnerLoop, CatchUp, OuterCheckpoint, RoundEvaluation, WorkerCo
         if not self.ctx.stop.is_set():  # Ctrl-C while joining: leave now, not after a full evaluation
             await self.evaluate_and_publish()
 
-    async def run_round(self) -> None:
-        """One outer round (or fragment round) with the run's round strategy (:mod:`peerd.worker.rounds`)."""
-        await self.rounds.round()
+    async def run_round(self) -> RoundEnd:
+        """One outer round (or fragment round) with the run's round strategy (:mod:`peerd.worker.rounds`); returns
+        how it ended."""
+        return await self.rounds.round()
 
     async def _finish_in_flight(self) -> None:
         await self.rounds.close()

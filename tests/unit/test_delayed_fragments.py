@@ -11,7 +11,7 @@ from peerd.roles.base import RunContext
 from peerd.roles.diloco import DiLoCoRole
 from peerd.run_config import AveragingConfig, RunConfig
 from peerd.transport.inprocess import Hub
-from peerd.worker.rounds import DelayedFragmentRounds
+from peerd.worker.rounds import DelayedFragmentRounds, RoundEnd
 from protocols.allreduce import AllReduceFailed
 from protocols.diloco import DelayedOuterStep, DiLoCoHyperparams
 
@@ -56,7 +56,7 @@ def test_each_fragment_s_allreduce_overlaps_the_next_inner_steps_and_theta_outer
             await w.train_until_quota()
         assert all(w.steps_since_sync == H // F for w in workers)
         locals0 = [w.parts[0].fragment.flatten(w.model) for w in workers]
-        await asyncio.gather(*[w.run_round() for w in workers])
+        assert await asyncio.gather(*[w.run_round() for w in workers]) == [RoundEnd.SENT] * 3
         assert all(w.rounds.in_flight is not None and w.rounds.in_flight[0] == 0 for w in workers)
         assert all(w.rounds.next_fragment == 1 and w.round_quota == H for w in workers)
         assert all(w.fragment_rounds() == [0, 0] for w in workers)  # nothing applied yet

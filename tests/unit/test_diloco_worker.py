@@ -9,6 +9,7 @@ from peerd.config import NodeConfig
 from peerd.run_config import AveragingConfig, RunConfig
 from peerd.roles.base import RunContext
 from peerd.roles.diloco import DiLoCoRole
+from peerd.worker.rounds import RoundEnd
 from peerd.transport.inprocess import Hub
 from protocols.allreduce import AllReduceFailed
 from protocols.diloco import DiLoCoHyperparams, OuterState, flatten_parameters
@@ -44,7 +45,7 @@ def test_round_without_enough_peers_keeps_theta_outer_and_local_progress(tmp_pat
         before = worker.outer.digest()
         await worker.train_until_quota()
         local = flatten_parameters(worker.model)
-        await worker.run_round()
+        assert await worker.run_round() == RoundEnd.FAILED
         assert worker.stats.rounds_failed == 1
         assert worker.outer.digest() == before  # bit-identical rollback
         assert torch.equal(flatten_parameters(worker.model), local)  # local steps kept
@@ -88,7 +89,7 @@ def test_injected_allreduce_failure_rolls_back_everyone_then_the_next_round_succ
         assert a.outer.digest() == b.outer.digest() == start
         for w in (a, b):
             await w.train_until_quota()
-        await asyncio.gather(a.run_round(), b.run_round())
+        assert await asyncio.gather(a.run_round(), b.run_round()) == [RoundEnd.DONE] * 2
         assert a.outer.outer_round == b.outer.outer_round == 1
         assert a.outer.digest() == b.outer.digest() != start
         # the successful round averaged all six local steps of each peer

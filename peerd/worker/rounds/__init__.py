@@ -16,13 +16,13 @@ one per fragment, from :data:`peerd.roles.outer_sync.OUTER_SYNCS`), what is in f
 
 from __future__ import annotations
 
-from peerd.worker.rounds.base import RoundStrategy
+from peerd.worker.rounds.base import RoundEnd, RoundStrategy
 from peerd.worker.rounds.delayed import DelayedRounds
 from peerd.worker.rounds.delayed_fragments import DelayedFragmentRounds
 from peerd.worker.rounds.fragments import FragmentRounds
 from peerd.worker.rounds.whole import WholeModelRounds
 
-__all__ = ["RoundStrategy", "WholeModelRounds", "FragmentRounds", "DelayedRounds", "DelayedFragmentRounds",
+__all__ = ["RoundEnd", "RoundStrategy", "WholeModelRounds", "FragmentRounds", "DelayedRounds", "DelayedFragmentRounds",
            "make_rounds"]
 
 

@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+from enum import Enum
+
 from peerd.roles.fragments import Fragment, FragmentState, whole_model
 from peerd.roles.outer_sync import make_outer_sync
 from protocols.diloco import OuterState
+
+
+class RoundEnd(str, Enum):
+    """How a round at a boundary ended (:meth:`RoundStrategy.round`)."""
+
+    DONE = "done"  #: the outer step was applied (with fragments: this fragment's)
+    SENT = "sent"  #: the pseudo-gradient went to a background all-reduce (the delayed overlap); it lands later
+    FAILED = "failed"  #: no outer step: theta_outer unchanged, the local steps kept for the next try
+    ADOPTED = "adopted"  #: another peer's state was adopted instead (we were behind, forked or refused)
+    SAT_OUT = "sat_out"  #: theta_local was not finite: the round was sat out, training restarted from theta_outer
+    ABANDONED = "abandoned"  #: a stop or a pause came first
 
 
 class RoundStrategy:
@@ -29,9 +42,9 @@ class RoundStrategy:
         """The model's fragments: the whole model as one fragment, with the role's own group keys."""
         return [whole_model(self.worker.model, self.worker.ctx.namespace, self.worker.name)]
 
-    async def round(self) -> None:
+    async def round(self) -> RoundEnd:
         """One round at the boundary the worker reached: exchange, update theta_outer (or keep it on a failure),
-        publish :class:`peerd.events.RoundDone` or :class:`peerd.events.RoundFailed`."""
+        publish :class:`peerd.events.RoundDone` or :class:`peerd.events.RoundFailed`. Returns how it ended."""
         raise NotImplementedError
 
     async def between_steps(self) -> bool:

@@ -27,7 +27,7 @@ import torch
 from peerd.events import RoundDone
 from peerd.roles.outer_sync import Refused, RoundFailure
 from peerd.worker.catch_up import syncing, workers
-from peerd.worker.rounds.base import RoundStrategy
+from peerd.worker.rounds.base import RoundEnd, RoundStrategy
 from protocols.diloco import DelayedOuterStep
 
 logger = logging.getLogger(__name__)
@@ -45,17 +45,19 @@ class DelayedRounds(RoundStrategy):
         self.in_flight: Optional[asyncio.Task] = None
         self.carry: Optional[tuple[float, int]] = None
 
-    async def round(self) -> None:
+    async def round(self) -> RoundEnd:
         """Round boundary: send this round's pseudo-gradient to a background all-reduce and train on from
-        theta_local."""
+        theta_local (SENT; ADOPTED or, after the run's last round, DONE where the previous round still in flight
+        landed here)."""
         w = self.worker
         if self.in_flight is not None:  # the last exchange outlasted this round's inner steps: compute waits here
-            if await self.land() == "adopted" or w.finished():
-                return
+            landed = await self.land()
+            if landed == RoundEnd.ADOPTED or w.finished():
+                return landed
         r = w.outer.outer_round
         local = w.part.fragment.flatten(w.model)  # (P,)
         if w.sat_out_diverged(r, local):
-            return
+            return RoundEnd.SAT_OUT
         delta = DelayedOuterStep(w.outer).boundary(local)  # every step since theta_outer last moved
         weight, steps = float(w.samples_since_sync), w.steps_since_sync
         if self.carry is not None:  # a failed round's samples: theta_outer did not move, delta already holds them
@@ -65,7 +67,7 @@ class DelayedRounds(RoundStrategy):
         records = await w.peer_records()
         live = workers(records)
         if await w.catch_up(live, w.sync.catch_up_margin or 1, heal_fork=True):
-            return
+            return RoundEnd.ADOPTED
         # the last group's members without any status record now: on a loaded machine a record can lapse between two
         # publications, and a leader that did not count such a peer sealed the group without it. Waiting for one
         # that died costs an idle window of the background matchmaking, not compute
@@ -76,6 +78,7 @@ class DelayedRounds(RoundStrategy):
         w.round_quota = w.schedule.stride
         w.save_checkpoint()
         await w.ctx.status.publish()  # peers count on us in the next round from now
+        return RoundEnd.SENT
 
     async def between_steps(self) -> bool:
         """Land the background all-reduce if it has finished. True if training should stop (the last round of
@@ -93,10 +96,10 @@ class DelayedRounds(RoundStrategy):
         outcome = await self.worker.sync.exchange(delta, weight, live, expected, also_expect=(r - 1,))
         return outcome, delta, weight, steps, started
 
-    async def land(self) -> str:
-        """Wait for the background all-reduce and land it: "applied" (theta_outer took its outer step, theta_local
-        merged with it, RoundDone published), "failed" (theta_outer unchanged, its samples carried into the next
-        round's weight) or "adopted" (refused: we took the leader's state)."""
+    async def land(self) -> RoundEnd:
+        """Wait for the background all-reduce and land it: DONE (theta_outer took its outer step, theta_local
+        merged with it, RoundDone published), FAILED (theta_outer unchanged, its samples carried into the next
+        round's weight) or ADOPTED (refused: we took the leader's state)."""
         w = self.worker
         task, self.in_flight = self.in_flight, None
         outcome, delta, weight, steps, started = await task
@@ -105,12 +108,12 @@ class DelayedRounds(RoundStrategy):
             logger.warning("round %d: %s; adopting the leader's state after its round", r + 1, outcome.reason)
             await w.wait_for_round(outcome.outer_round)
             await w.download_from([outcome.leader])
-            return "adopted"
+            return RoundEnd.ADOPTED
         if not isinstance(outcome, tuple):  # a failure, or abandoned by a pause or stop
             reason = outcome.reason if isinstance(outcome, RoundFailure) else "abandoned (pause or stop)"
             w.round_failed(r, reason, f"theta_outer unchanged, carrying {steps} local steps into the next round")
             self.carry = (weight, steps)
-            return "failed"
+            return RoundEnd.FAILED
         result, attempts = outcome
         step = DelayedOuterStep(w.outer).complete(result.averaged, w.hp)
         w.outer = step.state
@@ -128,7 +131,7 @@ class DelayedRounds(RoundStrategy):
                   w.outer.digest(), w.sync.method)
         await w.ctx.status.publish()
         w.ctx.events.publish(RoundDone(*fields, await w.round_eval(), w.stats.tokens, **w._units))
-        return "applied"
+        return RoundEnd.DONE
 
     def drop(self) -> None:
         self.carry = None
@@ -140,5 +143,5 @@ class DelayedRounds(RoundStrategy):
         if self.in_flight is None:
             return
         with contextlib.suppress(Exception):  # leaving: a failed last round must not stop the final checkpoint
-            if await self.land() == "applied":
+            if await self.land() == RoundEnd.DONE:
                 self.worker.restart_local()  # leaving: the model kept is theta_outer, the local steps are dropped

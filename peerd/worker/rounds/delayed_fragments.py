@@ -25,6 +25,7 @@ import torch
 
 from peerd.roles.outer_sync import Refused, RoundFailure
 from peerd.worker.catch_up import syncing, workers
+from peerd.worker.rounds.base import RoundEnd
 from peerd.worker.rounds.fragments import FragmentRounds
 from protocols.diloco import DelayedOuterStep
 
@@ -41,25 +42,26 @@ class DelayedFragmentRounds(FragmentRounds):
         self.in_flight: Optional[tuple[int, asyncio.Task]] = None
         self._unsent: Optional[tuple[int, int]] = None  # the in-flight fragment's synced_at before it was sent
 
-    async def round(self) -> None:
+    async def round(self) -> RoundEnd:
         """Fragment boundary: land the previous fragment's exchange (compute waits only if it is still running),
         then send this fragment's pseudo-gradient to a background all-reduce and train on."""
         w = self.worker
         if self.in_flight is not None:
-            if await self.land() == "adopted" or w.finished():
-                return
+            landed = await self.land()
+            if landed == RoundEnd.ADOPTED or w.finished():
+                return landed
         j = self.next_fragment
         records = await w.peer_records()
         live = workers(records)
         if await w.catch_up(live) or await self._catch_up_fragment(j, live):
-            return
+            return RoundEnd.ADOPTED
         part, sync = self.parts[j], self.syncs[j]
         r = part.outer.outer_round
         local = part.fragment.flatten(w.model)  # (P_j,)
         position = w.steps_since_sync
         if w.sat_out_diverged(r, local):
             self.seek(position, j)  # the schedule goes on with the others
-            return
+            return RoundEnd.SAT_OUT
         self._open_cycle()
         delta = DelayedOuterStep(part.outer).boundary(local)  # every step since its theta_outer last moved
         samples_at, steps_at = self._unsent = self.synced_at[j]
@@ -73,6 +75,7 @@ class DelayedFragmentRounds(FragmentRounds):
         self.seek(0 if last else position, 0 if last else j + 1)
         w.save_checkpoint()
         await w.ctx.status.publish()
+        return RoundEnd.SENT
 
     async def _exchange(self, j: int, delta: torch.Tensor, weight: float, steps: int, live: dict,
                         expected: frozenset[str]):
@@ -87,9 +90,9 @@ class DelayedFragmentRounds(FragmentRounds):
         await self.land()
         return self.worker.finished()
 
-    async def land(self) -> str:
-        """Wait for the exchange in flight and land it: "applied" (its fragment's theta_outer took the outer step,
-        its theta_local merged), "failed" (unchanged; its samples count in its next round) or "adopted"."""
+    async def land(self) -> RoundEnd:
+        """Wait for the exchange in flight and land it: DONE (its fragment's theta_outer took the outer step, its
+        theta_local merged), FAILED (unchanged; its samples count in its next round) or ADOPTED."""
         w = self.worker
         (j, task), self.in_flight = self.in_flight, None
         outcome, weight, steps, started = await task
@@ -99,13 +102,13 @@ class DelayedFragmentRounds(FragmentRounds):
             logger.warning("round %d of fragment %d: %s; adopting the leader's state", r + 1, j, outcome.reason)
             await w.wait_for_round(outcome.outer_round if j == len(self.parts) - 1 else r)
             await w.download_from([outcome.leader])
-            return "adopted"
+            return RoundEnd.ADOPTED
         if not isinstance(outcome, tuple):  # a failure, or abandoned by a pause or stop
             reason = outcome.reason if isinstance(outcome, RoundFailure) else "abandoned (pause or stop)"
             w.round_failed(r, f"fragment {j}: {reason}",
                            f"its theta_outer unchanged, carrying its {steps} local steps into its next round")
             self.synced_at[j] = self._unsent
-            return "failed"
+            return RoundEnd.FAILED
         result, attempts = outcome
         step = DelayedOuterStep(part.outer).complete(result.averaged, w.hp)
         part.outer = step.state
@@ -116,7 +119,7 @@ class DelayedFragmentRounds(FragmentRounds):
                                   attempts, result.group_size, weight, steps)
         if finished:  # the run's last outer step: the model is theta_outer
             w.restart_local()
-        return "applied"
+        return RoundEnd.DONE
 
     def drop(self) -> None:
         if self.in_flight is not None:
@@ -127,5 +130,5 @@ class DelayedFragmentRounds(FragmentRounds):
         if self.in_flight is None:
             return
         with contextlib.suppress(Exception):  # leaving: a failed last round must not stop the final checkpoint
-            if await self.land() == "applied":
+            if await self.land() == RoundEnd.DONE:
                 self.worker.restart_local()  # leaving: the model kept is theta_outer, the local steps are dropped

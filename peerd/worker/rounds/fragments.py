@@ -16,7 +16,7 @@ from peerd.events import RoundDone
 from peerd.roles.fragments import Fragment, fragment
 from peerd.roles.outer_sync import Refused, RoundFailure, RoundResult
 from peerd.worker.catch_up import syncing, workers
-from peerd.worker.rounds.base import RoundStrategy
+from peerd.worker.rounds.base import RoundEnd, RoundStrategy
 from protocols.streaming import strided_fragments
 
 logger = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ class FragmentRounds(RoundStrategy):
             raise ConfigError(f"[diloco] fragments: {e}", key="fragments", reason=str(e)) from None
         return [fragment(w.model, f"f{p}", names, w.ctx.namespace, w.name) for p, names in enumerate(groups)]
 
-    async def round(self) -> None:
+    async def round(self) -> RoundEnd:
         """The round of the fragment due at this step of the cycle. Only that fragment's theta_local restarts from
         its new theta_outer; the others keep training. A failed fragment round is tried again H/F steps later, its
         local steps kept, before any other fragment: the peers' schedules realign on it, as a failed whole-model
@@ -58,30 +58,29 @@ class FragmentRounds(RoundStrategy):
         records = await w.peer_records()
         live = workers(records)
         if await w.catch_up(live) or await self._catch_up_fragment(j, live):
-            return
+            return RoundEnd.ADOPTED
         part, sync = self.parts[j], self.syncs[j]
         r = part.outer.outer_round
         local = part.fragment.flatten(w.model)  # (P_j,)
         position = w.steps_since_sync
         if w.sat_out_diverged(r, local):
             self.seek(position, j)  # the schedule goes on with the others
-            return
+            return RoundEnd.SAT_OUT
         self._open_cycle()
         samples_at, steps_at = self.synced_at[j]
         weight, steps = float(w.samples_total - samples_at), w.steps_total - steps_at
         outcome = await sync.round(local, weight, live, syncing(records))
         if outcome is None:
-            return
+            return RoundEnd.ABANDONED
         if isinstance(outcome, Refused):
             logger.warning("round %d of fragment %d: %s; adopting the leader's state", r + 1, j, outcome.reason)
             await w.wait_for_round(outcome.outer_round if j == len(self.parts) - 1 else r)
-            await w.download_from([outcome.leader])
-            return
+            return RoundEnd.ADOPTED if await w.download_from([outcome.leader]) else RoundEnd.FAILED
         if isinstance(outcome, RoundFailure):
             w.round_failed(r, f"fragment {j}: {outcome.reason}",
                            f"its theta_outer unchanged, keeping its {steps} local steps, retrying it next")
             self.seek(position, j)
-            return
+            return RoundEnd.FAILED
         assert isinstance(outcome, RoundResult)
         part.reset_to_outer(w.model)
         self.synced_at[j] = (w.samples_total, w.steps_total)
@@ -89,6 +88,7 @@ class FragmentRounds(RoundStrategy):
         self.seek(0 if last else position, 0 if last else j + 1)
         await self._fragment_done(j, outcome.bytes_sent, outcome.bytes_received, outcome.allreduce_s,
                                   outcome.excluded, outcome.attempts, outcome.group_size, weight, steps)
+        return RoundEnd.DONE
 
     def _open_cycle(self) -> None:
         """The cycle's totals start with its first fragment round's exchange."""

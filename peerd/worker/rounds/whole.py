@@ -28,7 +28,7 @@ import torch
 from peerd.events import RoundDone
 from peerd.roles.outer_sync import LeftOut, Refused, RoundFailure, RoundResult
 from peerd.worker.catch_up import syncing, workers
-from peerd.worker.rounds.base import RoundStrategy
+from peerd.worker.rounds.base import RoundEnd, RoundStrategy
 from protocols.codecs import all_finite
 
 logger = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 class WholeModelRounds(RoundStrategy):
     """The whole model syncs at each boundary of H inner steps."""
 
-    async def round(self) -> None:
+    async def round(self) -> RoundEnd:
         w = self.worker
         sync = w.sync
         records = await w.peer_records()
@@ -47,28 +47,27 @@ class WholeModelRounds(RoundStrategy):
             carry = self._straggler_carry()
             if await w.catch_up(live, margin, heal_fork=True):
                 self._apply_straggler_carry(carry)
-                return
+                return RoundEnd.ADOPTED
         started = time.perf_counter()
         r = w.outer.outer_round
         local = w.part.fragment.flatten(w.model)  # (P,)
         if w.sat_out_diverged(r, local):
-            return
+            return RoundEnd.SAT_OUT
         weight = float(w.samples_since_sync)
         steps = w.steps_since_sync
         outcome = await sync.round(local, weight, live, syncing(records))
         if outcome is None:
-            return
+            return RoundEnd.ABANDONED
         if isinstance(outcome, Refused):
             logger.warning("round %d: %s; adopting the leader's state after its round", r + 1, outcome.reason)
             await w.wait_for_round(outcome.outer_round)
-            await w.download_from([outcome.leader])
-            return
+            return RoundEnd.ADOPTED if await w.download_from([outcome.leader]) else RoundEnd.FAILED
         if isinstance(outcome, LeftOut) and await self._rejoin(r, outcome):
-            return
+            return RoundEnd.ADOPTED
         if isinstance(outcome, RoundFailure):
             w.round_failed(r, outcome.reason, f"theta_outer unchanged, keeping {steps} local steps")
             w.round_quota = steps + w.hp.inner_steps
-            return
+            return RoundEnd.FAILED
         assert isinstance(outcome, RoundResult)
         if outcome.failure is not None:
             w.round_failed(r, outcome.failure, "keeping our own outer step")
@@ -86,6 +85,7 @@ class WholeModelRounds(RoundStrategy):
             outcome.excluded, outcome.attempts, round(time.perf_counter() - started, 3), weight, steps, dp_bytes,
             w.outer.digest(), sync.method, eval_loss, w.stats.tokens, **w._units,
         ))
+        return RoundEnd.DONE
 
     async def _rejoin(self, r: int, outcome: LeftOut) -> bool:
         """Round ``r + 1``'s group sealed before we joined it: wait for its leader to finish the round and adopt that
