@@ -246,10 +246,9 @@ class RunConfig:
                                                 or self.diloco.fragments > 1):
             raise ConfigError(f"[diloco] straggler = {self.diloco.straggler!r} needs averaging.method = 'allreduce', "
                               "overlap = 'none' and fragments = 1")
-        if self.diloco.fragments > 1 and (self.averaging.method != "allreduce" or self.diloco.overlap != "none"):
-            raise ConfigError(f"[diloco] fragments = {self.diloco.fragments} needs averaging.method = 'allreduce' and "
-                              f"overlap = 'none' (got {self.averaging.method!r}, {self.diloco.overlap!r}): each "
-                              "fragment's round is a shared outer step, not yet delayed")
+        if self.diloco.fragments > 1 and self.averaging.method != "allreduce":
+            raise ConfigError(f"[diloco] fragments = {self.diloco.fragments} needs averaging.method = 'allreduce' "
+                              f"(got {self.averaging.method!r}): each fragment's round is a shared outer step")
         sparse = {"allreduce": "moshpit", "gossip": "gossip"}  # these average outer *states*: no error feedback there
         for table, method in sparse.items():
             codec = self.averaging.protocol(table).compression
@@ -270,6 +269,11 @@ class RunConfig:
         if self.parallelism == "spes" and self.model not in MOE_MODEL_NAMES:
             raise ConfigError(f"parallelism 'spes' needs a mixture-of-experts model {MOE_MODEL_NAMES}, "
                               f"got {self.model!r}")
+        if self.parallelism == "spes" and self.averaging.method != "allreduce":
+            # SPES averages its shared and expert fragments by all-reduce (peerd/roles/spes_sync.py): another
+            # method would be accepted and silently replaced
+            raise ConfigError(f"parallelism 'spes' needs averaging.method = 'allreduce', got "
+                              f"{self.averaging.method!r}")
         try:
             from peerd.tokenizer import parse_spec
 

@@ -118,7 +118,8 @@ class DiLoCoHyperparams:
     fragments: int = 1
     """F: Streaming DiLoCo fragments (arXiv 2501.18512): the model is cut into F strided fragments, each with its own
     outer state and outer round every H steps, staggered by H/F steps (:mod:`protocols.streaming`); F divides H.
-    1 syncs the whole model at once."""
+    1 syncs the whole model at once. With ``overlap = "delayed"`` each fragment's all-reduce runs in the background
+    while the next inner steps go on, until the next fragment's boundary."""
 
     error_feedback_decay: float = 1.0
     """beta of the sparse codecs' error feedback (``compression = "topk"``): ``e <- beta e + delta`` before each

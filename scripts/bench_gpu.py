@@ -2,7 +2,7 @@
 """Tokens/s and model FLOPs utilization of a peerd peer's inner steps vs a plain PyTorch loop of the same model,
 precision and batch, in one run.
 
-peerd's side is the DiLoCo role itself (``DiLoCoRole._train_until_quota``: its sampler, inner step, precision,
+peerd's side is the DiLoCo role itself (``DiLoCoRole.train_until_quota``: its sampler, inner step, precision,
 micro-batches and optimizer, on an in-process transport with no other peer, evaluation off), so what is measured is
 what a volunteer's daemon does between outer rounds. The baseline is the loop a PyTorch user would write: the same
 model on the device, random token batches drawn on the device, ``torch.autocast`` at the same precision, AdamW
@@ -124,8 +124,8 @@ def peerd_role(preset: str, args, device: torch.device, tmp: str, local_devices:
     try:
         return _time_role(role, args, device)
     finally:
-        if role._local_dp is not None:
-            role._local_dp.close()
+        if role.local_dp is not None:
+            role.local_dp.close()
 
 
 def _time_role(role: DiLoCoRole, args, device: torch.device) -> float:
@@ -134,11 +134,11 @@ def _time_role(role: DiLoCoRole, args, device: torch.device) -> float:
 
     async def main() -> float:
         role.round_quota = args.warmup + (1 if args.compile else 0)
-        await role._train_until_quota()
+        await role.train_until_quota()
         sync(device)
         started = time.perf_counter()
         role.round_quota += args.steps
-        await role._train_until_quota()  # reads the loss back once, at the end of the quota
+        await role.train_until_quota()  # reads the loss back once, at the end of the quota
         sync(device)
         return args.steps * args.batch_size * args.seq_len / (time.perf_counter() - started)
 

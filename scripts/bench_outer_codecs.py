@@ -87,7 +87,7 @@ async def run_variant(a: argparse.Namespace, variant: str, workdir: str) -> dict
     await asyncio.gather(*[w.run() for w in workers])
     rounds = [e for e in done]
     evals = [e.eval_nats_per_byte for e in rounds if e.outer_round == run.max_outer_rounds]
-    digests = {w._digest() for w in workers}
+    digests = {w.digest() for w in workers}
     return dict(variant=variant, rounds=max(w.outer.outer_round for w in workers),
                 sent_per_round=sum(e.bytes_sent for e in rounds) / max(1, len(rounds)),
                 dp_per_round=sum(e.dp_equivalent_bytes for e in rounds) / max(1, len(rounds)),

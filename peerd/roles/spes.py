@@ -37,18 +37,15 @@ from typing import Optional
 import torch
 
 from peerd.checkpoint import Checkpoint, CheckpointError, load_optimizer_tensors, optimizer_tensors
-from peerd.config import ConfigError
-from peerd.data import WindowSampler
-from peerd.events import (CheckpointResumed, Evaluated, ExpertsClaimed, InnerProgress, Left, Paused, Resumed,
-                          RoundDone, RoundFailed, StateDownloaded)
-from peerd.inner_step import InnerStep, enable_tf32, micro_batch_count, resolve_precision
+from peerd.events import CheckpointResumed, ExpertsClaimed, InnerProgress, RoundDone, RoundFailed, StateDownloaded
+from peerd.inner_step import InnerStep
 from peerd.models import build_model
 from peerd.models.local_experts import train_only_experts
 from peerd.models.moe import MoETransformer, expert_parameter_names, shared_parameter_names
-from peerd.roles.base import RunContext, eval_units, held_out_loss, unless_stopped
-from peerd.roles.diloco import RoundStats
+from peerd.roles.base import RunContext, unless_stopped
 from peerd.roles.spes_sync import SparseSync
 from peerd.roles.state_sync import StateSync
+from peerd.worker.core import WorkerCore
 from protocols.diloco import inner_lr_at, make_inner_optimizer, set_lr
 from protocols.spes import (PeerClaim, claim_experts, claim_record, expert_capacity, merge_alpha,
                             merge_due, merge_experts, parse_claim, rebalance)
@@ -67,34 +64,21 @@ REFRESH_ACCOUNTING_WAIT_S = 5.0
 TRAINING_BYTES_PER_PARAMETER = 12
 
 
-class SpesRole:
+class SpesRole(WorkerCore):
     """One peer's SPES training. ``run()`` returns when stopped or after ``max_outer_rounds`` syncs."""
 
     name = ROLE
 
     def __init__(self, ctx: RunContext):
-        self.ctx = ctx
-        run, node = ctx.run, ctx.node
-        self.run_cfg, self.cfg, self.hp = run, run.spes, run.diloco
-        self.peer_id = ctx.peer_id
-        self.device = ctx.device
-        if node.threads:
-            torch.set_num_threads(node.threads)
-        corpus = ctx.training_corpus()
-        self.eval_tokens = corpus.eval
-        self._units = eval_units(ctx.tokenizer, self.eval_tokens, run)  # what the eval fields of events are per
-        self.sampler = WindowSampler(corpus.train, run.seq_len, run.batch_size, seed=self.peer_id)
+        super().__init__(ctx)
+        run = ctx.run
+        self.cfg = run.spes
         model = build_model(run.model, run.seq_len, run.seed, ctx.tokenizer.vocab_size)
         if not isinstance(model, MoETransformer):
             raise ValueError(f"parallelism 'spes' needs a mixture-of-experts model, got {run.model!r}")
         self.model = model.to(self.device)
         self.n_experts = model.config.n_experts
-        try:  # how this machine computes the run's inner step (:mod:`peerd.inner_step`)
-            micro_batch_count(run.batch_size, node.micro_batch_size)
-        except ValueError as e:
-            raise ConfigError(f"micro_batch_size: {e}", key="micro_batch_size", reason=str(e)) from None
-        self.precision = resolve_precision(node.precision, self.device)
-        enable_tf32(self.device)
+        self._check_inner_step()
         self.inner_step: Optional[InnerStep] = None
         self.capacity = self._capacity()
         self.own: frozenset[int] = frozenset()
@@ -103,7 +87,6 @@ class SpesRole:
         self.global_step = 0
         self.steps_since_sync = 0
         self.samples_since_sync = 0
-        self.stats = RoundStats()
         # refresh answers go out after a holder's own sync returns: each RoundDone counts those of its round; the
         # total of those, to add the stragglers to the totals on leaving
         self._served_counted = 0
@@ -121,7 +104,6 @@ class SpesRole:
         self.state_sync = StateSync(ctx.transport, ctx.namespace.scoped(fragment="model").prefix(ROLE),
                                     lambda: self._model_snapshot, averaging.state_transfer().download_timeout_s)
         self.components = (self.sync, self.state_sync)
-        ctx.status.set_source(self._status_fields)
 
     def _capacity(self) -> int:
         """Experts this peer can train: ``[spes] experts_per_peer`` if set, else all; on CUDA also what fits in 80%
@@ -137,70 +119,44 @@ class SpesRole:
 
     # ------------------------------------------------------------------------------------------------------ lifecycle
 
-    async def run(self, ctx: Optional[RunContext] = None) -> None:
-        """Train until stopped or ``max_outer_rounds`` syncs are done."""
-        self._resume()
-        for component in self.components:
-            await component.start()
-        status_task = asyncio.ensure_future(self._publish_loop())
-        try:
-            view = await self.claims_view()
-            await self._catch_up(view)
-            self._set_own(self._claim(await self.claims_view()))
-            await self._publish_claim()
-            await self._evaluate_and_publish()
-            while not self.ctx.stop.is_set() and not self._finished():
-                if self.ctx.gate.paused:
-                    await self._wait_running()
-                    continue
-                await self.train_steps(self.cfg.sync_steps - self.steps_since_sync)
-                if self.ctx.stop.is_set() or self.ctx.gate.paused:
-                    continue
-                await self.sync_round()
-        finally:
-            status_task.cancel()
-            with contextlib.suppress(BaseException):
-                await status_task
-            if self.optimizer is not None:  # None: stopped before it claimed anything (or resuming failed)
-                self._save_checkpoint()
-            await self.ctx.status.publish(role="left")
-            await self._publish_claim(left=True)
-            for component in self.components:
-                with contextlib.suppress(Exception):
-                    await component.stop()
-            # refresh answers served after the last RoundDone still count in the totals
-            self.stats.bytes_sent += self.sync.refresh_bytes_served - self._served_counted
-            self._served_counted = self.sync.refresh_bytes_served
-        self.ctx.events.publish(Left(self.outer_round, self.stats.bytes_sent, self.stats.bytes_received,
-                                     self.stats.rounds_failed, self.ctx.run_id))
+    async def join(self) -> None:
+        view = await self.claims_view()
+        await self.catch_up(view)
+        self.set_own(self._claim(await self.claims_view()))
+        await self.publish_claim()
+        await self.evaluate_and_publish()
 
-    def _finished(self) -> bool:
-        limit = self.run_cfg.max_outer_rounds
-        return bool(limit) and self.outer_round >= limit
+    async def train_until_quota(self) -> None:
+        """The inner steps left before the next sync (``sync_steps`` since the last one)."""
+        await self.train_steps(self.cfg.sync_steps - self.steps_since_sync)
 
-    async def _wait_running(self) -> None:
-        """While the gate is paused: publish the claim as left (the others neither wait for this peer nor count it
-        as a holder), wait, then rejoin: adopt the model of a peer that went past our round, re-claim, publish.
-        Training stops at the inner step during which the pause came (:meth:`train_steps`)."""
-        gate, stop = self.ctx.gate, self.ctx.stop
-        if not gate.paused or stop.is_set():
-            return
-        self.ctx.events.publish(Paused(self.outer_round, gate.reasons, self.steps_since_sync))
-        await self._publish_claim()
-        await self.ctx.status.publish()
-        stopper = asyncio.ensure_future(stop.wait())
-        resumed = asyncio.ensure_future(gate.wait_running())
-        try:
-            await asyncio.wait({stopper, resumed}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stopper.cancel()
-            resumed.cancel()
-        if stop.is_set():
-            return
-        self.ctx.events.publish(Resumed(self.outer_round))
-        await self._catch_up(await self.claims_view())
-        self._set_own(self._claim(await self.claims_view()))
-        await self._publish_claim()
+    async def run_round(self) -> None:
+        await self.sync_round()
+
+    async def _status_loop(self) -> None:
+        await self._publish_loop()
+
+    def _save_final_checkpoint(self) -> None:
+        if self.optimizer is not None:  # None: stopped before it claimed anything (or resuming failed)
+            self.save_checkpoint()
+
+    async def _after_left(self) -> None:
+        await self.publish_claim(left=True)
+
+    async def _after_stop(self) -> None:
+        # refresh answers served after the last RoundDone still count in the totals
+        self.stats.bytes_sent += self.sync.refresh_bytes_served - self._served_counted
+        self._served_counted = self.sync.refresh_bytes_served
+
+    async def _on_pause(self) -> None:
+        # the claim published as left: the others neither wait for this peer nor count it as a holder
+        await self.publish_claim()
+
+    async def _on_resume(self) -> None:
+        # adopt the model of a peer that went past our round, re-claim, publish
+        await self.catch_up(await self.claims_view())
+        self.set_own(self._claim(await self.claims_view()))
+        await self.publish_claim()
         await self.ctx.status.publish()
 
     # ------------------------------------------------------------------------------------------------- expert claims
@@ -240,7 +196,7 @@ class SpesRole:
         return claim_experts(self.peer_id, self.n_experts, others, self.capacity, self.cfg.min_holders,
                              self.cfg.experts_per_peer, self.own)
 
-    def _set_own(self, own: frozenset[int]) -> None:
+    def set_own(self, own: frozenset[int]) -> None:
         """Train ``own`` from now on; AdamW state is kept for every parameter that stays trained."""
         if own == self.own and self.optimizer is not None:
             return
@@ -262,7 +218,7 @@ class SpesRole:
         self.own = own
         self.sync.set_own(own)
 
-    async def _publish_claim(self, left: bool = False) -> None:
+    async def publish_claim(self, left: bool = False) -> None:
         """Publish this peer's claim; as left when ``left`` or while paused."""
         left = left or self.ctx.gate.paused
         discovery = self.ctx.transport.discovery
@@ -273,7 +229,7 @@ class SpesRole:
 
     async def _publish_loop(self) -> None:
         while True:
-            await self._publish_claim()
+            await self.publish_claim()
             with contextlib.suppress(Exception):
                 await self.ctx.status.records()
             await self.ctx.status.publish()
@@ -336,10 +292,10 @@ class SpesRole:
         view, left = await self._read_claims()
         if any(rr > r for _, rr in view.values()):
             # the others synced round r without us (our round failed): their model, not ours, is round r's result
-            await self._catch_up(view)
+            await self.catch_up(view)
             if self.outer_round > r:
-                self._set_own(self._claim(await self.claims_view()))
-                await self._publish_claim()
+                self.set_own(self._claim(await self.claims_view()))
+                await self.publish_claim()
                 return
         report = await unless_stopped(
             self.ctx, self.sync.sync(r, len(self._round_peers(r, view, left)),
@@ -360,14 +316,14 @@ class SpesRole:
         self.stats.rounds_ok += 1
         self.stats.bytes_received += report.allreduce_bytes_received + report.refresh_bytes_received
         self.refresh_bytes_received += report.refresh_bytes_received
-        self._snapshot_model()
+        self.snapshot_model()
         # every member re-claims from the same claims (this round's): they agree on who trains what next
         self._round_members = frozenset(report.claims)
-        self._set_own(rebalance(self.n_experts, report.claims, self.cfg.min_holders,
+        self.set_own(rebalance(self.n_experts, report.claims, self.cfg.min_holders,
                                 self.cfg.experts_per_peer)[self.peer_id])
-        await self._publish_claim()
-        self._save_checkpoint()
-        eval_loss = await self._evaluate()
+        await self.publish_claim()
+        self.save_checkpoint()
+        eval_loss = await self.evaluate()
         # the members refreshing from us download after our sync returned: count their answers in this round
         await self.sync.wait_served(r, report.downloaders, REFRESH_ACCOUNTING_WAIT_S)
         served = self.sync.refresh_bytes_served_in(r)
@@ -379,20 +335,20 @@ class SpesRole:
         self.ctx.events.publish(RoundDone(
             self.outer_round, report.group_sizes.get("shared", 1), bytes_sent,
             report.allreduce_bytes_received + report.refresh_bytes_received, report.seconds, {}, 1,
-            round(time.perf_counter() - started, 3), weight, steps, dp_bytes, self._digest(), ROLE, eval_loss,
+            round(time.perf_counter() - started, 3), weight, steps, dp_bytes, self.digest(), ROLE, eval_loss,
             self.stats.tokens, **self._units))
         await self.ctx.status.publish()
 
-    def _snapshot_model(self) -> None:
+    def snapshot_model(self) -> None:
         """The whole model as of the latest sync (fp32, flat), served to joining peers."""
         self._model_snapshot = StateSnapshot.from_tensors(
             {"model": torch.cat([p.detach().reshape(-1).float().cpu() for p in self.model.parameters()])},
             {"outer_round": self.outer_round})
 
-    def _digest(self) -> str:
+    def digest(self) -> str:
         return hashlib.sha256(self.sync.shared.flatten(self.model).numpy().tobytes()).hexdigest()
 
-    async def _catch_up(self, view: dict[str, tuple[PeerClaim, int]]) -> None:
+    async def catch_up(self, view: dict[str, tuple[PeerClaim, int]]) -> None:
         """Adopt the whole model of the most advanced live peer if one is past our round."""
         ahead = sorted(((rr, p) for p, (_, rr) in view.items() if rr > self.outer_round), reverse=True)
         if not ahead:
@@ -419,12 +375,12 @@ class SpesRole:
         self._round_members = frozenset()  # we were in none of the rounds we skipped
         self.global_step = outer_round * self.cfg.sync_steps
         self.steps_since_sync = self.samples_since_sync = 0  # local steps of a resumed checkpoint are superseded
-        self.ctx.events.publish(StateDownloaded(outer_round, got.peer, self._digest(), got.seconds,
+        self.ctx.events.publish(StateDownloaded(outer_round, got.peer, self.digest(), got.seconds,
                                                 got.payload_bytes / 1e6, 0))
 
     # ----------------------------------------------------------------------------------------------------- checkpoint
 
-    def _save_checkpoint(self) -> None:
+    def save_checkpoint(self) -> None:
         """Model (every parameter, by name), this peer's AdamW state (by index among its trained parameters), its
         claim, outer round, step counters and sampler position."""
         tensors = {f"model.{name}": p.detach() for name, p in self.model.named_parameters()}
@@ -437,17 +393,17 @@ class SpesRole:
         }
         self.ctx.checkpoints.save(Checkpoint(tensors, metadata))
 
-    def _resume(self) -> None:
+    def _checkpoint_is_mine(self, metadata: dict) -> bool:
+        return metadata.get("role") == ROLE
+
+    def resume(self) -> None:
         """Continue from the local checkpoint if there is one. Raises :class:`peerd.checkpoint.CheckpointError` if
         it was written under another configuration of the run or does not fit the model."""
-        path = self.ctx.checkpoints.path
-        checkpoint = self.ctx.checkpoints.load()
+        checkpoint = self.load_checkpoint()
         if checkpoint is None:
             return
+        path = self.ctx.checkpoints.path
         meta, t = checkpoint.metadata, checkpoint.tensors
-        if meta.get("run_fingerprint") != self.run_cfg.fingerprint() or meta.get("role") != ROLE:
-            raise CheckpointError(f"checkpoint {path} was written under another configuration of run "
-                                  f"{self.ctx.run_id!r}; move it away or use another --checkpoint-dir")
         try:
             experts = frozenset(int(e) for e in meta["experts"])
             if not all(0 <= e < self.n_experts for e in experts):
@@ -455,7 +411,7 @@ class SpesRole:
             with torch.no_grad():
                 for name, p in self.model.named_parameters():
                     p.copy_(t[f"model.{name}"])
-            self._set_own(experts)
+            self.set_own(experts)
             load_optimizer_tensors(self.optimizer, t, self.device)
             self.sampler.load_state_dict(meta["sampler"])
             self.outer_round, self.global_step = int(meta["outer_round"]), int(meta["global_step"])
@@ -465,23 +421,5 @@ class SpesRole:
         except (KeyError, ValueError, TypeError, RuntimeError) as e:
             raise CheckpointError(f"checkpoint {path} is incomplete or mismatched: {e}") from None
         if self.steps_since_sync == 0:  # the synced model of outer_round: serve it to joiners
-            self._snapshot_model()
-        self.ctx.events.publish(CheckpointResumed(self.outer_round, self._digest(), str(path), self.steps_since_sync))
-
-    # ------------------------------------------------------------------------------------------ evaluation, status
-
-    async def _evaluate(self) -> Optional[float]:
-        loss = await held_out_loss(self.model, self.eval_tokens, self.run_cfg)
-        if loss is not None:
-            self.stats.last_eval = loss
-        return loss
-
-    async def _evaluate_and_publish(self) -> None:
-        self.ctx.events.publish(Evaluated(self.outer_round, await self._evaluate(), self.stats.tokens,
-                                          **self._units))
-
-    def _status_fields(self) -> dict:
-        role = "paused" if self.ctx.gate.paused else ROLE
-        return dict(role=role, outer_round=self.outer_round, inner_step=self.steps_since_sync,
-                    loss=self.stats.last_loss, tokens_per_s=self.stats.tokens_per_s,
-                    eval_nats_per_byte=self.stats.last_eval, digest=self._digest()[:16])
+            self.snapshot_model()
+        self.ctx.events.publish(CheckpointResumed(self.outer_round, self.digest(), str(path), self.steps_since_sync))

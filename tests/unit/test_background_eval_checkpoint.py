@@ -58,7 +58,7 @@ def test_background_eval_and_checkpoint_match_the_foreground_ones(diloco, tmp_pa
         (a, a_events), (b, b_events) = (_worker(hub, "peer-a", run, tmp_path, True),
                                         _worker(hub, "peer-b", run, tmp_path, False))
         await asyncio.gather(a.run(), b.run())
-        assert a.outer.outer_round == b.outer.outer_round == 3 and a._digest() == b._digest()
+        assert a.outer.outer_round == b.outer.outer_round == 3 and a.digest() == b.digest()
         fg = {e.outer_round: e.eval_nats_per_byte for e in b_events if isinstance(e, RoundDone)}
         assert set(fg) == {1, 2, 3} and fg[1] is None and None not in (fg[2], fg[3])  # every 2nd round, and the last
         assert all(e.eval_nats_per_byte is None for e in a_events if isinstance(e, RoundDone))
@@ -66,10 +66,10 @@ def test_background_eval_and_checkpoint_match_the_foreground_ones(diloco, tmp_pa
         assert set(bg) == {2, 3}
         for r in (2, 3):  # the copy evaluated in the background is theta_outer, as the foreground evaluation
             assert bg[r] == pytest.approx(fg[r], rel=1e-6)
-        assert a._writer is None  # the writer thread finished with the final checkpoint
+        assert a.writer is None  # the writer thread finished with the final checkpoint
         again, _ = _worker(Hub(), "peer-a", run, tmp_path, True)
-        again._resume()
-        assert again._digest() == a._digest() and again.outer.outer_round == 3
+        again.resume()
+        assert again.digest() == a.digest() and again.outer.outer_round == 3
 
     asyncio.run(main())
 
@@ -89,19 +89,19 @@ def test_a_straggler_carries_its_missed_rounds_pseudo_gradient_into_the_next_rou
         for w in (a, b):
             for component in w.components:
                 await component.start()
-            await w._publish_status()
-        await a._train_until_quota()
-        await a._outer_round()  # b is late: the deadline passes and a's round goes on without it
+            await w.publish_status()
+        await a.train_until_quota()
+        await a.run_round()  # b is late: the deadline passes and a's round goes on without it
         assert a.outer.outer_round == 1
-        await b._train_until_quota()
+        await b.train_until_quota()
         missed = b.outer.theta - flatten_parameters(b.model)  # b's pseudo-gradient of the round it missed
-        await b._outer_round()  # b adopts a's state and keeps its pseudo-gradient
+        await b.run_round()  # b adopts a's state and keeps its pseudo-gradient
         assert b.outer.digest() == a.outer.digest()
         assert torch.equal(flatten_parameters(b.model), a.outer.theta - missed)
         assert b.samples_since_sync == 8  # its 2 steps of batch 4 weigh in the next round
         for w in (a, b):
-            await w._train_until_quota()
-        await asyncio.gather(a._outer_round(), b._outer_round())
+            await w.train_until_quota()
+        await asyncio.gather(a.run_round(), b.run_round())
         assert a.outer.outer_round == b.outer.outer_round == 2 and a.outer.digest() == b.outer.digest()
         done = [e for e in b_events if isinstance(e, RoundDone)]
         assert done[-1].weight == 16.0  # the missed round's 8 samples and this round's 8

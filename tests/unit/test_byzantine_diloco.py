@@ -45,11 +45,11 @@ def _run_swarm(tmp_path, aggregation: str, attack: bool) -> tuple[float, int]:
         for w in workers:
             for component in w.components:
                 await component.start()
-            await w._publish_status()
+            await w.publish_status()
         for _ in range(ROUNDS):
             for w in workers:
-                await w._train_until_quota()
-            await asyncio.gather(*[w._outer_round() for w in workers])
+                await w.train_until_quota()
+            await asyncio.gather(*[w.run_round() for w in workers])
         honest = workers[0]
         assert honest.outer.outer_round == ROUNDS
         loss = evaluate(honest.model, honest.eval_tokens, 32, 8, 8).nats_per_byte

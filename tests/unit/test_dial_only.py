@@ -159,10 +159,10 @@ def test_diloco_workers_average_with_a_worker_found_unreachable_without_dialing_
         for w in workers:
             for component in w.components:
                 await component.start()
-            await w._publish_status()
+            await w.publish_status()
         for w in workers:
-            await w._train_until_quota()
-        await asyncio.gather(*(w._outer_round() for w in workers))
+            await w.train_until_quota()
+        await asyncio.gather(*(w.run_round() for w in workers))
         return workers, nats
 
     workers, nats = asyncio.run(main())

@@ -9,6 +9,7 @@ from peerd.config import NodeConfig
 from peerd.run_config import AveragingConfig, RunConfig
 from peerd.roles.base import RunContext
 from peerd.roles.diloco import DiLoCoRole
+from peerd.worker.rounds import RoundEnd
 from peerd.transport.inprocess import Hub
 from protocols.allreduce import AllReduceFailed
 from protocols.diloco import DiLoCoHyperparams, OuterState, flatten_parameters
@@ -34,7 +35,7 @@ def _worker(hub, name, run, tmp_path) -> DiLoCoRole:
 async def _start(worker):
     for component in worker.components:
         await component.start()
-    await worker._publish_status()
+    await worker.publish_status()
 
 
 def test_round_without_enough_peers_keeps_theta_outer_and_local_progress(tmp_path):
@@ -42,14 +43,14 @@ def test_round_without_enough_peers_keeps_theta_outer_and_local_progress(tmp_pat
         worker = _worker(Hub(), "alone", _run(min_group_size=2), tmp_path)
         await _start(worker)
         before = worker.outer.digest()
-        await worker._train_until_quota()
+        await worker.train_until_quota()
         local = flatten_parameters(worker.model)
-        await worker._outer_round()
+        assert await worker.run_round() == RoundEnd.FAILED
         assert worker.stats.rounds_failed == 1
         assert worker.outer.digest() == before  # bit-identical rollback
         assert torch.equal(flatten_parameters(worker.model), local)  # local steps kept
         assert worker.steps_since_sync == 3 and worker.round_quota == 6  # next pseudo-gradient covers both
-        await worker._train_until_quota()
+        await worker.train_until_quota()
         assert worker.steps_since_sync == 6 and worker.samples_since_sync == 24
 
     asyncio.run(main())
@@ -77,8 +78,8 @@ def test_injected_allreduce_failure_rolls_back_everyone_then_the_next_round_succ
         start = a.outer.digest()
         assert start == b.outer.digest()
         for w in (a, b):
-            await w._train_until_quota()
-        await asyncio.gather(a._outer_round(), b._outer_round())
+            await w.train_until_quota()
+        await asyncio.gather(a.run_round(), b.run_round())
         print(f"FIGURE A9: all-reduce failed (injected {len(fired)}x) in round 1 of 2 peers; theta_outer digest "
               f"before {start[:16]}, after a {a.outer.digest()[:16]} b {b.outer.digest()[:16]} (rounds failed "
               f"{a.stats.rounds_failed}, {b.stats.rounds_failed}; local steps kept {a.steps_since_sync}, "
@@ -87,8 +88,8 @@ def test_injected_allreduce_failure_rolls_back_everyone_then_the_next_round_succ
         assert a.stats.rounds_failed == b.stats.rounds_failed == 1
         assert a.outer.digest() == b.outer.digest() == start
         for w in (a, b):
-            await w._train_until_quota()
-        await asyncio.gather(a._outer_round(), b._outer_round())
+            await w.train_until_quota()
+        assert await asyncio.gather(a.run_round(), b.run_round()) == [RoundEnd.DONE] * 2
         assert a.outer.outer_round == b.outer.outer_round == 1
         assert a.outer.digest() == b.outer.digest() != start
         # the successful round averaged all six local steps of each peer
@@ -107,8 +108,8 @@ def test_refused_peer_downloads_the_leaders_state(tmp_path):
         b.outer = OuterState(b.outer.theta + 1.0, b.outer.momentum.clone(), 0)
         for _ in range(4):
             for w in (a, b):
-                await w._train_until_quota()
-            await asyncio.gather(a._outer_round(), b._outer_round())
+                await w.train_until_quota()
+            await asyncio.gather(a.run_round(), b.run_round())
             if a.outer.outer_round == b.outer.outer_round and a.outer.digest() == b.outer.digest():
                 break
         # the refused peer adopted the leader's state, then they average together again
@@ -130,40 +131,40 @@ def test_peer_ahead_waits_for_a_syncing_peer_instead_of_outrunning_it(tmp_path):
         a = _worker(hub, "peer-a", run, tmp_path)
         await _start(a)
         for _ in range(2):  # a trains alone for two rounds
-            await a._train_until_quota()
-            await a._outer_round()
+            await a.train_until_quota()
+            await a.run_round()
         assert a.outer.outer_round == 2
         b = _worker(hub, "peer-b", run, tmp_path)
         await _start(b)
         sizes, roles = [], []
-        real_run, real_download = a.sync.allreduce.run, b._download_first
+        real_run, real_download = a.sync.allreduce.run, b.download_first
 
         async def recording_run(group, tensor, weight):
             sizes.append(len(group.members))
             return await real_run(group, tensor, weight)
 
         async def slow_download(peers):
-            roles.append((await a._peer_records())[b.peer_id]["role"])
+            roles.append((await a.peer_records())[b.peer_id]["role"])
             await asyncio.sleep(1.5)  # the download outlasts a's round
             return await real_download(peers)
 
-        a.sync.allreduce.run, b._download_first = recording_run, slow_download
-        await a._train_until_quota()
+        a.sync.allreduce.run, b.download_first = recording_run, slow_download
+        await a.train_until_quota()
 
         async def b_joins():
-            assert await b._catch_up(await b._live_peers())
-            await b._train_until_quota()
-            await b._outer_round()
+            assert await b.catch_up(await b.live_peers())
+            await b.train_until_quota()
+            await b.run_round()
 
         async def a_round():
             await asyncio.sleep(0.3)
-            await a._outer_round()
+            await a.run_round()
 
         await asyncio.gather(a_round(), b_joins())
         assert roles == ["syncing"]
         assert sizes == [2]  # a waited for b
         assert a.outer.outer_round == b.outer.outer_round == 3 and a.outer.digest() == b.outer.digest()
-        assert (await a._peer_records())[b.peer_id]["role"] == "diloco"
+        assert (await a.peer_records())[b.peer_id]["role"] == "diloco"
 
     asyncio.run(main())
 
@@ -176,16 +177,16 @@ def test_diverged_local_training_sits_the_round_out_and_restarts_from_theta_oute
         worker = _worker(Hub(), "diverged", run, tmp_path)
         await _start(worker)
         before = worker.outer.digest()
-        await worker._train_until_quota()
+        await worker.train_until_quota()
         with torch.no_grad():
             next(worker.model.parameters()).view(-1)[0] = float("nan")  # local training blew up
-        await worker._outer_round()  # must not raise
+        await worker.run_round()  # must not raise
         assert worker.stats.rounds_failed == 1 and worker.stats.rounds_ok == 0
         assert worker.outer.digest() == before  # theta_outer untouched
         assert torch.equal(flatten_parameters(worker.model), worker.outer.theta)  # restarted from theta_outer
         assert worker.steps_since_sync == 0
-        await worker._train_until_quota()
-        await worker._outer_round()
+        await worker.train_until_quota()
+        await worker.run_round()
         assert worker.stats.rounds_ok == 1 and bool(torch.isfinite(worker.outer.theta).all())
 
     asyncio.run(main())
@@ -235,7 +236,7 @@ def test_the_first_inner_step_is_reported_before_a_full_logging_window(tmp_path)
         steps = []
         worker.ctx.events.subscribe(lambda e: steps.append(e.inner_step) if e.name == "inner" else None)
         await _start(worker)
-        await worker._train_until_quota()
+        await worker.train_until_quota()
         assert steps == [1, 3]  # the first step, then the end of the 3-step round (the 50-step window never fills)
 
     asyncio.run(main())
@@ -255,11 +256,11 @@ def test_a_gossip_round_counts_the_exchanges_a_peer_answered_in_its_group_size(t
                 lambda e, name=name: sizes[name].append(e.group_size) if e.name == "outer_round" else None)
             await _start(worker)
         for worker in (a, b):
-            await worker._train_until_quota()
-        await a._outer_round()
+            await worker.train_until_quota()
+        await a.run_round()
         assert sizes["peer-a"] == [2] and b.sync.gossip.served == 1  # a called b, b answered
         hub.disconnect("peer-a")  # b's own calls now fail: its round mixed a's state in only by answering
-        await b._outer_round()
+        await b.run_round()
         assert sizes["peer-b"] == [2], sizes
 
     asyncio.run(main())

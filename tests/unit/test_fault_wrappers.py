@@ -44,8 +44,8 @@ def test_fail_round_through_the_sync_wrapper_rolls_both_peers_back(tmp_path):
             await role.ctx.status.publish()
         start = a.outer.digest()
         for role in (a, b):
-            await role._train_until_quota()
-        await asyncio.gather(a._outer_round(), b._outer_round())
+            await role.train_until_quota()
+        await asyncio.gather(a.run_round(), b.run_round())
         assert faults.fired["fail_round"] >= 1
         for role in (a, b):  # everyone rolled back, bit-identically, and kept the local steps
             assert role.stats.rounds_failed == 1 and role.outer.digest() == start and role.steps_since_sync == 2
@@ -58,12 +58,12 @@ def test_kill_at_the_checkpoint_phase_fires_between_write_and_rename(tmp_path):
     killed = []
     faults = Faults(on_kill=lambda: killed.append(True)).kill(at_round=1, phase="checkpoint")
     role = _role(Hub(), "solo", tmp_path, faults)
-    role._save_checkpoint()  # round 0: nothing due
+    role.save_checkpoint()  # round 0: nothing due
     assert not killed
     before = role.ctx.checkpoints.path.read_bytes()
     faults.round = 1
     role.steps_since_sync = 5
-    role._save_checkpoint()  # the kill returns here (in-process); a real peer is SIGKILLed at this point
+    role.save_checkpoint()  # the kill returns here (in-process); a real peer is SIGKILLed at this point
     assert killed == [True] and faults.fired["kill"] == 1
     assert role.ctx.checkpoints.path.read_bytes() == before  # the new checkpoint was never renamed into place
     assert role.ctx.checkpoints.load().metadata["steps_since_sync"] == 0

@@ -134,15 +134,15 @@ def test_role_trains_in_micro_batches_and_bf16_with_the_run_batch(tmp_path):
         mixed = _role(tmp_path / "b", micro_batch_size=2, precision="bf16", activation_checkpointing=True)
         assert mixed.inner_step.accumulation == 4 and mixed.precision.name == "bf16"
         for role in (fp32, mixed):
-            await role._train_until_quota()
+            await role.train_until_quota()
             assert role.steps_since_sync == 3 and role.samples_since_sync == 3 * B
             assert role.stats.tokens == 3 * B * T
         assert abs(mixed.stats.last_loss - fp32.stats.last_loss) < 0.05
         # A new optimizer (after a failed round) gets a step that drives it.
-        mixed._new_optimizer()
+        mixed.new_optimizer()
         assert mixed.inner_step.optimizer is mixed.optimizer
         # The role's checkpoint records what `peerd export` needs to rebuild its model.
-        mixed._save_checkpoint()
+        mixed.save_checkpoint()
         local = load_checkpoint_model(find_checkpoint(tmp_path / "b"), weights="local")
         assert torch.equal(flatten_parameters(local), flatten_parameters(mixed.model))
 
@@ -154,7 +154,7 @@ def test_role_fp32_default_matches_a_plain_loop_bit_for_bit(tmp_path):
         role = _role(tmp_path)
         reference = copy.deepcopy(role.model)
         sampler = copy.deepcopy(role.sampler)
-        await role._train_until_quota()
+        await role.train_until_quota()
         opt = make_inner_optimizer(reference.parameters(), HP)
         from protocols.diloco import inner_lr_at, set_lr
         for step in range(3):

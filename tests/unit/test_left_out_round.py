@@ -42,10 +42,10 @@ def test_a_peer_left_out_by_an_early_seal_adopts_the_round_and_trains_the_next_o
         for w in workers:
             for component in w.components:
                 await component.start()
-            await w._publish_status()
+            await w.publish_status()
         hidden = []
         for w in (b, c):
-            real_records = w._peer_records
+            real_records = w.peer_records
 
             async def without_a(w=w, real_records=real_records):
                 records = await real_records()
@@ -53,7 +53,7 @@ def test_a_peer_left_out_by_an_early_seal_adopts_the_round_and_trains_the_next_o
                     hidden.append(w.peer_id)
                 return records
 
-            w._peer_records = without_a
+            w.peer_records = without_a
         for w in (b, c):  # their all-reduce outlasts peer-a's lateness, so their records still show round 0
             real_run = w.sync.allreduce.run
 
@@ -63,20 +63,20 @@ def test_a_peer_left_out_by_an_early_seal_adopts_the_round_and_trains_the_next_o
 
             w.sync.allreduce.run = slow_run
         for w in workers:
-            await w._train_until_quota()
-        first = asyncio.gather(b._outer_round(), c._outer_round())  # expected 2: sealed at once, without peer-a
+            await w.train_until_quota()
+        first = asyncio.gather(b.run_round(), c.run_round())  # expected 2: sealed at once, without peer-a
         while group_key(0) not in b.sync.matchmaker._sealed_keys and not first.done():  # not a fixed 0.2 s: under
             await asyncio.sleep(0.01)  # pytest -n 8 the seal came later and peer-a arrived before it
         sealed = b.sync.matchmaker._sealed_keys.get(group_key(0))
         started = loop.time()
-        await a._outer_round()
+        await a.run_round()
         rejoined_after = loop.time() - started
         await first
         samples = [w.samples_since_sync for w in workers]
         for w in workers:
-            await w._train_until_quota()
+            await w.train_until_quota()
         samples_at_round_2 = [w.samples_since_sync for w in workers]
-        await asyncio.gather(*(w._outer_round() for w in workers))
+        await asyncio.gather(*(w.run_round() for w in workers))
         return sealed, hidden, rejoined_after, samples, samples_at_round_2, workers
 
     sealed, hidden, rejoined_after, samples, samples_at_round_2, (a, b, c) = asyncio.run(main())

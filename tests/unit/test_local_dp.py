@@ -134,18 +134,18 @@ def test_a_diloco_role_on_two_local_devices_keeps_its_replicas_identical(tmp_pat
     role = _role(tmp_path, local_devices=("cpu", "cpu"), micro_batch_size=2, activation_checkpointing=True)
     try:
         async def main():
-            await role._train_until_quota()
+            await role.train_until_quota()
             assert role.steps_since_sync == 3 and role.stats.tokens == 3 * B * T
             assert role.inner_step.accumulation == 2  # 4 sequences per device in micro-batches of 2
-            assert len(set(role._local_dp.replica_digests())) == 1
+            assert len(set(role.local_dp.replica_digests())) == 1
             # an outer round (theta_local := theta_outer) and a fresh inner AdamW, as after a diverged round
-            role._new_optimizer()
-            role._restart_local()
-            await role._train_until_quota()
+            role.new_optimizer()
+            role.restart_local()
+            await role.train_until_quota()
             assert int(role.optimizer.state[next(role.model.parameters())]["step"]) == 3
-            assert len(set(role._local_dp.replica_digests())) == 1
+            assert len(set(role.local_dp.replica_digests())) == 1
             assert role.stats.last_loss is not None and role.stats.last_loss < 6.0
 
         asyncio.run(main())
     finally:
-        role._local_dp.close()
+        role.local_dp.close()

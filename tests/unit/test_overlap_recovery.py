@@ -37,22 +37,22 @@ async def _start(workers):
     for w in workers:
         for component in w.components:
             await component.start()
-        await w._publish_status()
+        await w.publish_status()
 
 
 async def _boundary(workers, late=(), delay_s=0.0):
     """Every worker trains its quota and reaches the round boundary; the ``late`` ones ``delay_s`` after the rest."""
     for w in workers:
-        await w._train_until_quota()
-    await asyncio.gather(*[w._outer_round() for w in workers if w not in late])
+        await w.train_until_quota()
+    await asyncio.gather(*[w.run_round() for w in workers if w not in late])
     if late:
         await asyncio.sleep(delay_s)
-        await asyncio.gather(*[w._outer_round() for w in late])
+        await asyncio.gather(*[w.run_round() for w in late])
 
 
 async def _settle(workers):
     """The outcomes of the background all-reduces now in flight."""
-    return [(await w._in_flight)[0] for w in workers]
+    return [(await w.rounds.in_flight)[0] for w in workers]
 
 
 @pytest.mark.parametrize("min_group_size", [3, 1])
@@ -66,7 +66,7 @@ def test_a_lapsed_status_record_in_the_leaders_view_does_not_fail_the_round(min_
         await _start(workers)
         await _boundary(workers)  # launches round 0
         dropped = []
-        real_records = a._peer_records
+        real_records = a.peer_records
 
         async def lapsed_records():
             records = await real_records()
@@ -74,7 +74,7 @@ def test_a_lapsed_status_record_in_the_leaders_view_does_not_fail_the_round(min_
                 dropped.append(records.pop("peer-c"))
             return records
 
-        a._peer_records = lapsed_records
+        a.peer_records = lapsed_records
         await _boundary(workers, late=(c,), delay_s=0.5)  # lands round 0, launches round 1
         outcomes = await _settle(workers)
         assert len(dropped) == 1
@@ -84,7 +84,7 @@ def test_a_lapsed_status_record_in_the_leaders_view_does_not_fail_the_round(min_
         assert len({w.outer.digest() for w in workers}) == 1
         assert all(w.stats.rounds_failed == 0 and w.stats.rounds_ok == 2 for w in workers)
         for w in workers:
-            w._drop_in_flight()
+            w.rounds.drop()
 
     asyncio.run(main())
 
@@ -113,20 +113,20 @@ def test_a_failed_round_is_tried_again_under_a_fresh_key_while_its_former_leader
         assert all(isinstance(o, RoundFailure) for o in await _settle(workers))
         assert injected == {w.peer_id: 2 for w in workers}
         theta = a.outer.digest()
-        assert all(w._status_fields()[RETRIES_FIELD] == {"model": [1, 1]} for w in workers)
+        assert all(w.status_fields()[RETRIES_FIELD] == {"model": [1, 1]} for w in workers)
         await _boundary(workers, late=(a,), delay_s=1.0)  # lands the failure, tries round 1 again
         assert all(w.outer.digest() == theta and w.stats.rounds_failed == 1 for w in workers)
         outcomes = await _settle(workers)
         assert all(isinstance(o, tuple) and o[0].group_size == 3 for o in outcomes), outcomes
         assert all(group_key(1, retry=1) in w.sync.matchmaker._sealed_keys for w in workers)
-        weights = [w._in_flight.result()[2] for w in workers]
+        weights = [w.rounds.in_flight.result()[2] for w in workers]
         assert weights == [24.0, 24.0, 24.0]  # both rounds' samples: 2 x 3 steps x 4 sequences
         await _boundary(workers)  # lands it
         assert [w.outer.outer_round for w in workers] == [2, 2, 2]
         assert len({w.outer.digest() for w in workers}) == 1 and a.outer.digest() != theta
-        assert all(RETRIES_FIELD not in w._status_fields() for w in workers)
+        assert all(RETRIES_FIELD not in w.status_fields() for w in workers)
         for w in workers:
-            w._drop_in_flight()
+            w.rounds.drop()
 
     asyncio.run(main())
 
@@ -162,16 +162,16 @@ def test_a_forked_worker_adopts_the_majority_s_theta_outer_at_its_delayed_bounda
         await _boundary(workers)  # lands round 0, launches round 1
         await _settle(workers)
         for w in workers:
-            w._drop_in_flight()
+            w.rounds.drop()
         majority = a.outer.digest()
         c.outer = OuterState(c.outer.theta + 1e-3, c.outer.momentum.clone(), c.outer.outer_round)
-        await c._publish_status()
+        await c.publish_status()
         forked = c.outer.digest()
-        await c._train_until_quota()
-        await c._delayed_round()
+        await c.train_until_quota()
+        await c.run_round()
         return workers, majority, forked
 
     (a, b, c), majority, forked = asyncio.run(main())
     assert forked != majority
-    assert c.outer.digest() == majority and c._in_flight is None  # adopted, no exchange launched
+    assert c.outer.digest() == majority and c.rounds.in_flight is None  # adopted, no exchange launched
     assert [w.outer.outer_round for w in (a, b, c)] == [1, 1, 1]

@@ -34,13 +34,13 @@ async def _start(workers):
     for w in workers:
         for component in w.components:
             await component.start()
-        await w._publish_status()
+        await w.publish_status()
 
 
 async def _boundary(workers):
     for w in workers:
-        await w._train_until_quota()
-    await asyncio.gather(*[w._outer_round() for w in workers])
+        await w.train_until_quota()
+    await asyncio.gather(*[w.run_round() for w in workers])
 
 
 def test_overlap_is_fingerprint_neutral_at_its_default_and_refused_with_mixing_methods():
@@ -64,32 +64,32 @@ def test_delayed_rounds_land_between_inner_steps_merge_theta_local_and_stay_bit_
         theta0 = workers[0].outer.theta.clone()
         # round 0: its pseudo-gradient goes to the background all-reduce; theta_local goes on, no restart
         for w in workers:
-            await w._train_until_quota()
+            await w.train_until_quota()
         locals0 = [flatten_parameters(w.model) for w in workers]
         deltas0 = [theta0 - local for local in locals0]
-        await asyncio.gather(*[w._outer_round() for w in workers])
+        await asyncio.gather(*[w.run_round() for w in workers])
         assert all(w.outer.outer_round == 0 and torch.equal(w.outer.theta, theta0) for w in workers)
-        assert all(w._in_flight is not None and w.steps_since_sync == 0 for w in workers)
+        assert all(w.rounds.in_flight is not None and w.steps_since_sync == 0 for w in workers)
         assert all(torch.equal(flatten_parameters(w.model), local) for w, local in zip(workers, locals0))
-        in_flight = [w._in_flight for w in workers]
+        in_flight = [w.rounds.in_flight for w in workers]
         await asyncio.gather(*in_flight)
         averaged0 = in_flight[0].result()[0][0].averaged
         assert all(torch.equal(t.result()[0][0].averaged, averaged0) for t in in_flight)
         torch.testing.assert_close(averaged0, sum(deltas0) / 3, rtol=1e-5, atol=1e-7)
         # between two inner steps the finished all-reduce lands: outer step, then the merge of theta_local
         before = [flatten_parameters(w.model) for w in workers]
-        assert not any([await w._land_if_finished() for w in workers])
+        assert not any([await w.rounds.between_steps() for w in workers])
         reference = DelayedOuterStep(OuterState.initial(theta0)).complete(averaged0, hp)
-        assert all(w.outer.digest() == reference.state.digest() and w._in_flight is None for w in workers)
+        assert all(w.outer.digest() == reference.state.digest() and w.rounds.in_flight is None for w in workers)
         for w, local in zip(workers, before):
             assert torch.equal(flatten_parameters(w.model), reference.merge(local, hp))
         # round 1's pseudo-gradients are taken against the new theta_outer
         for w in workers:
-            await w._train_until_quota()
+            await w.train_until_quota()
         deltas1 = [reference.state.theta - flatten_parameters(w.model) for w in workers]
-        await asyncio.gather(*[w._outer_round() for w in workers])
-        await asyncio.gather(*[w._in_flight for w in workers])
-        averaged1 = workers[0]._in_flight.result()[0][0].averaged
+        await asyncio.gather(*[w.run_round() for w in workers])
+        await asyncio.gather(*[w.rounds.in_flight for w in workers])
+        averaged1 = workers[0].rounds.in_flight.result()[0][0].averaged
         torch.testing.assert_close(averaged1, sum(deltas1) / 3, rtol=1e-5, atol=1e-7)
         await _boundary(workers)  # an all-reduce still unlanded at the boundary lands there, before round 2 launches
         assert all(w.outer.outer_round == 2 for w in workers)
@@ -119,12 +119,12 @@ def test_a_failed_background_round_keeps_theta_outer_and_carries_its_steps(tmp_p
         await _boundary([a, b])  # launch round 0 (it will fail)
         start = a.outer.digest()
         for w in (a, b):
-            await w._train_until_quota()
-        await asyncio.gather(a._outer_round(), b._outer_round())  # lands the failure, launches round 0 again
+            await w.train_until_quota()
+        await asyncio.gather(a.run_round(), b.run_round())  # lands the failure, launches round 0 again
         assert a.outer.digest() == b.outer.digest() == start
         assert a.stats.rounds_failed == b.stats.rounds_failed == 1
-        assert a._carry is None  # the carry went into the relaunched round
-        outcome, _, weight, steps, _ = await a._in_flight
+        assert a.rounds.carry is None  # the carry went into the relaunched round
+        outcome, _, weight, steps, _ = await a.rounds.in_flight
         assert (weight, steps) == (24.0, 6) and isinstance(outcome, tuple)  # both rounds' samples and steps
         await _boundary([a, b])  # lands it: 6 steps of each peer in one average
         assert a.outer.outer_round == b.outer.outer_round == 1
@@ -143,7 +143,7 @@ def test_workers_train_with_overlap_and_compression_until_max_rounds(compression
         await asyncio.gather(*[w.run() for w in workers])
         assert [w.outer.outer_round for w in workers] == [3, 3]  # drained, not overshooting
         assert workers[0].outer.digest() == workers[1].outer.digest()
-        assert all(w._in_flight is None for w in workers)
+        assert all(w.rounds.in_flight is None for w in workers)
         if compression == "topk":
             assert all(float(w.sync.feedback.error.abs().sum()) > 0 for w in workers)
         else:

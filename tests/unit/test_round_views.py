@@ -8,7 +8,8 @@ import pytest
 
 from peerd.config import NodeConfig
 from peerd.roles.base import RunContext
-from peerd.roles.diloco import DiLoCoRole, steps_done_now
+from peerd.roles.diloco import DiLoCoRole
+from peerd.worker.catch_up import steps_done_now
 from peerd.roles.outer_sync import RETRIES_FIELD
 from peerd.run_config import AveragingConfig, RunConfig
 from peerd.transport.inprocess import Hub
@@ -35,7 +36,7 @@ def _workers(tmp_path) -> list[DiLoCoRole]:
 def _hide(worker: DiLoCoRole, *peers: str) -> list[int]:
     """``worker``'s reads of the status records lack ``peers``' records from now on; returns the count of reads that
     dropped one (proof the fault fired)."""
-    real, hidden = worker._peer_records, []
+    real, hidden = worker.peer_records, []
 
     async def records():
         out = await real()
@@ -43,7 +44,7 @@ def _hide(worker: DiLoCoRole, *peers: str) -> list[int]:
             hidden.append(1)
         return out
 
-    worker._peer_records = records
+    worker.peer_records = records
     return hidden
 
 
@@ -51,18 +52,18 @@ async def _start(workers):
     for w in workers:
         for component in w.components:
             await component.start()
-        await w._publish_status()
+        await w.publish_status()
 
 
 async def _round(workers, late, delay_s):
     """Every worker trains its quota and runs its outer round; ``late`` reaches the boundary ``delay_s`` later."""
     for w in workers:
-        await w._train_until_quota()
+        await w.train_until_quota()
 
     async def boundary(w):
         if w is late:
             await asyncio.sleep(delay_s)
-        await w._outer_round()
+        await w.run_round()
 
     await asyncio.gather(*(boundary(w) for w in workers))
 
@@ -111,7 +112,7 @@ def test_a_peer_left_out_adopts_the_rounds_state_though_its_view_lacks_the_leade
     assert c.stats.rounds_ok == 0 and c.stats.rounds_failed == 1  # left out of round 1 ...
     assert [w.outer.outer_round for w in (a, b, c)] == [1, 1, 1]  # ... and adopted its state
     assert c.outer.digest() == a.outer.digest() == b.outer.digest()
-    assert RETRIES_FIELD not in c._status_fields()
+    assert RETRIES_FIELD not in c.status_fields()
 
 
 def test_a_joiner_counts_the_steps_a_peer_took_since_its_status_record_was_published():
@@ -140,11 +141,11 @@ def test_a_worker_whose_theta_outer_only_a_minority_holds_adopts_the_majority_s_
         await _round(workers, late=None, delay_s=0)
         majority = a.outer.digest()
         c.outer = OuterState(c.outer.theta + 1e-3, c.outer.momentum.clone(), c.outer.outer_round)
-        await c._publish_status()
+        await c.publish_status()
         forked = c.outer.digest()
-        live = await a._live_peers()
-        assert not await a._catch_up(live, 1, heal_fork=True)  # the majority keeps its state
-        assert await c._catch_up(await c._live_peers(), 1, heal_fork=True)
+        live = await a.live_peers()
+        assert not await a.catch_up(live, 1, heal_fork=True)  # the majority keeps its state
+        assert await c.catch_up(await c.live_peers(), 1, heal_fork=True)
         return workers, majority, forked
 
     (a, b, c), majority, forked = asyncio.run(main())

@@ -57,7 +57,7 @@ def test_a_stopped_peer_resumes_at_its_round_and_ends_identical_to_one_that_neve
     rebuilt = _peer(run, tmp_path / "resumed")
     resumed = []
     rebuilt.ctx.events.subscribe(lambda e: resumed.append(e) if e.name == "resume" else None)
-    rebuilt._resume()
+    rebuilt.resume()
     assert [e.outer_round for e in resumed] == [2]
     assert rebuilt.outer_round == 2 and rebuilt.global_step == 6
     assert rebuilt.own == stopped_own and len(stopped_own) == 3
@@ -85,4 +85,4 @@ def test_a_checkpoint_of_another_configuration_is_refused(tmp_path):
     asyncio.run(first.run())
     other = _peer(_run(alpha_0=0.5), tmp_path)
     with pytest.raises(CheckpointError, match="another configuration"):
-        other._resume()
+        other.resume()

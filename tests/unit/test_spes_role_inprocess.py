@@ -140,7 +140,7 @@ def test_merging_moves_only_this_peers_experts_toward_their_neighbours(tmp_path)
     from protocols.spes import merge_experts
 
     peer = _peer(Hub(), "solo", _run(rounds=1), tmp_path)
-    peer._set_own(frozenset({0, 1}))
+    peer.set_own(frozenset({0, 1}))
     block = peer.model.blocks[0].moe
     before = [torch.cat([p.detach().reshape(-1) for p in e.parameters()]) for e in block.experts]
     w1 = torch.stack([e.gate.weight.detach().reshape(-1) for e in block.experts])
@@ -200,13 +200,13 @@ def test_a_peer_whose_round_went_on_without_it_adopts_the_others_model_instead_o
         for peer in (ahead, behind):
             for component in peer.components:
                 await component.start()
-            peer._set_own(frozenset(range(8)))
+            peer.set_own(frozenset(range(8)))
         with torch.no_grad():
             for p in ahead.model.parameters():
                 p.add_(0.5)
         ahead.outer_round = 2  # it synced round 1 without `behind`, whose matchmaking for it failed
-        ahead._snapshot_model()
-        await ahead._publish_claim()
+        ahead.snapshot_model()
+        await ahead.publish_claim()
         behind.outer_round, behind.steps_since_sync = 1, 3
         events = []
         behind.ctx.events.subscribe(events.append)

@@ -24,6 +24,9 @@ def test_spes_run_config_round_trips_and_validates(tmp_path):
     assert dataclasses.replace(run, spes=SpesConfig(sync_steps=51)).fingerprint() != run.fingerprint()
     with pytest.raises(ConfigError, match="mixture-of-experts"):
         RunConfig(model="tiny", parallelism="spes")
+    for method in ("gossip", "moshpit"):  # SPES averages by all-reduce: no other method is silently replaced
+        with pytest.raises(ConfigError, match="spes.*allreduce"):
+            RunConfig.from_dict({"model": "tiny-moe", "parallelism": "spes", "averaging": {"method": method}})
     with pytest.raises(ConfigError, match=r"\[spes\].*sync_steps"):
         RunConfig.from_dict({"model": "tiny-moe", "parallelism": "spes", "spes": {"sync_steps": 0}})
     with pytest.raises(ConfigError, match="no_such_key"):

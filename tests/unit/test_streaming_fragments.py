@@ -73,8 +73,8 @@ def test_fragments_are_fingerprint_neutral_at_one_and_validated():
         DiLoCoHyperparams(inner_steps=10, fragments=4)
     with pytest.raises(ConfigError, match="fragments"):
         RunConfig(diloco=DiLoCoHyperparams(fragments=2), averaging=AveragingConfig(method="gossip"))
-    with pytest.raises(ConfigError, match="fragments"):
-        RunConfig(diloco=DiLoCoHyperparams(fragments=2, overlap="delayed"))
+    # fragments + the delayed overlap compose (each fragment's all-reduce overlaps the next inner steps)
+    assert RunConfig(diloco=DiLoCoHyperparams(fragments=2, overlap="delayed")).diloco.overlap == "delayed"
 
 
 def _run(fragments=4, max_outer_rounds=2) -> RunConfig:
@@ -107,11 +107,11 @@ def test_workers_sync_one_fragment_per_stride_and_hold_identical_fragments(tmp_p
             digests = {w.parts[j].outer.digest() for w in workers}
             assert len(digests) == 1  # every peer holds identical fragments
             assert not torch.equal(workers[0].parts[j].outer.theta, theta0[j])  # and every fragment moved
-        assert len({w._digest() for w in workers}) == 1
+        assert len({w.digest() for w in workers}) == 1
         # one RoundDone per cycle of H steps, its bytes summed over the cycle's four fragment rounds
         assert [e.outer_round for e in done] == [1, 2] and all(e.bytes_sent > 0 for e in done)
-        fields = workers[0]._status_fields()
-        assert fields["fragment_rounds"] == [2, 2, 2, 2] and fields["digest"] == workers[0]._digest()[:16]
+        fields = workers[0].status_fields()
+        assert fields["fragment_rounds"] == [2, 2, 2, 2] and fields["digest"] == workers[0].digest()[:16]
         return workers
 
     workers = asyncio.run(main())
@@ -120,8 +120,8 @@ def test_workers_sync_one_fragment_per_stride_and_hold_identical_fragments(tmp_p
     async def resume_and_download():
         hub = Hub()
         again = _worker(hub, "peer-a", _run(), tmp_path)  # same checkpoint dir: resumes peer-a's checkpoint
-        again._resume()
-        assert again._digest() == a._digest() and [p.outer.outer_round for p in again.parts] == [2, 2, 2, 2]
+        again.resume()
+        assert again.digest() == a.digest() and [p.outer.outer_round for p in again.parts] == [2, 2, 2, 2]
         torch.testing.assert_close(torch.cat([p.fragment.flatten(again.model) for p in again.parts]),
                                    torch.cat([p.fragment.flatten(a.model) for p in a.parts]), rtol=0, atol=0)
         # a fresh peer downloads all fragments with their rounds from it
@@ -129,8 +129,8 @@ def test_workers_sync_one_fragment_per_stride_and_hold_identical_fragments(tmp_p
         for w in (again, fresh):
             for component in w.components:
                 await component.start()
-        assert await fresh._download_first(["peer-a"])
-        assert fresh._digest() == a._digest() and fresh._fragment_rounds() == [2, 2, 2, 2]
+        assert await fresh.download_first(["peer-a"])
+        assert fresh.digest() == a.digest() and fresh.fragment_rounds() == [2, 2, 2, 2]
         assert (fresh.steps_since_sync, fresh.round_quota) == (0, 1)  # cycle start: fragment 0 is due after 1 step
         for w in (again, fresh):
             for component in w.components:
@@ -146,21 +146,21 @@ def test_a_download_mid_cycle_joins_at_the_next_fragment_boundary(tmp_path):
         for w in (a, b):
             for component in w.components:
                 await component.start()
-            await w._publish_status()
+            await w.publish_status()
         for _ in range(2):  # fragments 0 and 1 sync
             for w in (a, b):
-                await w._train_until_quota()
-            await asyncio.gather(a._outer_round(), b._outer_round())
-        assert a._fragment_rounds() == b._fragment_rounds() == [1, 1, 0, 0]
+                await w.train_until_quota()
+            await asyncio.gather(a.run_round(), b.run_round())
+        assert a.fragment_rounds() == b.fragment_rounds() == [1, 1, 0, 0]
         assert a.parts[0].outer.digest() == b.parts[0].outer.digest()
         assert (a.steps_since_sync, a.round_quota) == (2, 3)
         late = _worker(hub, "peer-c", _run(max_outer_rounds=0), tmp_path)
         for component in late.components:
             await component.start()
-        assert await late._download_first(["peer-a"])
-        assert late._fragment_rounds() == [1, 1, 0, 0] and late._digest() == a._digest()
+        assert await late.download_first(["peer-a"])
+        assert late.fragment_rounds() == [1, 1, 0, 0] and late.digest() == a.digest()
         assert (late.steps_since_sync, late.round_quota) == (2, 3)  # fragment 2 is due next, as for the others
-        assert status_problem({**late._status_fields(), "time": 1.0, "v": 1}) is None
+        assert status_problem({**late.status_fields(), "time": 1.0, "v": 1}) is None
         for w in (a, b, late):
             for component in w.components:
                 await component.stop()
@@ -179,12 +179,12 @@ def test_topk_error_feedback_of_every_fragment_survives_a_restart(tmp_path):
         workers = [_worker(hub, f"peer-{c}", run, tmp_path) for c in "ab"]
         await asyncio.gather(*[w.run() for w in workers])
         a = workers[0]
-        assert a._digest() == workers[1]._digest()
-        errors = [f.error for f in a._feedbacks()]
+        assert a.digest() == workers[1].digest()
+        errors = [f.error for f in a.feedbacks()]
         assert len(errors) == 2 and all(float(e.abs().sum()) > 0 for e in errors)  # top-k left something unsent
         again = _worker(Hub(), "peer-a", run, tmp_path)
-        again._resume()
-        for mine, theirs in zip(again._feedbacks(), errors):
+        again.resume()
+        for mine, theirs in zip(again.feedbacks(), errors):
             assert torch.equal(mine.error, theirs)
 
     asyncio.run(main())

@@ -176,14 +176,14 @@ def test_a_diloco_peer_trains_on_bpe_tokens(tmp_path, bpe):
     assert len(list((tmp_path / "node" / "corpus-cache").glob("*.i32"))) == 2  # ids cached for the next start
 
     async def main():
-        await role._train_until_quota()
+        await role.train_until_quota()
 
     asyncio.run(main())
     assert role.steps_since_sync == 2
 
     # what the run produced is usable with its tokenizer: generate, and export with tokenizer.json
     TokenizerCache(tmp_path / "node" / "tokenizers").put(bpe)  # the daemon's cache, as resolve_tokenizer leaves it
-    role._save_checkpoint()
+    role.save_checkpoint()
     path = find_checkpoint(tmp_path / "node")
     assert checkpoint_tokenizer(path).digest == bpe.digest
     model = load_checkpoint_model(path, weights="local")

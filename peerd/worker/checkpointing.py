@@ -1,0 +1,95 @@
+"""The DiLoCo worker's checkpoint: written after every round and on leaving, read back on a restart.
+
+Tensors: theta_outer, the outer momentum and theta_local (every fragment's, concatenated in fragment order), the
+inner optimizer's state and a sparse codec's error feedback. Metadata: the run's id and fingerprint, the outer round
+(and each fragment's), the step counters, the round quota, the sampler's position, the tokens trained, and what
+``peerd export`` needs to rebuild the model. With the node's ``background_checkpoint`` a copy is written by one
+writer thread (writes land in order, never overlap).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import torch
+
+from peerd.checkpoint import Checkpoint, CheckpointError, load_optimizer_tensors, optimizer_tensors
+from peerd.events import CheckpointResumed
+
+
+class OuterCheckpoint:
+    """Part of :class:`peerd.worker.outer_worker.OuterWorker`: :meth:`save_checkpoint` and :meth:`resume`."""
+
+    def _start_writer(self) -> None:
+        self.writer = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="peerd-checkpoint")
+                       if self.ctx.node.background_checkpoint else None)  # one thread: writes land in order
+
+    def save_checkpoint(self, final: bool = False) -> None:
+        """Write the checkpoint; with the node's ``background_checkpoint`` a copy is written by the writer thread
+        (``final``: and waited for, with every write before it)."""
+        tensors = {"theta_outer": self._cat("theta"), "momentum": self._cat("momentum"),
+                   "theta_local": torch.cat([p.fragment.flatten(self.model) for p in self.parts])}
+        tensors.update(optimizer_tensors(self.optimizer))
+        feedbacks = self.feedbacks()
+        if feedbacks:  # what the sparse codec has not sent yet: lost on a restart otherwise
+            tensors["error_feedback"] = torch.cat([f.error for f in feedbacks])
+        metadata = {
+            "run_id": self.ctx.run_id, "run_fingerprint": self.run_cfg.fingerprint(),
+            "outer_round": self.outer.outer_round, "steps_since_sync": self.steps_since_sync,
+            "samples_since_sync": self.samples_since_sync, "round_quota": self.round_quota,
+            "sampler": self.sampler.state_dict(), "tokens": self.stats.tokens,
+            "model": self.run_cfg.model, "seq_len": self.run_cfg.seq_len,  # what `peerd export` rebuilds
+            "tokenizer": self.run_cfg.tokenizer,
+        }
+        metadata.update(self.rounds.checkpoint_metadata())
+        if self.writer is None:
+            self.ctx.checkpoints.save(Checkpoint(tensors, metadata))
+            return
+        # copies: theta_local, the optimizer's moments (views of live CPU tensors) change while the writer writes
+        copied = {name: t.detach().clone() for name, t in tensors.items()}
+        self.writer.submit(self.ctx.checkpoints.save, Checkpoint(copied, metadata))
+        if final:
+            self.writer.shutdown(wait=True)
+            self.writer = None
+
+    def feedbacks(self) -> list:
+        """Each fragment's error feedback (a sparse codec's unsent remainder), or [] without a sparse codec."""
+        feedbacks = [getattr(sync, "feedback", None) for sync in self.syncs]
+        return [] if None in feedbacks else feedbacks
+
+    def resume(self) -> None:
+        """Continue from the local checkpoint if there is one; publishes :class:`peerd.events.CheckpointResumed`.
+        Raises CheckpointError if it was written under another configuration of the run, or is incomplete."""
+        checkpoint = self.load_checkpoint()
+        if checkpoint is None:
+            return
+        path = self.ctx.checkpoints.path
+        meta = checkpoint.metadata
+        t = checkpoint.tensors
+        try:
+            rounds = meta["fragment_rounds"] if len(self.parts) > 1 else [int(meta["outer_round"])]
+            for part, outer, local in zip(self.parts, self._outer_states(t["theta_outer"], t["momentum"], rounds),
+                                          self._split(t["theta_local"])):
+                part.outer = outer
+                part.round_start_theta = outer.theta
+                part.fragment.load_(self.model, local)
+            feedbacks = self.feedbacks()
+            if feedbacks and "error_feedback" in t:  # a checkpoint from before it was kept: the error restarts at 0
+                for feedback, error in zip(feedbacks, self._split(t["error_feedback"])):
+                    feedback.record(error.clone(), torch.zeros_like(error))
+            self.rounds.resume(meta)
+            load_optimizer_tensors(self.optimizer, t, self.device)
+            self.sampler.load_state_dict(meta["sampler"])
+        except (KeyError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"checkpoint {path} is incomplete or mismatched: {e}") from None
+        self.steps_since_sync = int(meta["steps_since_sync"])
+        self.samples_since_sync = int(meta["samples_since_sync"])
+        self.round_quota = int(meta["round_quota"])
+        self.stats.tokens = int(meta.get("tokens", 0))
+        self.ctx.events.publish(CheckpointResumed(self.outer.outer_round, self.digest(), str(path),
+                                                  self.steps_since_sync))
+
+    def _save_final_checkpoint(self) -> None:
+        self.save_checkpoint(final=True)
+        if self.local_dp is not None:
+            self.local_dp.close()

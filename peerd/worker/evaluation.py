@@ -1,0 +1,66 @@
+"""The DiLoCo worker's evaluation after an outer round.
+
+The model evaluated is theta_outer (the same on every peer). Where theta_local is not theta_outer after a round
+(Streaming fragments: the fragments synced earlier in the cycle have trained on; the delayed overlap: theta_local
+never restarts from theta_outer), theta_outer is put together in a copy of the model and evaluated there; so it is
+with the node's ``background_eval``, which evaluates the copy while training goes on and publishes an ``eval``
+event when done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Optional
+
+import torch
+
+from peerd.events import Evaluated
+from peerd.models import build_model
+from peerd.roles.base import held_out_loss
+
+
+class RoundEvaluation:
+    """Part of :class:`peerd.worker.outer_worker.OuterWorker`: :meth:`round_eval`."""
+
+    _eval_task: Optional[asyncio.Task] = None  # background_eval: the evaluation running now
+    _eval_model: Optional[torch.nn.Module] = None  # the copy evaluated
+
+    async def round_eval(self) -> Optional[float]:
+        """The evaluation after an outer round: every ``eval_every`` rounds and after the last one; in the background
+        with the node's ``background_eval`` (then None here: an ``eval`` event follows)."""
+        if self.outer.outer_round % self.run_cfg.eval_every and not self.finished():
+            return None
+        if not self.run_cfg.eval_batches or not (self.rounds.local_differs or self.ctx.node.background_eval):
+            return await self.evaluate()
+        if self._eval_task is not None:  # one at a time: the copy below is shared
+            with contextlib.suppress(Exception):  # a failed background evaluation was logged by its task
+                await self._eval_task
+        if self._eval_model is None:
+            self._eval_model = build_model(self.run_cfg.model, self.run_cfg.seq_len, self.run_cfg.seed,
+                                           self.ctx.tokenizer.vocab_size).to(self.device)
+        # No inner step runs now: the parameters copied hold still.
+        with torch.no_grad():
+            for mine, theirs in zip(self._eval_model.parameters(), self.model.parameters()):
+                mine.copy_(theirs)
+        for part in self.parts:
+            part.fragment.load_(self._eval_model, part.outer.theta)
+        task = asyncio.ensure_future(self._evaluate_copy(self.outer.outer_round, self.stats.tokens))
+        if not self.ctx.node.background_eval:
+            return await task
+        self._eval_task = task
+        return None
+
+    async def _evaluate_copy(self, outer_round: int, tokens: int) -> Optional[float]:
+        """Held-out loss of the evaluation copy; in the background it is published as an ``eval`` event."""
+        loss = await held_out_loss(self._eval_model, self.eval_tokens, self.run_cfg)
+        if loss is not None:
+            self.stats.last_eval = loss
+        if self.ctx.node.background_eval:
+            self.ctx.events.publish(Evaluated(outer_round, loss, tokens, **self._units))
+        return loss
+
+    async def _finish_background(self) -> None:
+        if self._eval_task is not None:
+            with contextlib.suppress(Exception):  # leaving: a failed background evaluation must not stop the exit
+                await self._eval_task

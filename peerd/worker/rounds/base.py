@@ -1,0 +1,76 @@
+"""What every round strategy provides to the DiLoCo worker (:class:`peerd.worker.outer_worker.OuterWorker`)."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from peerd.roles.fragments import Fragment, FragmentState, whole_model
+from peerd.roles.outer_sync import make_outer_sync
+from protocols.diloco import OuterState
+
+
+class RoundEnd(str, Enum):
+    """How a round at a boundary ended (:meth:`RoundStrategy.round`)."""
+
+    DONE = "done"  #: the outer step was applied (with fragments: this fragment's)
+    SENT = "sent"  #: the pseudo-gradient went to a background all-reduce (the delayed overlap); it lands later
+    FAILED = "failed"  #: no outer step: theta_outer unchanged, the local steps kept for the next try
+    ADOPTED = "adopted"  #: another peer's state was adopted instead (we were behind, forked or refused)
+    SAT_OUT = "sat_out"  #: theta_local was not finite: the round was sat out, training restarted from theta_outer
+    ABANDONED = "abandoned"  #: a stop or a pause came first
+
+
+class RoundStrategy:
+    """One way of syncing at round boundaries. ``parts``: one :class:`FragmentState` per fragment (the whole model:
+    one); ``syncs``: their outer syncs. ``local_differs``: theta_local is not theta_outer after a round (so the
+    round's evaluation puts theta_outer together in a copy). ``heals_forks``: a worker at our round holding another
+    theta_outer is a fork worth adopting (with fragments, the fragments' rounds tell who is ahead instead).
+
+    The worker calls :meth:`round` at each boundary and the hooks below when its state changes under the rounds."""
+
+    local_differs = False
+    heals_forks = True
+
+    def __init__(self, worker):
+        self.worker = worker
+        model, hp = worker.model, worker.hp
+        weight = float(worker.run_cfg.batch_size * hp.inner_steps)
+        self.parts = [FragmentState(f, OuterState.initial(f.flatten(model)), weight) for f in self.fragments()]
+        self.syncs = [make_outer_sync(worker.ctx, part) for part in self.parts]
+
+    def fragments(self) -> list[Fragment]:
+        """The model's fragments: the whole model as one fragment, with the role's own group keys."""
+        return [whole_model(self.worker.model, self.worker.ctx.namespace, self.worker.name)]
+
+    async def round(self) -> RoundEnd:
+        """One round at the boundary the worker reached: exchange, update theta_outer (or keep it on a failure),
+        publish :class:`peerd.events.RoundDone` or :class:`peerd.events.RoundFailed`. Returns how it ended."""
+        raise NotImplementedError
+
+    async def between_steps(self) -> bool:
+        """Called after every inner step. True if training should stop (the run's last round landed)."""
+        return False
+
+    def restarted(self) -> None:
+        """theta_local just restarted from theta_outer for every fragment."""
+
+    def adopted(self) -> None:
+        """A downloaded state replaced ours (after :meth:`restarted`)."""
+
+    def joined(self, steps_done: int) -> None:
+        """After a download: the live peers at the adopted round have done ``steps_done`` of its inner steps; do only
+        what they still have to do."""
+        self.worker.round_quota = max(1, self.worker.hp.inner_steps - steps_done)
+
+    def drop(self) -> None:
+        """Another peer's state is being adopted: anything in flight belongs to the old state."""
+
+    async def close(self) -> None:
+        """Leaving: finish what is in flight (bounded)."""
+
+    def checkpoint_metadata(self) -> dict:
+        """What the strategy adds to the worker's checkpoint metadata."""
+        return {}
+
+    def resume(self, metadata: dict) -> None:
+        """Read back :meth:`checkpoint_metadata` from a checkpoint. Raises KeyError/ValueError if it is incomplete."""
