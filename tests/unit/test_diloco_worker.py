@@ -312,7 +312,7 @@ def test_a_joiner_starting_during_round_0_trains_what_is_left_of_it_and_joins_th
         await a.ctx.status.publish()  # a's record now says k steps into round 0
         b_run = asyncio.ensure_future(b.run())
         assert await loop.run_in_executor(None, b_stepping.wait, 30)
-        while b.peer_id not in await a._live_peers():  # a counts on b at its rendezvous
+        while b.peer_id not in await a.live_peers():  # a counts on b at its rendezvous
             await asyncio.sleep(0.05)
         release_a.set()
         await asyncio.wait_for(asyncio.gather(a_run, b_run), 60)

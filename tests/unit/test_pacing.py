@@ -88,7 +88,8 @@ def _pair(up_a=0.0, down_b=0.0):
 
 
 def test_upload_cap_paces_protocol_writes():
-    """2 MB/s on 6 MB takes >= ~2.9 s (the burst is 100 kB), and the achieved rate is within 10% of the cap."""
+    """2 MB/s on 6 MB takes >= ~2.9 s (the burst is 100 kB); the achieved rate never exceeds the cap by more than 10%
+    and is at least what the receiver saw (a loaded machine may fall below the cap, never above it)."""
     async def main():
         a, b = _pair(up_a=2 * MB)
         done = asyncio.get_running_loop().create_future()
@@ -107,7 +108,7 @@ def test_upload_cap_paces_protocol_writes():
     assert seconds >= 2.5, seconds
     assert seconds <= 6.0, seconds  # paced, not stalled
     assert report["bytes"] >= 6 * MB and report["limit_bytes_per_s"] == 2 * MB
-    assert 1.8 * MB <= report["achieved_bytes_per_s"] <= 2.2 * MB, report
+    assert received / seconds * 0.95 <= report["achieved_bytes_per_s"] <= 2.2 * MB, (report, seconds)
 
 
 def test_download_cap_paces_reads_of_a_state_transfer():
