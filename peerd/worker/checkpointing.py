@@ -21,8 +21,9 @@ class OuterCheckpoint:
     """Part of :class:`peerd.worker.outer_worker.OuterWorker`: :meth:`save_checkpoint` and :meth:`resume`."""
 
     def _start_writer(self) -> None:
+        background = writes_in_background(self.ctx.node.background_checkpoint, torch.device(self.device))
         self.writer = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="peerd-checkpoint")
-                       if self.ctx.node.background_checkpoint else None)  # one thread: writes land in order
+                       if background else None)  # one thread: writes land in order
 
     def save_checkpoint(self, final: bool = False) -> None:
         """Write the checkpoint; with the node's ``background_checkpoint`` a copy is written by the writer thread
@@ -45,8 +46,9 @@ class OuterCheckpoint:
         if self.writer is None:
             self.ctx.checkpoints.save(Checkpoint(tensors, metadata))
             return
-        # copies: theta_local, the optimizer's moments (views of live CPU tensors) change while the writer writes
-        copied = {name: t.detach().clone() for name, t in tensors.items()}
+        # copies in host memory: theta_local and the optimizer's moments change while the writer writes, and a copy
+        # on the GPU would take the memory the inner steps were planned with (peerd.memory)
+        copied = {name: t.detach().to("cpu", copy=True) for name, t in tensors.items()}
         self.writer.submit(self.ctx.checkpoints.save, Checkpoint(copied, metadata))
         if final:
             self.writer.shutdown(wait=True)
@@ -93,3 +95,9 @@ class OuterCheckpoint:
         self.save_checkpoint(final=True)
         if self.local_dp is not None:
             self.local_dp.close()
+
+
+def writes_in_background(setting, device: torch.device) -> bool:
+    """Whether checkpoints are written by the writer thread: the node's ``background_checkpoint`` where it is set,
+    else where a GPU trains (``device`` is not the CPU)."""
+    return bool(setting) if setting is not None else device.type != "cpu"

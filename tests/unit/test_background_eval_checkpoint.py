@@ -110,3 +110,18 @@ def test_a_straggler_carries_its_missed_rounds_pseudo_gradient_into_the_next_rou
                 await component.stop()
 
     asyncio.run(main())
+
+
+def test_checkpoints_are_written_in_the_background_by_default_where_a_gpu_trains(tmp_path):
+    from peerd.worker.checkpointing import writes_in_background
+
+    assert NodeConfig().background_checkpoint is None
+    assert writes_in_background(None, torch.device("cuda", 0)) and writes_in_background(None, torch.device("mps"))
+    assert not writes_in_background(None, torch.device("cpu"))
+    assert not writes_in_background(False, torch.device("cuda", 0)) and writes_in_background(True, torch.device("cpu"))
+    run = _run()
+    default = DiLoCoRole(RunContext.build("unit", run, NodeConfig(checkpoint_dir=str(tmp_path / "a"), threads=1,
+                                                                   device="cpu"), Hub().transport("a")))
+    assert default.writer is None  # a CPU peer writes in the foreground unless told otherwise
+    chosen, _ = _worker(Hub(), "b", run, tmp_path, True)
+    assert chosen.writer is not None
