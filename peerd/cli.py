@@ -276,7 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "(LlamaForCausalLM). Dense models only; token ids are UTF-8 bytes (0-255), or the run's BPE, "
                        "written beside the model as tokenizer.json.")
     _model_source_flags(p)
-    p.add_argument("--out", required=True, metavar="DIR", help="output folder (created)")
+    p.add_argument("--out", metavar="DIR", help="output folder, created (default: export beside the checkpoint, "
+                   "e.g. ~/.peerd/checkpoints/RUN/export; export-local for --weights local)")
 
     p = sub.add_parser("generate", help="sample text from a checkpoint's model",
                        description="Load the model of a DiLoCo checkpoint and print PROMPT followed by sampled text "
@@ -370,9 +371,7 @@ def _cmd_join(args: argparse.Namespace) -> int:
     from peerd.run_config import load_run_config
 
     run = load_run_config(args.run_config) if args.run_config else None
-    if run is not None and node.stage is not None and run.stage_error(node.stage):
-        raise UsageError(f"peerd join: {run.stage_error(node.stage)}")
-    _run_async(join(run_id, node, run))
+    _run_async(join(run_id, node, run))  # checks the node's options against the run before it joins the DHT
     return 0
 
 
@@ -458,7 +457,7 @@ async def _serve_dashboard(node: NodeConfig, run_id: str) -> None:
     from peerd.transport.factory import open_reader
 
     stop = asyncio.Event()
-    install_stop_handlers(stop)
+    install_stop_handlers(stop, "stopping the dashboard")
     transport = await open_reader(node)
     try:
         dashboard = Dashboard(run_id, lambda: read_run_status(transport.discovery, run_id),
@@ -646,7 +645,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from peerd.export import export_llama
 
     path, model, tokenizer = _checkpoint_model(args)
-    files = export_llama(model, args.out, tokenizer)
+    out = args.out or path.parent / ("export" if args.weights == "outer" else f"export-{args.weights}")
+    files = export_llama(model, out, tokenizer)
     print(f"exported {args.weights} weights of {path} ({model.config.n_layers} layers, d_model "
           f"{model.config.d_model}) to {', '.join(str(f) for f in files)}")
     return 0
@@ -783,12 +783,15 @@ COMMANDS = {"join": _cmd_join, "bootstrap": _cmd_bootstrap, "status": _cmd_statu
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from peerd.telemetry import setup_logging
 
+    args = None
     try:
         args = build_parser().parse_args(argv)
         setup_logging(args.log_format, args.log_level)
         return COMMANDS[args.command](args)
     except (UsageError, ConfigError, RunIdError) as e:
-        print(f"{e}" if isinstance(e, UsageError) else f"peerd: error: {e}", file=sys.stderr)
+        # usage errors: one line `peerd COMMAND: what is wrong`; runtime errors go through the log (README)
+        print(f"{e}" if isinstance(e, UsageError) else f"peerd {args.command if args else ''}: {e}".replace(" :", ":"),
+              file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

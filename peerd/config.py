@@ -336,6 +336,11 @@ class NodeConfig:
 
 ENV_PREFIX = "PEERD_"
 
+#: Keys only a run config has at its top level: a node config file holding any of them is a run config passed to the
+#: wrong flag (run configs import torch to load, so the few tell-tale keys are listed here; a test keeps them true).
+RUN_CONFIG_KEYS = frozenset({"model", "seq_len", "batch_size", "dataset", "parallelism", "max_outer_rounds",
+                             "diloco", "averaging", "swarm", "spes"})
+
 
 def load_node_config(
     config_file: Optional[str] = None, environ: Mapping[str, str] = os.environ, overrides: Mapping[str, Any] = {}
@@ -355,6 +360,10 @@ def load_node_config_with_sources(
     sources: dict[str, str] = {f.name: "default" for f in fields(NodeConfig)}
     if config_file:
         data = read_toml(config_file)
+        if "node" not in data and RUN_CONFIG_KEYS & set(data):
+            raise ConfigError(f"{config_file} is a run config (it sets {', '.join(sorted(RUN_CONFIG_KEYS & set(data)))}"
+                              f"): pass it as --run-config {config_file}; --config takes a node config (a [node] "
+                              "table, e.g. node_configs/machines/cpu.toml)")
         if "node" in data:
             stray = sorted(set(data) - {"node"})
             if stray:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -41,6 +42,11 @@ def test_help_exits_zero_and_describes_the_command(command):
          "--stage 0"),
         (["join", "--run-id", "x", "--precision", "fp8"], "--precision"),
         (["join", "--run-id", "x", "--micro-batch-size", "-1"], "micro_batch_size"),
+        # checked against the run config before the DHT: no run is published, no log line comes first
+        (["join", "--run-id", "x", "--run-config", "node_configs/runs/tiny-test.toml", "--micro-batch-size", "3"],
+         "must divide the run's batch_size (8): use one of 1, 2, 4, 8"),
+        (["join", "--run-id", "x", "--config", "node_configs/runs/tiny-test.toml"],
+         "pass it as --run-config node_configs/runs/tiny-test.toml"),
         (["frobnicate"], "frobnicate"),
     ],
 )
@@ -49,6 +55,8 @@ def test_usage_errors_exit_2_with_one_clear_line(args, needle):
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], result.stderr
+    # one format for every usage error: `peerd COMMAND: what is wrong` (runtime errors are log lines)
+    assert re.match(r"peerd( [a-z-]+)?: ", lines[0]) and "error:" not in lines[0], lines[0]
 
 
 @pytest.mark.timeout(60)
