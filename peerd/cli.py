@@ -398,7 +398,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     print(f"run {args.run_id}: {len(live)} live peer(s)" + ("" if config else " (no configuration published)"))
     from peerd.dashboard.view import loss_unit
 
-    header = ("PeerID", "role", "outer round", "inner step", "last loss", "tokens/s",
+    header = ("PeerID", "role", "rounds done", "inner step", "last loss", "tokens/s",
               "eval nats/tok" if loss_unit(config) == "token" else "eval nats/B", "last seen")
     rows = [header]
     now = time.time()

@@ -262,4 +262,4 @@ class VolunteerServices:
         elif isinstance(event, Paused):
             self.notifier.status(f"paused: {self.gate.describe()}")
         elif isinstance(event, (Resumed, Evaluated)) and self.state.worker_state == "training":
-            self.notifier.status(f"training run {self.state.run_id}, outer round {self.state.outer_round}")
+            self.notifier.status(f"training run {self.state.run_id}, {self.state.outer_round} rounds done")

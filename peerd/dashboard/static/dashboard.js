@@ -128,8 +128,8 @@ function renderNode(node) {
   $("node-reasons").textContent = Object.values(s.pause_reasons || {}).join("; ");
   $("node-health").textContent = node.health && node.health.ok ? `${node.health.healthy ? "healthy" : "unhealthy"}: ${node.health.message}` : "-";
   const rows = [
-    ["run", s.run_id], ["outer round", s.state.outer_round ?? "-"],
-    ["rounds done / failed", `${s.state.rounds_completed} / ${s.state.rounds_failed}`],
+    ["run", s.run_id], ["run: rounds done", s.state.outer_round ?? "-"],
+    ["this peer: rounds completed / failed", `${s.state.rounds_completed} / ${s.state.rounds_failed}`],
     ["peers seen", s.peers_seen ?? "-"], ["peers banned", (node.bans || []).length], ["device", s.limits.device], ["threads", s.limits.threads || "torch default"],
     ["GPU memory share", s.limits.gpu_memory_fraction || "no limit"],
     ["upload", bw(s.bandwidth && s.bandwidth.upload, s.limits.upload_limit_mb_s)],
