@@ -334,7 +334,10 @@ class SparseAllGather(Service):
             await asyncio.wait_for(session.collected.wait(), self.config.reducer_timeout_s)
         except asyncio.TimeoutError:
             raise Refused("our view was not final within reducer_timeout_s", "timeout") from None
-        session.bytes_sent += await request.reply({"have": session.have()})
+        # not ``session.bytes_sent += await ...``: that reads the counter before the await and writes it back after,
+        # losing what our own calls added meanwhile (a peer reported 121 of its ~11,900 bytes sent)
+        sent = await request.reply({"have": session.have()})
+        session.bytes_sent += sent
         session.answered.add(peer)
         session.answer_written.set()
 

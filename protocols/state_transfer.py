@@ -125,12 +125,13 @@ class StateServer(Service):
         snapshot = self.get_snapshot()
         if snapshot is None:
             raise Refused("no state to serve yet", "unavailable")
+        self.served += 1  # before the bytes leave, as :class:`protocols.blobs.BlobServer` counts
         try:
             await request.reply(snapshot.header, snapshot.payload)
         except RpcError as e:
+            self.served -= 1
             logger.info("state upload to %s failed: %s", request.peer, e)
             return
-        self.served += 1
         logger.info("served state (%d bytes) to %s", len(snapshot.payload), request.peer)
 
 
