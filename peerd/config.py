@@ -139,6 +139,9 @@ class NodeConfig:
     address is a public IP (:mod:`peerd.transport.libp2p_relay`); it relays for nobody."""
     log_every_steps: int = 10
     """Log a progress line every this many inner steps; the loss is read back from the device only then."""
+    swarm_progress_interval_s: float = 30.0
+    """SWARM trainers: least seconds between two progress lines at info level (micro-batches take a second or two:
+    the lines between are logged at debug level); 0 = a line every ``log_every_steps`` micro-batches."""
     micro_batch_size: int = 0
     """Sequences per forward/backward pass; 0 = the run's ``batch_size``. Must divide the run's ``batch_size``:
     each inner step accumulates ``batch_size / micro_batch_size`` micro-batches, so the run's tokens per inner step
@@ -252,6 +255,9 @@ class NodeConfig:
             raise ConfigError(f"data_port must be a TCP port 0-65535 (0 = any free port), got {self.data_port}")
         if self.threads < 0:
             raise ConfigError(f"threads must be >= 0, got {self.threads}")
+        if not self.swarm_progress_interval_s >= 0:
+            raise ConfigError(f"swarm_progress_interval_s must be >= 0, got {self.swarm_progress_interval_s}",
+                              key="swarm_progress_interval_s")
         if self.log_every_steps < 1:
             raise ConfigError(f"log_every_steps must be >= 1, got {self.log_every_steps}")
         if self.micro_batch_size < 0:

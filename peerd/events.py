@@ -147,12 +147,19 @@ class SwarmProgress(Event):
     ``retried`` counts calls re-sent to a replica after a failure. ``loss``: the last micro-batch's (nats/token)."""
 
     name: ClassVar[str] = "swarm_progress"
+    message_only: ClassVar[tuple[str, ...]] = ("quiet",)
     micro_batches: int
     loss: Optional[float]
     sent: int
     completed: int
     retried: int
     dropped: int
+    quiet: bool = field(default=False, compare=False)
+    """Logged at debug level (the node's ``swarm_progress_interval_s`` has not passed since the last info line)."""
+
+    @property
+    def level(self) -> int:  # type: ignore[override]
+        return logging.DEBUG if self.quiet else logging.INFO
 
     def message(self) -> str:
         loss = "-" if self.loss is None else f"{self.loss:.4f}"
@@ -292,7 +299,7 @@ class Left(Event):
 
     def message(self) -> str:
         return (f"leaving run {self.run_id} after {self.outer_round} outer rounds ({self.rounds_failed} failed); "
-                f"sent {self.bytes_sent / 1e6:.1f} MB, received {self.bytes_received / 1e6:.1f} MB")
+                f"averaging sent {self.bytes_sent / 1e6:.1f} MB, received {self.bytes_received / 1e6:.1f} MB")
 
 
 @dataclass(frozen=True)
@@ -310,7 +317,9 @@ class Bandwidth(Event):
             parts.append(f"{direction} {side['bytes'] / 1e6:.1f} MB"
                          + (f" at {rate / 1e6:.2f} MB/s" if rate else "")
                          + (f" (cap {limit / 1e6:g} MB/s)" if limit else ""))
-        return "bandwidth: " + ", ".join(parts)
+        # every byte of the role's streams (frames, matchmaking, state served to joiners): more than the averaged
+        # tensors that the leave line counts
+        return "bandwidth (all streams): " + ", ".join(parts)
 
 
 @dataclass(frozen=True)
