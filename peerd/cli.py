@@ -412,6 +412,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
         header += ("stage",)
         rows = [header] + [(*r, str(live[r[0]].get("stage") if live[r[0]].get("stage") is not None else "-"))
                            for r in rows[1:]]
+    if any(isinstance(s.get("experts"), list) for s in live.values()):  # SPES: what each peer trains
+        header += ("experts",)
+        rows = [header] + [(*r, ",".join(map(str, live[r[0]].get("experts") or [])) or "-") for r in rows[1:]]
     if any(s.get("reachable") is not None for s in live.values()):
         header += ("reachable",)
         names = {True: "yes", False: "no", None: "-"}

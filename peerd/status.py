@@ -38,8 +38,10 @@ STATUS_FIELDS = ("role", "outer_round", "inner_step", "loss", "tokens_per_s", "e
 #: checked yet or nobody answered); ``relayed`` = whether the peer holds a circuit relay reservation (others reach it
 #: through a relay; a boolean, None = not checked); ``round_retries`` = a DiLoCo all-reduce worker's failed tries of
 #: its current round per fragment (``{fragment name: [outer round, tries]}``, at most 256 entries; the next try's
-#: group key counts them, :func:`peerd.roles.outer_sync.group_key`).
-OPTIONAL_STATUS_FIELDS = ("instance", "stage", "history", "fragment_rounds", "reachable", "relayed", "round_retries")
+#: group key counts them, :func:`peerd.roles.outer_sync.group_key`); ``experts`` = the experts a SPES peer holds and
+#: trains (a list of at most 4096 non-negative integers, possibly empty).
+OPTIONAL_STATUS_FIELDS = ("instance", "stage", "history", "fragment_rounds", "reachable", "relayed", "round_retries",
+                          "experts")
 KNOWN_STATUS_FIELDS = STATUS_FIELDS + OPTIONAL_STATUS_FIELDS
 
 _MAX_ROUND = 2**40
@@ -93,6 +95,9 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
         _short_str(64, nullable=False)(k) and isinstance(x, (list, tuple)) and len(x) == 2
         and all(_count(c) and c is not None for c in x) for k, x in v.items())),
         "a map of 1-256 fragment names to [outer round, tries]"),
+    "experts": (lambda v: v is None or (isinstance(v, (list, tuple)) and len(v) <= 4096
+                                        and all(_count(x) and x is not None for x in v)),
+                "a list of at most 4096 non-negative integers"),
     "time": (_finite(nullable=False), "a finite number"),
     "v": (lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < _MAX_VERSION,
           "a non-negative integer"),

@@ -484,4 +484,4 @@ class SpesRole:
         role = "paused" if self.ctx.gate.paused else ROLE
         return dict(role=role, outer_round=self.outer_round, inner_step=self.steps_since_sync,
                     loss=self.stats.last_loss, tokens_per_s=self.stats.tokens_per_s,
-                    eval_nats_per_byte=self.stats.last_eval, digest=self._digest()[:16])
+                    eval_nats_per_byte=self.stats.last_eval, digest=self._digest()[:16], experts=sorted(self.own))
