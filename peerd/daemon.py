@@ -231,6 +231,7 @@ async def join(run_id: RunRef | str, node: NodeConfig, local_run: Optional[RunCo
         apply_gpu_memory_fraction(node.gpu_memory_fraction,  # the helpers of other local devices apply their own
                                   pick_device(node.local_devices[0] if node.local_devices else node.device))
         transport = await open_transport(node, hold=hold)
+        services.peer_id = transport.peer_id
         keeper = data_plane = files = dashboard = dialback = reach = None
         try:
             logger.info("listening on %s", " ".join(transport.visible_maddrs()))
@@ -256,6 +257,7 @@ async def join(run_id: RunRef | str, node: NodeConfig, local_run: Optional[RunCo
             data_plane = await start_data_plane(node, transport)
             role_transport = admit_only(services.pace(data_plane or transport), run.allowlist)
             ctx = RunContext.build(ref, run, node, role_transport, stop, services.gate, services.events)
+            services.device_in_use = str(ctx.device)
             if os.environ.get("PEERD_FAULTS"):  # the test harness makes this peer misbehave on schedule
                 from peerd.testing.faults import instrument_from_env
 

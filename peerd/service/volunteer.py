@@ -68,6 +68,8 @@ class VolunteerServices:
         self.metrics = None
         self.metrics_port: Optional[int] = None
         self.peers_seen: Optional[int] = None
+        self.peer_id: Optional[str] = None  # this daemon's PeerID, once its transport is up
+        self.device_in_use: Optional[str] = None  # where the role trains (node.device may say "auto")
         self.control_path: Optional[str] = None
         self._kind = "bootstrap" if role == "bootstrap" else "worker"  # which default control socket it serves
         self._control = ControlServer(node.control_socket_path_for(self._kind), self._handle)
@@ -187,6 +189,7 @@ class VolunteerServices:
         node = self.node
         return {
             "pid": os.getpid(), "role": self.role, "run_id": self.state.run_id, "paused": self.gate.paused,
+            "peer_id": self.peer_id, "device_in_use": self.device_in_use,
             "pause_reasons": self.gate.reasons, "state": self.state.to_dict(), "peers_seen": self.peers_seen,
             "bandwidth": self.streams.report() if self.streams else None, "metrics_port": self.metrics_port,
             "pause_after_round": self.pause_after_round,
