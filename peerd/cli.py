@@ -425,7 +425,23 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
     for line in _stage_lines(live, (config or {}).get("swarm", {}).get("stages")):
         print(line)
+    for line in _contribution_lines(peers):
+        print(line)
     return 0
+
+
+def _contribution_lines(peers: dict[str, dict]) -> list[str]:
+    """The ranked contribution table (:func:`peerd.status.contribution`), nothing if no record carries one."""
+    from peerd.status import contribution
+
+    ranked = contribution(peers)
+    if not ranked:
+        return []
+    rows = [("rank", "PeerID", "tokens trained", "share", "rounds")] + [
+        (str(r["rank"]), r["peer"], f"{r['tokens']:,}", f"{100 * r['share']:.1f} %", str(r["rounds"])) for r in ranked]
+    widths = [max(len(row[i]) for row in rows) for i in range(5)]
+    return ["contribution (tokens and outer rounds each peer gave the run; from its signed status record):"] + [
+        "  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:

@@ -849,6 +849,7 @@ class DiLoCoRole:
         return dict(role=role, outer_round=self.outer.outer_round, inner_step=self.steps_since_sync,
                     loss=self.stats.last_loss, tokens_per_s=self.stats.tokens_per_s,
                     eval_nats_per_byte=self.stats.last_eval, digest=self._digest()[:16],
+                    tokens_trained=self.stats.tokens, rounds_contributed=self.stats.rounds_ok,
                     **({"fragment_rounds": self._fragment_rounds()} if len(self.parts) > 1 else {}),
                     **({RETRIES_FIELD: retries} if retries else {}))
 
@@ -870,7 +871,7 @@ class DiLoCoRole:
             "run_id": self.ctx.run_id, "run_fingerprint": self.run_cfg.fingerprint(),
             "outer_round": self.outer.outer_round, "steps_since_sync": self.steps_since_sync,
             "samples_since_sync": self.samples_since_sync, "round_quota": self.round_quota,
-            "sampler": self.sampler.state_dict(), "tokens": self.stats.tokens,
+            "sampler": self.sampler.state_dict(), "tokens": self.stats.tokens, "rounds_ok": self.stats.rounds_ok,
             "model": self.run_cfg.model, "seq_len": self.run_cfg.seq_len,  # what `peerd export` rebuilds
             "tokenizer": self.run_cfg.tokenizer,
         }
@@ -926,6 +927,7 @@ class DiLoCoRole:
         self.samples_since_sync = int(meta["samples_since_sync"])
         self.round_quota = int(meta["round_quota"])
         self.stats.tokens = int(meta.get("tokens", 0))
+        self.stats.rounds_ok = int(meta.get("rounds_ok", 0))  # the contribution counts on across restarts
         self.ctx.events.publish(CheckpointResumed(self.outer.outer_round, self._digest(), str(path),
                                                   self.steps_since_sync))
 

@@ -434,6 +434,7 @@ class SpesRole:
             "outer_round": self.outer_round, "global_step": self.global_step,
             "steps_since_sync": self.steps_since_sync, "samples_since_sync": self.samples_since_sync,
             "experts": sorted(self.own), "sampler": self.sampler.state_dict(), "tokens": self.stats.tokens,
+            "rounds_ok": self.stats.rounds_ok,
         }
         self.ctx.checkpoints.save(Checkpoint(tensors, metadata))
 
@@ -462,6 +463,7 @@ class SpesRole:
             self.steps_since_sync = int(meta["steps_since_sync"])
             self.samples_since_sync = int(meta["samples_since_sync"])
             self.stats.tokens = int(meta.get("tokens", 0))
+            self.stats.rounds_ok = int(meta.get("rounds_ok", 0))
         except (KeyError, ValueError, TypeError, RuntimeError) as e:
             raise CheckpointError(f"checkpoint {path} is incomplete or mismatched: {e}") from None
         if self.steps_since_sync == 0:  # the synced model of outer_round: serve it to joiners
@@ -484,4 +486,5 @@ class SpesRole:
         role = "paused" if self.ctx.gate.paused else ROLE
         return dict(role=role, outer_round=self.outer_round, inner_step=self.steps_since_sync,
                     loss=self.stats.last_loss, tokens_per_s=self.stats.tokens_per_s,
-                    eval_nats_per_byte=self.stats.last_eval, digest=self._digest()[:16], experts=sorted(self.own))
+                    eval_nats_per_byte=self.stats.last_eval, digest=self._digest()[:16], experts=sorted(self.own),
+                    tokens_trained=self.stats.tokens, rounds_contributed=self.stats.rounds_ok)

@@ -124,6 +124,15 @@ def test_browser_shows_peers_and_curves_and_pauses(run):
         assert sum(name.endswith("(this machine)") for name in legend) == 1, legend
         colours = browser.execute_script("return document.getElementById('loss-plot').data.map(t => t.line.color);")
         assert len(set(colours)) == 3, colours
+        # what each peer contributed, ranked by tokens trained, this machine's row marked
+        ranked = _wait("a contribution row per peer", lambda: (rows := browser.execute_script(
+            "return [...document.querySelectorAll('#contribution tr')].map(r => [r.dataset.peer, "
+            "...[...r.cells].map(c => c.textContent)]);")) and len(rows) == 3 and rows)
+        assert [row[1] for row in ranked] == ["1", "2", "3"], ranked
+        tokens = [int(row[3].replace(",", "")) for row in ranked]
+        assert tokens == sorted(tokens, reverse=True) and tokens[-1] > 0, ranked
+        assert sorted(row[0] for row in ranked) == sorted(p["peer"] for p in _get(run.url + "api/peers")["peers"])
+        assert sum(row[2].endswith("(this machine)") for row in ranked) == 1, ranked
         # rounds are whole numbers: the MB-per-round chart ticks only integers
         xaxis = browser.execute_script("return document.getElementById('bytes-plot').layout.xaxis;")
         assert xaxis["tickformat"] == "d" and xaxis["dtick"] >= 1 and xaxis["dtick"] == int(xaxis["dtick"]), xaxis

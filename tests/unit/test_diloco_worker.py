@@ -259,3 +259,32 @@ def test_a_gossip_round_counts_the_exchanges_a_peer_answered_in_its_group_size(t
         assert sizes["peer-b"] == [2], sizes
 
     asyncio.run(main())
+
+
+def test_a_worker_reports_its_contribution_and_keeps_counting_after_a_restart(tmp_path):
+    """tokens_trained and rounds_contributed in the status record (what `peerd status` and the dashboard rank),
+    carried across a restart by the checkpoint."""
+    from peerd.status import contribution
+
+    run = _run(min_group_size=1)
+    per_round = run.diloco.inner_steps * run.batch_size * run.seq_len
+
+    async def main():
+        worker = _worker(Hub(), "solo", run, tmp_path)
+        await _start(worker)
+        for _ in range(2):
+            await worker._train_until_quota()
+            await worker._outer_round()
+        worker._save_checkpoint(final=True)
+        fields = worker._status_fields()
+        again = _worker(Hub(), "solo", run, tmp_path)
+        again._resume()
+        return fields, again._status_fields()
+
+    fields, resumed = asyncio.run(main())
+    assert (fields["tokens_trained"], fields["rounds_contributed"]) == (2 * per_round, 2)
+    assert (resumed["tokens_trained"], resumed["rounds_contributed"]) == (2 * per_round, 2)
+    ranked = contribution({"solo": fields, "other": {**fields, "tokens_trained": 6 * per_round,
+                                                     "rounds_contributed": 5}, "swarm": {"role": "swarm"}})
+    assert [(r["rank"], r["peer"], r["rounds"]) for r in ranked] == [(1, "other", 5), (2, "solo", 2)]
+    assert [r["share"] for r in ranked] == [0.75, 0.25]

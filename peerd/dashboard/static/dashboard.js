@@ -53,6 +53,24 @@ function renderRun(run) {
   }
 }
 
+function renderContribution(rows) {
+  const body = $("contribution");
+  body.textContent = "";
+  for (const r of rows || []) {
+    const tr = document.createElement("tr");
+    tr.dataset.peer = r.peer;
+    const mine = lastNode && lastNode.status && lastNode.status.peer_id === r.peer;
+    if (mine) tr.className = "mine";
+    tr.appendChild(cell(String(r.rank)));
+    tr.appendChild(cell(short(r.peer) + (mine ? " (this machine)" : ""), "peer"));
+    tr.lastChild.title = r.peer;
+    tr.appendChild(cell(r.tokens.toLocaleString("en-US")));
+    tr.appendChild(cell(`${(100 * r.share).toFixed(1)} %`));
+    tr.appendChild(cell(String(r.rounds)));
+    body.appendChild(tr);
+  }
+}
+
 function renderPeers(data) {
   const body = $("peers");
   body.textContent = "";
@@ -198,6 +216,7 @@ async function refresh() {
       [getJSON("/api/run"), getJSON("/api/peers"), getJSON("/api/history"), getJSON("/api/node")]);
     renderNode(node);  // first: the peer table and the curves mark this machine's peer
     renderRun(run);
+    renderContribution(run.contribution);
     renderPeers(peers);
     lastHistory = history;
     renderHistory(history);
