@@ -246,6 +246,12 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Lift a `peerd pause`: the daemon catches up with the run and trains again "
                        "(unless it is outside its active hours).")
     _control_flags(p)
+    p = sub.add_parser("snooze", help="pause the local daemon for a while: 1h, 4h, tomorrow (or off)",
+                       description="Pause the daemon running on this machine for DURATION (1h, 4h, 90m, up to a "
+                       "week; tomorrow = until 06:00 local time the next day); `peerd snooze off` lifts it. Other "
+                       "pause reasons (peerd pause, volunteer rules) stay as they are.")
+    p.add_argument("duration", metavar="DURATION", help="1h, 4h, 90m, tomorrow or off")
+    _control_flags(p)
     p = sub.add_parser("health", help="exit 0 if the local daemon is up and made progress recently",
                        description="Ask the local daemon whether it is healthy: up, and completed or joined a round "
                        "within --max-age-s (a paused daemon is healthy). Exit 0 if so, 1 otherwise; prints one "
@@ -569,6 +575,27 @@ def _cmd_pause_resume(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_snooze(args: argparse.Namespace) -> int:
+    from peerd.service.rules import snooze_deadline
+
+    try:
+        snooze_deadline(args.duration, time.time())  # a typo is a usage error, before asking the daemon
+    except ValueError as e:
+        raise UsageError(f"peerd snooze: {e}") from None
+    reply = _control(args, {"cmd": "snooze", "for": args.duration})
+    if args.json:
+        print(json.dumps(reply, indent=2, sort_keys=True))
+    if not reply.get("ok"):
+        print(f"peerd snooze: {reply.get('error')}", file=sys.stderr)
+        return 1
+    if not args.json:
+        until = reply.get("snoozed_until")
+        print(f"snoozed until {time.strftime('%a %H:%M', time.localtime(until))}: the peer trains again then"
+              if until else "snooze lifted" + (f"; still paused: {'; '.join(reply['pause_reasons'].values())}"
+                                               if reply.get("paused") else ""))
+    return 0
+
+
 def _cmd_health(args: argparse.Namespace) -> int:
     if args.max_age_s is not None and not args.max_age_s > 0:
         raise UsageError("peerd health: --max-age-s must be > 0")
@@ -795,6 +822,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 COMMANDS = {"join": _cmd_join, "bootstrap": _cmd_bootstrap, "status": _cmd_status, "config": _cmd_config,
             "dashboard": _cmd_dashboard, "pause": _cmd_pause_resume, "resume": _cmd_pause_resume, "health": _cmd_health,
+            "snooze": _cmd_snooze,
             "install-service": _cmd_install_service, "export": _cmd_export, "generate": _cmd_generate,
             "eval": _cmd_eval, "tokenizer": _cmd_tokenizer, "doctor": _cmd_doctor}
 

@@ -197,6 +197,13 @@ class NodeConfig:
     cpu_busy_window_s: float = 30.0
     """Seconds over which ``pause_when_cpu_busy_percent`` averages the other programs' CPU use."""
     pause_on_battery: bool = False
+    pause_while_programs: tuple[str, ...] = ()
+    """Pause while any of these programs runs (process names, e.g. ``["steam", "vlc"]``; BOINC's "exclusive
+    applications", empty by default)."""
+    pause_while_user_active_s: float = 0.0
+    """Pause while the user has touched keyboard or mouse within this many seconds (BOINC's "suspend when computer is
+    in use" with its 3-minute idle time: set 180; 0 = off, the default). Read where the desktop exposes it
+    (``xprintidle`` on X11); elsewhere the rule is inactive and the log says so once."""
     """Pause while the machine runs on battery (``psutil.sensors_battery``); machines without one never pause."""
     gpu: bool = True
     """Use a GPU if there is one. False: ``device = "auto"`` trains on the CPU, and ``device = "cuda"`` is an
@@ -291,6 +298,9 @@ class NodeConfig:
             raise ConfigError("pause_when_cpu_busy_percent must be in [0, 100] (0 = off), got "
                               f"{self.pause_when_cpu_busy_percent}", key="pause_when_cpu_busy_percent",
                               reason=f"must be in [0, 100] (0 = off), got {self.pause_when_cpu_busy_percent}")
+        if not 0 <= self.pause_while_user_active_s <= 86400:
+            raise ConfigError(f"pause_while_user_active_s must be in [0, 86400] (0 = off), got "
+                              f"{self.pause_while_user_active_s}", key="pause_while_user_active_s")
         if not self.cpu_busy_window_s > 0:
             raise ConfigError(f"cpu_busy_window_s must be > 0, got {self.cpu_busy_window_s}")
         if not self.gpu and self.device.startswith("cuda"):

@@ -145,6 +145,14 @@ def test_browser_shows_peers_and_curves_and_pauses(run):
         assert limits["device"] == f"{used} (device = auto)", limits
         assert browser.execute_script("return document.getElementById('rule-gpu').textContent;") == (
             f"on, in use ({used})" if used == "cuda" else "allowed, not in use (training on cpu)")
+        # snooze for 4 h from the page, then lift it
+        browser.find_element("css selector", ".snooze button[data-for='4h']").click()
+        _wait("the snooze on the page", lambda: browser.execute_script(
+            "return document.getElementById('node-reasons').textContent;").startswith("snoozed until"))
+        assert _get(run.url + "api/node")["status"]["snoozed_until"] > time.time() + 3 * 3600
+        browser.find_element("css selector", ".snooze button[data-for='off']").click()
+        _wait("the snooze lifted", lambda: browser.execute_script(
+            "return document.getElementById('node-state').textContent;") != "paused")
         browser.find_element("id", "pause").click()
         _wait("the paused state on the page", lambda: browser.find_element("id", "node-state").text == "paused")
         # A's status record, read back from the DHT: the only paused peer

@@ -165,6 +165,7 @@ function renderNode(node) {
   $("node-state").textContent = s.paused ? "paused" : (s.pause_after_round ? "pausing after this round" : s.state.worker_state);
   $("node-state").className = s.paused ? "state-paused" : "state-online";
   $("node-reasons").textContent = Object.values(s.pause_reasons || {}).join("; ");
+  $("snoozed").textContent = s.snoozed_until ? `until ${new Date(s.snoozed_until * 1000).toLocaleString()}` : "";
   $("node-health").textContent = node.health && node.health.ok ? `${node.health.healthy ? "healthy" : "unhealthy"}: ${node.health.message}` : "-";
   const rows = [
     ["run", s.run_id], ["run: rounds done", s.state.outer_round ?? "-"],
@@ -235,6 +236,9 @@ async function act(path, body) {
 
 for (const b of document.querySelectorAll(".buttons button")) {
   b.addEventListener("click", () => act(`/api/node/${b.dataset.cmd}`));
+}
+for (const b of document.querySelectorAll(".snooze button")) {
+  b.addEventListener("click", () => act("/api/node/snooze", {for: b.dataset.for}));
 }
 $("rules").addEventListener("submit", async (ev) => {
   ev.preventDefault();
