@@ -137,6 +137,8 @@ class NodeConfig:
     The dial-back check at join (:mod:`protocols.reachability`) says whether others can dial this peer directly.
     On the py-libp2p transport (no AutoNAT there) ``auto`` reserves slots on the initial peers when no listen
     address is a public IP (:mod:`peerd.transport.libp2p_relay`); it relays for nobody."""
+    config_wait_s: float = 300.0
+    """How long ``join`` without ``--run-config`` waits for the run's creator to publish its config (0: not at all)."""
     log_every_steps: int = 10
     """Log a progress line every this many inner steps; the loss is read back from the device only then."""
     swarm_progress_interval_s: float = 30.0
@@ -262,6 +264,8 @@ class NodeConfig:
             raise ConfigError(f"data_port must be a TCP port 0-65535 (0 = any free port), got {self.data_port}")
         if self.threads < 0:
             raise ConfigError(f"threads must be >= 0, got {self.threads}")
+        if not 0 <= self.config_wait_s <= 86400:
+            raise ConfigError(f"config_wait_s must be in [0, 86400], got {self.config_wait_s}", key="config_wait_s")
         if not self.swarm_progress_interval_s >= 0:
             raise ConfigError(f"swarm_progress_interval_s must be >= 0, got {self.swarm_progress_interval_s}",
                               key="swarm_progress_interval_s")

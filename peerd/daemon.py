@@ -65,9 +65,8 @@ def install_stop_handlers(stop: asyncio.Event, leaving: str = "finishing up (che
 
 
 
-#: How long a joiner without ``--run-config`` waits for the run's creator to publish its config (the second terminal
-#: of a quick start is often started first), and how often it looks again meanwhile.
-CONFIG_WAIT_S = 300.0
+#: How often a joiner without ``--run-config`` looks again for the run's config while it waits for the creator to
+#: publish it (the second terminal of a quick start is often started first; node config ``config_wait_s``).
 CONFIG_POLL_S = 2.0
 
 
@@ -238,7 +237,8 @@ async def join(run_id: RunRef | str, node: NodeConfig, local_run: Optional[RunCo
             dialback = await serve_dialback(transport)
             try:
                 record = await resolve_run_config(transport, ref, local_run, pin_path(node.checkpoint_path, ref),
-                                                  wait_s=CONFIG_WAIT_S if node.initial_peers else 0.0, stop=stop)
+                                                  wait_s=node.config_wait_s if node.initial_peers else 0.0,
+                                                  stop=stop)
             except RunConfigConflict as e:
                 raise explain_config_conflict(e, node, local_run) from None
             if record is None:

@@ -119,10 +119,13 @@ def test_status_conflicting_config_and_missing_config(tmp_path, capsys):
         assert refused.returncode == 1
         assert "disagrees" in refused.stderr and "model" in refused.stderr
 
-        missing = _peerd("join", "--run-id", "no-such-run", "--config", str(LOCAL), "--initial-peers", maddr,
-                         "--identity", str(tmp_path / "y.key"), "--checkpoint-dir", str(tmp_path / "y"))
+        missing = subprocess.run(peerd_cmd("join", "--run-id", "no-such-run", "--config", str(LOCAL), "--initial-peers",
+                                           maddr, "--identity", str(tmp_path / "y.key"), "--checkpoint-dir",
+                                           str(tmp_path / "y")), capture_output=True, text=True, timeout=90,
+                                 env={**os.environ, "PEERD_CONFIG_WAIT_S": "3"})
         assert missing.returncode == 1
-        assert "no configuration published" in missing.stderr and "--run-config" in missing.stderr
+        assert "no configuration published yet: waiting up to 3 s" in missing.stderr, missing.stderr
+        assert "still has no configuration published in the DHT after 3 s" in missing.stderr, missing.stderr
 
         peer.proc.send_signal(signal.SIGINT)
         assert swarm.wait_exit(peer, 60) == 0
