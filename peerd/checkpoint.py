@@ -86,8 +86,37 @@ def load_checkpoint(path: str | os.PathLike) -> Optional[Checkpoint]:
         header = json.loads(blob[8 : 8 + header_len])
         metadata = json.loads(header["__metadata__"]["peerd"])
     except (SafetensorError, ValueError, KeyError, OSError) as e:
-        raise CheckpointError(f"checkpoint {path} is unreadable: {e}") from None
+        raise unreadable(path, e) from None
     return Checkpoint(tensors, metadata)
+
+
+def unreadable(path: Path, cause: object) -> CheckpointError:
+    """The error of a checkpoint that cannot be read, with the way out: a peer without it starts from the swarm."""
+    return CheckpointError(f"checkpoint {path} is unreadable ({cause}); move it away (e.g. mv {path} {path}.broken) "
+                           "and the peer starts fresh from the swarm's current state")
+
+
+def check_checkpoint(path: str | os.PathLike) -> None:
+    """Check that the checkpoint at ``path`` can be loaded, reading its header and sizes but not its tensors (a
+    truncated or overwritten file fails here; safetensors has no checksum of the values). Raises CheckpointError
+    (:func:`unreadable`)."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            header_len = int.from_bytes(f.read(8), "little")
+            if not 2 <= header_len <= min(size - 8, 100 * 2**20):
+                raise ValueError(f"header of {header_len} bytes in a file of {size}")
+            header = json.loads(f.read(header_len))
+        metadata = json.loads(header["__metadata__"]["peerd"])
+        if not isinstance(metadata, dict):
+            raise ValueError("metadata is not a table")
+        end = max((int(entry["data_offsets"][1]) for name, entry in header.items() if name != "__metadata__"),
+                  default=0)
+        if 8 + header_len + end != size:
+            raise ValueError(f"{size} bytes, the header describes {8 + header_len + end}")
+    except (ValueError, KeyError, TypeError, IndexError, OSError) as e:
+        raise unreadable(path, e) from None
 
 
 #: Prefix of an optimizer's per-parameter state tensors in a checkpoint: ``inner.<param index>.<state key>``.

@@ -255,6 +255,12 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Lift a `peerd pause`: the daemon catches up with the run and trains again "
                        "(unless it is outside its active hours).")
     _control_flags(p)
+    p = sub.add_parser("snooze", help="pause the local daemon for a while: 1h, 4h, tomorrow (or off)",
+                       description="Pause the daemon running on this machine for DURATION (1h, 4h, 90m, up to a "
+                       "week; tomorrow = until 06:00 local time the next day); `peerd snooze off` lifts it. Other "
+                       "pause reasons (peerd pause, volunteer rules) stay as they are.")
+    p.add_argument("duration", metavar="DURATION", help="1h, 4h, 90m, tomorrow or off")
+    _control_flags(p)
     p = sub.add_parser("health", help="exit 0 if the local daemon is up and made progress recently",
                        description="Ask the local daemon whether it is healthy: up, and completed or joined a round "
                        "within --max-age-s (a paused daemon is healthy). Exit 0 if so, 1 otherwise; prints one "
@@ -285,7 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "(LlamaForCausalLM). Dense models only; token ids are UTF-8 bytes (0-255), or the run's BPE, "
                        "written beside the model as tokenizer.json.")
     _model_source_flags(p)
-    p.add_argument("--out", required=True, metavar="DIR", help="output folder (created)")
+    p.add_argument("--out", metavar="DIR", help="output folder, created (default: export beside the checkpoint, "
+                   "e.g. ~/.peerd/checkpoints/RUN/export; export-local for --weights local)")
 
     p = sub.add_parser("generate", help="sample text from a checkpoint's model",
                        description="Load the model of a DiLoCo checkpoint and print PROMPT followed by sampled text "
@@ -381,9 +388,7 @@ def _cmd_join(args: argparse.Namespace) -> int:
     from peerd.run_config import load_run_config
 
     run = load_run_config(args.run_config) if args.run_config else None
-    if run is not None and node.stage is not None and run.stage_error(node.stage):
-        raise UsageError(f"peerd join: {run.stage_error(node.stage)}")
-    _run_async(join(run_id, node, run))
+    _run_async(join(run_id, node, run))  # checks the node's options against the run before it joins the DHT
     return 0
 
 
@@ -410,7 +415,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     print(f"run {args.run_id}: {len(live)} live peer(s)" + ("" if config else " (no configuration published)"))
     from peerd.dashboard.view import loss_unit
 
-    header = ("PeerID", "role", "outer round", "inner step", "last loss", "tokens/s",
+    header = ("PeerID", "role", "rounds done", "inner step", "last loss", "tokens/s",
               "eval nats/tok" if loss_unit(config) == "token" else "eval nats/B", "last seen")
     rows = [header]
     now = time.time()
@@ -424,6 +429,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
         header += ("stage",)
         rows = [header] + [(*r, str(live[r[0]].get("stage") if live[r[0]].get("stage") is not None else "-"))
                            for r in rows[1:]]
+    if any(isinstance(s.get("experts"), list) for s in live.values()):  # SPES: what each peer trains
+        header += ("experts",)
+        rows = [header] + [(*r, ",".join(map(str, live[r[0]].get("experts") or [])) or "-") for r in rows[1:]]
     if any(s.get("reachable") is not None for s in live.values()):
         header += ("reachable",)
         names = {True: "yes", False: "no", None: "-"}
@@ -434,7 +442,23 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
     for line in _stage_lines(live, (config or {}).get("swarm", {}).get("stages")):
         print(line)
+    for line in _contribution_lines(peers):
+        print(line)
     return 0
+
+
+def _contribution_lines(peers: dict[str, dict]) -> list[str]:
+    """The ranked contribution table (:func:`peerd.status.contribution`), nothing if no record carries one."""
+    from peerd.status import contribution
+
+    ranked = contribution(peers)
+    if not ranked:
+        return []
+    rows = [("rank", "PeerID", "tokens trained", "share", "rounds")] + [
+        (str(r["rank"]), r["peer"], f"{r['tokens']:,}", f"{100 * r['share']:.1f} %", str(r["rounds"])) for r in ranked]
+    widths = [max(len(row[i]) for row in rows) for i in range(5)]
+    return ["contribution (tokens and outer rounds each peer gave the run; from its signed status record):"] + [
+        "  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
@@ -470,7 +494,7 @@ async def _serve_dashboard(node: NodeConfig, run_id: str) -> None:
     from peerd.transport.factory import open_reader
 
     stop = asyncio.Event()
-    install_stop_handlers(stop)
+    install_stop_handlers(stop, "stopping the dashboard")
     transport = await unless_stopped(stop, open_reader(node))
     if transport is None:
         return  # stopped while the DHT client was starting
@@ -562,6 +586,27 @@ def _cmd_pause_resume(args: argparse.Namespace) -> int:
         else:
             print("resumed: the peer catches up with the run and trains again" if reply.get("changed")
                   else "not paused: nothing to resume")
+    return 0
+
+
+def _cmd_snooze(args: argparse.Namespace) -> int:
+    from peerd.service.rules import snooze_deadline
+
+    try:
+        snooze_deadline(args.duration, time.time())  # a typo is a usage error, before asking the daemon
+    except ValueError as e:
+        raise UsageError(f"peerd snooze: {e}") from None
+    reply = _control(args, {"cmd": "snooze", "for": args.duration})
+    if args.json:
+        print(json.dumps(reply, indent=2, sort_keys=True))
+    if not reply.get("ok"):
+        print(f"peerd snooze: {reply.get('error')}", file=sys.stderr)
+        return 1
+    if not args.json:
+        until = reply.get("snoozed_until")
+        print(f"snoozed until {time.strftime('%a %H:%M', time.localtime(until))}: the peer trains again then"
+              if until else "snooze lifted" + (f"; still paused: {'; '.join(reply['pause_reasons'].values())}"
+                                               if reply.get("paused") else ""))
     return 0
 
 
@@ -660,7 +705,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from peerd.export import export_llama
 
     path, model, tokenizer = _checkpoint_model(args)
-    files = export_llama(model, args.out, tokenizer)
+    out = args.out or path.parent / ("export" if args.weights == "outer" else f"export-{args.weights}")
+    files = export_llama(model, out, tokenizer)
     print(f"exported {args.weights} weights of {path} ({model.config.n_layers} layers, d_model "
           f"{model.config.d_model}) to {', '.join(str(f) for f in files)}")
     return 0
@@ -791,6 +837,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 COMMANDS = {"join": _cmd_join, "bootstrap": _cmd_bootstrap, "status": _cmd_status, "config": _cmd_config,
             "dashboard": _cmd_dashboard, "pause": _cmd_pause_resume, "resume": _cmd_pause_resume, "health": _cmd_health,
+            "snooze": _cmd_snooze,
             "install-service": _cmd_install_service, "export": _cmd_export, "generate": _cmd_generate,
             "eval": _cmd_eval, "tokenizer": _cmd_tokenizer, "doctor": _cmd_doctor}
 
@@ -798,12 +845,15 @@ COMMANDS = {"join": _cmd_join, "bootstrap": _cmd_bootstrap, "status": _cmd_statu
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from peerd.telemetry import setup_logging
 
+    args = None
     try:
         args = build_parser().parse_args(argv)
         setup_logging(args.log_format, args.log_level)
         return COMMANDS[args.command](args)
     except (UsageError, ConfigError, RunIdError) as e:
-        print(f"{e}" if isinstance(e, UsageError) else f"peerd: error: {e}", file=sys.stderr)
+        # usage errors: one line `peerd COMMAND: what is wrong`; runtime errors go through the log (README)
+        print(f"{e}" if isinstance(e, UsageError) else f"peerd {args.command if args else ''}: {e}".replace(" :", ":"),
+              file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -147,8 +147,13 @@ class NodeConfig:
     The dial-back check at join (:mod:`protocols.reachability`) says whether others can dial this peer directly.
     On the py-libp2p transport (no AutoNAT there) ``auto`` reserves slots on the initial peers when no listen
     address is a public IP (:mod:`peerd.transport.libp2p_relay`); it relays for nobody."""
+    config_wait_s: float = 300.0
+    """How long ``join`` without ``--run-config`` waits for the run's creator to publish its config (0: not at all)."""
     log_every_steps: int = 10
     """Log a progress line every this many inner steps; the loss is read back from the device only then."""
+    swarm_progress_interval_s: float = 30.0
+    """SWARM trainers: least seconds between two progress lines at info level (micro-batches take a second or two:
+    the lines between are logged at debug level); 0 = a line every ``log_every_steps`` micro-batches."""
     micro_batch_size: int = 0
     """Sequences per forward/backward pass; must divide the run's ``batch_size``: each inner step accumulates
     ``batch_size / micro_batch_size`` micro-batches, so the run's tokens per inner step (and the science) are
@@ -212,6 +217,13 @@ class NodeConfig:
     cpu_busy_window_s: float = 30.0
     """Seconds over which ``pause_when_cpu_busy_percent`` averages the other programs' CPU use."""
     pause_on_battery: bool = False
+    pause_while_programs: tuple[str, ...] = ()
+    """Pause while any of these programs runs (process names, e.g. ``["steam", "vlc"]``; BOINC's "exclusive
+    applications", empty by default)."""
+    pause_while_user_active_s: float = 0.0
+    """Pause while the user has touched keyboard or mouse within this many seconds (BOINC's "suspend when computer is
+    in use" with its 3-minute idle time: set 180; 0 = off, the default). Read where the desktop exposes it
+    (``xprintidle`` on X11); elsewhere the rule is inactive and the log says so once."""
     """Pause while the machine runs on battery (``psutil.sensors_battery``); machines without one never pause."""
     gpu: bool = True
     """Use a GPU if there is one. False: ``device = "auto"`` trains on the CPU, and ``device = "cuda"`` is an
@@ -292,6 +304,11 @@ class NodeConfig:
             raise ConfigError(f"data_port must be a TCP port 0-65535 (0 = any free port), got {self.data_port}")
         if self.threads < 0:
             raise ConfigError(f"threads must be >= 0, got {self.threads}")
+        if not 0 <= self.config_wait_s <= 86400:
+            raise ConfigError(f"config_wait_s must be in [0, 86400], got {self.config_wait_s}", key="config_wait_s")
+        if not self.swarm_progress_interval_s >= 0:
+            raise ConfigError(f"swarm_progress_interval_s must be >= 0, got {self.swarm_progress_interval_s}",
+                              key="swarm_progress_interval_s")
         if self.log_every_steps < 1:
             raise ConfigError(f"log_every_steps must be >= 1, got {self.log_every_steps}")
         if self.micro_batch_size < 0:
@@ -331,6 +348,9 @@ class NodeConfig:
             raise ConfigError("pause_when_cpu_busy_percent must be in [0, 100] (0 = off), got "
                               f"{self.pause_when_cpu_busy_percent}", key="pause_when_cpu_busy_percent",
                               reason=f"must be in [0, 100] (0 = off), got {self.pause_when_cpu_busy_percent}")
+        if not 0 <= self.pause_while_user_active_s <= 86400:
+            raise ConfigError(f"pause_while_user_active_s must be in [0, 86400] (0 = off), got "
+                              f"{self.pause_while_user_active_s}", key="pause_while_user_active_s")
         if not self.cpu_busy_window_s > 0:
             raise ConfigError(f"cpu_busy_window_s must be > 0, got {self.cpu_busy_window_s}")
         if not self.gpu and self.device not in ("auto", "cpu"):
@@ -382,6 +402,11 @@ class NodeConfig:
 
 ENV_PREFIX = "PEERD_"
 
+#: Keys only a run config has at its top level: a node config file holding any of them is a run config passed to the
+#: wrong flag (run configs import torch to load, so the few tell-tale keys are listed here; a test keeps them true).
+RUN_CONFIG_KEYS = frozenset({"model", "seq_len", "batch_size", "dataset", "parallelism", "max_outer_rounds",
+                             "diloco", "averaging", "swarm", "spes"})
+
 
 def load_node_config(
     config_file: Optional[str] = None, environ: Mapping[str, str] = os.environ, overrides: Mapping[str, Any] = {}
@@ -401,6 +426,10 @@ def load_node_config_with_sources(
     sources: dict[str, str] = {f.name: "default" for f in fields(NodeConfig)}
     if config_file:
         data = read_toml(config_file)
+        if "node" not in data and RUN_CONFIG_KEYS & set(data):
+            raise ConfigError(f"{config_file} is a run config (it sets {', '.join(sorted(RUN_CONFIG_KEYS & set(data)))}"
+                              f"): pass it as --run-config {config_file}; --config takes a node config (a [node] "
+                              "table, e.g. node_configs/machines/cpu.toml)")
         if "node" in data:
             stray = sorted(set(data) - {"node"})
             if stray:

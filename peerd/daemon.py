@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from peerd.config import ConfigError, NodeConfig
+from peerd.config import NodeConfig
 from peerd.identity import hold_identity
 from peerd.run_config import RunConfig
 from peerd.membership import (
@@ -47,29 +47,59 @@ CONFIG_TTL_S = 600.0
 CONFIG_REFRESH_S = 60.0
 
 
+#: How often a joiner without ``--run-config`` looks again for the run's config while it waits for the creator to
+#: publish it (the second terminal of a quick start is often started first; node config ``config_wait_s``).
+CONFIG_POLL_S = 2.0
+
+
+async def _config_records(discovery: SignedDiscovery, ref: RunRef, key: str) -> list[RunConfigRecord]:
+    records = []
+    for owner, found in (await discovery.get_signed(key)).items():
+        try:
+            records.append(parse_config_record(ref.name, owner, found.value, found.envelope))
+        except InvalidRecord as e:
+            logger.warning("ignoring an invalid config for run %s signed by %s: %s", ref.name, owner, e,
+                           extra={"event": "config_refused", "creator": owner, "reason": str(e)})
+    return records
+
+
 async def resolve_run_config(transport, run_id: RunRef | str, local: Optional[RunConfig],
-                             pin: Optional[Path] = None) -> RunConfigRecord:
+                             pin: Optional[Path] = None, wait_s: float = 0.0,
+                             stop: Optional[asyncio.Event] = None) -> Optional[RunConfigRecord]:
     """The run's creator-signed config (rules in :mod:`peerd.membership`), checked against ``local`` if given;
     or ``local``, signed by us and published now, if the run has none. ``pin``: where this peer pins (and later
     checks) the config it accepted. ``transport.discovery`` must be a :class:`SignedDiscovery` with our key.
+    Without ``local``, a run with no config yet is looked up again every CONFIG_POLL_S seconds for up to ``wait_s``
+    seconds (one log line says so); None if ``stop`` is set meanwhile.
 
     Raises RunConfigConflict if the published config disagrees with ``local`` (naming the differing keys), is
-    ambiguous or differs from the pinned one, if neither exists, if the run id names another creator than the one
-    who signed the published config (naming both) or names another creator and nothing is published, or if we
-    would publish a config whose allowlist does not list us. Raises RunIdError if ``run_id`` is malformed.
+    ambiguous or differs from the pinned one, if neither exists (after ``wait_s``), if the run id names another
+    creator than the one who signed the published config (naming both) or names another creator and nothing is
+    published, or if we would publish a config whose allowlist does not list us. Raises RunIdError if ``run_id`` is
+    malformed.
     """
     discovery: SignedDiscovery = transport.discovery
     ref = as_run_ref(run_id)  # a malformed run id fails here, before anything is published
     run_id = ref.name
     key = RunNamespace(ref).config_key
     pinned = load_pin(pin, run_id, key_id(key)) if pin is not None else None
-    records = []
-    for owner, found in (await discovery.get_signed(key)).items():
-        try:
-            records.append(parse_config_record(run_id, owner, found.value, found.envelope))
-        except InvalidRecord as e:
-            logger.warning("ignoring an invalid config for run %s signed by %s: %s", run_id, owner, e,
-                           extra={"event": "config_refused", "creator": owner, "reason": str(e)})
+    records = await _config_records(discovery, ref, key)
+    if not records and pinned is None and local is None and wait_s > 0:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        logger.info("run %s has no configuration published yet: waiting up to %.0f s for its creator (the first peer,"
+                    " started with --run-config) to publish it; Ctrl-C stops", run_id, wait_s,
+                    extra={"event": "config_wait", "wait_s": wait_s})
+        stop = stop or asyncio.Event()
+        while not records and loop.time() < deadline:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), min(CONFIG_POLL_S, max(0.0, deadline - loop.time())))
+            if stop.is_set():
+                return None
+            records = await _config_records(discovery, ref, key)
+        if not records:
+            raise RunConfigConflict(f"run {run_id!r} still has no configuration published in the DHT after "
+                                    f"{wait_s:.0f} s (is its first peer online, with --run-config?)")
     accepted = choose(ref, records, pinned)
     if not accepted and pinned is not None:
         logger.info("the DHT lost the configuration of run %s: re-publishing the pinned one (creator %s)", run_id,
@@ -167,11 +197,15 @@ async def join(run_id: RunRef | str, node: NodeConfig, local_run: Optional[RunCo
     from peerd.roles.tokenizer_sync import resolve_tokenizer, serve_tokenizers
     from peerd.tokenizer import TokenizerCache, tokenizer_dir
 
+    from peerd.preflight import check_local_checkpoint, check_node_against_run
     from peerd.service.rules import effective_device
 
     ref = as_run_ref(run_id)
     run_id = ref.name
     node = dataclasses.replace(node, device=effective_device(node.device, node.gpu))
+    if local_run is not None:  # before the DHT: a bad option must not publish a run it cannot join
+        check_node_against_run(node, local_run)
+    check_local_checkpoint(node, run_id)
     stop = asyncio.Event()
     install_stop_handlers(stop)
     hold = hold_identity(node.identity_path_for("worker"))  # before any service: a second daemon stops right here
@@ -183,23 +217,24 @@ async def join(run_id: RunRef | str, node: NodeConfig, local_run: Optional[RunCo
         transport = await unless_stopped(stop, open_transport(node, hold=hold))
         if transport is None:
             return  # stopped while the DHT node was starting
+        services.peer_id = transport.peer_id
         keeper = data_plane = files = dashboard = dialback = reach = None
         try:
             logger.info("listening on %s", " ".join(transport.visible_maddrs()))
             dialback = await serve_dialback(transport)
             try:
-                record = await resolve_run_config(transport, ref, local_run, pin_path(node.checkpoint_path, ref))
+                record = await resolve_run_config(transport, ref, local_run, pin_path(node.checkpoint_path, ref),
+                                                  wait_s=node.config_wait_s if node.initial_peers else 0.0,
+                                                  stop=stop)
             except RunConfigConflict as e:
                 raise explain_config_conflict(e, node, local_run) from None
+            if record is None:
+                return  # stopped while waiting for the run's config
             run = record.run
             if record.creator != transport.peer_id:  # the creator logged its "published" line already
                 logger.info("joining run %s: configuration %s signed by %s (model %s, %s)", run_id, record.fingerprint,
                             record.creator, run.model, parallelism(run))
-            if node.stage is not None and run.stage_error(node.stage):  # a config from the DHT: checked only now
-                raise ConfigError(f"peerd join: {run.stage_error(node.stage)}")
-            if len(node.local_devices) > 1 and parallelism(run) != "diloco":
-                raise ConfigError(f"peerd join: local_devices: run {run_id!r} is a {parallelism(run)} run; several"
-                                  " local devices as one peer are supported for DiLoCo runs only", key="local_devices")
+            check_node_against_run(node, run)  # a config from the DHT: checked only now
             if run.allowlist and transport.peer_id not in run.allowlist:
                 raise RunConfigConflict(f"this peer ({transport.peer_id}) is not on the allowlist of run {run_id!r};"
                                         " ask the run's creator to add it")
@@ -209,6 +244,7 @@ async def join(run_id: RunRef | str, node: NodeConfig, local_run: Optional[RunCo
             data_plane = await start_data_plane(node, transport)
             role_transport = admit_only(services.pace(data_plane or transport), run.allowlist)
             ctx = RunContext.build(ref, run, node, role_transport, stop, services.gate, services.events)
+            services.device_in_use = str(ctx.device)
             if os.environ.get("PEERD_FAULTS"):  # the test harness makes this peer misbehave on schedule
                 from peerd.testing.faults import instrument_from_env
 
@@ -313,7 +349,7 @@ async def start_dashboard(node: NodeConfig, ref: RunRef, discovery, services: Vo
 async def bootstrap(node: NodeConfig, on_ready=print) -> None:
     """Run a DHT-only node until stopped; ``on_ready`` receives each visible multiaddr."""
     stop = asyncio.Event()
-    install_stop_handlers(stop)
+    install_stop_handlers(stop, "leaving the DHT")  # a bootstrap node has no training state to checkpoint
     hold = hold_identity(node.identity_path_for("bootstrap"))
     async with VolunteerServices(node, "bootstrap", stop) as services:
         transport = await unless_stopped(stop, open_transport(node, role="bootstrap", hold=hold))

@@ -49,6 +49,12 @@ def _fmt_eval(nats: Optional[float], unit: str = "byte", bytes_per_token: Option
 _LN2 = 0.6931471805599453
 
 
+def _when(outer_round: int) -> str:
+    """Where a peer stands, in the one numbering of rounds every message uses: round N (from 1) is the outer round
+    that makes theta_outer version N, so a peer at version r has r rounds done and trains round r + 1."""
+    return f"after round {outer_round}" if outer_round else "before round 1"
+
+
 @dataclass(frozen=True)
 class InnerProgress(Event):
     """A window of inner steps (every ``log_every_steps`` and at the end of a round's quota)."""
@@ -81,7 +87,7 @@ class Evaluated(Event):
     """BPE runs: bytes of text per token over the evaluated targets, so bits/byte = nats / this / ln 2."""
 
     def message(self) -> str:
-        return (f"outer round {self.outer_round}: eval "
+        return (f"eval {_when(self.outer_round)}: "
                 f"{_fmt_eval(self.eval_nats_per_byte, self.eval_unit, self.eval_bytes_per_token)}")
 
 
@@ -141,12 +147,19 @@ class SwarmProgress(Event):
     ``retried`` counts calls re-sent to a replica after a failure. ``loss``: the last micro-batch's (nats/token)."""
 
     name: ClassVar[str] = "swarm_progress"
+    message_only: ClassVar[tuple[str, ...]] = ("quiet",)
     micro_batches: int
     loss: Optional[float]
     sent: int
     completed: int
     retried: int
     dropped: int
+    quiet: bool = field(default=False, compare=False)
+    """Logged at debug level (the node's ``swarm_progress_interval_s`` has not passed since the last info line)."""
+
+    @property
+    def level(self) -> int:  # type: ignore[override]
+        return logging.DEBUG if self.quiet else logging.INFO
 
     def message(self) -> str:
         loss = "-" if self.loss is None else f"{self.loss:.4f}"
@@ -198,7 +211,7 @@ class Paused(Event):
     local_steps: int = field(default=0, compare=False)
 
     def message(self) -> str:
-        return (f"paused ({'; '.join(self.reasons.values()) or 'running'}) at outer round {self.outer_round}, "
+        return (f"paused ({'; '.join(self.reasons.values()) or 'running'}) {_when(self.outer_round)}, "
                 f"{self.local_steps} local steps")
 
 
@@ -208,7 +221,7 @@ class Resumed(Event):
     outer_round: int
 
     def message(self) -> str:
-        return f"resumed at outer round {self.outer_round}"
+        return f"resumed {_when(self.outer_round)}"
 
 
 @dataclass(frozen=True)
@@ -226,7 +239,7 @@ class StateDownloaded(Event):
 
     def message(self) -> str:
         dropped = f"; dropped {self.dropped_steps} unsynchronized local steps" if self.dropped_steps else ""
-        return (f"downloaded outer round {self.outer_round} state ({self.megabytes:.1f} MB) from {self.peer} in "
+        return (f"downloaded the run's state {_when(self.outer_round)} ({self.megabytes:.1f} MB) from {self.peer} in "
                 f"{self.seconds:.2f} s{dropped}")
 
 
@@ -242,7 +255,7 @@ class CheckpointResumed(Event):
     local_steps: int = field(default=0, compare=False)
 
     def message(self) -> str:
-        return (f"resumed from {self.path}: outer round {self.outer_round}, {self.local_steps} local steps since "
+        return (f"resumed from {self.path}: {_when(self.outer_round)}, {self.local_steps} local steps since "
                 "the last sync")
 
 
@@ -257,7 +270,7 @@ class ExpertsClaimed(Event):
     previous: tuple[int, ...] = ()
 
     def message(self) -> str:
-        return f"training experts {list(self.experts)} (was {list(self.previous)}) from outer round {self.outer_round}"
+        return f"training experts {list(self.experts)} (was {list(self.previous)}) from round {self.outer_round + 1}"
 
 
 @dataclass(frozen=True)
@@ -286,7 +299,7 @@ class Left(Event):
 
     def message(self) -> str:
         return (f"leaving run {self.run_id} after {self.outer_round} outer rounds ({self.rounds_failed} failed); "
-                f"sent {self.bytes_sent / 1e6:.1f} MB, received {self.bytes_received / 1e6:.1f} MB")
+                f"averaging sent {self.bytes_sent / 1e6:.1f} MB, received {self.bytes_received / 1e6:.1f} MB")
 
 
 @dataclass(frozen=True)
@@ -304,7 +317,9 @@ class Bandwidth(Event):
             parts.append(f"{direction} {side['bytes'] / 1e6:.1f} MB"
                          + (f" at {rate / 1e6:.2f} MB/s" if rate else "")
                          + (f" (cap {limit / 1e6:g} MB/s)" if limit else ""))
-        return "bandwidth: " + ", ".join(parts)
+        # every byte of the role's streams (frames, matchmaking, state served to joiners): more than the averaged
+        # tensors that the leave line counts
+        return "bandwidth (all streams): " + ", ".join(parts)
 
 
 @dataclass(frozen=True)

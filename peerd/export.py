@@ -167,19 +167,27 @@ def llama_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
 
 
 def export_llama(model: Transformer, out_dir: str | os.PathLike, tokenizer=None) -> list[Path]:
-    """Write ``model.safetensors`` and ``config.json`` into ``out_dir`` (created); returns the paths written.
-    ``transformers.AutoModelForCausalLM.from_pretrained(out_dir)`` then gives the same logits as ``model``. With a
-    BPE ``tokenizer`` (:class:`peerd.tokenizer.BpeTokenizer`) its file is written too, as ``tokenizer.json``
-    (``transformers.PreTrainedTokenizerFast(tokenizer_file=...)`` loads it)."""
+    """Write ``model.safetensors``, ``config.json``, ``tokenizer.json`` and ``tokenizer_config.json`` into
+    ``out_dir`` (created); returns the paths written. ``transformers.AutoModelForCausalLM.from_pretrained(out_dir)``
+    then gives the same logits as ``model``, and ``AutoTokenizer.from_pretrained(out_dir)`` the run's token ids: the
+    file of a BPE ``tokenizer`` (:class:`peerd.tokenizer.BpeTokenizer`), or for a byte-level run (``tokenizer``
+    None or :class:`peerd.data.ByteTokenizer`) a tokenizer whose ids are the UTF-8 bytes."""
     from safetensors.torch import save_file
+
+    from peerd.tokenizer import byte_level_tokenizer_json
 
     out = Path(out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     weights, config = out / "model.safetensors", out / "config.json"
     save_file(llama_state_dict(model), str(weights), metadata={"format": "pt"})
     config.write_text(json.dumps(llama_config(model), indent=2, sort_keys=True) + "\n")
+    tokenizer_file, tokenizer_config = out / "tokenizer.json", out / "tokenizer_config.json"
     if getattr(tokenizer, "data", None) is None:
-        return [weights, config]
-    tokenizer_file = out / "tokenizer.json"
-    tokenizer.save(tokenizer_file)
-    return [weights, config, tokenizer_file]
+        tokenizer_file.write_text(byte_level_tokenizer_json())
+    else:
+        tokenizer.save(tokenizer_file)
+    # without it AutoTokenizer guesses a tokenizer class from config.json's llama and asks for sentencepiece
+    tokenizer_config.write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                            "model_max_length": model.config.seq_len,
+                                            "clean_up_tokenization_spaces": False}, indent=2, sort_keys=True) + "\n")
+    return [weights, config, tokenizer_file, tokenizer_config]

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from peerd.data import ByteTokenizer
+from peerd.data import DOC_SEPARATOR, ByteTokenizer
 
 
 @torch.no_grad()
@@ -69,7 +69,10 @@ def next_token(logits: torch.Tensor, temperature: float, top_k: int,
 def generate_text(model: nn.Module, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,
                   top_k: int = 50, seed: int = 0, tokenizer=ByteTokenizer) -> str:
     """``prompt`` followed by ``max_new_tokens`` sampled tokens of ``tokenizer`` (default bytes), decoded as UTF-8
-    (invalid bytes become U+FFFD). Same arguments and model -> same text. Raises ``ValueError`` as :func:`sample`."""
+    (invalid bytes become U+FFFD). An empty prompt samples the start of a document: the model is given the
+    separator its training documents were joined with, which is left out of the text. Same arguments and model ->
+    same text. Raises ``ValueError`` as :func:`sample`."""
     generator = torch.Generator().manual_seed(seed)
-    ids = sample(model, tokenizer.encode(prompt).long(), max_new_tokens, temperature, top_k, generator)
-    return tokenizer.decode(ids)
+    context = tokenizer.encode(prompt or DOC_SEPARATOR).long()
+    ids = sample(model, context, max_new_tokens, temperature, top_k, generator)
+    return tokenizer.decode(ids if prompt else ids[context.numel():])

@@ -120,16 +120,15 @@ class Interrupted(BaseException):
         self.signum = signum
 
 
-def install_stop_handlers(stop: asyncio.Event) -> None:
-    """SIGINT/SIGTERM set ``stop`` (the daemon finishes up: checkpoint, then leave); a second one exits at once
-    (:func:`exit_now`)."""
+def install_stop_handlers(stop: asyncio.Event, leaving: str = "finishing up (checkpoint, then leave)") -> None:
+    """SIGINT/SIGTERM set ``stop`` and log ``leaving`` (what this daemon does now: a worker checkpoints, then leaves);
+    a second one exits at once (:func:`exit_now`)."""
     loop = asyncio.get_running_loop()
 
     def on_signal(signum: int) -> None:
         if stop.is_set():
             exit_now(signum)
-        logger.info("received %s: finishing up (checkpoint, then leave; the same signal again exits at once)",
-                    signal.Signals(signum).name)
+        logger.info("received %s: %s; the same signal again exits at once", signal.Signals(signum).name, leaving)
         stop.set()
 
     for signum in STOP_SIGNALS:

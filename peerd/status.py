@@ -38,8 +38,12 @@ STATUS_FIELDS = ("role", "outer_round", "inner_step", "loss", "tokens_per_s", "e
 #: checked yet or nobody answered); ``relayed`` = whether the peer holds a circuit relay reservation (others reach it
 #: through a relay; a boolean, None = not checked); ``round_retries`` = a DiLoCo all-reduce worker's failed tries of
 #: its current round per fragment (``{fragment name: [outer round, tries]}``, at most 256 entries; the next try's
-#: group key counts them, :func:`peerd.roles.outer_sync.group_key`).
-OPTIONAL_STATUS_FIELDS = ("instance", "stage", "history", "fragment_rounds", "reachable", "relayed", "round_retries")
+#: group key counts them, :func:`peerd.roles.outer_sync.group_key`); ``experts`` = the experts a SPES peer holds and
+#: trains (a list of at most 4096 non-negative integers, possibly empty); ``tokens_trained`` and ``rounds_contributed``
+#: = this peer's contribution to the run so far (tokens it trained, outer rounds its update went into; non-negative
+#: integers, kept across restarts in its checkpoint; :func:`contribution` ranks them).
+OPTIONAL_STATUS_FIELDS = ("instance", "stage", "history", "fragment_rounds", "reachable", "relayed", "round_retries",
+                          "experts", "tokens_trained", "rounds_contributed")
 KNOWN_STATUS_FIELDS = STATUS_FIELDS + OPTIONAL_STATUS_FIELDS
 
 _MAX_ROUND = 2**40
@@ -93,6 +97,11 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
         _short_str(64, nullable=False)(k) and isinstance(x, (list, tuple)) and len(x) == 2
         and all(_count(c) and c is not None for c in x) for k, x in v.items())),
         "a map of 1-256 fragment names to [outer round, tries]"),
+    "experts": (lambda v: v is None or (isinstance(v, (list, tuple)) and len(v) <= 4096
+                                        and all(_count(x) and x is not None for x in v)),
+                "a list of at most 4096 non-negative integers"),
+    "tokens_trained": (_count, "a non-negative integer"),
+    "rounds_contributed": (_count, "a non-negative integer"),
     "time": (_finite(nullable=False), "a finite number"),
     "v": (lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < _MAX_VERSION,
           "a non-negative integer"),
@@ -150,3 +159,17 @@ class StatusFilter:
                 self.log.warning("dropped the status record of %s: %s", peer, problem,
                                  extra={"event": "status_refused", "peer": peer, "reason": problem})
         return out
+
+
+def contribution(records: dict[str, dict]) -> list[dict[str, Any]]:
+    """What each peer contributed to the run, ranked: ``[{rank, peer, tokens, rounds, share}, ...]`` by tokens
+    trained, then rounds (then PeerID), from the ``tokens_trained`` / ``rounds_contributed`` of their signed status
+    records (a peer that left counts while its last record lives); ``share`` = its fraction of all tokens listed.
+    Records without the fields (other roles, older versions) are left out."""
+    rows = [{"peer": peer, "tokens": r["tokens_trained"], "rounds": r.get("rounds_contributed") or 0}
+            for peer, r in records.items() if isinstance(r.get("tokens_trained"), int)]
+    rows.sort(key=lambda row: (-row["tokens"], -row["rounds"], row["peer"]))
+    total = sum(row["tokens"] for row in rows)
+    for rank, row in enumerate(rows, 1):
+        row["rank"], row["share"] = rank, row["tokens"] / total if total else 0.0
+    return rows

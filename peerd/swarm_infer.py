@@ -109,21 +109,21 @@ async def generate_swarm(trainer: PipelineTrainer, prompt: str, max_new_tokens: 
     """``prompt`` followed by ``max_new_tokens`` tokens of ``tokenizer`` (default bytes; a BPE run's
     :class:`peerd.tokenizer.BpeTokenizer`) sampled through the reachable stages (as
     :func:`peerd.generate.generate_text`, one ``infer`` per token, context cropped to ``seq_len``), and the stages
-    skipped. Raises NoPath as :func:`evaluate_swarm`, ValueError for an empty prompt."""
-    from peerd.data import ByteTokenizer
+    skipped. An empty prompt samples the start of a document (as :func:`peerd.generate.generate_text`). Raises
+    NoPath as :func:`evaluate_swarm`."""
+    from peerd.data import DOC_SEPARATOR, ByteTokenizer
     from peerd.generate import next_token
 
     tokenizer = tokenizer if tokenizer is not None else ByteTokenizer
-    ids = tokenizer.encode(prompt).long()
-    if ids.numel() == 0:
-        raise ValueError("the prompt must not be empty")
+    ids = tokenizer.encode(prompt or DOC_SEPARATOR).long()
+    start = 0 if prompt else ids.numel()
     generator = torch.Generator().manual_seed(seed)
     path: tuple[int, ...] = reachable_path(trainer)
     for _ in range(max_new_tokens):
         context = ids[-seq_len:] if seq_len else ids
         logits, path = await _through_reachable(trainer, context[None], None)  # (1, V)
         ids = torch.cat((ids, next_token(logits[0], temperature, top_k, generator).view(1)))
-    return tokenizer.decode(ids), tuple(k for k in range(trainer.num_stages) if k not in path)
+    return tokenizer.decode(ids[start:]), tuple(k for k in range(trainer.num_stages) if k not in path)
 
 
 @contextlib.asynccontextmanager

@@ -18,6 +18,18 @@ _LEVELS = {logging.DEBUG: "DEBUG", logging.INFO: "INFO", logging.WARNING: "WARNI
 _STANDARD_ATTRS = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}
 
 
+class TextFormatter(logging.Formatter):
+    """``HH:MM:SS LEVEL logger: message``, one line per record: a message with line breaks (go-libp2p's dial errors
+    list one failed address per line) is joined with ``; `` so that every line of the log has its time and level.
+    A traceback (``exc_info``) keeps its lines. Levels have their standard names (hivemind renames WARNING)."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.levelname = _LEVELS.get(record.levelno, record.levelname)
+        if "\n" in record.message:
+            record.message = "; ".join(part.strip(" *\t") for part in record.message.splitlines() if part.strip())
+        return super().formatMessage(record)
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object per record: time, level, logger, message, plus every ``extra`` field."""
 
@@ -43,7 +55,7 @@ def setup_logging(log_format: str = "text", level: str | None = None) -> None:
     if log_format == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+        handler.setFormatter(TextFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)

@@ -141,6 +141,29 @@ def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> 
     return BpeTokenizer(tok.to_str().encode("utf-8"))
 
 
+def byte_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map of the 256 bytes to printable characters (Radford et al. 2019, the ``encoder.py`` of
+    their release): printable Latin-1 bytes map to themselves, the others to code points from 256 up, in order.
+    ``tokenizers``' ByteLevel pre-tokenizer and decoder use the same map."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+            *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    extra = iter(range(256, 512))
+    return {b: chr(b) if b in keep else chr(next(extra)) for b in range(256)}
+
+
+def byte_level_tokenizer_json() -> str:
+    """A ``tokenizers`` file whose ids are the UTF-8 bytes 0-255 of the text, as a byte-level run trains on
+    (:class:`peerd.data.ByteTokenizer`): a byte-level BPE with no merges, so ``transformers`` loads a byte-level
+    export like a BPE one (``AutoTokenizer.from_pretrained``)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {char: byte for byte, char in byte_to_unicode().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok.to_str()
+
+
 def tokenizer_dir(node) -> Path:
     """A node's tokenizer cache (and tokenized-corpus cache): ``<checkpoint_dir>/tokenizers``."""
     return Path(node.checkpoint_path) / "tokenizers"

@@ -119,8 +119,9 @@ class Assignment:
 
 
 def round_key(outer_round: int) -> str:
-    """The round-wide rendezvous key of ``outer_round``; every group key of the round starts with it plus ``.``."""
-    return f"moshpit.r{outer_round}"
+    """The round-wide rendezvous key of ``outer_round`` (0-based); every group key of the round starts with it plus
+    ``.``. The key numbers rounds from 1, as peers' logs do (``moshpit.r1`` is the first round)."""
+    return f"moshpit.r{outer_round + 1}"
 
 
 def group_key(outer_round: int, grid: Grid, cell: Sequence[int]) -> str:

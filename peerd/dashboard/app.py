@@ -201,6 +201,14 @@ class Dashboard:
 
     async def _command(self, request: web.Request) -> web.Response:
         cmd = request.match_info["cmd"]
+        if cmd == "snooze":  # body {"for": "1h" | "4h" | "tomorrow" | "off"}
+            try:
+                body = await request.json()
+            except ValueError:
+                body = None
+            if not isinstance(body, dict):
+                return web.json_response({"ok": False, "error": 'expected {"for": "1h"}'}, status=400)
+            return await self._send({"cmd": "snooze", "for": body.get("for")})
         if cmd not in ("pause", "resume", "pause_after_round"):
             return web.json_response({"ok": False, "error": f"unknown action {cmd!r}"}, status=404)
         return await self._send({"cmd": cmd})

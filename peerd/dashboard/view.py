@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from peerd.status import contribution
+
 #: Status roles that are no training peer (yet, or any more).
 IDLE_ROLES = ("left", "paused", "starting", "syncing")
 
@@ -100,6 +102,7 @@ def run_view(run_id: str, peers: dict[str, dict], config: Optional[dict], now: f
         "groups": {"diloco": sorted(r["peer"] for r in rows if r.get("role") == "diloco")},
         "stages": stage_map(rows, (run_cfg.get("swarm") or {}).get("stages")),
         "experts": expert_map(rows),
+        "contribution": contribution(peers),
     }
 
 

@@ -50,12 +50,13 @@ MAX_RETRIES = 10_000
 
 
 def group_key(outer_round: int, retry: int = 0, attempt: int = 1) -> str:
-    """The matchmaking key of try ``retry`` (0: the first) of ``outer_round``, ``attempt`` of its all-reduce.
+    """The matchmaking key of try ``retry`` (0: the first) of the round after version ``outer_round``, ``attempt`` of
+    its all-reduce: ``round<N>`` with N = ``outer_round`` + 1, the number the logs give that round.
 
     A failed round is tried again under a fresh key: the peers' discovery records and the sealed groups their
     matchmakers remember for the old key outlive the failure, and a peer that tried the old key again while the
     former leader had not come back was answered "already sealed" (or handed the failed group) and failed again."""
-    key = f"round{outer_round}" if retry == 0 else f"round{outer_round}.retry{retry}"
+    key = f"round{outer_round + 1}" if retry == 0 else f"round{outer_round + 1}.retry{retry}"
     return key if attempt == 1 else f"{key}.attempt{attempt}"
 
 

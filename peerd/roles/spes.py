@@ -390,6 +390,7 @@ class SpesRole(WorkerCore):
             "outer_round": self.outer_round, "global_step": self.global_step,
             "steps_since_sync": self.steps_since_sync, "samples_since_sync": self.samples_since_sync,
             "experts": sorted(self.own), "sampler": self.sampler.state_dict(), "tokens": self.stats.tokens,
+            "rounds_ok": self.stats.rounds_ok,
         }
         self.ctx.checkpoints.save(Checkpoint(tensors, metadata))
 
@@ -418,8 +419,12 @@ class SpesRole(WorkerCore):
             self.steps_since_sync = int(meta["steps_since_sync"])
             self.samples_since_sync = int(meta["samples_since_sync"])
             self.stats.tokens = int(meta.get("tokens", 0))
+            self.stats.rounds_ok = int(meta.get("rounds_ok", 0))
         except (KeyError, ValueError, TypeError, RuntimeError) as e:
             raise CheckpointError(f"checkpoint {path} is incomplete or mismatched: {e}") from None
         if self.steps_since_sync == 0:  # the synced model of outer_round: serve it to joiners
             self.snapshot_model()
         self.ctx.events.publish(CheckpointResumed(self.outer_round, self.digest(), str(path), self.steps_since_sync))
+
+    def status_fields(self) -> dict:
+        return dict(super().status_fields(), experts=sorted(self.own))

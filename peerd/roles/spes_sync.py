@@ -244,7 +244,7 @@ class SparseSync:
         """
         started = time.perf_counter()
         report = SparseSyncReport()
-        key = f"round{outer_round}"
+        key = f"round{outer_round + 1}"  # round N makes version N: the number the logs give it
         me = self.transport.streams.peer_id
         # nothing to serve while averaging: a refresher polling early gets a cheap refusal, not last round's copy
         self._served = None

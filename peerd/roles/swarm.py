@@ -124,6 +124,7 @@ class SwarmRole:
         self.losses: list[float] = []
         self.paths: list[tuple[int, ...]] = []  # SkipPipe: the path of every micro-batch sent
         self.moves: list[tuple[int, int]] = []
+        self._missing_logged: tuple[int, ...] = ()  # the stages without a server the last wait line named
         self._seq = 0
         self._rng = random.Random(ctx.peer_id)
         if ctx.node.threads:
@@ -359,8 +360,17 @@ class SwarmRole:
         # this peer's own stage is in the wiring too: the trainer calls it in-process (PipelineTrainer.local_stage)
         self.wiring.set_servers(by_stage)
         if self.ctx.run.swarm.skip_ratio > 0:
-            return bool(by_stage[0]) and bool(by_stage[self.ctx.run.swarm.stages - 1])
-        return all(by_stage.values())
+            needed = (0, self.ctx.run.swarm.stages - 1)
+        else:
+            needed = tuple(by_stage)
+        missing = tuple(k for k in needed if not by_stage[k])
+        others = tuple(k for k in missing if k != self.stage)  # our own announcement is a moment away
+        if others and others != self._missing_logged:  # once per wait, not once per look
+            logger.info("waiting for a server of stage %s (none announced yet): training starts when every stage "
+                        "has one", ", ".join(map(str, others)), extra={"event": "swarm_waiting",
+                                                                       "stages": list(others)})
+        self._missing_logged = others
+        return not missing
 
     async def _train(self) -> None:
         run, node = self.ctx.run, self.ctx.node
@@ -372,7 +382,7 @@ class SwarmRole:
                                   rng=random.Random(f"{self.ctx.peer_id}/spot-check"))
         planner = (SkipPlanner(run.swarm.stages, run.swarm.skip_ratio, seed=self.ctx.peer_id)
                    if run.swarm.skip_ratio > 0 else None)
-        refreshed = float("-inf")
+        refreshed = logged = float("-inf")
         while not self.ctx.stop.is_set() and (not self.max_steps or len(self.losses) < self.max_steps):
             if time.monotonic() - refreshed >= REFRESH_S:
                 if not await self._refresh():
@@ -404,8 +414,12 @@ class SwarmRole:
                     await asyncio.wait_for(self.ctx.stop.wait(), REFRESH_S)
             stats = self.wiring.stats
             if node.log_every_steps and stats.sent % node.log_every_steps == 0:
+                # a line at info level at most every swarm_progress_interval_s; the ones between at debug level
+                now = time.monotonic()
+                quiet = now - logged < getattr(node, "swarm_progress_interval_s", 30.0)
+                logged = logged if quiet else now
                 self.ctx.events.publish(SwarmProgress(len(self.losses), loss, stats.sent, stats.completed,
-                                                      stats.retried, stats.dropped))
+                                                      stats.retried, stats.dropped, quiet=quiet))
 
     async def _wait_running(self) -> None:
         """Return once the pause is lifted or a stop is requested (the server keeps serving meanwhile)."""
@@ -444,3 +458,10 @@ class SwarmRole:
             await self.outer_sync.stop()
             with contextlib.suppress(Exception):
                 await ctx.status.publish(role="left")
+            stats = self.wiring.stats
+            logger.info("leaving run %s: served stage %d%s", ctx.run_id, self.stage,
+                        f"; trained {len(self.losses)} micro-batches (sent {stats.sent}, completed {stats.completed}, "
+                        f"retried {stats.retried}, dropped {stats.dropped})" if stats.sent else "",
+                        extra={"event": "swarm_leave", "stage": self.stage, "micro_batches": len(self.losses),
+                               "sent": stats.sent, "completed": stats.completed, "retried": stats.retried,
+                               "dropped": stats.dropped})

@@ -91,6 +91,8 @@ UNIT_TEMPLATE = """\
 Description=peerd volunteer compute (decentralized training peer)
 Wants=network-online.target
 After=network-online.target
+# never give up restarting: RestartSteps below spaces the tries out instead
+StartLimitIntervalSec=0
 
 [Service]
 Type=notify
@@ -107,7 +109,13 @@ Environment=PEERD_IDENTITY=/var/lib/peerd/identity.key
 Environment=PEERD_CHECKPOINT_DIR=/var/lib/peerd/checkpoints
 Environment=PYTHONUNBUFFERED=1
 Restart=on-failure
+# back-off: 15 s after the first failure, growing to 30 min over 8 restarts (systemd >= 254; older ones ignore the
+# two keys with a warning and retry every 15 s); a run that trains again resets it
 RestartSec=15
+RestartSteps=8
+RestartMaxDelaySec=30min
+# exit 2 is a usage or configuration error: restarting cannot fix it (journalctl -u peerd says which)
+RestartPreventExitStatus=2
 # the daemon sends WATCHDOG=1 every WatchdogSec/2; a hung event loop is restarted
 WatchdogSec={watchdog_s}
 TimeoutStartSec=300

@@ -68,6 +68,8 @@ class VolunteerServices:
         self.metrics = None
         self.metrics_port: Optional[int] = None
         self.peers_seen: Optional[int] = None
+        self.peer_id: Optional[str] = None  # this daemon's PeerID, once its transport is up
+        self.device_in_use: Optional[str] = None  # where the role trains (node.device may say "auto")
         self.control_path: Optional[str] = None
         self._kind = "bootstrap" if role == "bootstrap" else "worker"  # which default control socket it serves
         self._control = ControlServer(node.control_socket_path_for(self._kind), self._handle)
@@ -187,9 +189,10 @@ class VolunteerServices:
         node = self.node
         return {
             "pid": os.getpid(), "role": self.role, "run_id": self.state.run_id, "paused": self.gate.paused,
+            "peer_id": self.peer_id, "device_in_use": self.device_in_use,
             "pause_reasons": self.gate.reasons, "state": self.state.to_dict(), "peers_seen": self.peers_seen,
             "bandwidth": self.streams.report() if self.streams else None, "metrics_port": self.metrics_port,
-            "pause_after_round": self.pause_after_round,
+            "pause_after_round": self.pause_after_round, "snoozed_until": self.rules.snoozed_until,
             "rules": {**dataclasses.asdict(self.rules.rules), "gpu": node.gpu},
             "machine": {"others_cpu_percent": self.rules.others_cpu_percent, "on_battery": self.rules.on_battery},
             "limits": {"device": node.device, "threads": node.threads, "gpu_memory_fraction": node.gpu_memory_fraction,
@@ -214,7 +217,7 @@ class VolunteerServices:
                 return {"ok": False, "error": f"max_age_s must be a positive number, got {max_age!r}"}
             healthy, message = assess_health(self.state, self.gate.reasons, time.time(), float(max_age))
             return {"ok": True, "healthy": healthy, "message": message, "pid": os.getpid()}
-        if cmd in ("pause", "resume", "pause_after_round", "set_rules") and self.role == "bootstrap":
+        if cmd in ("pause", "resume", "pause_after_round", "set_rules", "snooze") and self.role == "bootstrap":
             return {"ok": False, "error": "a bootstrap node does not train: nothing to pause, resume or rule"}
         if cmd == "set_rules":
             changes = request.get("rules")
@@ -228,6 +231,18 @@ class VolunteerServices:
                         self.rules.rules, extra={"event": "rules_set", **dataclasses.asdict(self.rules.rules)})
             return {"ok": True, "rules": dataclasses.asdict(self.rules.rules), "paused": self.gate.paused,
                     "pause_reasons": self.gate.reasons}
+        if cmd == "snooze":
+            from peerd.service.rules import snooze_deadline
+
+            try:
+                until = snooze_deadline(str(request.get("for", "")), time.time())
+            except ValueError as e:
+                return {"ok": False, "error": str(e)}
+            changed = self.rules.snooze(until)
+            logger.info("snoozed until %s" % time.strftime("%a %H:%M", time.localtime(until)) if until
+                        else "snooze lifted", extra={"event": "control_snooze", "until": until})
+            return {"ok": True, "changed": changed, "paused": self.gate.paused, "pause_reasons": self.gate.reasons,
+                    "snoozed_until": self.rules.snoozed_until, "pid": os.getpid()}
         if cmd == "pause_after_round":
             if self.gate.paused:
                 return {"ok": True, "changed": False, "paused": True, "pause_reasons": self.gate.reasons,
@@ -246,7 +261,7 @@ class VolunteerServices:
             return {"ok": True, "changed": changed, "paused": self.gate.paused, "pause_reasons": self.gate.reasons,
                     "pid": os.getpid()}
         return {"ok": False, "error": f"unknown command {cmd!r} (status, pause, resume, pause_after_round, "
-                                      "set_rules, health)"}
+                                      "snooze, set_rules, health)"}
 
     async def handle(self, request: dict[str, Any]) -> dict[str, Any]:
         """Answer one control request as the control socket does (the in-process dashboard calls this)."""
@@ -262,4 +277,4 @@ class VolunteerServices:
         elif isinstance(event, Paused):
             self.notifier.status(f"paused: {self.gate.describe()}")
         elif isinstance(event, (Resumed, Evaluated)) and self.state.worker_state == "training":
-            self.notifier.status(f"training run {self.state.run_id}, outer round {self.state.outer_round}")
+            self.notifier.status(f"training run {self.state.run_id}, {self.state.outer_round} rounds done")

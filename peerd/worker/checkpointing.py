@@ -38,7 +38,7 @@ class OuterCheckpoint:
             "run_id": self.ctx.run_id, "run_fingerprint": self.run_cfg.fingerprint(),
             "outer_round": self.outer.outer_round, "steps_since_sync": self.steps_since_sync,
             "samples_since_sync": self.samples_since_sync, "round_quota": self.round_quota,
-            "sampler": self.sampler.state_dict(), "tokens": self.stats.tokens,
+            "sampler": self.sampler.state_dict(), "tokens": self.stats.tokens, "rounds_ok": self.stats.rounds_ok,
             "model": self.run_cfg.model, "seq_len": self.run_cfg.seq_len,  # what `peerd export` rebuilds
             "tokenizer": self.run_cfg.tokenizer,
         }
@@ -88,6 +88,7 @@ class OuterCheckpoint:
         self.samples_since_sync = int(meta["samples_since_sync"])
         self.round_quota = int(meta["round_quota"])
         self.stats.tokens = int(meta.get("tokens", 0))
+        self.stats.rounds_ok = int(meta.get("rounds_ok", 0))  # the contribution counts on across restarts
         self.ctx.events.publish(CheckpointResumed(self.outer.outer_round, self.digest(), str(path),
                                                   self.steps_since_sync))
 

@@ -203,7 +203,8 @@ class WorkerCore:
         """This worker's status record (:class:`peerd.roles.status_board.StatusBoard` adds time and version)."""
         return dict(role=self.status_role(), outer_round=self.outer_round, inner_step=self.steps_since_sync,
                     loss=self.stats.last_loss, tokens_per_s=self.stats.tokens_per_s,
-                    eval_nats_per_byte=self.stats.last_eval, digest=self.digest()[:16])
+                    eval_nats_per_byte=self.stats.last_eval, digest=self.digest()[:16],
+                    tokens_trained=self.stats.tokens, rounds_contributed=self.stats.rounds_ok)
 
     async def publish_status(self, role: Optional[str] = None) -> None:
         """Publish this worker's status record now (``role``: instead of its own, e.g. "left")."""

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -41,6 +42,11 @@ def test_help_exits_zero_and_describes_the_command(command):
          "--stage 0"),
         (["join", "--run-id", "x", "--precision", "fp8"], "--precision"),
         (["join", "--run-id", "x", "--micro-batch-size", "-1"], "micro_batch_size"),
+        # checked against the run config before the DHT: no run is published, no log line comes first
+        (["join", "--run-id", "x", "--run-config", "node_configs/runs/tiny-test.toml", "--micro-batch-size", "3"],
+         "must divide the run's batch_size (8): use one of 1, 2, 4, 8"),
+        (["join", "--run-id", "x", "--config", "node_configs/runs/tiny-test.toml"],
+         "pass it as --run-config node_configs/runs/tiny-test.toml"),
         (["frobnicate"], "frobnicate"),
     ],
 )
@@ -49,6 +55,8 @@ def test_usage_errors_exit_2_with_one_clear_line(args, needle):
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], result.stderr
+    # one format for every usage error: `peerd COMMAND: what is wrong` (runtime errors are log lines)
+    assert re.match(r"peerd( [a-z-]+)?: ", lines[0]) and "error:" not in lines[0], lines[0]
 
 
 @pytest.mark.timeout(60)
@@ -111,10 +119,13 @@ def test_status_conflicting_config_and_missing_config(tmp_path, capsys):
         assert refused.returncode == 1
         assert "disagrees" in refused.stderr and "model" in refused.stderr
 
-        missing = _peerd("join", "--run-id", "no-such-run", "--config", str(LOCAL), "--initial-peers", maddr,
-                         "--identity", str(tmp_path / "y.key"), "--checkpoint-dir", str(tmp_path / "y"))
+        missing = subprocess.run(peerd_cmd("join", "--run-id", "no-such-run", "--config", str(LOCAL), "--initial-peers",
+                                           maddr, "--identity", str(tmp_path / "y.key"), "--checkpoint-dir",
+                                           str(tmp_path / "y")), capture_output=True, text=True, timeout=90,
+                                 env={**os.environ, "PEERD_CONFIG_WAIT_S": "3"})
         assert missing.returncode == 1
-        assert "no configuration published" in missing.stderr and "--run-config" in missing.stderr
+        assert "no configuration published yet: waiting up to 3 s" in missing.stderr, missing.stderr
+        assert "still has no configuration published in the DHT after 3 s" in missing.stderr, missing.stderr
 
         peer.proc.send_signal(signal.SIGINT)
         assert swarm.wait_exit(peer, 60) == 0
@@ -124,15 +135,20 @@ def test_status_conflicting_config_and_missing_config(tmp_path, capsys):
 
 
 def test_bootstrap_keeps_its_peer_id_across_restarts(tmp_path):
-    ids = []
+    ids, codes = [], []
     for _ in range(2):
         swarm = Swarm(tmp_path)
         try:
             ids.append(swarm.start_bootstrap().rsplit("/p2p/", 1)[1])
+            swarm._bootstrap.send_signal(signal.SIGTERM)
+            codes.append(swarm._bootstrap.wait(60))
         finally:
             swarm.close()
     assert ids[0] == ids[1] and ids[0].startswith("12D3KooW")
     assert oct((tmp_path / "bootstrap.key").stat().st_mode & 0o777) == "0o600"
+    # stopped by SIGTERM: it says what it does, and a bootstrap node has nothing to checkpoint
+    log = (tmp_path / "bootstrap.err").read_text()
+    assert codes == [0, 0] and "received SIGTERM: leaving the DHT" in log and "checkpoint" not in log, log
 
 
 def test_light_commands_do_not_import_torch():

@@ -72,3 +72,21 @@ def test_help_describes_the_command(command):
     result = _peerd(command, "--help")
     assert result.returncode == 0, result.stderr
     assert "--checkpoint-dir" in result.stdout and "--weights" in result.stdout
+
+
+def test_an_empty_prompt_samples_the_start_of_a_document(checkpoint_dir):
+    root, model = checkpoint_dir
+    result = _peerd("generate", "--checkpoint-dir", str(root), "--prompt", "", "--max-tokens", "20", "--seed", "3")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    assert result.stdout[:-1] == generate_text(model, "", 20, seed=3)
+    assert len(result.stdout[:-1].encode()) <= 20 * 4
+
+
+def test_export_writes_into_the_checkpoint_folder_by_default(checkpoint_dir):
+    root, _ = checkpoint_dir
+    result = _peerd("export", "--checkpoint-dir", str(root))
+    assert result.returncode == 0, result.stderr
+    out = root / "demo" / "export"
+    assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+    assert str(out) in result.stdout

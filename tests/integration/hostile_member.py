@@ -30,6 +30,7 @@ from hivemind.utils import MSGPackSerializer
 
 from peerd.run_config import load_run_config
 from peerd.daemon import publish_run_config, resolve_run_config
+from peerd.roles.outer_sync import group_key
 from peerd.testing.localswarm import TINY
 from peerd.membership import RunConfigConflict, config_payload
 from peerd.signing import Signer, owner_subkey, seal, verify
@@ -140,12 +141,12 @@ async def _intrude(args, transport, me: Signer, summary) -> None:
         summary["join_attempts"] += 1
         started = discovery.time()
         try:
-            group = await matchmaker.form_group(f"round{target}", {"digest": "0" * 64}, expected_size=3)
+            group = await matchmaker.form_group(group_key(target), {"digest": "0" * 64}, expected_size=3)
             summary["admissions"] += len(set(group.members) & set(args.listed))
         except MatchmakingFailed:
             pass
         ended = discovery.time()
-        registered = await discovery.get(f"{prefix}.mm.round{target}")  # when did the listed peers matchmake?
+        registered = await discovery.get(f"{prefix}.mm.{group_key(target)}")  # when did the listed peers matchmake?
         summary["contested_join_attempts"] += any(
             p in args.listed and isinstance(r.value, dict) and started - 1 <= r.value.get("joined", 0) <= ended
             for p, r in registered.items())

@@ -44,7 +44,7 @@ def run(tmp_path_factory):
         swarm.start_bootstrap(timeout_s=90)  # generous: imports alone take tens of seconds on a loaded machine
         config = tmp / "endless.toml"
         config.write_text(TINY.read_text().replace("max_outer_rounds = 2", "max_outer_rounds = 0"))
-        a = swarm.start_peer("a", RUN, config, "--dashboard-port", "0")
+        a = swarm.start_peer("a", RUN, config, "--dashboard-port", "0", "--device", "auto")
         b = swarm.start_peer("b", RUN, config)
         c = swarm.start_peer("c", RUN, config)
         # `peerd dashboard`, a separate process reading the DHT, starts while the peers warm up
@@ -111,6 +111,48 @@ def test_browser_shows_peers_and_curves_and_pauses(run):
             "return document.getElementById('eval-plot').data.reduce((n, t) => n + t.y.length, 0);")
         assert evals > 0
         _wait("this machine's panel", lambda: browser.find_element("id", "node-panel").is_displayed())
+        # which peer this machine is: A, named in the panel, marked in the table and in the curves' legend
+        a_id = next(json.loads(line)["message"].split()[1] for line in run.a.log.read_text().splitlines()
+                    if json.loads(line).get("message", "").startswith("PeerID "))
+        assert browser.execute_script("return document.getElementById('node-peer').title;") == a_id
+        _wait("A's row marked as this machine", lambda: browser.execute_script(
+            "return [...document.querySelectorAll('#peers tr.mine')].map(r => r.dataset.peer);") == [a_id])
+        # a legend says which colour is which peer: one entry per peer, A's saying so, colours all different
+        legend = _wait("a legend entry per peer in the loss plot", lambda: (names := browser.execute_script(
+            "return [...document.querySelectorAll('#loss-plot .legend .traces .legendtext')].map(e => e.textContent);"
+        )) and len(names) == 3 and names)
+        assert sum(name.endswith("(this machine)") for name in legend) == 1, legend
+        colours = browser.execute_script("return document.getElementById('loss-plot').data.map(t => t.line.color);")
+        assert len(set(colours)) == 3, colours
+        # what each peer contributed, ranked by tokens trained, this machine's row marked
+        ranked = _wait("a contribution row per peer", lambda: (rows := browser.execute_script(
+            "return [...document.querySelectorAll('#contribution tr')].map(r => [r.dataset.peer, "
+            "...[...r.cells].map(c => c.textContent)]);")) and len(rows) == 3 and rows)
+        assert [row[1] for row in ranked] == ["1", "2", "3"], ranked
+        tokens = [int(row[3].replace(",", "")) for row in ranked]
+        assert tokens == sorted(tokens, reverse=True) and tokens[-1] > 0, ranked
+        assert sorted(row[0] for row in ranked) == sorted(p["peer"] for p in _get(run.url + "api/peers")["peers"])
+        assert sum(row[2].endswith("(this machine)") for row in ranked) == 1, ranked
+        # rounds are whole numbers: the MB-per-round chart ticks only integers
+        xaxis = browser.execute_script("return document.getElementById('bytes-plot').layout.xaxis;")
+        assert xaxis["tickformat"] == "d" and xaxis["dtick"] >= 1 and xaxis["dtick"] == int(xaxis["dtick"]), xaxis
+        # what is in use, not only the setting: A runs with --device auto
+        import torch
+
+        used = "cuda" if torch.cuda.is_available() else "cpu"
+        limits = dict(browser.execute_script(  # read in one go: the panel is redrawn every poll
+            "return [...document.querySelectorAll('#node-limits tr')].map(r => [...r.cells].map(c => c.textContent));"))
+        assert limits["device"] == f"{used} (device = auto)", limits
+        assert browser.execute_script("return document.getElementById('rule-gpu').textContent;") == (
+            f"on, in use ({used})" if used == "cuda" else "allowed, not in use (training on cpu)")
+        # snooze for 4 h from the page, then lift it
+        browser.find_element("css selector", ".snooze button[data-for='4h']").click()
+        _wait("the snooze on the page", lambda: browser.execute_script(
+            "return document.getElementById('node-reasons').textContent;").startswith("snoozed until"))
+        assert _get(run.url + "api/node")["status"]["snoozed_until"] > time.time() + 3 * 3600
+        browser.find_element("css selector", ".snooze button[data-for='off']").click()
+        _wait("the snooze lifted", lambda: browser.execute_script(
+            "return document.getElementById('node-state').textContent;") != "paused")
         browser.find_element("id", "pause").click()
         _wait("the paused state on the page", lambda: browser.find_element("id", "node-state").text == "paused")
         # A's status record, read back from the DHT: the only paused peer

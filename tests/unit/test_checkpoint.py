@@ -7,7 +7,8 @@ import pytest
 import torch
 from safetensors.torch import save as st_save
 
-from peerd.checkpoint import FILENAME, Checkpoint, CheckpointError, checkpoint_path, load_checkpoint, save_checkpoint
+from peerd.checkpoint import (FILENAME, Checkpoint, CheckpointError, check_checkpoint, checkpoint_path, load_checkpoint,
+                              save_checkpoint)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -84,6 +85,10 @@ def test_every_truncation_is_a_checkpoint_error(tmp_path):
         path.write_bytes(blob[:n])
         with pytest.raises(CheckpointError, match=FILENAME):
             load_checkpoint(path)
+        with pytest.raises(CheckpointError, match="move it away"):  # the header-only check `join` makes first
+            check_checkpoint(path)
+    path.write_bytes(blob)
+    check_checkpoint(path)
 
 
 @pytest.mark.parametrize(

@@ -324,3 +324,32 @@ def test_a_joiner_starting_during_round_0_trains_what_is_left_of_it_and_joins_th
     assert (rb.outer_round, rb.group_size, rb.inner_steps) == (1, 2, H - k)
     assert rb.weight == (H - k) * run.batch_size and ra.digest == rb.digest
     assert a.stats.rounds_failed == b.stats.rounds_failed == 0
+
+
+def test_a_worker_reports_its_contribution_and_keeps_counting_after_a_restart(tmp_path):
+    """tokens_trained and rounds_contributed in the status record (what `peerd status` and the dashboard rank),
+    carried across a restart by the checkpoint."""
+    from peerd.status import contribution
+
+    run = _run(min_group_size=1)
+    per_round = run.diloco.inner_steps * run.batch_size * run.seq_len
+
+    async def main():
+        worker = _worker(Hub(), "solo", run, tmp_path)
+        await _start(worker)
+        for _ in range(2):
+            await worker.train_until_quota()
+            await worker.run_round()
+        worker.save_checkpoint(final=True)
+        fields = worker.status_fields()
+        again = _worker(Hub(), "solo", run, tmp_path)
+        again.resume()
+        return fields, again.status_fields()
+
+    fields, resumed = asyncio.run(main())
+    assert (fields["tokens_trained"], fields["rounds_contributed"]) == (2 * per_round, 2)
+    assert (resumed["tokens_trained"], resumed["rounds_contributed"]) == (2 * per_round, 2)
+    ranked = contribution({"solo": fields, "other": {**fields, "tokens_trained": 6 * per_round,
+                                                     "rounds_contributed": 5}, "swarm": {"role": "swarm"}})
+    assert [(r["rank"], r["peer"], r["rounds"]) for r in ranked] == [(1, "other", 5), (2, "solo", 2)]
+    assert [r["share"] for r in ranked] == [0.75, 0.25]

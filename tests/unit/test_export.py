@@ -70,3 +70,16 @@ def test_checkpoint_errors_are_clear(tmp_path):
     with pytest.raises(CheckpointError, match="--model"):
         load_checkpoint_model(find_checkpoint(tmp_path, "run-c"))
     assert load_checkpoint_model(find_checkpoint(tmp_path, "run-c"), model="tiny", seq_len=32) is not None
+
+
+def test_a_byte_level_export_loads_its_tokenizer_with_auto_tokenizer(tmp_path):
+    """The ids of a byte-level run are the UTF-8 bytes: AutoTokenizer maps text to them and back, as it loads a BPE
+    run's export (before, a byte-level export had no tokenizer file and AutoTokenizer asked for sentencepiece)."""
+    files = export_llama(build_model("tiny", 16, seed=1), tmp_path / "hf")
+    assert {f.name for f in files} >= {"tokenizer.json", "tokenizer_config.json"}
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    for text in ("ROMEO:", "naïve café\n\n", " spaces  and\ttabs", "\u2603 ok"):
+        ids = tok(text)["input_ids"]
+        assert ids == list(text.encode("utf-8")), text
+        assert tok.decode(ids) == text
+    assert len(tok) == 256

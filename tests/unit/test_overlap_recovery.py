@@ -132,8 +132,10 @@ def test_a_failed_round_is_tried_again_under_a_fresh_key_while_its_former_leader
 
 
 def test_group_keys_and_the_agreed_try_of_a_round():
-    assert group_key(3) == "round3" and group_key(3, attempt=2) == "round3.attempt2"  # a first try: today's keys
-    assert group_key(3, retry=2) == "round3.retry2" and group_key(3, 1, 2) == "round3.retry1.attempt2"
+    # the round after version 3 is round 4 in the logs, and in its keys
+    assert group_key(3) == "round4" and group_key(3, attempt=2) == "round4.attempt2"  # a first try
+    assert group_key(3, retry=2) == "round4.retry2" and group_key(3, 1, 2) == "round4.retry1.attempt2"
+    assert group_key(0) == "round1"
     live = {
         "p1": {RETRIES_FIELD: {"model": [3, 2]}},  # failed round 3 twice: a peer that missed a try catches up
         "p2": {RETRIES_FIELD: {"model": [2, 7]}},  # counts of an earlier round do not matter

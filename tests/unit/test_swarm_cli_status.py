@@ -45,3 +45,31 @@ def test_status_shows_each_stage_its_servers_and_the_bottleneck():
                      "bottleneck: stage 1"]
     assert _stage_lines(live, 3)[-2:] == ["stage 2: 0 server(s), 0 tokens/s", "bottleneck: stage 2"]
     assert _stage_lines({"d": {"role": "diloco", "stage": None}}, None) == []
+
+
+def test_status_shows_the_experts_each_spes_peer_trains(monkeypatch, capsys):
+    import peerd.daemon
+    from peerd.cli import main
+    from peerd.status import StatusFilter, make_status
+
+    records = {"p1": make_status(role="spes", outer_round=3, inner_step=4, experts=[0, 5], tokens_trained=1000,
+                                 rounds_contributed=2),
+               "p2": make_status(role="spes", outer_round=3, inner_step=2, experts=[], tokens_trained=3000,
+                                 rounds_contributed=3)}
+    assert StatusFilter()(records)["p1"]["experts"] == [0, 5]  # the field passes the readers' checks
+
+    async def read_status(node, run_id):
+        return records, None
+
+    monkeypatch.setattr(peerd.daemon, "read_status", read_status)
+    peer = "/ip4/127.0.0.1/tcp/31337/p2p/12D3KooWBtPz6XL3brK5mWeGxqXyUL4BxTNkRTntktMeg3eCo6LZ"
+    assert main(["status", "--run-id", "moe", "--initial-peers", peer]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split()[-1] == "experts" and "rounds done" in lines[1]
+    assert lines[2].startswith("p1") and lines[2].split()[-1] == "0,5"
+    assert lines[3].startswith("p2") and lines[3].split()[-1] == "-"
+    # the ranked contribution table: p2 trained more
+    at = lines.index(next(line for line in lines if line.startswith("contribution")))
+    assert lines[at + 1].split() == ["rank", "PeerID", "tokens", "trained", "share", "rounds"]
+    assert lines[at + 2].split() == ["1", "p2", "3,000", "75.0", "%", "3"]
+    assert lines[at + 3].split() == ["2", "p1", "1,000", "25.0", "%", "2"]

@@ -139,3 +139,37 @@ def test_an_empty_stage_is_filled(tmp_path):
     roles = asyncio.run(main())
     assert sorted(r.stage for r in roles) == [0, 1, 2]
     assert [r.moves for r in roles if r.moves] == [[(0, 2)]]
+
+
+def test_a_trainer_says_what_it_waits_for_logs_progress_sparingly_and_sums_up_when_it_leaves(tmp_path, caplog):
+    """A stage-0 trainer alone says once which stage it waits for; its progress lines come at info level at most
+    every swarm_progress_interval_s (the others at debug); leaving, it sums up its micro-batches."""
+    from peerd.events import LogEvents, SwarmProgress
+
+    async def main():
+        hub = Hub()
+        run, stop = _run(), asyncio.Event()
+        node = NodeConfig(checkpoint_dir=str(tmp_path / "t"), threads=1, device="cpu", status_interval_s=0.5,
+                          status_ttl_s=5.0, log_every_steps=1, swarm_progress_interval_s=3600.0)
+        ctx = RunContext.build("swarmunit", run, node, hub.transport("t"), stop=stop)
+        progress = []
+        ctx.events.subscribe(lambda e: progress.append(e) if isinstance(e, SwarmProgress) else None)
+        ctx.events.subscribe(LogEvents())  # as the daemon logs them
+        trainer = SwarmRole(ctx, stage=0, trainer=True, max_steps=6)
+        task = asyncio.ensure_future(trainer.run(ctx))
+        while not any("waiting for a server of stage 1" in r.getMessage() for r in caplog.records):
+            await asyncio.sleep(0.05)
+        roles, tasks = await _start_servers(hub, tmp_path, run, [1], stop, prefix="s")
+        await asyncio.wait_for(task, 90)
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*tasks), 10)
+        return progress
+
+    with caplog.at_level("INFO"):
+        progress = asyncio.run(main())
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("waiting for a server of stage 1" in m for m in messages) == 1, messages
+    assert len(progress) >= 6 and [e.quiet for e in progress] == [False] + [True] * (len(progress) - 1)
+    assert sum(m.startswith("swarm trainer:") for m in messages) == 1  # the quiet ones are below info
+    leave = [m for m in messages if m.startswith("leaving run swarmunit: served stage 0; trained 6 micro-batches")]
+    assert len(leave) == 1, messages

@@ -102,7 +102,10 @@ def test_unit_file_contract():
     for line in ("Type=notify", "Restart=on-failure", "WatchdogSec=90", "NoNewPrivileges=yes", "ProtectSystem=strict",
                  "StateDirectory=peerd", "User=volunteer", "ProtectHome=yes",
                  "ExecStart=/opt/peerd/venv/bin/peerd join --run-id r1 --config /etc/peerd/node.toml",
-                 "Environment=PEERD_CHECKPOINT_DIR=/var/lib/peerd/checkpoints", "WantedBy=multi-user.target"):
+                 "Environment=PEERD_CHECKPOINT_DIR=/var/lib/peerd/checkpoints", "WantedBy=multi-user.target",
+                 # unattended: restarts never stop, spaced out by a back-off; a usage error (exit 2) is not retried
+                 "StartLimitIntervalSec=0", "RestartSec=15", "RestartSteps=8", "RestartMaxDelaySec=30min",
+                 "RestartPreventExitStatus=2"):
         assert line in lines, line
     # the unit's environment variables are real node config keys
     env = dict(l.split("=", 2)[1:] for l in lines if l.startswith("Environment=PEERD_"))

@@ -124,7 +124,8 @@ def test_make_status_with_every_field():
     values = {"role": "worker", "outer_round": 5, "inner_step": 7, "loss": 2.5, "tokens_per_s": 1000.0,
               "eval_nats_per_byte": 1.9, "digest": "0123456789abcdef", "instance": "fedcba9876543210", "stage": 1,
               "fragment_rounds": [3, 2], "history": {"loss": [[1.0, 100, 2.5, 1000.0]], "eval": [[1.0, 100, 1.9]]},
-              "reachable": True, "relayed": False, "round_retries": {"model": [5, 1]}}
+              "reachable": True, "relayed": False, "round_retries": {"model": [5, 1]}, "experts": [1, 4],
+              "tokens_trained": 12800, "rounds_contributed": 5}
     assert set(values) == set(KNOWN_STATUS_FIELDS)
     record = make_status(**values)
     assert {k: record[k] for k in KNOWN_STATUS_FIELDS} == values
@@ -143,3 +144,25 @@ def test_dht_keys_are_per_run():
     r1, r2 = RunNamespace.of("r1"), RunNamespace.of("r2")
     assert r1.status_key != r2.status_key and "r1" in r1.status_key
     assert r1.config_key != r1.status_key and "r1" in r1.config_key
+
+
+def test_a_multi_line_message_is_one_log_line_with_its_time_and_level():
+    """go-libp2p's dial errors list one address per line: each log record stays one line of the text log."""
+    from peerd.telemetry import TextFormatter
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(TextFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    log = logging.getLogger("peerd.test.multiline")
+    log.addHandler(handler)
+    log.propagate = False
+    try:
+        log.warning("stage 1 call to %s failed: %s", "12D3KooWabc", "failed to dial 12D3KooWabc:\n"
+                    "  * [/ip4/127.0.0.1/tcp/4001] dial tcp4 127.0.0.1:4001: connect: connection refused\n"
+                    "  * [/ip4/10.0.0.2/tcp/4001] dial backoff\n")
+    finally:
+        log.removeHandler(handler)
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 1 and " WARNING peerd.test.multiline: stage 1 call to 12D3KooWabc failed" in lines[0]
+    assert lines[0].endswith("failed to dial 12D3KooWabc:; [/ip4/127.0.0.1/tcp/4001] dial tcp4 127.0.0.1:4001: "
+                             "connect: connection refused; [/ip4/10.0.0.2/tcp/4001] dial backoff"), lines[0]

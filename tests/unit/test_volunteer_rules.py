@@ -183,3 +183,86 @@ def test_thin_spreads_points_over_the_span():
     gaps = [b[0] - a[0] for a, b in zip(kept, kept[1:])]
     assert max(gaps) <= 3 * min(gaps)
     assert MAX_POINTS <= 64
+
+
+def test_pause_while_listed_programs_run_or_the_user_is_active():
+    from peerd.service.rules import ACTIVE_REASON, PROGRAMS_REASON
+
+    machine = Machine()
+    running, idle = {"bash", "python3"}, [None]
+    probes = Probes(lambda: 0.0, lambda: None, lambda: set(running), lambda: idle[0])
+    gate = PauseGate(clock=lambda: machine.t)
+    rules = RuleEnforcer(VolunteerRules(pause_while_programs=("Steam", "vlc"), pause_while_user_active_s=180.0), gate,
+                         probes, clock=lambda: machine.t)
+    rules.step()
+    assert not gate.paused  # no listed program; the idle time unknown here: that rule is inactive
+    running.add("vlc")
+    rules.step()
+    assert gate.reasons == {PROGRAMS_REASON: "vlc running"}
+    running.discard("vlc")
+    idle[0] = 12.0
+    rules.step()
+    assert list(gate.reasons) == [ACTIVE_REASON] and "in use" in gate.reasons[ACTIVE_REASON]
+    idle[0] = 200.0
+    rules.step()
+    assert not gate.paused
+    idle[0] = 1.0
+    rules.step()
+    rules.set_rules(rules.rules.updated({"pause_while_user_active_s": 0}))  # switched off: lifted at once
+    assert not gate.paused
+    with pytest.raises(ValueError, match="pause_while_programs"):
+        rules.rules.updated({"pause_while_programs": "steam"})
+    with pytest.raises(ConfigError, match="pause_while_user_active_s"):
+        NodeConfig(pause_while_user_active_s=-1)
+    node = NodeConfig(pause_while_programs=("steam",), pause_while_user_active_s=180)
+    assert VolunteerRules.from_node(node).pause_while_programs == ("steam",)
+
+
+def test_snooze_pauses_until_its_time_and_says_until_when():
+    import datetime
+
+    from peerd.service.rules import SNOOZE_REASON, snooze_deadline
+
+    now = datetime.datetime(2026, 3, 2, 20, 15).timestamp()
+    assert snooze_deadline("1h", now) == now + 3600 and snooze_deadline("4h", now) == now + 4 * 3600
+    assert snooze_deadline("90m", now) == now + 5400 and snooze_deadline("off", now) is None
+    assert snooze_deadline("tomorrow", now) == datetime.datetime(2026, 3, 3, 6, 0).timestamp()
+    for bad in ("", "1", "soon", "0h", "200h"):
+        with pytest.raises(ValueError):
+            snooze_deadline(bad, now)
+    machine, wall = Machine(), [now]
+    gate, rules = _enforcer(machine)
+    rules.wall = lambda: wall[0]
+    assert rules.snooze(now + 3600)
+    assert gate.reasons == {SNOOZE_REASON: f"snoozed until {datetime.datetime.fromtimestamp(now + 3600):%a %H:%M}"}
+    gate.pause("user", "paused by the volunteer")
+    wall[0] = now + 3599
+    rules.step()
+    assert SNOOZE_REASON in gate.reasons
+    wall[0] = now + 3600
+    rules.step()
+    assert gate.reasons == {"user": "paused by the volunteer"} and rules.snoozed_until is None  # only its own reason
+    rules.snooze(now + 7200)
+    assert SNOOZE_REASON in gate.reasons
+    rules.snooze(None)
+    assert gate.reasons == {"user": "paused by the volunteer"}
+
+
+def test_snooze_through_the_control_handler(tmp_path):
+    from peerd.service.rules import SNOOZE_REASON
+
+    async def main():
+        node = NodeConfig(checkpoint_dir=str(tmp_path), device="cpu")
+        services = VolunteerServices(node, "diloco", asyncio.Event(), run_id="r", environ={},
+                                     probes=Machine().probes())
+        bad = await services.handle({"cmd": "snooze", "for": "soon"})
+        reply = await services.handle({"cmd": "snooze", "for": "4h"})
+        status = await services.handle({"cmd": "status"})
+        lifted = await services.handle({"cmd": "snooze", "for": "off"})
+        return bad, reply, status, lifted
+
+    bad, reply, status, lifted = asyncio.run(main())
+    assert not bad["ok"] and "1h, 4h" in bad["error"]
+    assert reply["ok"] and reply["paused"] and SNOOZE_REASON in reply["pause_reasons"]
+    assert status["snoozed_until"] == reply["snoozed_until"] and reply["snoozed_until"] > 0
+    assert lifted["ok"] and not lifted["paused"] and lifted["snoozed_until"] is None

@@ -53,13 +53,33 @@ function renderRun(run) {
   }
 }
 
+function renderContribution(rows) {
+  const body = $("contribution");
+  body.textContent = "";
+  for (const r of rows || []) {
+    const tr = document.createElement("tr");
+    tr.dataset.peer = r.peer;
+    const mine = lastNode && lastNode.status && lastNode.status.peer_id === r.peer;
+    if (mine) tr.className = "mine";
+    tr.appendChild(cell(String(r.rank)));
+    tr.appendChild(cell(short(r.peer) + (mine ? " (this machine)" : ""), "peer"));
+    tr.lastChild.title = r.peer;
+    tr.appendChild(cell(r.tokens.toLocaleString("en-US")));
+    tr.appendChild(cell(`${(100 * r.share).toFixed(1)} %`));
+    tr.appendChild(cell(String(r.rounds)));
+    body.appendChild(tr);
+  }
+}
+
 function renderPeers(data) {
   const body = $("peers");
   body.textContent = "";
   for (const p of data.peers) {
     const tr = document.createElement("tr");
     tr.dataset.peer = p.peer;
-    tr.appendChild(cell(short(p.peer), "peer"));
+    const mine = lastNode && lastNode.status && lastNode.status.peer_id === p.peer;
+    if (mine) tr.className = "mine";
+    tr.appendChild(cell(short(p.peer) + (mine ? " (this machine)" : ""), "peer"));
     tr.lastChild.title = p.peer;
     tr.appendChild(cell(p.state, "state-" + p.state));
     tr.appendChild(cell(p.role));
@@ -77,6 +97,7 @@ function renderPeers(data) {
 
 const LAYOUT = (title, ytitle) => ({
   title: {text: title, font: {size: 13}}, margin: {l: 50, r: 10, t: 30, b: 35}, showlegend: false,
+  legend: {orientation: "h", y: -0.2, font: {size: 11}},
   xaxis: {title: {text: xaxis === "time" ? "" : "tokens"}, type: xaxis === "time" ? "date" : "linear"},
   yaxis: {title: {text: ytitle}}, uirevision: xaxis,
 });
@@ -92,24 +113,40 @@ function renderHistory(h) {
   for (const [peer, series] of Object.entries(h.peers)) {
     const lp = series.loss.filter((p) => xaxis === "time" || p[1] != null);
     const ep = series.eval.filter((p) => xaxis === "time" || p[1] != null);
-    loss.push({x: xs(lp), y: lp.map((p) => p[2]), name: short(peer), mode: "lines+markers", marker: {size: 4}});
-    evals.push({x: xs(ep), y: ep.map((p) => p[2]), name: short(peer), mode: "lines+markers", marker: {size: 5}});
+    // one colour per peer, the same in both plots, named in the legend (this machine's peer says so)
+    const name = short(peer) + (lastNode && lastNode.status && lastNode.status.peer_id === peer ? " (this machine)" : "");
+    const color = peerColor(peer);
+    loss.push({x: xs(lp), y: lp.map((p) => p[2]), name, mode: "lines+markers", marker: {size: 4, color},
+               line: {color}});
+    evals.push({x: xs(ep), y: ep.map((p) => p[2]), name, mode: "lines+markers", marker: {size: 5, color},
+                line: {color}});
   }
-  Plotly.react("loss-plot", loss, LAYOUT("training loss", `nats/${lossUnit}`), CONFIG);
-  Plotly.react("eval-plot", evals, LAYOUT("eval loss (held out)", `nats/${lossUnit}`), CONFIG);
+  Plotly.react("loss-plot", loss, {...LAYOUT("training loss", `nats/${lossUnit}`), showlegend: true}, CONFIG);
+  Plotly.react("eval-plot", evals, {...LAYOUT("eval loss (held out)", `nats/${lossUnit}`), showlegend: true}, CONFIG);
   const run = h.run;
   Plotly.react("tps-plot", [{x: run.map((p) => new Date(p[0] * 1000)), y: run.map((p) => p[1]), mode: "lines"}],
     {...LAYOUT("tokens/s of the whole run", "tokens/s"), xaxis: {type: "date"}}, CONFIG);
 }
 
+const PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+                 "#bcbd22", "#17becf"];
+const peerColors = new Map();
+function peerColor(peer) {  // stable for the page's life: a peer keeps its colour when others come and go
+  if (!peerColors.has(peer)) peerColors.set(peer, PALETTE[peerColors.size % PALETTE.length]);
+  return peerColors.get(peer);
+}
+
 function renderRounds(rounds) {
   if (typeof Plotly === "undefined") return;
   const ok = rounds.filter((r) => r.ok), failed = rounds.filter((r) => !r.ok);
+  const last = Math.max(1, ...rounds.map((r) => r.outer_round + (r.ok ? 0 : 1)));
   Plotly.react("bytes-plot", [
     {x: ok.map((r) => r.outer_round), y: ok.map((r) => r.bytes_sent / 1e6), type: "bar", name: "sent"},
     {x: failed.map((r) => r.outer_round + 1), y: failed.map(() => 0), mode: "markers", name: "failed",
      marker: {symbol: "x", size: 10, color: "#b42318"}},
-  ], {...LAYOUT("this machine: MB sent per outer round (x: failed)", "MB"), xaxis: {title: {text: "outer round"}}},
+  ], {...LAYOUT("this machine: MB sent per outer round (x: failed)", "MB"),
+      // rounds are whole numbers: integer ticks, at most ~10 of them
+      xaxis: {title: {text: "outer round"}, tickformat: "d", tick0: 0, dtick: Math.max(1, Math.ceil(last / 10))}},
   CONFIG);
 }
 
@@ -123,14 +160,17 @@ function renderNode(node) {
   $("node-unavailable").textContent = "";
   $("node-panel").hidden = false;
   const s = node.status;
+  $("node-peer").textContent = s.peer_id ? short(s.peer_id) : "-";
+  $("node-peer").title = s.peer_id || "";
   $("node-state").textContent = s.paused ? "paused" : (s.pause_after_round ? "pausing after this round" : s.state.worker_state);
   $("node-state").className = s.paused ? "state-paused" : "state-online";
   $("node-reasons").textContent = Object.values(s.pause_reasons || {}).join("; ");
+  $("snoozed").textContent = s.snoozed_until ? `until ${new Date(s.snoozed_until * 1000).toLocaleString()}` : "";
   $("node-health").textContent = node.health && node.health.ok ? `${node.health.healthy ? "healthy" : "unhealthy"}: ${node.health.message}` : "-";
   const rows = [
-    ["run", s.run_id], ["outer round", s.state.outer_round ?? "-"],
-    ["rounds done / failed", `${s.state.rounds_completed} / ${s.state.rounds_failed}`],
-    ["peers seen", s.peers_seen ?? "-"], ["peers banned", (node.bans || []).length], ["device", s.limits.device], ["threads", s.limits.threads || "torch default"],
+    ["run", s.run_id], ["run: rounds done", s.state.outer_round ?? "-"],
+    ["this peer: rounds completed / failed", `${s.state.rounds_completed} / ${s.state.rounds_failed}`],
+    ["peers seen", s.peers_seen ?? "-"], ["peers banned", (node.bans || []).length], ["device", deviceText(s)], ["threads", s.limits.threads || "torch default"],
     ["GPU memory share", s.limits.gpu_memory_fraction || "no limit"],
     ["upload", bw(s.bandwidth && s.bandwidth.upload, s.limits.upload_limit_mb_s)],
     ["download", bw(s.bandwidth && s.bandwidth.download, s.limits.download_limit_mb_s)],
@@ -148,8 +188,21 @@ function renderNode(node) {
   }
   if (document.activeElement !== $("rule-cpu")) $("rule-cpu").value = s.rules.pause_when_cpu_busy_percent;
   $("rule-battery").checked = s.rules.pause_on_battery;
-  $("rule-gpu").textContent = s.rules.gpu ? "on" : "off";
+  $("rule-gpu").textContent = gpuText(s);
   renderRounds(node.rounds || []);
+}
+
+function deviceText(s) {  // what the role trains on, and the setting where it differs ("auto")
+  const used = s.device_in_use;
+  if (!used) return s.limits.device;
+  return used === s.limits.device ? used : `${used} (device = ${s.limits.device})`;
+}
+
+function gpuText(s) {
+  if (!s.rules.gpu) return "off";
+  const used = s.device_in_use;
+  if (used && used.startsWith("cuda")) return `on, in use (${used})`;
+  return used ? `allowed, not in use (training on ${used})` : "allowed";
 }
 
 function bw(side, cap) {
@@ -162,11 +215,12 @@ async function refresh() {
   try {
     const [run, peers, history, node] = await Promise.all(
       [getJSON("/api/run"), getJSON("/api/peers"), getJSON("/api/history"), getJSON("/api/node")]);
+    renderNode(node);  // first: the peer table and the curves mark this machine's peer
     renderRun(run);
+    renderContribution(run.contribution);
     renderPeers(peers);
     lastHistory = history;
     renderHistory(history);
-    renderNode(node);
   } catch (e) {
     $("read-state").textContent = `dashboard unreachable: ${e}`;
   }
@@ -182,6 +236,9 @@ async function act(path, body) {
 
 for (const b of document.querySelectorAll(".buttons button")) {
   b.addEventListener("click", () => act(`/api/node/${b.dataset.cmd}`));
+}
+for (const b of document.querySelectorAll(".snooze button")) {
+  b.addEventListener("click", () => act("/api/node/snooze", {for: b.dataset.for}));
 }
 $("rules").addEventListener("submit", async (ev) => {
   ev.preventDefault();
