@@ -126,13 +126,14 @@ def stage_round_hyperparams(hp: DiLoCoHyperparams) -> DiLoCoHyperparams:
     pseudo-gradient, i.e. ``theta := sum_i w_i theta_i / sum_i w_i``, the replicas' parameters averaged (SWARM,
     arXiv 2301.11913: the peers of a stage average with all-reduce).
 
-    Why not DiLoCo's outer step (lr 0.7, Nesterov momentum 0.9): a stage round is a wall-clock event among
-    replicas that keep training, not a synchronous step of a global optimizer. Momentum over such rounds amplifies
-    the inner optimizer's progress about ``lr / (1 - mu)`` = 7-fold once it builds up (every replica steps every
-    micro-batch with AdamW, and the outer step adds 7x that displacement again, on top of the AdamW moments that
-    keep pointing the old way), which makes the effective learning rate many times the inner one and the loss
-    climb after a few hundred micro-batches, even with one server per stage. Plain averaging moves no replica
-    further than the replicas went themselves."""
+    Why not DiLoCo's outer step (lr 0.7, Nesterov momentum 0.9): a stage round is a wall-clock event among replicas
+    that step every micro-batch, not a synchronous step of a global optimizer. Once the momentum has built up along
+    the direction the replicas keep moving in, each round moves theta ``lr / (1 - mu)`` = 7 times as far as the
+    replicas went since the last one: the inner AdamW runs at an effective learning rate several times its own, and
+    the loss stalls far above one process's or climbs back (as much with one server per stage, where averaging does
+    nothing; neither resetting the AdamW moments at each round nor equal step counts per replica helps). Plain
+    averaging moves no replica further than the replicas went themselves; the replicas keep their AdamW moments
+    (resetting them costs accuracy)."""
     return dataclasses.replace(hp, **STAGE_ROUND_OUTER_STEP, outer_nesterov=False)
 
 

@@ -13,20 +13,21 @@ the announcements and, if told to, moves to the bottleneck stage, starting from 
 there (``state`` method of the stage service).
 
 Stage rounds: the replicas of a stage average their parameters, as in SWARM (Ryabinin et al. 2023, section 3.2 and
-appendix: the peers serving one stage synchronize with all-reduce, a plain average; Petals' servers of a block
-likewise hold one copy of it, never an outer optimizer's extrapolation). The servers of stage k hold the stage's
-parameters as one fragment (``stage<k>``, group keys under ``ns.scoped(fragment="stage<k>")``) and, every
-``[swarm] sync_interval_s`` (at wall-clock multiples of it, so replicas meet), run a round on it with the run's
-outer-sync strategy (:func:`peerd.roles.outer_sync.make_outer_sync`) whose outer step is fixed to plain averaging
-(:func:`protocols.swarm.stage_round_hyperparams`: lr 1, no momentum): after a round every replica holds
-``sum_i w_i theta_i / sum_i w_i`` (w_i: the samples replica i trained on since its last round; a replica that
-trained on none only receives), plus the local steps it took while the round ran. Each replica keeps its own
-AdamW moments across the replacement: the average lies among the replicas' own parameters (a displacement no
-larger than theirs since the last round), so the moments, estimated on the same data, still fit it. ``[diloco]``
-outer_lr / outer_momentum / outer_nesterov are therefore not used (a SWARM run config that sets them is refused:
-a DiLoCo outer step on wall-clock rounds of replicas that step every micro-batch made the loss climb back after a
-few hundred micro-batches). A server whose stage-mates are rounds ahead, or that a round's leader refuses, adopts
-a live mate's state (``outer`` method of the stage service); a mover adopts it with the parameters.
+appendix: the peers serving one stage synchronize with all-reduce, a plain average; Petals' servers of a block serve
+identical weights). The servers of stage k hold the stage's parameters as one fragment (``stage<k>``, group keys
+under ``ns.scoped(fragment="stage<k>")``) and, every ``[swarm] sync_interval_s`` (at wall-clock multiples of it, so
+replicas meet), run a round on it with the run's outer-sync strategy
+(:func:`peerd.roles.outer_sync.make_outer_sync`) whose outer step is fixed to plain averaging
+(:func:`protocols.swarm.stage_round_hyperparams`: lr 1, no momentum): after a round every replica holds ``sum_i w_i
+theta_i / sum_i w_i`` (w_i: the samples replica i trained on since its last round; a replica that trained on none
+only receives), plus the local steps it took while the round ran. Each replica keeps its own AdamW moments across
+the replacement: the average lies among the replicas' own parameters (a displacement no larger than theirs since the
+last round), so the moments, estimated on the same data, still fit it. ``[diloco]`` outer_lr / outer_momentum /
+outer_nesterov are therefore not used (a SWARM run config that sets outer_lr or outer_momentum to anything but 1 and
+0 is refused: a DiLoCo outer step on wall-clock rounds of replicas that step every micro-batch made the loss stall
+or climb back after a few hundred micro-batches; see :func:`protocols.swarm.stage_round_hyperparams`). A server
+whose stage-mates are rounds ahead, or that a round's leader refuses, adopts a live mate's state (``outer`` method
+of the stage service); a mover adopts it with the parameters.
 
 With ``[swarm] skip_ratio > 0`` (SkipPipe, Blagoev et al. 2025, arXiv 2502.19913) a trainer sends each micro-batch
 along the path and to the servers :class:`protocols.skippipe.SkipPlanner` plans from its wiring; a middle stage

@@ -34,7 +34,9 @@ from peerd.transport.inprocess import Hub
 from protocols.stage_service import PipelineTrainer
 from protocols.swarm import Wiring
 
-__all__ = ["Convergence", "all_rounds_completed", "convergence", "micro_batches", "single_process_losses", "swarm_losses"]
+__all__ = [
+    "Convergence", "all_rounds_completed", "convergence", "micro_batches", "single_process_losses", "swarm_losses",
+]
 
 
 def micro_batches(run: RunConfig, count: int, seed: str = "convergence") -> list[tuple[torch.Tensor, torch.Tensor]]:
