@@ -82,8 +82,8 @@ async def swarm_losses(run: RunConfig, batches: list[tuple[torch.Tensor, torch.T
         run: a SWARM run config; its ``[swarm] sync_interval_s`` should be 0 (rounds come from here).
         round_every: a stage round of every live server after every this many micro-batches (0: never).
         seed: draws the server of each stage for each micro-batch.
-        kill: ``(micro-batch, stage, replica)``: that server leaves (its transport disconnects) before that
-            micro-batch; the trainer's retries and the remaining replicas carry on.
+        kill: ``(micro-batch, stage, replica)``: that server dies (its transport disconnects, its role is
+            cancelled) before that micro-batch; the trainer's retries and the remaining replicas carry on.
         on_round: called with the outcomes of every round (e.g. to count or check them).
 
     Raises:
@@ -115,10 +115,11 @@ async def swarm_losses(run: RunConfig, batches: list[tuple[torch.Tensor, torch.T
         losses: list[float] = []
         try:
             for i, (tokens, targets) in enumerate(batches):
-                if kill is not None and i == kill[0]:
+                if kill is not None and i == kill[0]:  # a crash: no goodbye, its records expire on their own
                     victim = names[kill[1]][kill[2]]
                     hub.disconnect(victim)
-                    await live.pop(victim).service.stop()
+                    live.pop(victim)
+                    tasks[list(roles).index(victim)].cancel()
                 prefer = {k: rng.choice(stage_names) for k, stage_names in names.items()}
                 loss = await trainer.step(tokens, targets, prefer=prefer)
                 if loss is None:
