@@ -23,7 +23,7 @@ from protocols.gossip import GossipConfig
 from protocols.matchmaking import MatchmakingConfig
 from protocols.spes import SpesConfig
 from protocols.state_transfer import StateTransferConfig
-from protocols.swarm import SwarmConfig
+from protocols.swarm import STAGE_ROUND_OUTER_STEP, SwarmConfig
 
 #: Names in the model registry (peerd/models/registry.py; a test keeps the two equal without importing torch here).
 MODEL_NAMES = ("tiny", "small", "125m", "350m", "1.1b", "tiny-moe", "small-moe")
@@ -377,5 +377,16 @@ def _table(value: Any, source: str) -> Mapping[str, Any]:
 
 
 def load_run_config(path: str | os.PathLike) -> RunConfig:
-    """Read a run config TOML file. Raises ConfigError naming the file and key."""
-    return RunConfig.from_dict(read_toml(path), source=str(path))
+    """Read a run config TOML file. Raises ConfigError naming the file and key (also for a SWARM run that sets a
+    ``[diloco]`` outer step other than its stage rounds' plain averaging, which it would not get)."""
+    data = read_toml(path)
+    run = RunConfig.from_dict(data, source=str(path))
+    diloco = data.get("diloco", {})
+    if run.parallelism == "swarm":
+        for key, value in STAGE_ROUND_OUTER_STEP.items():
+            if key in diloco and diloco[key] != value:
+                raise ConfigError(
+                    f"{path}: [diloco] {key} = {diloco[key]!r}: a swarm's stage rounds average the replicas' "
+                    f"parameters (SWARM; {', '.join(f'{k} = {v:g}' for k, v in STAGE_ROUND_OUTER_STEP.items())}): "
+                    f"a DiLoCo outer step on stage rounds makes the loss climb back; remove {key}")
+    return run

@@ -7,11 +7,16 @@ banned for a while). The rebalancing rule, which the reference code does not shi
 ``block_selection.py``: a server moves to the bottleneck stage only if ``old / new`` bottleneck throughput is below
 ``balance_quality`` (0.75), and never leaves its stage empty.
 
+Stage rounds (:func:`stage_round_hyperparams`): the servers of one stage average their parameters, as SWARM does
+(section 3.2 and appendix: the peers of a stage synchronize with all-reduce, plain averaging), never with a DiLoCo
+outer step.
+
 Units: work in samples (or any consistent unit), times in seconds, throughput in work per second.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import logging
@@ -22,10 +27,11 @@ from typing import Callable, Iterable, Mapping, Optional
 
 from protocols.bans import BanList
 from protocols.codecs import CODECS
+from protocols.diloco import DiLoCoHyperparams
 
 __all__ = [
     "NoServer", "StageAnnouncement", "StageBalancer", "SwarmConfig", "Wiring", "WiringStats", "bottleneck_stage", "choose_stage",
-    "rebalance_delay_s", "should_move", "stage_throughputs",
+    "STAGE_ROUND_OUTER_STEP", "rebalance_delay_s", "should_move", "stage_round_hyperparams", "stage_throughputs",
 ]
 
 logger = logging.getLogger(__name__)
@@ -106,6 +112,29 @@ class SwarmConfig:
 
 class NoServer(LookupError):
     """No server of a stage is available (none announced, or all banned / already tried)."""
+
+
+# ---------------------------------------------------------------------------------------------------- stage rounds
+
+#: ``[diloco]`` keys a SWARM run does not take from its config: a stage round's outer step is plain averaging
+#: (:func:`stage_round_hyperparams`), and these are its values.
+STAGE_ROUND_OUTER_STEP = {"outer_lr": 1.0, "outer_momentum": 0.0}
+
+
+def stage_round_hyperparams(hp: DiLoCoHyperparams) -> DiLoCoHyperparams:
+    """``hp`` with the outer step of a stage round: SGD with lr 1 and no momentum on the samples-weighted mean
+    pseudo-gradient, i.e. ``theta := sum_i w_i theta_i / sum_i w_i``, the replicas' parameters averaged (SWARM,
+    arXiv 2301.11913: the peers of a stage average with all-reduce).
+
+    Why not DiLoCo's outer step (lr 0.7, Nesterov momentum 0.9): a stage round is a wall-clock event among replicas
+    that step every micro-batch, not a synchronous step of a global optimizer. Once the momentum has built up along
+    the direction the replicas keep moving in, each round moves theta ``lr / (1 - mu)`` = 7 times as far as the
+    replicas went since the last one: the inner AdamW runs at an effective learning rate several times its own, and
+    the loss stalls far above one process's or climbs back (as much with one server per stage, where averaging does
+    nothing; neither resetting the AdamW moments at each round nor equal step counts per replica helps). Plain
+    averaging moves no replica further than the replicas went themselves; the replicas keep their AdamW moments
+    (resetting them costs accuracy)."""
+    return dataclasses.replace(hp, **STAGE_ROUND_OUTER_STEP, outer_nesterov=False)
 
 
 # ----------------------------------------------------------------------------------------------- stochastic wiring

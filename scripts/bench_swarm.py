@@ -34,6 +34,14 @@ Bytes per micro-batch per codec: the encoded tensors one micro-batch moves (toke
 forward and their gradients back at each stage boundary), payload bytes, for fp32 (codec ``none``), fp16 and int8.
 
 Results replace the section ``SECTION_HEADING`` of docs/benchmarks.md with ``--md``.
+
+``--convergence``: instead, the convergence rows (``CONVERGENCE_HEADING``): the loss of an in-process swarm at equal
+tokens against the same stages trained in one process on the same micro-batches
+(:mod:`peerd.testing.swarm_convergence`: real stage servers, trainer and stage rounds, the rounds every
+``--round-every`` micro-batches on a virtual clock): 2 servers per stage, 1 server per stage, and 2 per stage with
+one stage-0 server killed at micro-batch ``--kill-at-micro-batch``. Goal: the swarm's mean loss over the last 100
+micro-batches within 5% of the single process's, and its loss (mean over 50) never more than 10% above its running
+minimum.
 """
 
 from __future__ import annotations
@@ -62,6 +70,7 @@ from protocols.swarm import SwarmConfig, Wiring  # noqa: E402
 from benchlib import machine_line, replace_section, result_args  # noqa: E402
 
 SECTION_HEADING = "## SWARM vs a fixed pipeline (scripts/bench_swarm.py)"
+CONVERGENCE_HEADING = "## SWARM convergence: replicated stages vs one process (scripts/bench_swarm.py --convergence)"
 SERVERS = {0: ["s0a", "s0b"], 1: ["s1a", "s1b"]}
 VICTIM = "s0a"  # the fixed pipeline's stage-0 server, one of the swarm's four
 
@@ -250,6 +259,62 @@ def markdown(args, results: list[dict], wire: dict, argv: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def convergence_rows(args, argv: list[str]) -> int:
+    """Run the convergence variants (see the module docstring); print each as JSON, write the section with --md."""
+    from peerd.run_config import RunConfig
+    from peerd.testing.swarm_convergence import convergence, micro_batches, single_process_losses, swarm_losses
+    from protocols.diloco import DiLoCoHyperparams
+
+    run = RunConfig(model=args.model, seq_len=args.seq_len, batch_size=args.batch_size, eval_batches=0,
+                    parallelism="swarm",
+                    swarm=SwarmConfig(stages=2, codec=args.codec, call_timeout_s=60.0, pending_timeout_s=120.0,
+                                      sync_interval_s=0, rebalance_period_s=3600.0),
+                    diloco=DiLoCoHyperparams(inner_lr=3e-3, inner_weight_decay=0.0))  # swarm-tiny's inner AdamW
+    batches = micro_batches(run, args.micro_batches)
+    started = time.perf_counter()
+    single = single_process_losses(run, batches)
+    print(json.dumps({"variant": "single process", "last100": sum(single[-100:]) / 100,
+                      "seconds": round(time.perf_counter() - started, 1)}), flush=True)
+    variants = [("2 servers per stage", dict(replicas=2)), ("1 server per stage", dict(replicas=1)),
+                (f"2 per stage, one stage-0 server killed at micro-batch {args.kill_at_micro_batch}",
+                 dict(replicas=2, kill=(args.kill_at_micro_batch, 0, 0)))]
+    rows = []
+    for name, kwargs in variants:
+        started = time.perf_counter()
+        losses = asyncio.run(swarm_losses(run, batches, round_every=args.round_every, **kwargs))
+        c = convergence(losses, single)
+        row = {"variant": name, "last100": c.last[0], "single_last100": c.last[1], "ratio": c.ratio,
+               "max_rise": c.max_rise, "seconds": round(time.perf_counter() - started, 1),
+               "at": {n: sum(losses[n - 50:n]) / 50 for n in range(200, len(losses) + 1, 200)}}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    if args.md:
+        lines = [
+            CONVERGENCE_HEADING, "",
+            f"`{' '.join(['.venv/bin/python', 'scripts/bench_swarm.py'] + result_args(argv))}` on "
+            f"{time.strftime('%Y-%m-%d')}; " + machine_line() + ".",
+            "",
+            f"Model `{args.model}` in 2 stages, {args.micro_batches} micro-batches of {args.batch_size} x "
+            f"{args.seq_len} tokens of Shakespeare (the same ones, in the same order, for every row), inner AdamW "
+            f"lr 3e-3 (swarm-tiny's), activations {args.codec}; in-process stage servers "
+            f"(`peerd.testing.swarm_convergence`), a stage round of every server every {args.round_every} "
+            f"micro-batches. Single process: the same stages, one AdamW step each per micro-batch, last-100 mean "
+            f"**{rows[0]['single_last100']:.3f}**. Goal: last-100 mean within 5% of it, and the loss (mean over 50) "
+            f"never more than 10% above its running minimum.",
+            "",
+            "| variant | loss (mean of 50) at " + " / ".join(str(n) for n in rows[0]["at"]) + " micro-batches | "
+            "last-100 mean | vs single process | max rise over running minimum | goal |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in rows:
+            met = r["ratio"] <= 1.05 and r["max_rise"] <= 0.10
+            lines.append(f"| {r['variant']} | {' / '.join(f'{v:.2f}' for v in r['at'].values())} | "
+                         f"{r['last100']:.3f} | {r['ratio'] - 1:+.1%} | {r['max_rise']:.1%} | "
+                         f"{'met' if met else 'not met'} |")
+        replace_section(args.md, CONVERGENCE_HEADING, "\n".join(lines) + "\n")
+    return 0
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="tiny")
@@ -268,7 +333,19 @@ def main(argv: list[str]) -> int:
     p.add_argument("--scenarios", default="clean,kill,slow")
     p.add_argument("--md", default=None, help="write the section into this markdown file (docs/benchmarks.md)")
     p.add_argument("--json", default=None, help="also write the raw results here")
+    p.add_argument("--convergence", action="store_true",
+                   help="run the convergence rows (swarm vs one process at equal tokens) instead")
+    p.add_argument("--micro-batches", type=int, default=2000, help="--convergence: micro-batches per variant")
+    p.add_argument("--round-every", type=int, default=10, help="--convergence: micro-batches between stage rounds")
+    p.add_argument("--kill-at-micro-batch", type=int, default=500, help="--convergence: when the server dies")
     args = p.parse_args(argv)
+    if args.convergence:
+        if args.micro_batches < 200 or args.round_every < 1:
+            p.error("--micro-batches must be >= 200 and --round-every >= 1")
+        if not 0 < args.kill_at_micro_batch < args.micro_batches:
+            p.error("--kill-at-micro-batch must be in (0, --micro-batches)")
+        torch.set_num_threads(args.threads)
+        return convergence_rows(args, argv)
     for name in ("seconds", "warmup", "slow_factor"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")

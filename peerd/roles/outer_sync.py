@@ -32,7 +32,7 @@ from peerd.roles.fragments import FragmentState
 from protocols.allgather import SparseAllGather
 from protocols.allreduce import AllReduceFailed, AllReduceResult, ButterflyAllReduce
 from protocols.codecs import ErrorFeedback
-from protocols.diloco import OuterState
+from protocols.diloco import DiLoCoHyperparams, OuterState
 from protocols.gossip import GossipAverager
 from protocols.matchmaking import AdmissionRefused, Matchmaker, MatchmakingFailed, SealedWithout
 from protocols.moshpit import MoshpitAverager, round_to_join
@@ -125,10 +125,10 @@ class OuterSync:
     catch_up_margin: ClassVar[Optional[int]]
     same_theta: ClassVar[bool] = False
 
-    def __init__(self, ctx: RunContext, state: FragmentState):
+    def __init__(self, ctx: RunContext, state: FragmentState, hp: Optional[DiLoCoHyperparams] = None):
         self.ctx = ctx
         self.state = state
-        self.hp = ctx.run.diloco
+        self.hp = hp if hp is not None else ctx.run.diloco
         self.components: tuple = ()
         self.last_members: frozenset[str] = frozenset()
         """The last completed group's members less the excluded ones (methods with groups; empty otherwise)."""
@@ -205,8 +205,8 @@ class AllReduceSync(OuterSync):
     catch_up_margin = 1  # peers move in lockstep: anyone ahead means we missed a round
     same_theta = True
 
-    def __init__(self, ctx: RunContext, state: FragmentState):
-        super().__init__(ctx, state)
+    def __init__(self, ctx: RunContext, state: FragmentState, hp: Optional[DiLoCoHyperparams] = None):
+        super().__init__(ctx, state, hp)
         self.matchmaker = self._matchmaker()
         self.allreduce = self._allreduce()
         self.components = (self.matchmaker, self.allreduce)
@@ -325,8 +325,8 @@ class MoshpitSync(_MixingSync):
     method = "moshpit"
     catch_up_margin = 2  # groups progress independently: only a gap of two rounds means our groupmates are gone
 
-    def __init__(self, ctx: RunContext, state: FragmentState):
-        super().__init__(ctx, state)
+    def __init__(self, ctx: RunContext, state: FragmentState, hp: Optional[DiLoCoHyperparams] = None):
+        super().__init__(ctx, state, hp)
         self.matchmaker = self._matchmaker()
         self.allreduce = self._allreduce()
         self.moshpit = MoshpitAverager(self.matchmaker, self.allreduce, ctx.run.averaging.group_size)
@@ -359,8 +359,8 @@ class GossipSync(_MixingSync):
     method = "gossip"
     catch_up_margin = None  # gossip has no rounds to share
 
-    def __init__(self, ctx: RunContext, state: FragmentState):
-        super().__init__(ctx, state)
+    def __init__(self, ctx: RunContext, state: FragmentState, hp: Optional[DiLoCoHyperparams] = None):
+        super().__init__(ctx, state, hp)
         self.gossip = GossipAverager(ctx.transport, state.fragment.scope, ctx.run.averaging.gossip(),
                                      self._gossip_state, self._set_gossip_state, bans=ctx.bans)
         self.components = (self.gossip,)
@@ -394,12 +394,13 @@ class GossipSync(_MixingSync):
 OUTER_SYNCS: dict[str, type[OuterSync]] = {cls.method: cls for cls in (AllReduceSync, MoshpitSync, GossipSync)}
 
 
-def make_outer_sync(ctx: RunContext, state: FragmentState) -> OuterSync:
-    """The run's strategy for ``state``, decorated by ``ctx.wrap_sync``. Raises KeyError for an unknown method."""
+def make_outer_sync(ctx: RunContext, state: FragmentState, hp: Optional[DiLoCoHyperparams] = None) -> OuterSync:
+    """The run's strategy for ``state``, decorated by ``ctx.wrap_sync``; its outer step uses ``hp`` (None: the run's
+    ``[diloco]``). Raises KeyError for an unknown method."""
     method = ctx.run.averaging.method
     if method not in OUTER_SYNCS:
         raise KeyError(f"unknown averaging method {method!r}; known: {sorted(OUTER_SYNCS)}")
-    return ctx.wrap_sync(OUTER_SYNCS[method](ctx, state))
+    return ctx.wrap_sync(OUTER_SYNCS[method](ctx, state, hp))
 
 
 def unpack(packed: torch.Tensor, outer_round: int) -> OuterState:

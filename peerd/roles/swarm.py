@@ -12,12 +12,22 @@ Every ``rebalance_period_s`` (with jitter) a server checks Petals' rule (:func:`
 the announcements and, if told to, moves to the bottleneck stage, starting from the parameters of a live server
 there (``state`` method of the stage service).
 
-Stage replicas average (DiLoCo, Douillard et al. 2023, Alg. 1, per stage): the servers of stage k hold the stage's
-parameters as one fragment (``stage<k>``, group keys under ``ns.scoped(fragment="stage<k>")``) and, every
-``[swarm] sync_interval_s`` (at wall-clock multiples of it, so replicas meet), run an outer round on it with the
-run's outer-sync strategy (:func:`peerd.roles.outer_sync.make_outer_sync`), weighted by the samples each trained
-on since its last round. A server whose stage-mates are rounds ahead, or that a round's leader refuses, adopts a
-live mate's outer state (``outer`` method of the stage service); a mover adopts it with the parameters.
+Stage rounds: the replicas of a stage average their parameters, as in SWARM (Ryabinin et al. 2023, section 3.2 and
+appendix: the peers serving one stage synchronize with all-reduce, a plain average; Petals' servers of a block serve
+identical weights). The servers of stage k hold the stage's parameters as one fragment (``stage<k>``, group keys
+under ``ns.scoped(fragment="stage<k>")``) and, every ``[swarm] sync_interval_s`` (at wall-clock multiples of it, so
+replicas meet), run a round on it with the run's outer-sync strategy
+(:func:`peerd.roles.outer_sync.make_outer_sync`) whose outer step is fixed to plain averaging
+(:func:`protocols.swarm.stage_round_hyperparams`: lr 1, no momentum): after a round every replica holds ``sum_i w_i
+theta_i / sum_i w_i`` (w_i: the samples replica i trained on since its last round; a replica that trained on none
+only receives), plus the local steps it took while the round ran. Each replica keeps its own AdamW moments across
+the replacement: the average lies among the replicas' own parameters (a displacement no larger than theirs since the
+last round), so the moments, estimated on the same data, still fit it. ``[diloco]`` outer_lr / outer_momentum /
+outer_nesterov are therefore not used (a SWARM run config that sets outer_lr or outer_momentum to anything but 1 and
+0 is refused: a DiLoCo outer step on wall-clock rounds of replicas that step every micro-batch made the loss stall
+or climb back after a few hundred micro-batches; see :func:`protocols.swarm.stage_round_hyperparams`). A server
+whose stage-mates are rounds ahead, or that a round's leader refuses, adopts a live mate's state (``outer`` method
+of the stage service); a mover adopts it with the parameters.
 
 With ``[swarm] skip_ratio > 0`` (SkipPipe, Blagoev et al. 2025, arXiv 2502.19913) a trainer sends each micro-batch
 along the path and to the servers :class:`protocols.skippipe.SkipPlanner` plans from its wiring; a middle stage
@@ -49,7 +59,9 @@ from protocols.skippipe import NoPath, SkipPlanner
 from protocols.stage_service import (
     PipelineTrainer, StageService, download_outer_state, download_stage_parameters, load_flat_parameters,
 )
-from protocols.swarm import StageAnnouncement, Wiring, choose_stage, rebalance_delay_s, should_move
+from protocols.swarm import (
+    StageAnnouncement, Wiring, choose_stage, rebalance_delay_s, should_move, stage_round_hyperparams,
+)
 
 __all__ = ["SwarmRole", "read_stage_servers", "stage_key", "stage_service_name"]
 
@@ -159,7 +171,7 @@ class SwarmRole:
         service = StageService(stage_service_name(self.ctx, stage), module, run.swarm, optimizer=optimizer,
                                bans=self.ctx.bans, device=self.ctx.device, outer_state=outer_state,
                                compute_thread=True)
-        return service, state, make_outer_sync(self.ctx, state)
+        return service, state, make_outer_sync(self.ctx, state, stage_round_hyperparams(hp))
 
     async def announce(self) -> None:
         """Store this server's announcement now (a failed store is retried at the next period)."""

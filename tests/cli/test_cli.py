@@ -79,6 +79,14 @@ def test_bad_config_file_exits_2_naming_the_key(tmp_path):
     assert "devise" in result.stderr and str(bad) in result.stderr
 
 
+def test_a_swarm_run_config_with_an_outer_step_exits_2_in_one_line(tmp_path, capsys):
+    path = tmp_path / "swarm.toml"
+    path.write_text('parallelism = "swarm"\nmodel = "tiny"\n[diloco]\nouter_momentum = 0.9\n')
+    assert main(["config", "show", "--run-config", str(path)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "outer_momentum" in lines[0] and str(path) in lines[0], lines
+
+
 def test_config_show_prints_the_effective_config():
     result = _peerd("config", "show", "--config", str(LOCAL), "--run-config", str(TINY), "--threads", "2")
     assert result.returncode == 0, result.stderr

@@ -473,3 +473,20 @@ def test_bad_swarm_table_is_one_clear_error(table, match):
 
     with pytest.raises(ConfigError, match=match):
         RunConfig.from_dict(table)
+
+
+@pytest.mark.parametrize("table", ["outer_momentum = 0.9", "outer_lr = 0.7", "outer_lr = 0.7\nouter_momentum = 0.0"])
+def test_a_swarm_run_config_with_an_outer_step_is_refused(tmp_path, table):
+    """A swarm's stage rounds average the replicas (SWARM): a [diloco] outer step there would be ignored, and the
+    one it names made the loss climb back, so the file is refused naming the key."""
+    path = write(tmp_path, f'parallelism = "swarm"\nmodel = "tiny"\n[diloco]\n{table}\n')
+    with pytest.raises(ConfigError) as info:
+        load_run_config(path)
+    assert str(path) in str(info.value) and "outer_" in str(info.value) and "average" in str(info.value)
+
+
+def test_a_swarm_run_config_may_spell_out_plain_averaging(tmp_path):
+    path = write(tmp_path, 'parallelism = "swarm"\nmodel = "tiny"\n[diloco]\nouter_lr = 1.0\nouter_momentum = 0\n')
+    assert load_run_config(path).parallelism == "swarm"
+    diloco = write(tmp_path, 'model = "tiny"\n[diloco]\nouter_lr = 0.5\nouter_momentum = 0.5\n', name="diloco.toml")
+    assert load_run_config(diloco).diloco.outer_lr == 0.5  # DiLoCo runs keep their outer step

@@ -135,3 +135,30 @@ def test_a_replica_that_missed_rounds_adopts_its_stage_mates_outer_state(tmp_pat
     assert all(isinstance(o, RoundResult) and o.group_size == 2 for o in outcomes), outcomes
     assert rounds == [3, 3]
     assert torch.equal(params[0], params[1])
+
+
+def test_a_stage_round_is_the_samples_weighted_average_of_the_replicas(tmp_path):
+    """SWARM's semantics: after a round every replica holds sum_i w_i theta_i / sum_i w_i, whatever the run's
+    [diloco] outer step says (it is DiLoCo's 0.7 / Nesterov 0.9 here); in the second round too, where momentum from
+    the first would show."""
+    async def main():
+        hub, stop = Hub(), asyncio.Event()
+        roles, tasks = await _start_servers(hub, tmp_path, _run(), [0, 0], stop)
+        locals_, weights, after = [], [1, 3], []
+        for rnd in range(2):  # the second round would show momentum from the first
+            for i, role in enumerate(roles):
+                _train_locally(role, 0.01 * (i + 1) * (rnd + 1), samples=8 * weights[i])
+            locals_.append([flat_parameters(r.service.stage) for r in roles])
+            await _round(roles)
+            after.append([flat_parameters(r.service.stage) for r in roles])
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*tasks), 10)
+        return locals_, weights, after
+
+    locals_, weights, after = asyncio.run(main())
+    assert _run().diloco.outer_lr == 0.7 and _run().diloco.outer_momentum == 0.9
+    for before, now in zip(locals_, after):
+        expected = (weights[0] * before[0] + weights[1] * before[1]) / sum(weights)
+        assert torch.equal(now[0], now[1])
+        # the default compression sends the pseudo-gradients (about 0.01-0.04 here) in fp16: ~1e-5 of rounding
+        torch.testing.assert_close(now[0], expected, rtol=0, atol=2e-4)
