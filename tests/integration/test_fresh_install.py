@@ -25,11 +25,15 @@ def test_pip_install_dot_alone_gives_a_daemon_that_bootstraps_and_joins(tmp_path
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=True, system_site_packages=False)
     python, peerd = env_dir / "bin" / "python", env_dir / "bin" / "peerd"
-    # torch pinned to the build this suite runs on (what scripts/setup installs): a bare `torch>=2.2` may choose a
-    # multi-GB CUDA build, which is not what this test is about; every other requirement comes from setup.cfg alone
+    # offline (the suite runs in a namespace with only a loopback interface): from the wheelhouse scripts/setup
+    # downloads, with torch pinned to the build this suite runs on (a bare `torch>=2.2` may choose a multi-GB CUDA
+    # build); every other requirement comes from setup.cfg alone
+    wheelhouse = ROOT / ".venv" / "wheelhouse"
+    assert wheelhouse.is_dir(), f"{wheelhouse} is missing: run scripts/setup (it downloads the wheels this test uses)"
     constraints = tmp_path / "constraints.txt"
     constraints.write_text(f"torch=={torch.__version__.split('+')[0]}\n")
-    install = subprocess.run([str(python), "-m", "pip", "install", "--quiet", "-c", str(constraints), str(source)],
+    install = subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--no-index", "--find-links",
+                              str(wheelhouse), "-c", str(constraints), str(source)],
                              capture_output=True, text=True, timeout=1000)
     assert install.returncode == 0, install.stderr[-3000:]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
