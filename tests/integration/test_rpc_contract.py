@@ -160,7 +160,8 @@ class _Libp2pPool:
         leftover = asyncio.all_tasks(self.loop)  # handlers of killed peers' streams, stalls of test_timeout
         for task in leftover:
             task.cancel()
-        self.run(asyncio.gather(*leftover, return_exceptions=True))
+        if leftover:  # gather() of nothing looks for a current loop, and there is none when no test used the pool
+            self.run(asyncio.gather(*leftover, return_exceptions=True))
         self.loop.close()
 
 
