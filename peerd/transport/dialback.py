@@ -49,7 +49,7 @@ async def p2pd_dial(peer_id: str, addrs: Sequence[str], timeout_s: float) -> dic
     reported not dialed: once connected, p2pd also dials the addresses the peer announced to it, so a later result
     would not be that address's own)."""
     from hivemind.p2p import P2P, PeerID
-    from hivemind.utils.multiaddr import Multiaddr  # the type its p2pd client takes
+    from multiaddr import Multiaddr
 
     target = PeerID.from_base58(peer_id)
     prober = await P2P.create(host_maddrs=[], no_listen=True, nat_port_map=False, use_relay=False,

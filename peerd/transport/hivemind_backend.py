@@ -35,7 +35,7 @@ from hivemind.dht.node import DHTNode
 from hivemind.dht.validation import CompositeValidator
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
-from hivemind.utils.multiaddr import Multiaddr
+from multiaddr import Multiaddr
 
 from peerd.config import DHT_MODES
 from peerd.processes import blocked_stop_signals, in_own_session, leave_terminal_session, stop_processes, tree_of
@@ -448,7 +448,7 @@ class HivemindStreams:
         """Open a connection to the peer at ``maddr`` (``.../p2p/<PeerID>``; a relay circuit
         ``<relay>/p2p-circuit/p2p/<PeerID>`` goes through that relay), so that later streams to it can use it.
         Raises ConnectionError if it cannot be reached within ``timeout_s``."""
-        from hivemind.utils.multiaddr import Multiaddr
+        from multiaddr import Multiaddr
 
         head, sep, peer = maddr.rstrip("/").rpartition("/p2p/")
         if not sep or not head:
