@@ -187,7 +187,7 @@ def _diff(a: dict, b: dict, prefix: str = "") -> list[tuple[str, object, object]
 
 async def join(run_id: RunRef | str, node: NodeConfig, local_run: Optional[RunConfig]) -> None:
     """Join (or create) run ``run_id`` (``name`` or ``name@creator``, a string or a RunRef) in the role its config
-    names (``parallelism``, :data:`peerd.roles.base.ROLES`) until stopped or the role is done. Everything but the
+    names (``parallelism``, :data:`peerd.roles.registry.ROLES`) until stopped or the role is done. Everything but the
     choice of the config is keyed by the run name. Raises :class:`peerd.roles.status_board.DuplicateIdentity` if
     another live daemon uses this peer's identity."""
     from peerd.service.limits import apply_cpu_threads, apply_gpu_memory_fraction

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol
@@ -24,6 +23,7 @@ from peerd.data import ByteTokenizer, DataError, load_corpus, tokenize_corpus
 from peerd.events import Banned, EventBus
 from peerd.namespace import RunNamespace, RunRef, as_run_ref
 from peerd.service.pause import PauseGate
+from peerd.roles.registry import ROLES, resolve
 from peerd.roles.status_board import StatusBoard
 from peerd.run_config import RunConfig
 from peerd.corpus_store import corpus_cache_dir
@@ -32,12 +32,6 @@ from protocols.interfaces import Transport
 
 logger = logging.getLogger(__name__)
 
-#: Role name (the run config's ``parallelism``) -> "module:Class"; imported on use (roles import torch models).
-ROLES: dict[str, str] = {
-    "diloco": "peerd.roles.diloco:DiLoCoRole",
-    "swarm": "peerd.roles.swarm:SwarmRole",
-    "spes": "peerd.roles.spes:SpesRole",
-}
 
 
 class Role(Protocol):
@@ -56,12 +50,7 @@ def parallelism(run: RunConfig) -> str:
 
 def role_class(name: str) -> Callable[["RunContext"], Role]:
     """The role class registered as ``name``. Raises KeyError naming the known roles."""
-    try:
-        target = ROLES[name]
-    except KeyError:
-        raise KeyError(f"unknown parallelism {name!r}; known: {sorted(ROLES)}") from None
-    module, _, attr = target.partition(":")
-    return getattr(importlib.import_module(module), attr)
+    return resolve(ROLES, name, "parallelism")
 
 
 def pick_device(device: str) -> torch.device:

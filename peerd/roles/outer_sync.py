@@ -1,6 +1,6 @@
 """Outer-sync strategies: how one fragment's outer state meets the swarm's in an outer round.
 
-One class per averaging method, behind :class:`OuterSync`; :data:`OUTER_SYNCS` maps the run config's
+One class per averaging method, behind :class:`OuterSync`; :data:`peerd.roles.registry.OUTER_SYNCS` maps the run config's
 ``averaging.method`` to its class (the only place that looks at the method name).
 
 - :class:`AllReduceSync` (DiLoCo, Douillard et al. 2023, Alg. 1): butterfly-all-reduce the pseudo-gradients of
@@ -29,6 +29,7 @@ import torch
 
 from peerd.roles.base import RunContext, bounded_on_stop, unless_stopped
 from peerd.roles.fragments import FragmentState
+from peerd.roles.registry import OUTER_SYNCS, resolve
 from protocols.allgather import SparseAllGather
 from protocols.allreduce import AllReduceFailed, AllReduceResult, ButterflyAllReduce
 from protocols.codecs import ErrorFeedback
@@ -390,17 +391,11 @@ class GossipSync(_MixingSync):
         return out
 
 
-#: ``averaging.method`` -> strategy class.
-OUTER_SYNCS: dict[str, type[OuterSync]] = {cls.method: cls for cls in (AllReduceSync, MoshpitSync, GossipSync)}
-
-
 def make_outer_sync(ctx: RunContext, state: FragmentState, hp: Optional[DiLoCoHyperparams] = None) -> OuterSync:
     """The run's strategy for ``state``, decorated by ``ctx.wrap_sync``; its outer step uses ``hp`` (None: the run's
     ``[diloco]``). Raises KeyError for an unknown method."""
-    method = ctx.run.averaging.method
-    if method not in OUTER_SYNCS:
-        raise KeyError(f"unknown averaging method {method!r}; known: {sorted(OUTER_SYNCS)}")
-    return ctx.wrap_sync(OUTER_SYNCS[method](ctx, state, hp))
+    cls = resolve(OUTER_SYNCS, ctx.run.averaging.method, "averaging method")
+    return ctx.wrap_sync(cls(ctx, state, hp))
 
 
 def unpack(packed: torch.Tensor, outer_round: int) -> OuterState:
