@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
+import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Mapping, Optional, Protocol
 
 import torch
 
@@ -51,6 +53,25 @@ def parallelism(run: RunConfig) -> str:
 def role_class(name: str) -> Callable[["RunContext"], Role]:
     """The role class registered as ``name``. Raises KeyError naming the known roles."""
     return resolve(ROLES, name, "parallelism")
+
+
+#: Environment variable naming a ``module:function`` that wraps the run's :class:`RunContext` before the role gets it
+#: (``function(ctx) -> RunContext``). Unset in production; the test harness injects faults through it
+#: (:meth:`peerd.testing.faults.Faults.environ`), so no production module imports ``peerd.testing``.
+CONTEXT_HOOK_ENV = "PEERD_CONTEXT_HOOK"
+
+
+def wrap_context(ctx: "RunContext", environ: Mapping[str, str] = os.environ) -> "RunContext":
+    """``ctx`` passed through the hook that ``environ[CONTEXT_HOOK_ENV]`` names (imported now), or ``ctx`` itself
+    when it is unset. Raises ValueError for a value that is no ``module:function``, ImportError or AttributeError
+    for one that names nothing."""
+    target = environ.get(CONTEXT_HOOK_ENV)
+    if not target:
+        return ctx
+    module, _, attr = target.partition(":")
+    if not module or not attr:
+        raise ValueError(f"{CONTEXT_HOOK_ENV} must name module:function, got {target!r}")
+    return getattr(importlib.import_module(module), attr)(ctx)
 
 
 def pick_device(device: str) -> torch.device:
