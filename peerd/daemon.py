@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import os
 from pathlib import Path
 from typing import Optional
 
@@ -192,7 +191,8 @@ async def join(run_id: RunRef | str, node: NodeConfig, local_run: Optional[RunCo
     another live daemon uses this peer's identity."""
     from peerd.service.limits import apply_cpu_threads, apply_gpu_memory_fraction
     from peerd.devices import describe_device
-    from peerd.roles.base import RunContext, parallelism, pick_device, role_class, wrap_context  # torch-heavy: keep --help fast
+    # torch-heavy: keep --help fast
+    from peerd.roles.base import RunContext, parallelism, pick_device, role_class, wrap_context
     from peerd.memory import fit_node
     from peerd.roles.tokenizer_sync import resolve_tokenizer, serve_tokenizers
     from peerd.tokenizer import TokenizerCache, tokenizer_dir

@@ -1,7 +1,7 @@
 """Outer-sync strategies: how one fragment's outer state meets the swarm's in an outer round.
 
-One class per averaging method, behind :class:`OuterSync`; :data:`peerd.roles.registry.OUTER_SYNCS` maps the run config's
-``averaging.method`` to its class (the only place that looks at the method name).
+One class per averaging method, behind :class:`OuterSync`; :data:`peerd.roles.registry.OUTER_SYNCS` maps the run
+config's ``averaging.method`` to its class (the only place that looks at the method name).
 
 - :class:`AllReduceSync` (DiLoCo, Douillard et al. 2023, Alg. 1): butterfly-all-reduce the pseudo-gradients of
   everyone present, then apply the shared outer step: theta_outer stays bit-identical across the swarm.
