@@ -19,6 +19,10 @@ from typing import Any, Optional, Sequence
 from peerd import __version__
 from peerd.config import (
     DHT_MODES,
+    PRECISIONS,
+    RELAY_MODES,
+    SWARM_ROLES,
+    TRANSPORTS,
     ConfigError,
     NodeConfig,
     load_node_config,
@@ -27,6 +31,7 @@ from peerd.config import (
 from peerd.service.control import ControlUnavailable
 from peerd.namespace import RunIdError
 from peerd.processes import Interrupted, interruptible
+from peerd.telemetry import LOG_FORMATS
 
 logger = logging.getLogger("peerd")
 
@@ -66,16 +71,16 @@ def _node_flags(p: argparse.ArgumentParser, listen_default: Optional[str] = None
                    "<checkpoint-dir>/identity.key; bootstrap: <checkpoint-dir>/bootstrap.key)")
     g.add_argument("--nat-port-map", action=argparse.BooleanOptionalAction, default=None,
                    help="ask the router for a port mapping via UPnP/NAT-PMP (default off)")
-    g.add_argument("--transport", choices=("p2pd", "libp2p", "auto"),
+    g.add_argument("--transport", choices=TRANSPORTS,
                    help="libp2p implementation: p2pd (hivemind's Go daemon), libp2p (py-libp2p, pure Python) or "
                    "auto (p2pd where its binary runs, else py-libp2p; the default)")
     g.add_argument("--dht", choices=DHT_MODES,
                    help="where the DHT node runs: process (a child process; the default) or inline (in the "
                    "daemon, ~250 MB less memory: for many peers on one machine)")
-    g.add_argument("--relay", choices=("off", "auto", "always"),
+    g.add_argument("--relay", choices=RELAY_MODES,
                    help="libp2p circuit relays: auto (relay for others; use a relay when behind a NAT; the default), "
                    "always (always reserve a relay slot) or off")
-    p.add_argument("--log-format", choices=("text", "json"), default="text",
+    p.add_argument("--log-format", choices=LOG_FORMATS, default="text",
                    help="text for people, json (one object per line) for log shippers")
     p.add_argument("--log-level", metavar="LEVEL", help="DEBUG, INFO, WARNING... (default: $PEERD_LOGLEVEL or INFO)")
 
@@ -95,7 +100,7 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--data", metavar="PATH|GLOB", help="train on this local corpus instead of the run's: UTF-8 text files, .jsonl "
                    "(a \"text\" field per line) or .parquet (a text column)")
     g.add_argument("--stage", type=int, metavar="K", help="SWARM runs: serve pipeline stage K (default: the bottleneck)")
-    g.add_argument("--role", choices=("auto", "server", "trainer"), dest="swarm_role",
+    g.add_argument("--role", choices=SWARM_ROLES, dest="swarm_role",
                    help="SWARM runs: trainer (also push micro-batches), server (serve only); default auto "
                         "(stage-0 servers train)")
     g = p.add_argument_group("using the GPU well (node options: the run's tokens per inner step stay the same)")
@@ -103,7 +108,7 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
                    help="sequences per forward/backward; the run's batch_size is reached by accumulating "
                    "batch_size/M micro-batches (must divide it; default 0 = chosen from the GPU's free memory, the "
                    "whole batch on a CPU)")
-    g.add_argument("--precision", choices=("auto", "fp32", "bf16", "fp16"),
+    g.add_argument("--precision", choices=PRECISIONS,
                    help="auto (default): bf16 autocast on GPUs that support it, fp16 + loss scaling on older "
                    "ones, fp32 on CPU; master weights and the outer state stay fp32")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
@@ -154,7 +159,7 @@ def _control_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--checkpoint-dir", metavar="DIR", help="the daemon's checkpoint folder (default ~/.peerd/checkpoints)")
     g.add_argument("--control-socket", metavar="PATH", help="the control socket (default <checkpoint-dir>/peerd.sock)")
     p.add_argument("--json", action="store_true", help="print the daemon's whole reply as JSON")
-    p.add_argument("--log-format", choices=("text", "json"), default="text", help=argparse.SUPPRESS)
+    p.add_argument("--log-format", choices=LOG_FORMATS, default="text", help=argparse.SUPPRESS)
     p.add_argument("--log-level", metavar="LEVEL", help=argparse.SUPPRESS)
 
 
@@ -164,12 +169,12 @@ def _model_source_flags(p: argparse.ArgumentParser) -> None:
                    help="a node's checkpoint folder, a run's folder in it, or a folder holding state.safetensors "
                    "(default ~/.peerd/checkpoints)")
     g.add_argument("--run-id", type=_run_id, help="the run whose checkpoint to read (needed if DIR holds several)")
-    g.add_argument("--weights", choices=("outer", "local"), default="outer",
+    g.add_argument("--weights", choices=("outer", "local"), default="outer",  # peerd.export.WEIGHTS; it imports torch
                    help="outer: the run's synced model (default); local: this peer's model with its inner steps "
                    "since the last outer round")
     g.add_argument("--model", metavar="NAME", help="the run's model, for checkpoints that do not record it")
     g.add_argument("--seq-len", type=int, metavar="T", help="the run's seq_len, for checkpoints that do not record it")
-    p.add_argument("--log-format", choices=("text", "json"), default="text", help=argparse.SUPPRESS)
+    p.add_argument("--log-format", choices=LOG_FORMATS, default="text", help=argparse.SUPPRESS)
     p.add_argument("--log-level", metavar="LEVEL", help=argparse.SUPPRESS)
 
 
@@ -282,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--watchdog-s", type=int, default=120, metavar="S", help="WatchdogSec (default 120)")
     p.add_argument("--peerd", metavar="PATH", help="absolute path of the peerd executable (default: this one)")
     p.add_argument("--print", action="store_true", dest="print_only", help="print the unit instead of writing it")
-    p.add_argument("--log-format", choices=("text", "json"), default="text", help=argparse.SUPPRESS)
+    p.add_argument("--log-format", choices=LOG_FORMATS, default="text", help=argparse.SUPPRESS)
     p.add_argument("--log-level", metavar="LEVEL", help=argparse.SUPPRESS)
 
     p = sub.add_parser("export", help="write a checkpoint's model as a Hugging Face Llama (safetensors + config)",
@@ -329,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--checkpoint-dir", default="~/.peerd/checkpoints", metavar="DIR",
                    help="the node whose cache receives the file (default ~/.peerd/checkpoints)")
     t.add_argument("--out", metavar="FILE", help="also write the tokenizer file here")
-    t.add_argument("--log-format", choices=("text", "json"), default="text", help=argparse.SUPPRESS)
+    t.add_argument("--log-format", choices=LOG_FORMATS, default="text", help=argparse.SUPPRESS)
     t.add_argument("--log-level", metavar="LEVEL", help=argparse.SUPPRESS)
 
     p = sub.add_parser("config", help="inspect configuration")

@@ -24,7 +24,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from peerd.service.schedule import ActiveHours
+from peerd.node_values import ActiveHours, bind_problem
 
 #: Longest path a Unix socket address holds on Linux (sun_path is 108 bytes with the terminating NUL).
 MAX_UNIX_SOCKET_PATH = 107
@@ -360,8 +360,6 @@ class NodeConfig:
             raise ConfigError(f"dashboard_port must be a TCP port 0-65535 (0 = any free port), got "
                               f"{self.dashboard_port}", key="dashboard_port",
                               reason=f"must be a TCP port 0-65535 (0 = any free port), got {self.dashboard_port}")
-        from peerd.dashboard.security import bind_problem
-
         problem = bind_problem(self.dashboard_host, self.dashboard_token)
         if problem:
             raise ConfigError(f"dashboard_host: {problem}", key="dashboard_host", reason=problem)

@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import os
 from pathlib import Path
 from typing import Optional
 
@@ -187,12 +186,13 @@ def _diff(a: dict, b: dict, prefix: str = "") -> list[tuple[str, object, object]
 
 async def join(run_id: RunRef | str, node: NodeConfig, local_run: Optional[RunConfig]) -> None:
     """Join (or create) run ``run_id`` (``name`` or ``name@creator``, a string or a RunRef) in the role its config
-    names (``parallelism``, :data:`peerd.roles.base.ROLES`) until stopped or the role is done. Everything but the
+    names (``parallelism``, :data:`peerd.roles.registry.ROLES`) until stopped or the role is done. Everything but the
     choice of the config is keyed by the run name. Raises :class:`peerd.roles.status_board.DuplicateIdentity` if
     another live daemon uses this peer's identity."""
     from peerd.service.limits import apply_cpu_threads, apply_gpu_memory_fraction
     from peerd.devices import describe_device
-    from peerd.roles.base import RunContext, parallelism, pick_device, role_class  # torch-heavy: keep --help fast
+    # torch-heavy: keep --help fast
+    from peerd.roles.base import RunContext, parallelism, pick_device, role_class, wrap_context
     from peerd.memory import fit_node
     from peerd.roles.tokenizer_sync import resolve_tokenizer, serve_tokenizers
     from peerd.tokenizer import TokenizerCache, tokenizer_dir
@@ -209,7 +209,7 @@ async def join(run_id: RunRef | str, node: NodeConfig, local_run: Optional[RunCo
     stop = asyncio.Event()
     install_stop_handlers(stop)
     hold = hold_identity(node.identity_path_for("worker"))  # before any service: a second daemon stops right here
-    async with VolunteerServices(node, "diloco", stop, run_id=run_id) as services:
+    async with VolunteerServices(node, "worker", stop, run_id=run_id) as services:  # the role: once known
         apply_cpu_threads(node.threads)
         device = pick_device(node.local_devices[0] if node.local_devices else node.device)  # absent: one line, exit 1
         logger.info("training device: %s", describe_device(device))
@@ -245,10 +245,7 @@ async def join(run_id: RunRef | str, node: NodeConfig, local_run: Optional[RunCo
             role_transport = admit_only(services.pace(data_plane or transport), run.allowlist)
             ctx = RunContext.build(ref, run, node, role_transport, stop, services.gate, services.events)
             services.device_in_use = str(ctx.device)
-            if os.environ.get("PEERD_FAULTS"):  # the test harness makes this peer misbehave on schedule
-                from peerd.testing.faults import instrument_from_env
-
-                ctx = instrument_from_env(ctx)
+            ctx = wrap_context(ctx)
             tokenizers = TokenizerCache(tokenizer_dir(node))
             files = serve_tokenizers(role_transport, ctx.namespace, tokenizers)  # joiners fetch the run's file here
             await files.start()
@@ -259,6 +256,7 @@ async def join(run_id: RunRef | str, node: NodeConfig, local_run: Optional[RunCo
             if memory:
                 logger.info("memory: %s", memory)
             role = role_class(parallelism(run))(ctx)
+            services.set_role(role.name)
             services.watch_peers(role_transport.discovery, ctx.namespace.status_key)
             reach = asyncio.ensure_future(_check_reachability(transport, node, ctx))
             services.ready(f"joined run {run_id}")

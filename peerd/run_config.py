@@ -16,6 +16,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, Optional
 
 from peerd.config import ConfigError, build_config, read_toml
+from peerd.models.registry import MODEL_PRESETS
+from peerd.roles.registry import OUTER_SYNCS, ROLES
 from protocols.allreduce import AllReduceConfig
 from protocols.codecs import PSEUDO_GRADIENT_CODECS, SPARSE_CODECS
 from protocols.diloco import DiLoCoHyperparams
@@ -25,13 +27,14 @@ from protocols.spes import SpesConfig
 from protocols.state_transfer import StateTransferConfig
 from protocols.swarm import STAGE_ROUND_OUTER_STEP, SwarmConfig
 
-#: Names in the model registry (peerd/models/registry.py; a test keeps the two equal without importing torch here).
-MODEL_NAMES = ("tiny", "small", "125m", "350m", "1.1b", "tiny-moe", "small-moe")
+#: Names in the model registry (:data:`peerd.models.registry.MODEL_PRESETS`).
+MODEL_NAMES = tuple(MODEL_PRESETS)
 #: Mixture-of-experts models (peerd/models/moe.py): the ones SPES trains; DiLoCo trains them whole.
-MOE_MODEL_NAMES = ("tiny-moe", "small-moe")
-AVERAGING_METHODS = ("allreduce", "moshpit", "gossip")
-#: How peers of a run split the work (names of ``peerd.roles.base.ROLES``).
-PARALLELISMS = ("diloco", "swarm", "spes")
+MOE_MODEL_NAMES = tuple(name for name, preset in MODEL_PRESETS.items() if preset.family == "moe")
+#: Averaging methods (:data:`peerd.roles.registry.OUTER_SYNCS`).
+AVERAGING_METHODS = tuple(OUTER_SYNCS)
+#: How peers of a run split the work (:data:`peerd.roles.registry.ROLES`).
+PARALLELISMS = tuple(ROLES)
 
 #: ``[averaging.<table>]`` -> (attribute of AveragingConfig, the protocol's own config class). Each protocol
 #: documents its fields (protocols/matchmaking.py, allreduce.py, gossip.py, state_transfer.py).

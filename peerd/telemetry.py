@@ -48,8 +48,15 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
+#: Values of ``--log-format``: ``text`` for people, ``json`` (one object per line) for log shippers.
+LOG_FORMATS = ("text", "json")
+
+
 def setup_logging(log_format: str = "text", level: str | None = None) -> None:
-    """Configure the root logger on stderr. Level from ``level`` or ``PEERD_LOGLEVEL`` (default INFO)."""
+    """Configure the root logger on stderr in ``log_format`` (:data:`LOG_FORMATS`). Level from ``level`` or
+    ``PEERD_LOGLEVEL`` (default INFO). Raises ValueError for an unknown format."""
+    if log_format not in LOG_FORMATS:
+        raise ValueError(f"log format must be one of {LOG_FORMATS}, got {log_format!r}")
     level = (level or os.environ.get("PEERD_LOGLEVEL") or "INFO").upper()
     handler = logging.StreamHandler(sys.stderr)
     if log_format == "json":

@@ -45,6 +45,7 @@ from typing import Sequence
 import torch
 
 from protocols.allreduce import AllReduceResult, ButterflyAllReduce
+from protocols import group_keys
 from protocols.matchmaking import Group, Matchmaker, MatchmakingFailed
 
 
@@ -117,11 +118,15 @@ class Assignment:
     expected_size: int
     coordinates: tuple[int, ...]
 
+#: Prefix of the round-wide rendezvous keys.
+MOSHPIT_PREFIX = "moshpit.r"
+
 
 def round_key(outer_round: int) -> str:
     """The round-wide rendezvous key of ``outer_round`` (0-based); every group key of the round starts with it plus
-    ``.``. The key numbers rounds from 1, as peers' logs do (``moshpit.r1`` is the first round)."""
-    return f"moshpit.r{outer_round + 1}"
+    ``.``. The key numbers rounds from 1, as peers' logs do (``moshpit.r1`` is the first round):
+    :func:`protocols.group_keys.group_key` under the prefix ``moshpit.r``."""
+    return group_keys.group_key(outer_round, prefix=MOSHPIT_PREFIX)
 
 
 def group_key(outer_round: int, grid: Grid, cell: Sequence[int]) -> str:

@@ -8,41 +8,19 @@
   dashboard), and an action (``POST``) must carry the header ``X-Peerd-Dashboard`` (a cross-site form cannot set
   it, and a cross-site script needs a CORS preflight the dashboard never grants).
 
-Pure: no aiohttp here (the node config imports this module).
+Pure: no aiohttp here. The binding rule lives in :mod:`peerd.node_values`, where the node config checks it too.
 """
 
 from __future__ import annotations
 
 import hmac
-import ipaddress
 from typing import Optional
 
-MIN_TOKEN_CHARS = 16
+from peerd.node_values import MIN_TOKEN_CHARS, bind_problem, is_loopback  # noqa: F401 (re-exported)
+
 #: Header every action request must carry.
 ACTION_HEADER = "X-Peerd-Dashboard"
 COOKIE = "peerd_dashboard_token"
-
-
-def is_loopback(host: str) -> bool:
-    """True for ``localhost`` and loopback IP addresses (127.0.0.0/8, ::1)."""
-    if host.strip("[]") == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-def bind_problem(host: str, token: Optional[str]) -> Optional[str]:
-    """None if the dashboard may bind ``host`` with ``token``; else the reason it must not start."""
-    if not isinstance(host, str) or not host:
-        return f"expected an address to bind, got {host!r}"
-    if token is not None and len(token) < MIN_TOKEN_CHARS:
-        return f"dashboard_token must have at least {MIN_TOKEN_CHARS} characters"
-    if not is_loopback(host) and not token:
-        return (f"binding the dashboard to {host} exposes it beyond this machine: set dashboard_token (or "
-                "PEERD_DASHBOARD_TOKEN, --dashboard-token) to a secret of 16+ characters, or bind 127.0.0.1")
-    return None
 
 
 def token_ok(expected: Optional[str], given: Optional[str]) -> bool:

@@ -13,8 +13,9 @@ import asyncio
 import contextlib
 import importlib
 import logging
+import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Mapping, Optional, Protocol
 
 import torch
 
@@ -24,6 +25,7 @@ from peerd.data import ByteTokenizer, DataError, load_corpus, tokenize_corpus
 from peerd.events import Banned, EventBus
 from peerd.namespace import RunNamespace, RunRef, as_run_ref
 from peerd.service.pause import PauseGate
+from peerd.roles.registry import ROLES, resolve
 from peerd.roles.status_board import StatusBoard
 from peerd.run_config import RunConfig
 from peerd.corpus_store import corpus_cache_dir
@@ -32,12 +34,6 @@ from protocols.interfaces import Transport
 
 logger = logging.getLogger(__name__)
 
-#: Role name (the run config's ``parallelism``) -> "module:Class"; imported on use (roles import torch models).
-ROLES: dict[str, str] = {
-    "diloco": "peerd.roles.diloco:DiLoCoRole",
-    "swarm": "peerd.roles.swarm:SwarmRole",
-    "spes": "peerd.roles.spes:SpesRole",
-}
 
 
 class Role(Protocol):
@@ -56,12 +52,26 @@ def parallelism(run: RunConfig) -> str:
 
 def role_class(name: str) -> Callable[["RunContext"], Role]:
     """The role class registered as ``name``. Raises KeyError naming the known roles."""
-    try:
-        target = ROLES[name]
-    except KeyError:
-        raise KeyError(f"unknown parallelism {name!r}; known: {sorted(ROLES)}") from None
+    return resolve(ROLES, name, "parallelism")
+
+
+#: Environment variable naming a ``module:function`` that wraps the run's :class:`RunContext` before the role gets it
+#: (``function(ctx) -> RunContext``). Unset in production; the test harness injects faults through it
+#: (:meth:`peerd.testing.faults.Faults.environ`), so no production module imports ``peerd.testing``.
+CONTEXT_HOOK_ENV = "PEERD_CONTEXT_HOOK"
+
+
+def wrap_context(ctx: "RunContext", environ: Mapping[str, str] = os.environ) -> "RunContext":
+    """``ctx`` passed through the hook that ``environ[CONTEXT_HOOK_ENV]`` names (imported now), or ``ctx`` itself
+    when it is unset. Raises ValueError for a value that is no ``module:function``, ImportError or AttributeError
+    for one that names nothing."""
+    target = environ.get(CONTEXT_HOOK_ENV)
+    if not target:
+        return ctx
     module, _, attr = target.partition(":")
-    return getattr(importlib.import_module(module), attr)
+    if not module or not attr:
+        raise ValueError(f"{CONTEXT_HOOK_ENV} must name module:function, got {target!r}")
+    return getattr(importlib.import_module(module), attr)(ctx)
 
 
 def pick_device(device: str) -> torch.device:

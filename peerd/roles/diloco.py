@@ -13,7 +13,7 @@ Life of a worker (:class:`peerd.worker.outer_worker.OuterWorker`):
 
 Recovery after a failed round (any strategy): the peers are back in step at the next boundary. theta_outer and the
 momentum did not move, so every peer tries the same outer round again, under a fresh group key
-(:func:`peerd.roles.outer_sync.group_key`: ``round<r>.retry<n>``, n = the failed tries of round r, the largest count
+(:func:`protocols.group_keys.group_key`: ``round<r>.retry<n>``, n = the failed tries of round r, the largest count
 among ours and the live peers' status records): the old key's discovery records and the seal its leader remembers
 outlive the failure, and a peer reaching the old key before its former leader came back was answered "already
 sealed" (or handed the failed group) and failed once more. A group is never sealed early below ``min_group_size``

@@ -1,7 +1,7 @@
 """Outer-sync strategies: how one fragment's outer state meets the swarm's in an outer round.
 
-One class per averaging method, behind :class:`OuterSync`; :data:`OUTER_SYNCS` maps the run config's
-``averaging.method`` to its class (the only place that looks at the method name).
+One class per averaging method, behind :class:`OuterSync`; :data:`peerd.roles.registry.OUTER_SYNCS` maps the run
+config's ``averaging.method`` to its class (the only place that looks at the method name).
 
 - :class:`AllReduceSync` (DiLoCo, Douillard et al. 2023, Alg. 1): butterfly-all-reduce the pseudo-gradients of
   everyone present, then apply the shared outer step: theta_outer stays bit-identical across the swarm.
@@ -29,10 +29,12 @@ import torch
 
 from peerd.roles.base import RunContext, bounded_on_stop, unless_stopped
 from peerd.roles.fragments import FragmentState
+from peerd.roles.registry import OUTER_SYNCS, resolve
 from protocols.allgather import SparseAllGather
 from protocols.allreduce import AllReduceFailed, AllReduceResult, ButterflyAllReduce
 from protocols.codecs import ErrorFeedback
 from protocols.diloco import DiLoCoHyperparams, OuterState
+from protocols.group_keys import RETRIES_FIELD, RoundTries, agreed_retry, group_key  # noqa: F401 (re-exported)
 from protocols.gossip import GossipAverager
 from protocols.matchmaking import AdmissionRefused, Matchmaker, MatchmakingFailed, SealedWithout
 from protocols.moshpit import MoshpitAverager, round_to_join
@@ -41,38 +43,6 @@ logger = logging.getLogger(__name__)
 
 #: An all-reduce that fails (a member died mid-round) is tried this many times in all, among the survivors.
 MAX_ROUND_ATTEMPTS = 2
-
-#: Status-record field with each fragment's failed tries of its current round: ``{fragment name: [round, tries]}``.
-RETRIES_FIELD = "round_retries"
-
-#: Larger try counts in a peer's status record are ignored (bad input, not a real count).
-MAX_RETRIES = 10_000
-
-
-def group_key(outer_round: int, retry: int = 0, attempt: int = 1) -> str:
-    """The matchmaking key of try ``retry`` (0: the first) of the round after version ``outer_round``, ``attempt`` of
-    its all-reduce: ``round<N>`` with N = ``outer_round`` + 1, the number the logs give that round.
-
-    A failed round is tried again under a fresh key: the peers' discovery records and the sealed groups their
-    matchmakers remember for the old key outlive the failure, and a peer that tried the old key again while the
-    former leader had not come back was answered "already sealed" (or handed the failed group) and failed again."""
-    key = f"round{outer_round + 1}" if retry == 0 else f"round{outer_round + 1}.retry{retry}"
-    return key if attempt == 1 else f"{key}.attempt{attempt}"
-
-
-def agreed_retry(outer_round: int, own: int, fragment: str, live: dict[str, dict]) -> int:
-    """The try of ``outer_round`` to join: the most failed tries of it that we or any live peer (status records,
-    :data:`RETRIES_FIELD`) counted for ``fragment``. Members of a failed group all count it, so they agree; a peer
-    that missed a try (it was downloading the state, or restarted) catches up on the others' count."""
-    counts = [own]
-    for record in live.values():
-        retries = record.get(RETRIES_FIELD)
-        entry = retries.get(fragment) if isinstance(retries, dict) else None
-        if (isinstance(entry, (list, tuple)) and len(entry) == 2 and entry[0] == outer_round
-                and isinstance(entry[1], int) and 0 <= entry[1] <= MAX_RETRIES):
-            counts.append(entry[1])
-    return max(counts)
-
 
 @dataclass(frozen=True)
 class RoundResult:
@@ -212,11 +182,10 @@ class AllReduceSync(OuterSync):
         self.components = (self.matchmaker, self.allreduce)
         self.feedback = (ErrorFeedback(state.outer.numel, self.hp.error_feedback_decay)
                          if self.allreduce.codec.sparse else None)
-        self._failed = (-1, 0)  # (outer round, its failed tries): the next try uses a fresh group key
+        self.tries = RoundTries(state.fragment.name)  # a failed round's next try uses a fresh group key
 
     def retries(self) -> Optional[list[int]]:
-        r, tries = self._failed
-        return [r, tries] if tries and r == self.state.outer.outer_round else None
+        return self.tries.record(self.state.outer.outer_round)
 
     async def round(self, local, weight, live, syncing):
         outer = self.state.outer
@@ -243,13 +212,12 @@ class AllReduceSync(OuterSync):
         coming -= {me}
         if self.feedback is not None:
             compensated = pseudo_gradient = self.feedback.compensate(pseudo_gradient)
-        own = self._failed[1] if self._failed[0] == r else 0
-        retry = agreed_retry(r, own, self.state.fragment.name, {p: s for p, s in live.items() if p != me})
+        retry = self.tries.retry(r, {p: s for p, s in live.items() if p != me})
         outcome = await self._tries(r, retry, pseudo_gradient, weight, coming)
         if isinstance(outcome, RoundFailure) and not isinstance(outcome, LeftOut):
             # left out, the round went on: its result is ours to adopt, and a fresh key would only gather the
             # other latecomers into a rival group that forks theta_outer
-            self._failed = (r, retry + 1)
+            self.tries.failed()
         if isinstance(outcome, tuple) and self.feedback is not None:
             self.feedback.record(compensated, outcome[0].sent)
         return outcome
@@ -390,17 +358,11 @@ class GossipSync(_MixingSync):
         return out
 
 
-#: ``averaging.method`` -> strategy class.
-OUTER_SYNCS: dict[str, type[OuterSync]] = {cls.method: cls for cls in (AllReduceSync, MoshpitSync, GossipSync)}
-
-
 def make_outer_sync(ctx: RunContext, state: FragmentState, hp: Optional[DiLoCoHyperparams] = None) -> OuterSync:
     """The run's strategy for ``state``, decorated by ``ctx.wrap_sync``; its outer step uses ``hp`` (None: the run's
     ``[diloco]``). Raises KeyError for an unknown method."""
-    method = ctx.run.averaging.method
-    if method not in OUTER_SYNCS:
-        raise KeyError(f"unknown averaging method {method!r}; known: {sorted(OUTER_SYNCS)}")
-    return ctx.wrap_sync(OUTER_SYNCS[method](ctx, state, hp))
+    cls = resolve(OUTER_SYNCS, ctx.run.averaging.method, "averaging method")
+    return ctx.wrap_sync(cls(ctx, state, hp))
 
 
 def unpack(packed: torch.Tensor, outer_round: int) -> OuterState:

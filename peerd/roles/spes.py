@@ -47,6 +47,7 @@ from peerd.roles.spes_sync import SparseSync
 from peerd.roles.state_sync import StateSync
 from peerd.worker.core import WorkerCore
 from protocols.diloco import inner_lr_at, make_inner_optimizer, set_lr
+from protocols.group_keys import RETRIES_FIELD
 from protocols.spes import (PeerClaim, claim_experts, claim_record, expert_capacity, merge_alpha,
                             merge_due, merge_experts, parse_claim, rebalance)
 from protocols.state_transfer import StateSnapshot
@@ -299,12 +300,14 @@ class SpesRole(WorkerCore):
                 return
         report = await unless_stopped(
             self.ctx, self.sync.sync(r, len(self._round_peers(r, view, left)),
-                                     float(max(1, self.samples_since_sync)), self.capacity), "sparse sync")
+                                     float(max(1, self.samples_since_sync)), self.capacity,
+                                     await self._retry_records()), "sparse sync")
         if report is None:
             return
         self.last_report = report
         if "shared" in report.failed:
             self.stats.rounds_failed += 1
+            await self.ctx.status.publish()  # our failed try, so that peers that missed it join the next one
             self.ctx.events.publish(RoundFailed(r, report.failed["shared"], ROLE,
                                                 f"keeping {self.steps_since_sync} local steps"))
             return
@@ -427,4 +430,16 @@ class SpesRole(WorkerCore):
         self.ctx.events.publish(CheckpointResumed(self.outer_round, self.digest(), str(path), self.steps_since_sync))
 
     def status_fields(self) -> dict:
-        return dict(super().status_fields(), experts=sorted(self.own))
+        tries = self.sync.tries.record(self.outer_round)
+        return dict(super().status_fields(), experts=sorted(self.own),
+                    **({RETRIES_FIELD: {self.sync.tries.fragment: tries}} if tries else {}))
+
+    async def _retry_records(self) -> dict[str, dict]:
+        """The other peers' status records, for the agreed try of the round (empty if the DHT did not answer: our
+        own count of failed tries still moves us to a fresh key)."""
+        try:
+            records = await self.ctx.status.records()
+        except (OSError, asyncio.TimeoutError) as e:
+            logger.info("could not read status records: %s", e)
+            return {}
+        return {p: r for p, r in records.items() if p != self.peer_id}

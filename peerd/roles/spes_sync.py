@@ -20,7 +20,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Collection, Optional, Sequence
+from typing import Collection, Mapping, Optional, Sequence
 
 import torch
 
@@ -29,6 +29,7 @@ from peerd.namespace import RunNamespace
 from peerd.roles.fragments import Fragment, fragment
 from protocols.allreduce import AllReduceConfig, AllReduceFailed, ButterflyAllReduce
 from protocols.bans import BanList
+from protocols.group_keys import RoundTries
 from protocols.matchmaking import Group, Matchmaker, MatchmakingConfig, MatchmakingFailed
 from protocols.spes import PeerClaim, claim_record, holders_of, parse_claim
 from protocols.state_transfer import StateServer, StateSnapshot, StateTransferFailed, download_state
@@ -120,6 +121,7 @@ class SparseSync:
         self.model = model
         self.n_experts = model.config.n_experts
         self.shared = fragment(model, "shared", shared_parameter_names(model), ns, role)
+        self.tries = RoundTries(self.shared.name)  # the shared group's failed tries of the current round
         self.experts = [fragment(model, f"expert{e}", expert_parameter_names(model, e), ns, role)
                         for e in range(self.n_experts)]
         self.bans = bans
@@ -223,7 +225,8 @@ class SparseSync:
                 claims[peer] = parsed[0]
         return claims
 
-    async def sync(self, outer_round: int, live: int, weight: float, capacity: int = 0) -> SparseSyncReport:
+    async def sync(self, outer_round: int, live: int, weight: float, capacity: int = 0,
+                   records: Optional[Mapping[str, Mapping]] = None) -> SparseSyncReport:
         """Sync round ``outer_round``.
 
         The shared fragment's group forms first; each member joins it with its claim (its experts and
@@ -237,6 +240,9 @@ class SparseSync:
                 leader seals the group once that many have joined; 1: sync alone, without matchmaking).
             weight: samples this peer trained on since the last sync (> 0).
             capacity: most experts this peer can train, published to the group for the re-claim.
+            records: the other peers' status records (PeerID -> record): their failed tries of this round
+                (:data:`protocols.group_keys.RETRIES_FIELD`), so a round whose shared matchmaking failed is tried
+                again under the fresh key they agree on (:class:`protocols.group_keys.RoundTries`).
 
         Returns:
             A :class:`SparseSyncReport`; ``claims`` holds the members' claims (PeerID -> PeerClaim). A failed shared
@@ -244,7 +250,7 @@ class SparseSync:
         """
         started = time.perf_counter()
         report = SparseSyncReport()
-        key = f"round{outer_round + 1}"  # round N makes version N: the number the logs give it
+        key = self.tries.try_key(outer_round, records or {})
         me = self.transport.streams.peer_id
         # nothing to serve while averaging: a refresher polling early gets a cheap refusal, not last round's copy
         self._served = None
@@ -257,6 +263,7 @@ class SparseSync:
             try:
                 group = await mm.form_group(key, claim_record(self.own, capacity, outer_round), expected_size=live)
             except (MatchmakingFailed, asyncio.TimeoutError) as e:
+                self.tries.failed()
                 report.failed[self.shared.name] = str(e)
                 report.seconds = round(time.perf_counter() - started, 3)
                 return report
@@ -269,6 +276,8 @@ class SparseSync:
             jobs = [self._reduce(self.shared, group, weight, report)]
         jobs += [self._average(self.experts[e], key, len(holders[e]), weight, report) for e in sorted(self.own)]
         await asyncio.gather(*jobs)
+        if self.shared.name in report.failed:  # the round is tried again, under a fresh key
+            self.tries.failed()
         self._served = StateSnapshot.from_tensors(
             {f"expert{e}": self.experts[e].flatten(self.model).to(self.refresh_dtype) for e in sorted(self.own)},
             {"round": outer_round + 1, "experts": sorted(self.own)})

@@ -18,7 +18,7 @@ class DaemonState:
     """Progress of this daemon's role, in wall-clock seconds (``time.time()``)."""
 
     role: str
-    """diloco | bootstrap."""
+    """The role's name (``diloco``, ``swarm``, ``spes``), ``bootstrap``, or ``worker`` until the run's role is known."""
     run_id: Optional[str] = None
     started_at: float = 0.0
     joined_at: Optional[float] = None

@@ -53,7 +53,8 @@ class ServiceError(RuntimeError):
 
 
 class VolunteerServices:
-    """Use as ``async with VolunteerServices(node, "diloco", stop, run_id) as services:`` around a role."""
+    """Use as ``async with VolunteerServices(node, "worker", stop, run_id) as services:`` around a role; ``role``
+    is ``bootstrap`` for a DHT-only node, else a placeholder until :meth:`set_role` names the run's role."""
 
     def __init__(self, node: NodeConfig, role: str, stop: asyncio.Event, run_id: Optional[str] = None,
                  environ: Mapping[str, str] = os.environ, probes: Optional[Probes] = None):
@@ -159,6 +160,13 @@ class VolunteerServices:
         if up or down:
             self.events.publish(BandwidthCaps(up, down))
         return PacedTransport(transport.discovery, self.streams)
+
+    def set_role(self, name: str) -> None:
+        """The role this daemon runs (its ``Role.name``: ``diloco``, ``swarm``, ``spes``), once the run's config
+        chose it; the control socket and ``peerd health`` report it."""
+        if self.role == "bootstrap" or name == "bootstrap":
+            raise ValueError("a bootstrap node runs no role, and a worker is no bootstrap node")
+        self.role = self.state.role = name
 
     def ready(self, status: str) -> None:
         """The role serves: tell systemd (READY=1) and count a bootstrap node as joined."""

@@ -26,6 +26,7 @@ import time
 
 import torch
 
+from peerd.roles.registry import OUTER_SYNCS
 from peerd.testing.faults import Faults, FaultyTransport
 from peerd.telemetry import JsonFormatter
 from peerd.transport.hivemind_backend import HivemindTransport
@@ -219,7 +220,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--index", type=int, required=True, help="this peer's number (seeds its vector)")
     p.add_argument("--expect", type=int, required=True, help="peers to wait for before round 1")
-    p.add_argument("--topology", choices=("allreduce", "moshpit", "gossip"), required=True)
+    p.add_argument("--topology", choices=tuple(OUTER_SYNCS), required=True)
     p.add_argument("--out", required=True, help="JSON-lines output file; with --peers > 1 it must contain {index}")
     p.add_argument("--peers", type=int, default=1,
                    help="peers hosted by this process (indices --index ...), each with its own p2pd and an in-process "

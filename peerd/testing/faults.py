@@ -2,8 +2,9 @@
 
     faults = Faults().kill(at_round=3, phase="allreduce").stall(seconds=30, at_round=2).corrupt(at_round=2)
 
-A peer process gets its schedule from the ``PEERD_FAULTS`` environment variable (``Faults.to_json()``), so a test
-can make one real peer misbehave. The schedule reaches a role only through wrappers of its context
+A peer process gets its schedule from the ``PEERD_FAULTS`` environment variable (``Faults.to_json()``; a daemon also
+needs the context hook that applies it: :meth:`Faults.environ` gives both), so a test can make one real peer
+misbehave. The schedule reaches a role only through wrappers of its context
 (:func:`instrument`): the transport's streams (:class:`FaultyTransport`: kill/stall mid-transfer), the checkpoint
 store (:class:`FaultyCheckpointStore`) and each outer-sync strategy (:class:`FaultyOuterSync`: which round is
 attempted, kill at matchmaking, fail_round, corrupt). Roles and strategies carry no fault hooks. Every fault that fires is logged as a structured ``fault`` event (and counted in
@@ -111,6 +112,13 @@ class Faults:
             return cls(tuple(Fault(**item) for item in json.loads(text)))
         except (TypeError, ValueError) as e:
             raise ValueError(f"{ENV} is not a valid fault schedule: {e}") from None
+
+    def environ(self) -> dict[str, str]:
+        """Environment variables that make a ``peerd join`` process follow this schedule: the schedule
+        (:data:`ENV`) and the hook that applies it to the role's context (:data:`peerd.roles.base.CONTEXT_HOOK_ENV`)."""
+        from peerd.roles.base import CONTEXT_HOOK_ENV
+
+        return {ENV: self.to_json(), CONTEXT_HOOK_ENV: f"{__name__}:{instrument_from_env.__name__}"}
 
     @classmethod
     def from_env(cls) -> Optional["Faults"]:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from peerd.testing.faults import ENV, Faults
+from peerd.testing.faults import Faults
 from tests.integration.test_diloco_swarm import _config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -17,7 +17,7 @@ def test_a2_peer_killed_during_matchmaking_survivors_finish_the_round(swarm, tmp
     swarm.start_bootstrap()
     peers = [swarm.start_peer(f"p{i}", "a2", config) for i in range(3)]
     victim = swarm.start_peer("victim", "a2", config,
-                              env={ENV: Faults().kill(at_round=2, phase="matchmaking").to_json()})
+                              env=Faults().kill(at_round=2, phase="matchmaking").environ())
     for peer in peers:
         assert swarm.wait_exit(peer, 200) == 0, swarm.tails()
     victim.proc.wait(10)
@@ -43,7 +43,7 @@ def test_a3_peer_killed_mid_transfer_survivors_retry_and_agree(swarm, tmp_path):
     swarm.start_bootstrap()
     peers = [swarm.start_peer(f"p{i}", "a3", config) for i in range(3)]
     victim = swarm.start_peer("victim", "a3", config,
-                              env={ENV: Faults().kill(at_round=2, phase="allreduce", after_bytes=3000).to_json()})
+                              env=Faults().kill(at_round=2, phase="allreduce", after_bytes=3000).environ())
     for peer in peers:
         assert swarm.wait_exit(peer, 200) == 0, swarm.tails()
     victim.proc.wait(10)
@@ -64,7 +64,7 @@ def test_a3_peer_killed_mid_transfer_survivors_retry_and_agree(swarm, tmp_path):
 
 def test_a11_sigkill_during_checkpoint_write_then_resume(swarm, tmp_path):
     config = _config(tmp_path, "a11.toml", max_outer_rounds=3)
-    peer = swarm.start_peer("solo", "a11", config, env={ENV: Faults().kill(at_round=2, phase="checkpoint").to_json()})
+    peer = swarm.start_peer("solo", "a11", config, env=Faults().kill(at_round=2, phase="checkpoint").environ())
     peer.proc.wait(120)
     assert len(_fault_events(peer, "kill")) == 1 and peer.proc.returncode == -9
     digest_1 = peer.digests()[1]

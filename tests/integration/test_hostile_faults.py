@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from peerd.testing.faults import ENV, Faults
+from peerd.testing.faults import Faults
 from peerd.identity import load_or_create_identity
 from peerd.testing.localswarm import LOCAL
 from tests.integration.test_diloco_swarm import _config
@@ -32,16 +32,18 @@ def _hostile_run(swarm, tmp_path, run_id, faults, monkeypatch=None):
     swarm.start_bootstrap()
     honest = [swarm.start_peer(f"p{i}", run_id, config) for i in range(3)]
     if monkeypatch is None:
-        hostile = swarm.start_peer("hostile", run_id, config, env={ENV: faults.to_json()})
+        hostile = swarm.start_peer("hostile", run_id, config, env=faults.environ())
     else:  # the same arguments as Swarm.start_peer, through the launcher; the child inherits the environment
-        monkeypatch.setenv(ENV, faults.to_json())
+        for name, value in faults.environ().items():
+            monkeypatch.setenv(name, value)
         monkeypatch.setenv("PEERD_LOGLEVEL", "INFO")
         hostile = swarm.start_process("hostile", [
             sys.executable, str(NAN_ON_THE_WIRE), "join", "--run-id", run_id, "--config", str(LOCAL),
             "--log-format", "json", "--identity", str(tmp_path / "hostile.key"),
             "--checkpoint-dir", str(tmp_path / "ckpt-hostile"), "--initial-peers", swarm.bootstrap_maddr,
             "--run-config", str(config)])
-        monkeypatch.delenv(ENV)
+        for name in faults.environ():
+            monkeypatch.delenv(name)
     for peer in honest:
         assert swarm.wait_exit(peer, 200) == 0, swarm.tails()
     # the hostile peer may still be finishing its rounds alone: not waited for (its fault events are flushed as they

@@ -30,3 +30,12 @@ def test_messages_about_a_version_say_how_many_rounds_are_done():
     assert "before round 1, 14 local steps" in CheckpointResumed(0, "d", "/x", 14).message()
     assert "after round 3" in StateDownloaded(3, "peer", "d", 1.0, 2.0).message()
     assert "after round 1" in Paused(1, {"user": "paused by the user"}).message()
+
+
+def test_every_roles_round_keys_come_from_one_scheme():
+    from protocols.group_keys import group_key as scheme
+
+    for version in (0, 1, 41):
+        assert group_key(version) == scheme(version) == f"round{version + 1}"
+        assert group_key(version, 2, 3) == scheme(version, 2, 3) == f"round{version + 1}.retry2.attempt3"
+        assert round_key(version) == scheme(version, prefix="moshpit.r") == f"moshpit.r{version + 1}"

@@ -13,7 +13,8 @@ from peerd.roles.spes_sync import SparseSync
 from peerd.transport.inprocess import Hub
 from protocols.allreduce import AllReduceConfig
 from protocols.bans import BanList
-from protocols.matchmaking import MatchmakingConfig
+from protocols.group_keys import RETRIES_FIELD
+from protocols.matchmaking import Matchmaker, MatchmakingConfig, MatchmakingFailed
 from protocols.spes import PeerClaim, holders_of
 
 pytestmark = pytest.mark.timeout(120)
@@ -115,6 +116,43 @@ def test_a_sole_holder_keeps_its_copy_and_the_others_refresh_from_it(compression
                 a_experts[e] = syncs["a"].experts[e].flatten(syncs["a"].model)
             assert torch.equal(syncs["a"].experts[e].flatten(syncs["a"].model), a_experts[e])
             assert torch.equal(syncs["b"].experts[e].flatten(syncs["b"].model), a_experts[e])
+        for s in syncs.values():
+            await s.stop()
+
+    asyncio.run(main())
+
+
+def test_a_round_whose_shared_matchmaking_failed_is_tried_again_under_the_key_the_peers_agree_on(monkeypatch):
+    keys: list[tuple[str, str]] = []  # (peer, key) of every matchmaking
+    injected = []
+    form_group = Matchmaker.form_group
+
+    async def recording(self, key, *args, **kwargs):
+        keys.append((self.peer_id, key))
+        if self.peer_id == "a" and not injected:
+            injected.append(key)
+            raise MatchmakingFailed("injected")
+        return await form_group(self, key, *args, **kwargs)
+
+    monkeypatch.setattr(Matchmaker, "form_group", recording)
+
+    async def main():
+        hub = Hub()
+        ns = RunNamespace(run=RunRef.parse("spes-test"))
+        claims = {"a": set(range(4)), "b": set(range(4, 8))}  # sole holders: only the shared group matchmakes
+        syncs = {n: SparseSync(hub.transport(n), ns, "spes", model(), own, MM, AR, refresh_timeout_s=10)
+                 for n, own in claims.items()}
+        for s in syncs.values():
+            await s.start()
+        failed = await syncs["a"].sync(0, 2, 1.0)
+        assert "shared" in failed.failed and injected == ["round1"]
+        assert syncs["a"].tries.record(0) == [0, 1] and syncs["a"].tries.record(1) is None
+        # b did not see the failure itself: a's status record tells it which try to join
+        records = {"a": {RETRIES_FIELD: {"shared": syncs["a"].tries.record(0)}}}
+        reports = await asyncio.gather(syncs["a"].sync(0, 2, 1.0), syncs["b"].sync(0, 2, 1.0, records=records))
+        assert all(not r.failed and r.group_sizes["shared"] == 2 for r in reports), reports
+        assert keys[0] == ("a", "round1") and sorted(keys[1:]) == [("a", "round1.retry1"), ("b", "round1.retry1")]
+        assert torch.equal(syncs["a"].shared.flatten(syncs["a"].model), syncs["b"].shared.flatten(syncs["b"].model))
         for s in syncs.values():
             await s.stop()
 

@@ -10,7 +10,7 @@ config (:func:`make_rounds`).
   steps go on.
 
 Each owns its fragments' outer states (:attr:`RoundStrategy.parts`), their outer syncs (:attr:`RoundStrategy.syncs`,
-one per fragment, from :data:`peerd.roles.outer_sync.OUTER_SYNCS`), what is in flight and its schedule's position;
+one per fragment, from :data:`peerd.roles.registry.OUTER_SYNCS`), what is in flight and its schedule's position;
 :meth:`RoundStrategy.round` runs one round.
 """
 
