@@ -25,11 +25,11 @@ def test_pip_install_dot_alone_gives_a_daemon_that_bootstraps_and_joins(tmp_path
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=True, system_site_packages=False)
     python, peerd = env_dir / "bin" / "python", env_dir / "bin" / "peerd"
-    # offline (the suite runs in a namespace with only a loopback interface): from the wheelhouse scripts/setup
+    # offline (the suite runs in a namespace with only a loopback interface): from the wheelhouse scripts/test
     # downloads, with torch pinned to the build this suite runs on (a bare `torch>=2.2` may choose a multi-GB CUDA
     # build); every other requirement comes from setup.cfg alone
     wheelhouse = ROOT / ".venv" / "wheelhouse"
-    assert wheelhouse.is_dir(), f"{wheelhouse} is missing: run scripts/setup (it downloads the wheels this test uses)"
+    assert wheelhouse.is_dir(), f"{wheelhouse} is missing: run scripts/test (it downloads the wheels this test uses)"
     constraints = tmp_path / "constraints.txt"
     constraints.write_text(f"torch=={torch.__version__.split('+')[0]}\n")
     install = subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--no-index", "--find-links",
