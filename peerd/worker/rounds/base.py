@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from enum import Enum
 
 from peerd.roles.fragments import Fragment, FragmentState, whole_model
@@ -74,3 +75,16 @@ class RoundStrategy:
 
     def resume(self, metadata: dict) -> None:
         """Read back :meth:`checkpoint_metadata` from a checkpoint. Raises KeyError/ValueError if it is incomplete."""
+
+
+class LandsInFlight:
+    """Mixin of the strategies that keep one exchange in flight (``in_flight``) while training goes on and apply it
+    at a later boundary (:meth:`land`, returning a :class:`RoundEnd`): on leaving, the exchange still in flight is
+    landed (bounded by the all-reduce's own timeouts), so its outer step is not lost."""
+
+    async def close(self) -> None:
+        if self.in_flight is None:
+            return
+        with contextlib.suppress(Exception):  # leaving: a failed last round must not stop the final checkpoint
+            if await self.land() == RoundEnd.DONE:
+                self.worker.restart_local()  # leaving: the model kept is theta_outer, the local steps are dropped

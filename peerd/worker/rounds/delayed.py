@@ -17,7 +17,6 @@ record sealed every member's round into failure.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from typing import Optional
@@ -27,13 +26,13 @@ import torch
 from peerd.events import RoundDone
 from peerd.roles.outer_sync import Refused, RoundFailure
 from peerd.worker.catch_up import syncing, workers
-from peerd.worker.rounds.base import RoundEnd, RoundStrategy
+from peerd.worker.rounds.base import LandsInFlight, RoundEnd, RoundStrategy
 from protocols.diloco import DelayedOuterStep
 
 logger = logging.getLogger(__name__)
 
 
-class DelayedRounds(RoundStrategy):
+class DelayedRounds(LandsInFlight, RoundStrategy):
     """The whole model, its all-reduce overlapped with the next round's inner steps. ``in_flight``: the background
     all-reduce (a task returning ``(outcome, delta, weight, steps, started)``), or None; ``carry``: a failed
     background round's (samples, steps), added to the next round's weight."""
@@ -139,9 +138,3 @@ class DelayedRounds(RoundStrategy):
             self.in_flight.cancel()
             self.in_flight = None
 
-    async def close(self) -> None:
-        if self.in_flight is None:
-            return
-        with contextlib.suppress(Exception):  # leaving: a failed last round must not stop the final checkpoint
-            if await self.land() == RoundEnd.DONE:
-                self.worker.restart_local()  # leaving: the model kept is theta_outer, the local steps are dropped

@@ -16,7 +16,6 @@ published when its last fragment's average lands.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from typing import Optional
@@ -24,15 +23,15 @@ from typing import Optional
 import torch
 
 from peerd.roles.outer_sync import Refused, RoundFailure
-from peerd.worker.catch_up import syncing, workers
-from peerd.worker.rounds.base import RoundEnd
+from peerd.worker.catch_up import syncing
+from peerd.worker.rounds.base import LandsInFlight, RoundEnd
 from peerd.worker.rounds.fragments import FragmentRounds
 from protocols.diloco import DelayedOuterStep
 
 logger = logging.getLogger(__name__)
 
 
-class DelayedFragmentRounds(FragmentRounds):
+class DelayedFragmentRounds(LandsInFlight, FragmentRounds):
     """F fragments, each fragment's exchange overlapped with the next H/F inner steps. ``in_flight``: the fragment
     whose exchange runs in the background and its task (returning ``(outcome, weight, steps, started)``), or
     None."""
@@ -51,18 +50,11 @@ class DelayedFragmentRounds(FragmentRounds):
             if landed == RoundEnd.ADOPTED or w.finished():
                 return landed
         j = self.next_fragment
-        records = await w.peer_records()
-        live = workers(records)
-        if await w.catch_up(live) or await self._catch_up_fragment(j, live):
-            return RoundEnd.ADOPTED
+        begun = await self._begin(j)
+        if isinstance(begun, RoundEnd):
+            return begun
+        records, live, local, position = begun
         part, sync = self.parts[j], self.syncs[j]
-        r = part.outer.outer_round
-        local = part.fragment.flatten(w.model)  # (P_j,)
-        position = w.steps_since_sync
-        if w.sat_out_diverged(r, local):
-            self.seek(position, j)  # the schedule goes on with the others
-            return RoundEnd.SAT_OUT
-        self._open_cycle()
         delta = DelayedOuterStep(part.outer).boundary(local)  # every step since its theta_outer last moved
         samples_at, steps_at = self._unsent = self.synced_at[j]
         weight, steps = float(w.samples_total - samples_at), w.steps_total - steps_at
@@ -126,9 +118,3 @@ class DelayedFragmentRounds(FragmentRounds):
             self.in_flight[1].cancel()
             self.in_flight = None
 
-    async def close(self) -> None:
-        if self.in_flight is None:
-            return
-        with contextlib.suppress(Exception):  # leaving: a failed last round must not stop the final checkpoint
-            if await self.land() == RoundEnd.DONE:
-                self.worker.restart_local()  # leaving: the model kept is theta_outer, the local steps are dropped

@@ -47,6 +47,25 @@ class FragmentRounds(RoundStrategy):
             raise ConfigError(f"[diloco] fragments: {e}", key="fragments", reason=str(e)) from None
         return [fragment(w.model, f"f{p}", names, w.ctx.namespace, w.name) for p, names in enumerate(groups)]
 
+    async def _begin(self, j: int):
+        """The start of fragment ``j``'s round: catch up with the swarm (the whole state, or this fragment's), take
+        its theta_local ((P_j,) fp32 on the host), sit the round out if it diverged, open the cycle. Returns
+        ``(records, live, local, position)`` (the run's status records, the live workers' among them, theta_local,
+        the step of the cycle it was taken at), or the :class:`RoundEnd` that ends the round here."""
+        w = self.worker
+        records = await w.peer_records()
+        live = workers(records)
+        if await w.catch_up(live) or await self._catch_up_fragment(j, live):
+            return RoundEnd.ADOPTED
+        part = self.parts[j]
+        local = part.fragment.flatten(w.model)  # (P_j,)
+        position = w.steps_since_sync
+        if w.sat_out_diverged(part.outer.outer_round, local):
+            self.seek(position, j)  # the schedule goes on with the others
+            return RoundEnd.SAT_OUT
+        self._open_cycle()
+        return records, live, local, position
+
     async def round(self) -> RoundEnd:
         """The round of the fragment due at this step of the cycle. Only that fragment's theta_local restarts from
         its new theta_outer; the others keep training. A failed fragment round is tried again H/F steps later, its
@@ -55,18 +74,12 @@ class FragmentRounds(RoundStrategy):
         when its last fragment syncs."""
         w = self.worker
         j = self.next_fragment
-        records = await w.peer_records()
-        live = workers(records)
-        if await w.catch_up(live) or await self._catch_up_fragment(j, live):
-            return RoundEnd.ADOPTED
+        begun = await self._begin(j)
+        if isinstance(begun, RoundEnd):
+            return begun
+        records, live, local, position = begun
         part, sync = self.parts[j], self.syncs[j]
         r = part.outer.outer_round
-        local = part.fragment.flatten(w.model)  # (P_j,)
-        position = w.steps_since_sync
-        if w.sat_out_diverged(r, local):
-            self.seek(position, j)  # the schedule goes on with the others
-            return RoundEnd.SAT_OUT
-        self._open_cycle()
         samples_at, steps_at = self.synced_at[j]
         weight, steps = float(w.samples_total - samples_at), w.steps_total - steps_at
         outcome = await sync.round(local, weight, live, syncing(records))
