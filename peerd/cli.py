@@ -575,11 +575,8 @@ def _control(args: argparse.Namespace, payload: dict[str, Any]) -> dict[str, Any
 
 
 def _cmd_pause_resume(args: argparse.Namespace) -> int:
-    reply = _control(args, {"cmd": args.command})
-    if args.json:
-        print(json.dumps(reply, indent=2, sort_keys=True))
-    if not reply.get("ok"):
-        print(f"peerd {args.command}: {reply.get('error')}", file=sys.stderr)
+    reply = _control_reply(args, {"cmd": args.command}, f"peerd {args.command}")
+    if reply is None:
         return 1
     if not args.json:
         reasons = "; ".join(reply.get("pause_reasons", {}).values())
@@ -601,11 +598,8 @@ def _cmd_snooze(args: argparse.Namespace) -> int:
         snooze_deadline(args.duration, time.time())  # a typo is a usage error, before asking the daemon
     except ValueError as e:
         raise UsageError(f"peerd snooze: {e}") from None
-    reply = _control(args, {"cmd": "snooze", "for": args.duration})
-    if args.json:
-        print(json.dumps(reply, indent=2, sort_keys=True))
-    if not reply.get("ok"):
-        print(f"peerd snooze: {reply.get('error')}", file=sys.stderr)
+    reply = _control_reply(args, {"cmd": "snooze", "for": args.duration}, f"peerd snooze")
+    if reply is None:
         return 1
     if not args.json:
         until = reply.get("snoozed_until")
@@ -615,14 +609,23 @@ def _cmd_snooze(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_health(args: argparse.Namespace) -> int:
-    if args.max_age_s is not None and not args.max_age_s > 0:
-        raise UsageError("peerd health: --max-age-s must be > 0")
-    reply = _control(args, {"cmd": "health", "max_age_s": args.max_age_s})
+def _control_reply(args: argparse.Namespace, request: dict, failure: str) -> Optional[dict]:
+    """The daemon's reply to ``request`` over its control socket, printed as JSON with ``--json``; None when the
+    daemon refused it (then ``failure: <its error>`` is on stderr and the command exits 1)."""
+    reply = _control(args, request)
     if args.json:
         print(json.dumps(reply, indent=2, sort_keys=True))
     if not reply.get("ok"):
-        print(f"unhealthy: {reply.get('error')}", file=sys.stderr)
+        print(f"{failure}: {reply.get('error')}", file=sys.stderr)
+        return None
+    return reply
+
+
+def _cmd_health(args: argparse.Namespace) -> int:
+    if args.max_age_s is not None and not args.max_age_s > 0:
+        raise UsageError("peerd health: --max-age-s must be > 0")
+    reply = _control_reply(args, {"cmd": "health", "max_age_s": args.max_age_s}, f"unhealthy")
+    if reply is None:
         return 1
     healthy = bool(reply.get("healthy"))
     if not args.json:
