@@ -340,6 +340,24 @@ def choose_stage(assignment: Mapping[str, int], throughput: Mapping[str, float],
     return bottleneck_stage(assignment, throughput, num_stages)
 
 
+def _rule_target(server: str, assignment: Mapping[str, int], throughput: Mapping[str, float], num_stages: int,
+                 balance_quality: float) -> tuple[Optional[int], float]:
+    """Petals' rule for one server: (the stage it should move to or None, the bottleneck throughput after that move)."""
+    mine = assignment[server]
+    if sum(1 for s in assignment.values() if s == mine) <= 1:
+        return None, 0.0  # never leave a stage empty
+    target = bottleneck_stage(assignment, throughput, num_stages)
+    if target == mine:
+        return None, 0.0
+    new = stage_throughputs({**assignment, server: target}, throughput, num_stages)
+    if not any(s == target for s in assignment.values()):
+        return target, min(new)
+    old = stage_throughputs(assignment, throughput, num_stages)
+    if min(new) <= 0:
+        return None, 0.0
+    return (target, min(new)) if min(old) / min(new) < balance_quality else (None, 0.0)
+
+
 def should_move(server: str, assignment: Mapping[str, int], throughput: Mapping[str, float], num_stages: int,
                 balance_quality: float = 0.75) -> Optional[int]:
     """The stage ``server`` should move to, or None to stay.
@@ -347,20 +365,23 @@ def should_move(server: str, assignment: Mapping[str, int], throughput: Mapping[
     Petals' rule (``server/block_selection.py``): move to the bottleneck stage only if it leaves no stage empty and
     ``old_bottleneck / new_bottleneck < balance_quality``; an empty stage is always filled by a server whose stage
     keeps another server. ``throughput`` is work per second per server (a missing server counts as 0).
+
+    One mover per view: of the servers on ``server``'s stage that the rule would move to the same target, only the
+    one whose move leaves the highest bottleneck (ties: the lowest PeerID) moves. Servers that read the same
+    announcements therefore never move together and overshoot (3 + 1 -> 1 + 3); the others see the move in their next
+    check and stay.
     """
+    target, gain = _rule_target(server, assignment, throughput, num_stages, balance_quality)
+    if target is None:
+        return None
     mine = assignment[server]
-    if sum(1 for s in assignment.values() if s == mine) <= 1:
-        return None  # never leave a stage empty
-    target = bottleneck_stage(assignment, throughput, num_stages)
-    if target == mine:
-        return None
-    if not any(s == target for s in assignment.values()):
-        return target
-    old = stage_throughputs(assignment, throughput, num_stages)
-    new = stage_throughputs({**assignment, server: target}, throughput, num_stages)
-    if min(new) <= 0:
-        return None
-    return target if min(old) / min(new) < balance_quality else None
+    for other in assignment:
+        if other == server or assignment[other] != mine:
+            continue
+        other_target, other_gain = _rule_target(other, assignment, throughput, num_stages, balance_quality)
+        if other_target == target and (other_gain > gain or (other_gain == gain and other < server)):
+            return None
+    return target
 
 
 def rebalance_delay_s(period_s: float, rng: random.Random) -> float:

@@ -138,3 +138,17 @@ def test_config_validation_explains_itself():
         SwarmConfig(call_timeout_s=60.0, pending_timeout_s=30.0)
     with pytest.raises(ValueError, match="stages"):
         SwarmConfig(stages=0)
+
+
+def test_servers_reading_the_same_view_elect_one_mover():
+    # before the election every stage-0 server of 3 + 1 moved at once and the swarm overshot to 1 + 3
+    assignment = {"a": 0, "b": 0, "c": 0, "d": 1}
+    throughput = {"a": 0.5, "b": 1.0, "c": 1.0, "d": 0.2}
+    targets = {server: should_move(server, assignment, throughput, 2) for server in "abc"}
+    # moving a leaves a bottleneck of min(2.0, 0.7) = 0.7, moving b or c min(1.5, 1.2) = 1.2: b (lower than c) moves
+    assert targets == {"a": None, "b": 1, "c": None}, targets
+    # with equal throughputs the lowest PeerID moves; once it has, nobody else does
+    equal = dict.fromkeys(assignment, 1.0)
+    assert [s for s in "abc" if should_move(s, assignment, equal, 2) is not None] == ["a"]
+    after = {**assignment, "a": 1}
+    assert all(should_move(s, after, equal, 2) is None for s in after)
