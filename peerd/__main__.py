@@ -2,6 +2,6 @@
 are not on PATH)."""
 import sys
 
-from peerd.cli import main
+from peerd.commands.main import main
 
 sys.exit(main())

@@ -110,13 +110,13 @@ class NodeConfig:
     checkpoint_dir: str = "~/.peerd/checkpoints"
     """Where outer-round checkpoints are written (one subfolder per run id)."""
     device: Union[str, tuple[str, ...]] = "auto"
-    """auto (a CUDA or ROCm GPU, else Apple's MPS, else the CPU) | cpu | cuda | cuda:N | mps (:mod:`peerd.devices`).
+    """auto (a CUDA or ROCm GPU, else Apple's MPS, else the CPU) | cpu | cuda | cuda:N | mps (:mod:`peerd.hardware.devices`).
     A list of GPUs (``["cuda:0", "cuda:1"]``; ``cuda:0,cuda:1`` as a flag or variable) trains on them as one peer:
     it is ``local_devices``, and ``device`` becomes the first of them."""
     local_devices: tuple[str, ...] = ()
     """Several devices of this machine as one peer, e.g. ``["cuda:0", "cuda:1"]``: one PeerID and one
     pseudo-gradient per outer round, each inner step data-parallel across them (the first is the daemon's own;
-    :mod:`peerd.local_dp`). All GPUs (``cuda:N``, each once) or all ``cpu``; the run's ``batch_size`` must be a
+    :mod:`peerd.worker.local_dp`). All GPUs (``cuda:N``, each once) or all ``cpu``; the run's ``batch_size`` must be a
     multiple of their number. DiLoCo runs only. () = one device (``device``)."""
     threads: int = 0
     """CPU threads for torch (0 = torch's default)."""
@@ -158,7 +158,7 @@ class NodeConfig:
     """Sequences per forward/backward pass; must divide the run's ``batch_size``: each inner step accumulates
     ``batch_size / micro_batch_size`` micro-batches, so the run's tokens per inner step (and the science) are
     unchanged and only this machine's memory use is. 0 = chosen: on a GPU the largest that fits its free memory
-    (:mod:`peerd.memory`), elsewhere the run's ``batch_size``."""
+    (:mod:`peerd.hardware.memory`), elsewhere the run's ``batch_size``."""
     precision: str = "auto"
     """Inner-step arithmetic: ``fp32``; ``bf16`` (autocast, fp32 master weights); ``fp16`` (autocast + loss
     scaling); ``auto`` = bf16 on a CUDA GPU that supports it, fp16 on an older one, fp32 on CPU. The outer state
@@ -167,7 +167,7 @@ class NodeConfig:
     """Compile the model with ``torch.compile`` (warm-up steps are left out of tokens/s)."""
     activation_checkpointing: Optional[bool] = None
     """Recompute each block's activations in the backward pass: less memory for a bigger micro-batch (about a third
-    more compute). None = chosen with ``micro_batch_size`` from the GPU's free memory (:mod:`peerd.memory`); off
+    more compute). None = chosen with ``micro_batch_size`` from the GPU's free memory (:mod:`peerd.hardware.memory`); off
     on a CPU."""
     optimizer_8bit: bool = False
     """Keep the inner AdamW's moments in 8 bits (bitsandbytes' ``AdamW8bit``: ~2 bytes per parameter instead of 8)
@@ -240,7 +240,7 @@ class NodeConfig:
     def _normalize_device(self) -> None:
         """``device`` as one name; a list of several devices moves to ``local_devices`` (the first stays the peer's
         device). Raises ConfigError for a name that is no device, or a list that contradicts ``local_devices``."""
-        from peerd.devices import device_problem, split_devices
+        from peerd.hardware.devices import device_problem, split_devices
 
         devices = split_devices(self.device)
         if not devices:
@@ -261,7 +261,7 @@ class NodeConfig:
         object.__setattr__(self, "device", devices[0])
 
     def __post_init__(self) -> None:
-        from peerd.multiaddrs import check_multiaddr
+        from peerd.transport.multiaddrs import check_multiaddr
 
         for name in ("initial_peers", "host_maddrs", "announce_maddrs"):
             for maddr in getattr(self, name):

@@ -2,9 +2,9 @@
 
 Every DHT record a peer stores is signed by its identity key and every record it reads is verified
 (:mod:`peerd.transport.records`); the run config is signed by the run's creator and bound to the run name
-(:mod:`peerd.membership`); a run's allowlist is enforced on the role's transport (:mod:`peerd.transport.admission`).
+(:mod:`peerd.identity.membership`); a run's allowlist is enforced on the role's transport (:mod:`peerd.transport.admission`).
 
-Nothing here parses flags (that is ``peerd.cli``); everything here can be driven from tests.
+Nothing here parses flags (that is :mod:`peerd.commands`); everything here can be driven from tests.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Optional
 
 from peerd.config import NodeConfig
-from peerd.identity import hold_identity
+from peerd.identity.key import hold_identity
 from peerd.run_config import RunConfig
-from peerd.membership import (
+from peerd.identity.membership import (
     RUN_CREATOR_MIN_PREFIX,
     RunConfigConflict,
     RunConfigRecord,
@@ -30,10 +30,10 @@ from peerd.membership import (
     pin_path,
     save_pin,
 )
-from peerd.namespace import RunNamespace, RunRef, as_run_ref
-from peerd.processes import install_stop_handlers, unless_stopped
-from peerd.signing import InvalidRecord, key_id
-from peerd.status import StatusFilter
+from peerd.identity.namespace import RunNamespace, RunRef, as_run_ref
+from peerd.runtime.processes import install_stop_handlers, unless_stopped
+from peerd.identity.signing import InvalidRecord, key_id
+from peerd.status.records import StatusFilter
 from peerd.transport.admission import admit_only
 from peerd.transport.factory import open_reader, open_transport, start_data_plane
 from peerd.transport.records import SignedDiscovery
@@ -65,7 +65,7 @@ async def _config_records(discovery: SignedDiscovery, ref: RunRef, key: str) -> 
 async def resolve_run_config(transport, run_id: RunRef | str, local: Optional[RunConfig],
                              pin: Optional[Path] = None, wait_s: float = 0.0,
                              stop: Optional[asyncio.Event] = None) -> Optional[RunConfigRecord]:
-    """The run's creator-signed config (rules in :mod:`peerd.membership`), checked against ``local`` if given;
+    """The run's creator-signed config (rules in :mod:`peerd.identity.membership`), checked against ``local`` if given;
     or ``local``, signed by us and published now, if the run has none. ``pin``: where this peer pins (and later
     checks) the config it accepted. ``transport.discovery`` must be a :class:`SignedDiscovery` with our key.
     Without ``local``, a run with no config yet is looked up again every CONFIG_POLL_S seconds for up to ``wait_s``
@@ -190,14 +190,14 @@ async def join(run_id: RunRef | str, node: NodeConfig, local_run: Optional[RunCo
     choice of the config is keyed by the run name. Raises :class:`peerd.roles.status_board.DuplicateIdentity` if
     another live daemon uses this peer's identity."""
     from peerd.service.limits import apply_cpu_threads, apply_gpu_memory_fraction
-    from peerd.devices import describe_device
+    from peerd.hardware.devices import describe_device
     # torch-heavy: keep --help fast
     from peerd.roles.base import RunContext, parallelism, pick_device, role_class, wrap_context
-    from peerd.memory import fit_node
+    from peerd.hardware.memory import fit_node
     from peerd.roles.tokenizer_sync import resolve_tokenizer, serve_tokenizers
-    from peerd.tokenizer import TokenizerCache, tokenizer_dir
+    from peerd.data.tokenizer import TokenizerCache, tokenizer_dir
 
-    from peerd.preflight import check_local_checkpoint, check_node_against_run
+    from peerd.worker.preflight import check_local_checkpoint, check_node_against_run
     from peerd.service.rules import effective_device
 
     ref = as_run_ref(run_id)
@@ -371,7 +371,7 @@ async def read_status(node: NodeConfig, run_id: RunRef | str) -> tuple[dict[str,
     """Live status records and the published config of run ``run_id``, read through a short-lived DHT client.
 
     Only records signed by their owner and with the status schema are returned (the others are logged). The config
-    is the run's as :func:`peerd.membership.choose` decides (None if there is none or it is ambiguous):
+    is the run's as :func:`peerd.identity.membership.choose` decides (None if there is none or it is ambiguous):
     ``{config, fingerprint, creator, creators}``.
     """
     transport = await open_reader(node)

@@ -209,7 +209,7 @@ class RunConfig:
     tokenizer: str = "bytes"
     """``bytes`` (UTF-8 bytes, vocab 256) or ``bpe:<sha256 of the tokenizer file>``: a byte-level BPE trained by
     the run's creator (``peerd tokenizer train``); peers without the file fetch it from live peers of the run and
-    check its digest (:mod:`peerd.tokenizer`)."""
+    check its digest (:mod:`peerd.data.tokenizer`)."""
     seed: int = 0
     """Seed of the initial model (every peer that starts a run from scratch builds the same weights)."""
     max_outer_rounds: int = 0
@@ -223,7 +223,7 @@ class RunConfig:
     allowlist: tuple[str, ...] = ()
     """PeerIDs (``12D3KooW...``) allowed in this run; empty = anyone. Peers not on it cannot join rounds, serve or
     fetch state, or publish this run's config; the peer that creates the run must be on it
-    (:mod:`peerd.membership`)."""
+    (:mod:`peerd.identity.membership`)."""
     parallelism: str = "diloco"
     """How peers split the work (:data:`PARALLELISMS`): diloco (every peer trains the whole model, DiLoCo outer
     steps), swarm (the model cut into ``[swarm] stages`` pipeline stages, SWARM parallelism) or spes (a
@@ -234,7 +234,7 @@ class RunConfig:
     """``[spes]``: sync interval, expert holders and merging warm-up (:class:`protocols.spes.SpesConfig`)."""
 
     def __post_init__(self) -> None:
-        from peerd.signing import is_peer_id
+        from peerd.identity.signing import is_peer_id
 
         bad = [p for p in self.allowlist if not is_peer_id(p)]
         if bad:
@@ -278,7 +278,7 @@ class RunConfig:
             raise ConfigError(f"parallelism 'spes' needs averaging.method = 'allreduce', got "
                               f"{self.averaging.method!r}")
         try:
-            from peerd.tokenizer import parse_spec
+            from peerd.data.tokenizer import parse_spec
 
             parse_spec(self.tokenizer)
         except ValueError as e:

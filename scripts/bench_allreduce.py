@@ -159,7 +159,7 @@ async def worker_peerd(a: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     identity_path = direct = None
     if a.impl in ("peerd-direct", "peerd-mux"):
-        from peerd.identity import load_or_create_identity
+        from peerd.identity.key import load_or_create_identity
 
         identity_path = os.path.join(tempfile.mkdtemp(prefix="bench_identity_"), "peer.key")
         load_or_create_identity(identity_path)
@@ -170,7 +170,7 @@ async def worker_peerd(a: argparse.Namespace) -> None:
                                            identity_path=identity_path, nat_port_map=False)
     transport = network
     if identity_path is not None:
-        from peerd.signing import Signer
+        from peerd.identity.signing import Signer
         from peerd.transport.direct import DirectStreams
 
         direct = DirectStreams(network.streams, network.discovery, Signer.from_identity_file(identity_path), a.host,

@@ -49,7 +49,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from peerd.testing.localswarm import ProcessSet, pump_lines  # noqa: E402
 from peerd.run_config import load_run_config  # noqa: E402
-from peerd.data import evaluate, load_corpus, WindowSampler  # noqa: E402
+from peerd.data.corpus import evaluate, load_corpus, WindowSampler  # noqa: E402
 from peerd.models import build_model, count_parameters  # noqa: E402
 from protocols.diloco import DiLoCoHyperparams, inner_lr_at, make_inner_optimizer, set_lr  # noqa: E402
 

@@ -18,7 +18,7 @@ Each side is measured ``--repeats`` times, interleaved, and the best of each is 
 
 ``--memory-fit``: for each of ``--fit-presets`` at each of ``--caps`` GiB (the process capped with
 ``torch.cuda.set_per_process_memory_fraction(cap / total)``, as on a card of that size), the micro-batch and
-activation checkpointing that ``peerd join`` chooses with nothing set (:func:`peerd.memory.fit_node`), the
+activation checkpointing that ``peerd join`` chooses with nothing set (:func:`peerd.hardware.memory.fit_node`), the
 predicted peak, the measured ``torch.cuda.max_memory_allocated`` over ``--fit-steps`` inner steps of the DiLoCo role,
 whether it ran, and its tokens/s. Without a GPU the plans and predictions are printed, nothing runs.
 
@@ -49,7 +49,7 @@ import torch  # noqa: E402
 
 from benchlib import machine_line, replace_section, result_args  # noqa: E402
 from peerd.config import NodeConfig  # noqa: E402
-from peerd.inner_step import enable_tf32, resolve_precision  # noqa: E402
+from peerd.worker.inner_step import enable_tf32, resolve_precision  # noqa: E402
 from peerd.models import build_model, get_preset  # noqa: E402
 from peerd.roles.base import RunContext  # noqa: E402
 from peerd.roles.diloco import DiLoCoRole  # noqa: E402
@@ -147,7 +147,7 @@ def _time_role(role: DiLoCoRole, args, device: torch.device) -> float:
 
 def memory_fit(preset: str, cap_gib: float, args, device: torch.device, tmp: str) -> dict:
     """One memory-fit row: what ``peerd join`` chooses at a cap of ``cap_gib`` GiB, and (on a GPU) what it uses."""
-    from peerd.memory import GIB, fit_node
+    from peerd.hardware.memory import GIB, fit_node
 
     run = RunConfig(model=preset, seq_len=args.seq_len, batch_size=args.batch_size, eval_batches=0,
                     diloco=DiLoCoHyperparams(inner_steps=10**9, warmup_steps=1))
@@ -173,7 +173,7 @@ def memory_fit(preset: str, cap_gib: float, args, device: torch.device, tmp: str
         return row
     row.update(fits_predicted=True, line=line, micro_batch=fitted.micro_batch_size,
                checkpointing=fitted.activation_checkpointing)
-    from peerd.memory import Shape, estimate
+    from peerd.hardware.memory import Shape, estimate
 
     est = estimate(Shape.of(preset, 256), seq_len=args.seq_len, micro_batch_size=fitted.micro_batch_size,
                    accumulation=args.batch_size // fitted.micro_batch_size,

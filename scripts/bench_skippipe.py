@@ -40,10 +40,10 @@ if REPO not in sys.path:
 
 import torch  # noqa: E402
 
-from peerd.data import WindowSampler, load_corpus  # noqa: E402
+from peerd.data.corpus import WindowSampler, load_corpus  # noqa: E402
 from peerd.models import split_model  # noqa: E402
 from peerd.models.transformer import MODEL_SIZES, Transformer, TransformerConfig  # noqa: E402
-from peerd.swarm_infer import evaluate_swarm  # noqa: E402
+from peerd.commands.swarm_infer import evaluate_swarm  # noqa: E402
 from peerd.transport.inprocess import Hub  # noqa: E402
 from protocols.skippipe import (  # noqa: E402
     SkipPlanner, best_assignment_schedule, generate_paths, schedule, skips_per_path,

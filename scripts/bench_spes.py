@@ -40,13 +40,13 @@ if REPO not in sys.path:
 import torch  # noqa: E402
 
 from peerd.config import NodeConfig  # noqa: E402
-from peerd.data import WindowSampler, evaluate, load_corpus  # noqa: E402
+from peerd.data.corpus import WindowSampler, evaluate, load_corpus  # noqa: E402
 from peerd.models import build_model, build_moe_model  # noqa: E402
 from peerd.roles.base import RunContext, role_class  # noqa: E402
 from peerd.run_config import AveragingConfig, RunConfig  # noqa: E402
 from protocols.diloco import DiLoCoHyperparams, inner_lr_at, make_inner_optimizer, set_lr  # noqa: E402
 from peerd.models.local_experts import gradient_bytes, optimizer_state_bytes, train_only_experts  # noqa: E402
-from peerd.namespace import RunNamespace, RunRef  # noqa: E402
+from peerd.identity.namespace import RunNamespace, RunRef  # noqa: E402
 from peerd.roles.spes_sync import SparseSync  # noqa: E402
 from peerd.transport.inprocess import Hub  # noqa: E402
 from protocols.allreduce import AllReduceConfig  # noqa: E402

@@ -60,7 +60,7 @@ if REPO not in sys.path:
 
 import torch  # noqa: E402
 
-from peerd.data import WindowSampler, load_corpus  # noqa: E402
+from peerd.data.corpus import WindowSampler, load_corpus  # noqa: E402
 from peerd.models import build_model, split_model  # noqa: E402
 from peerd.transport.inprocess import Hub  # noqa: E402
 from protocols.codecs import encode_tensor  # noqa: E402

@@ -124,7 +124,7 @@ def dp_worker(a: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from peerd.run_config import load_run_config
-    from peerd.data import WindowSampler, evaluate, load_corpus
+    from peerd.data.corpus import WindowSampler, evaluate, load_corpus
     from peerd.models import build_model
     from protocols.diloco import inner_lr_at, make_inner_optimizer, set_lr
 
@@ -250,7 +250,7 @@ def run_diloco(tb, a, workdir: str, run_toml: str, tokens_per_step: int) -> dict
             node_tomls.append(path)
         out = os.path.join(workdir, "bootstrap.out")
         with open(out, "w") as stdout, open(os.path.join(workdir, "bootstrap.err"), "w") as stderr:
-            argv = [sys.executable, "-m", "peerd.cli", "bootstrap", "--config", node_tomls[boot_ns],
+            argv = [sys.executable, "-m", "peerd", "bootstrap", "--config", node_tomls[boot_ns],
                     "--identity", os.path.join(workdir, "boot.key"), "--no-nat-port-map"]
             procs.append(Proc("bootstrap", subprocess.Popen(tb.wrap(boot_ns, argv), stdout=stdout, stderr=stderr,
                                                             start_new_session=True, cwd=REPO), out))
@@ -265,7 +265,7 @@ def run_diloco(tb, a, workdir: str, run_toml: str, tokens_per_step: int) -> dict
         t_launch = time.time()
         for i in range(n):
             log = os.path.join(workdir, f"peer{i}.log")
-            argv = [sys.executable, "-m", "peerd.cli", "join", "--run-id", "wanbench", "--run-config", run_toml,
+            argv = [sys.executable, "-m", "peerd", "join", "--run-id", "wanbench", "--run-config", run_toml,
                     "--config", node_tomls[i], "--log-format", "json", "--initial-peers", boot,
                     "--identity", os.path.join(workdir, f"peer{i}.key"),
                     "--checkpoint-dir", os.path.join(workdir, f"ckpt{i}"), "--no-nat-port-map"]

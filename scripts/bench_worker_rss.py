@@ -3,7 +3,7 @@
 
 Two real ``peerd join`` workers of the tiny model (process mode, one torch thread each) and a bootstrap node on
 127.0.0.1 run ``--rounds`` outer rounds of ``--inner-steps`` steps, first with ``PEERD_TRIM_HEAP=0`` (the baseline:
-glibc keeps what a round freed), then as shipped (:func:`peerd.heap.trim_heap`, ``malloc_trim(0)`` after every outer
+glibc keeps what a round freed), then as shipped (:func:`peerd.runtime.heap.trim_heap`, ``malloc_trim(0)`` after every outer
 round). Reported per mode: each worker's RSS (the worker process, not its p2pd or DHT child) after rounds 1, 10, 20,
 ..., and the last.
 
@@ -28,7 +28,7 @@ import psutil  # noqa: E402
 
 from bench_workers import run_config  # noqa: E402
 from benchlib import machine_line, replace_section, result_args  # noqa: E402
-from peerd.heap import TRIM_ENV  # noqa: E402
+from peerd.runtime.heap import TRIM_ENV  # noqa: E402
 from peerd.testing.localswarm import Swarm  # noqa: E402
 
 HEADING = "## Worker memory over outer rounds (scripts/bench_worker_rss.py)"

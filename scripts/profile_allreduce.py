@@ -36,7 +36,7 @@ async def _transports(n: int, kind: str) -> tuple[list, list]:
         return [hub.transport(f"peer{i:02d}") for i in range(n)], []
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-    from peerd.signing import Signer
+    from peerd.identity.signing import Signer
     from peerd.transport.direct import DirectStreams
     from peerd.transport.records import SignedDiscovery
 

@@ -22,7 +22,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 @pytest.fixture(autouse=True)
 def restore_root_logging():
-    """Tests that run ``peerd.cli.main`` in-process install log handlers on the stream pytest captured for them;
+    """Tests that run ``peerd.commands.main.main`` in-process install log handlers on the stream pytest captured for them;
     put the root logger back so later tests never write to (or flush) a closed stream."""
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level

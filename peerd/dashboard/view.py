@@ -1,7 +1,7 @@
 """What the dashboard shows, assembled from the run's status records (pure functions, no I/O).
 
 Inputs are what :func:`peerd.daemon.read_run_status` returns (the records ``peerd status --json`` prints): PeerID ->
-status record (schema-checked, :mod:`peerd.status`) and the run's published config. Times are Unix seconds, losses
+status record (schema-checked, :mod:`peerd.status.records`) and the run's published config. Times are Unix seconds, losses
 nats per byte, or per token for a run with a BPE tokenizer (:func:`loss_unit`), throughput tokens per second.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from peerd.status import contribution
+from peerd.status.records import contribution
 
 #: Status roles that are no training peer (yet, or any more).
 IDLE_ROLES = ("left", "paused", "starting", "syncing")
@@ -109,7 +109,7 @@ def run_view(run_id: str, peers: dict[str, dict], config: Optional[dict], now: f
 def history_view(peers: dict[str, dict], sampled: dict[str, list[list]], run_samples: list[list]
                  ) -> dict[str, Any]:
     """Curves per peer (``{"loss": [[time, tokens, loss, tokens_per_s]...], "eval": [[time, tokens, eval]...]}``):
-    a record's own ``history`` (:mod:`peerd.history`), or for a peer whose records carry none what this dashboard
+    a record's own ``history`` (:mod:`peerd.status.history`), or for a peer whose records carry none what this dashboard
     sampled itself (``sampled``: PeerID -> [[time, tokens, loss, tokens_per_s, eval], ...]).
     ``run``: [[time, total tokens/s of live peers, live peers], ...] as this dashboard saw it."""
     out: dict[str, Any] = {}

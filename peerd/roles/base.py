@@ -19,16 +19,16 @@ from typing import Any, Callable, Mapping, Optional, Protocol
 
 import torch
 
-from peerd.checkpoint import Checkpoint, checkpoint_path, load_checkpoint, save_checkpoint
+from peerd.worker.checkpoint_file import Checkpoint, checkpoint_path, load_checkpoint, save_checkpoint
 from peerd.config import NodeConfig
-from peerd.data import ByteTokenizer, DataError, load_corpus, tokenize_corpus
+from peerd.data.corpus import ByteTokenizer, DataError, load_corpus, tokenize_corpus
 from peerd.events import Banned, EventBus
-from peerd.namespace import RunNamespace, RunRef, as_run_ref
+from peerd.identity.namespace import RunNamespace, RunRef, as_run_ref
 from peerd.service.pause import PauseGate
 from peerd.roles.registry import ROLES, resolve
 from peerd.roles.status_board import StatusBoard
 from peerd.run_config import RunConfig
-from peerd.corpus_store import corpus_cache_dir
+from peerd.data.corpus_store import corpus_cache_dir
 from protocols.bans import BanList
 from protocols.interfaces import Transport
 
@@ -75,10 +75,10 @@ def wrap_context(ctx: "RunContext", environ: Mapping[str, str] = os.environ) -> 
 
 
 def pick_device(device: str) -> torch.device:
-    """The device the name ``device`` means here (:func:`peerd.devices.resolve_device`: ``auto`` -> a CUDA or ROCm
-    GPU, else MPS, else the CPU). Raises :class:`peerd.devices.DeviceUnavailable` (a RuntimeError) in one line if
+    """The device the name ``device`` means here (:func:`peerd.hardware.devices.resolve_device`: ``auto`` -> a CUDA or ROCm
+    GPU, else MPS, else the CPU). Raises :class:`peerd.hardware.devices.DeviceUnavailable` (a RuntimeError) in one line if
     it is not there."""
-    from peerd.devices import resolve_device
+    from peerd.hardware.devices import resolve_device
 
     return resolve_device(device)
 
@@ -119,7 +119,7 @@ class RunContext:
     device: torch.device
     wrap_sync: Callable[[Any], Any] = field(default=lambda sync: sync)
     tokenizer: Any = ByteTokenizer
-    """The run's tokenizer (:mod:`peerd.tokenizer`; the daemon resolves it before the role starts): its
+    """The run's tokenizer (:mod:`peerd.data.tokenizer`; the daemon resolves it before the role starts): its
     ``vocab_size`` sizes the model, :meth:`training_corpus` encodes the corpus with it."""
 
     def training_corpus(self):
@@ -160,7 +160,7 @@ async def held_out_loss(model: torch.nn.Module, eval_tokens: Any, run: RunConfig
     loop (where the model is); None if the run's ``eval_batches`` is 0."""
     if not run.eval_batches:
         return None
-    from peerd.data import evaluate
+    from peerd.data.corpus import evaluate
 
     result = await asyncio.get_running_loop().run_in_executor(
         None, lambda: evaluate(model, eval_tokens, run.seq_len, run.batch_size, run.eval_batches))

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from peerd.namespace import RunNamespace
+from peerd.identity.namespace import RunNamespace
 from protocols.diloco import OuterState
 
 

@@ -36,9 +36,9 @@ from typing import Optional
 
 import torch
 
-from peerd.checkpoint import Checkpoint, CheckpointError, load_optimizer_tensors, optimizer_tensors
+from peerd.worker.checkpoint_file import Checkpoint, CheckpointError, load_optimizer_tensors, optimizer_tensors
 from peerd.events import CheckpointResumed, ExpertsClaimed, InnerProgress, RoundDone, RoundFailed, StateDownloaded
-from peerd.inner_step import InnerStep
+from peerd.worker.inner_step import InnerStep
 from peerd.models import build_model
 from peerd.models.local_experts import train_only_experts
 from peerd.models.moe import MoETransformer, expert_parameter_names, shared_parameter_names
@@ -401,7 +401,7 @@ class SpesRole(WorkerCore):
         return metadata.get("role") == ROLE
 
     def resume(self) -> None:
-        """Continue from the local checkpoint if there is one. Raises :class:`peerd.checkpoint.CheckpointError` if
+        """Continue from the local checkpoint if there is one. Raises :class:`peerd.worker.checkpoint_file.CheckpointError` if
         it was written under another configuration of the run or does not fit the model."""
         checkpoint = self.load_checkpoint()
         if checkpoint is None:

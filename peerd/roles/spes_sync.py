@@ -25,7 +25,7 @@ from typing import Collection, Mapping, Optional, Sequence
 import torch
 
 from peerd.models.moe import MoETransformer, expert_parameter_names, shared_parameter_names
-from peerd.namespace import RunNamespace
+from peerd.identity.namespace import RunNamespace
 from peerd.roles.fragments import Fragment, fragment
 from protocols.allreduce import AllReduceConfig, AllReduceFailed, ButterflyAllReduce
 from protocols.bans import BanList

@@ -21,9 +21,9 @@ import time
 from typing import Any, Callable, Optional
 
 from peerd.events import DuplicateIdentitySeen, EventBus
-from peerd.history import RecentHistory
-from peerd.identity import IdentityError
-from peerd.status import StatusFilter, make_status
+from peerd.status.history import RecentHistory
+from peerd.identity.key import IdentityError
+from peerd.status.records import StatusFilter, make_status
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def new_instance() -> str:
 class StatusBoard:
     """Publishes this peer's status record under ``key`` (subkey = ``peer_id``) and reads the run's records.
 
-    ``describe()`` gives the role's current fields (:data:`peerd.telemetry.STATUS_FIELDS` except ``instance``);
+    ``describe()`` gives the role's current fields (:data:`peerd.runtime.telemetry.STATUS_FIELDS` except ``instance``);
     set it with :meth:`set_source`. ``interval_s``: publication period; ``ttl_s``: lifetime of a record (seconds).
     """
 

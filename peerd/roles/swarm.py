@@ -46,7 +46,7 @@ from typing import Optional
 import torch
 
 from peerd.config import ConfigError
-from peerd.data import WindowSampler
+from peerd.data.corpus import WindowSampler
 from peerd.events import StageMoved, StageRoundDone, SwarmProgress
 from peerd.models import build_stage
 from peerd.roles.base import RunContext

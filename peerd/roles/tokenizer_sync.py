@@ -1,6 +1,6 @@
 """Every peer of a run tokenizes with the same file: serve the run's tokenizer, and fetch it where it is missing.
 
-The run config names the tokenizer by digest (:mod:`peerd.tokenizer`); this peer's copy lives in its tokenizer cache.
+The run config names the tokenizer by digest (:mod:`peerd.data.tokenizer`); this peer's copy lives in its tokenizer cache.
 A peer that has the file serves it (:class:`protocols.blobs.BlobServer`, service ``<run>.files``) for as long as it is
 in the run; a joiner without it asks the run's live peers (from their status records) one after another until one
 delivers bytes with the right digest, and keeps asking (a line every ``log_every_s``) until it gets them or is
@@ -14,10 +14,10 @@ import logging
 import random
 from typing import Optional, Union
 
-from peerd.data import ByteTokenizer
-from peerd.namespace import RunNamespace
-from peerd.status import StatusFilter
-from peerd.tokenizer import MAX_TOKENIZER_BYTES, BpeTokenizer, TokenizerCache, parse_spec
+from peerd.data.corpus import ByteTokenizer
+from peerd.identity.namespace import RunNamespace
+from peerd.status.records import StatusFilter
+from peerd.data.tokenizer import MAX_TOKENIZER_BYTES, BpeTokenizer, TokenizerCache, parse_spec
 from protocols.blobs import BlobServer, BlobUnavailable, fetch_blob
 
 logger = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ Protocol: the client sends one JSON object on one line (``{"cmd": "status" | "pa
 "pause_after_round" | "set_rules", ...}``; the daemon's handler is
 :meth:`peerd.service.volunteer.VolunteerServices.handle`),
 the daemon answers one JSON object on one line and closes. One daemon per socket: the server holds an exclusive
-``flock`` on ``<socket>.lock`` for its lifetime (:mod:`peerd.locks`), so a second daemon on the same folder is told
+``flock`` on ``<socket>.lock`` for its lifetime (:mod:`peerd.runtime.locks`), so a second daemon on the same folder is told
 (and runs without a control socket) instead of stealing the first one's socket; the socket and lock of a daemon that
 died, even by SIGKILL, are taken over by the next one.
 """
@@ -20,7 +20,7 @@ import socket
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Optional
 
-from peerd import locks
+from peerd.runtime import locks
 
 logger = logging.getLogger(__name__)
 

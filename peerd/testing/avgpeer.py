@@ -28,7 +28,7 @@ import torch
 
 from peerd.roles.registry import OUTER_SYNCS
 from peerd.testing.faults import Faults, FaultyTransport
-from peerd.telemetry import JsonFormatter
+from peerd.runtime.telemetry import JsonFormatter
 from peerd.transport.hivemind_backend import HivemindTransport
 from peerd.transport.light import LightTransport
 from protocols.allreduce import AllReduceConfig, AllReduceFailed, ButterflyAllReduce

@@ -28,7 +28,7 @@ TINY = ROOT / "node_configs" / "runs" / "tiny-test.toml"
 
 
 def peerd_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "peerd.cli", *args]
+    return [sys.executable, "-m", "peerd", *args]
 
 
 @dataclass
@@ -172,7 +172,7 @@ class Swarm:
 
 #: What the preloading parent imports before it forks workers (``torch._dynamo``: torch's optimizers import it on
 #: first use, ~100 MB).
-PRELOAD = ("torch", "torch._dynamo", "hivemind", "peerd.cli", "peerd.daemon", "peerd.roles.diloco")
+PRELOAD = ("torch", "torch._dynamo", "hivemind", "peerd.commands.main", "peerd.daemon", "peerd.roles.diloco")
 
 
 class PreloadedProcess:
@@ -229,7 +229,7 @@ def _preloaded_main(argv: list[str], log: str, env: dict[str, str]) -> None:
         os.dup2(stderr.fileno(), 2)
         os.dup2(devnull.fileno(), 1)
     os.environ.update(env)
-    from peerd.cli import main
+    from peerd.commands.main import main
 
     sys.exit(main(argv))
 

@@ -41,7 +41,7 @@ __all__ = [
 
 def micro_batches(run: RunConfig, count: int, seed: str = "convergence") -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``count`` Shakespeare micro-batches of the run's shape: (tokens, targets), each int64 (B, T)."""
-    from peerd.data import WindowSampler, load_corpus
+    from peerd.data.corpus import WindowSampler, load_corpus
 
     sampler = WindowSampler(load_corpus(run.dataset).train, run.seq_len, run.batch_size, seed=seed)
     return [tuple(t.long() for t in sampler.next_batch()) for _ in range(count)]

@@ -189,7 +189,7 @@ async def helpers_for(node: Any, discovery: Any = None, status_key: Optional[str
     others reach: it once told a reachable peer it was not)."""
     import random
 
-    from peerd.status import StatusFilter
+    from peerd.status.records import StatusFilter
 
     helpers = [p for p in map(peer_of, node.initial_peers) if p]
     if discovery is not None and status_key is not None:

@@ -53,8 +53,8 @@ from typing import Any, Optional
 import msgpack
 from cryptography.exceptions import InvalidSignature
 
-from peerd.namespace import network_key
-from peerd.signing import InvalidRecord, Signer, public_key_of
+from peerd.identity.namespace import network_key
+from peerd.identity.signing import InvalidRecord, Signer, public_key_of
 from peerd.transport.linger import CLOSE_LINGER_S, until_remote_closes
 from peerd.transport.mux import MUX_NAME, MuxSession, MuxStream
 from protocols.interfaces import Discovery, PeerStreams, StreamHandler

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Optional
 
 from peerd.config import NodeConfig
-from peerd.identity import IdentityHold, hold_identity, load_or_create_identity
-from peerd.signing import Signer
+from peerd.identity.key import IdentityHold, hold_identity, load_or_create_identity
+from peerd.identity.signing import Signer
 from peerd.transport.hivemind_backend import BootstrapUnreachable, HivemindTransport
 from peerd.transport.records import OwnerRecordValidator, SignedDiscovery
 
@@ -52,7 +52,7 @@ async def open_transport(node: NodeConfig, role: str = "worker", client_mode: bo
     and its discovery signs what this peer stores and returns only validly signed records (SignedDiscovery).
 
     The identity file stays locked until ``transport.shutdown()`` (``hold``: a lock the caller already took with
-    :func:`peerd.identity.hold_identity`, e.g. before anything else starts; it is released on failure and on
+    :func:`peerd.identity.key.hold_identity`, e.g. before anything else starts; it is released on failure and on
     shutdown). When no initial peer answers, it tries again after each of ``bootstrap_retry_s`` (seconds), warning
     each time. Raises IdentityInUse if another daemon holds it, IdentityError if it is unusable, ConnectionError if
     the DHT node cannot start (:class:`BootstrapUnreachable` if no initial peer answered any attempt)."""

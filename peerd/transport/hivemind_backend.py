@@ -14,7 +14,7 @@ announcing a dead peer. Nothing runs in a SIGKILLed process, so the DHT process 
 (:func:`_die_with_parent`) and takes p2pd, its own child, down with it; an inline p2pd is watched by a tiny shell
 process (:func:`_tie_to_this_process`). Signals sent to this process's group (Ctrl-C, ``timeout``) never reach them:
 each runs in a session of its own, and this process stops them itself, within a bounded time
-(:mod:`peerd.processes`).
+(:mod:`peerd.runtime.processes`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from hivemind.utils import get_dht_time
 from multiaddr import Multiaddr
 
 from peerd.config import DHT_MODES
-from peerd.processes import blocked_stop_signals, in_own_session, leave_terminal_session, stop_processes, tree_of
+from peerd.runtime.processes import blocked_stop_signals, in_own_session, leave_terminal_session, stop_processes, tree_of
 from peerd.transport.linger import CLOSE_LINGER_S, until_remote_closes
 from protocols.interfaces import Record, StreamHandler
 
@@ -214,7 +214,7 @@ def _add_p2pd_flags(flags: dict[str, Any]) -> None:
 
 def _p2p_with_flags(base: type[P2P], flags: dict[str, Any], own_session: bool = False) -> type[P2P]:
     """``base`` (hivemind's ``P2P``) whose p2pd command line ends with ``flags`` (``-name=value``); with
-    ``own_session``, p2pd runs in a session of its own (:func:`peerd.processes.in_own_session`)."""
+    ``own_session``, p2pd runs in a session of its own (:func:`peerd.runtime.processes.in_own_session`)."""
     if not flags and not own_session:
         return base
 

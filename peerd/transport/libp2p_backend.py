@@ -16,9 +16,9 @@ hivemind's (both define ``crypto.pb.KeyType`` in protobuf's default pool), so th
 and the hand-off between the two is the p2pd control protocol over unix sockets, the same one p2pd serves. The
 libp2p daemon exits when this process closes its stdin (:meth:`PyLibp2pP2P.shutdown`) or dies (the pipe's EOF);
 the DHT process dies with this process (:class:`peerd.transport.hivemind_backend._TiedDHT`). Both run in sessions of
-their own, so that a Ctrl-C to this process's group reaches this process only (:mod:`peerd.processes`).
+their own, so that a Ctrl-C to this process's group reaches this process only (:mod:`peerd.runtime.processes`).
 
-Identity: the daemon reads the same Ed25519 key file as p2pd (:mod:`peerd.identity`): same PeerID on both backends.
+Identity: the daemon reads the same Ed25519 key file as p2pd (:mod:`peerd.identity.key`): same PeerID on both backends.
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ pb = _load_p2pd_pb2()
 
 def key_pair_from_identity(blob: bytes) -> KeyPair:
     """A py-libp2p key pair from a serialized libp2p ``PrivateKey`` protobuf of type Ed25519 (the format of
-    :mod:`peerd.identity`: field 1 = key type 1, field 2 = 32-byte seed + 32-byte public key). Raises ValueError."""
+    :mod:`peerd.identity.key`: field 1 = key type 1, field 2 = 32-byte seed + 32-byte public key). Raises ValueError."""
     key_type, data, i = None, None, 0
     while i < len(blob):  # the two fields by hand: the libp2p crypto protobuf module cannot be used beside others
         tag, i = _varint(blob, i)

@@ -3,7 +3,7 @@
 - :class:`OwnerRecordValidator` is a hivemind record validator (``hivemind.DHT(record_validators=[...])``, through
   ``HivemindTransport.create(record_validators=...)``). A DHT node that has it refuses to store, and drops from
   what other nodes return, any record under a subkey ``[owner:<PeerID>]`` that is not an envelope signed by that
-  PeerID for that key and expiration (:mod:`peerd.signing`). Other subkeys are not its business (hivemind's
+  PeerID for that key and expiration (:mod:`peerd.identity.signing`). Other subkeys are not its business (hivemind's
   ``RSASignatureValidator`` works the same way), so non-peerd users of the DHT (``peerd.testing.avgpeer``) are unaffected.
   Every peerd node (workers, bootstrap nodes, ``peerd status``) runs it, so all agree on what is valid.
 - :class:`SignedDiscovery` wraps a :class:`protocols.interfaces.Discovery` for the protocols above it: ``store``
@@ -22,7 +22,9 @@ from typing import Any, Optional
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer
 
-from peerd.signing import InvalidRecord, Signer, claims_owner, key_id, owner_of, owner_subkey, seal, unseal, verify
+from peerd.identity.signing import (
+    InvalidRecord, Signer, claims_owner, key_id, owner_of, owner_subkey, seal, unseal, verify,
+)
 from protocols.interfaces import Record
 
 logger = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ import concurrent.futures
 
 import torch
 
-from peerd.checkpoint import Checkpoint, CheckpointError, load_optimizer_tensors, optimizer_tensors
+from peerd.worker.checkpoint_file import Checkpoint, CheckpointError, load_optimizer_tensors, optimizer_tensors
 from peerd.events import CheckpointResumed
 
 
@@ -47,7 +47,7 @@ class OuterCheckpoint:
             self.ctx.checkpoints.save(Checkpoint(tensors, metadata))
             return
         # copies in host memory: theta_local and the optimizer's moments change while the writer writes, and a copy
-        # on the GPU would take the memory the inner steps were planned with (peerd.memory)
+        # on the GPU would take the memory the inner steps were planned with (peerd.hardware.memory)
         copied = {name: t.detach().to("cpu", copy=True) for name, t in tensors.items()}
         self.writer.submit(self.ctx.checkpoints.save, Checkpoint(copied, metadata))
         if final:

@@ -23,12 +23,12 @@ from typing import Optional
 
 import torch
 
-from peerd.checkpoint import Checkpoint, CheckpointError
+from peerd.worker.checkpoint_file import Checkpoint, CheckpointError
 from peerd.config import ConfigError
-from peerd.data import WindowSampler
+from peerd.data.corpus import WindowSampler
 from peerd.events import Evaluated, Left, Paused, Resumed
-from peerd.heap import trim_heap
-from peerd.inner_step import enable_tf32, micro_batch_count, resolve_precision
+from peerd.runtime.heap import trim_heap
+from peerd.worker.inner_step import enable_tf32, micro_batch_count, resolve_precision
 from peerd.roles.base import RunContext, eval_units, held_out_loss
 from peerd.worker.stats import RoundStats
 
@@ -62,7 +62,7 @@ class WorkerCore:
         ctx.status.set_source(self.status_fields)
 
     def _check_inner_step(self) -> None:
-        """How this machine computes the run's inner step (:mod:`peerd.inner_step`): micro-batches and precision.
+        """How this machine computes the run's inner step (:mod:`peerd.worker.inner_step`): micro-batches and precision.
         Raises ConfigError naming ``micro_batch_size`` if it does not divide the batch."""
         try:
             micro_batch_count(self.run_cfg.batch_size, self.ctx.node.micro_batch_size)
@@ -75,7 +75,7 @@ class WorkerCore:
 
     async def run(self, ctx: Optional[RunContext] = None) -> None:
         """Train until stopped or ``max_outer_rounds`` is reached; always checkpoints before returning. Raises
-        :class:`peerd.checkpoint.CheckpointError` (before starting anything) if the local checkpoint does not fit."""
+        :class:`peerd.worker.checkpoint_file.CheckpointError` (before starting anything) if the local checkpoint does not fit."""
         self.resume()
         for component in self.components:
             await component.start()

@@ -1,8 +1,8 @@
 """The DiLoCo worker's inner loop: how this machine computes an inner step, and the steps up to a round boundary.
 
-The inner step (:class:`peerd.inner_step.InnerStep`) runs AdamW on a fresh batch with the run's warm-up/cosine
+The inner step (:class:`peerd.worker.inner_step.InnerStep`) runs AdamW on a fresh batch with the run's warm-up/cosine
 learning rate at the worker's global step; micro-batches, precision, ``torch.compile`` and activation checkpointing
-come from the node config, several local devices train as one peer (:mod:`peerd.local_dp`).
+come from the node config, several local devices train as one peer (:mod:`peerd.worker.local_dp`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 from peerd.config import ConfigError
 from peerd.events import InnerProgress
-from peerd.inner_step import InnerStep, make_optimizer
+from peerd.worker.inner_step import InnerStep, make_optimizer
 from protocols.diloco import inner_lr_at, set_lr
 
 logger = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ class InnerLoop:
                                self.run_cfg.model)
         self.local_dp = None
         if len(node.local_devices) > 1:  # several devices, one peer: the helpers compile their own replicas
-            from peerd.local_dp import LocalDataParallel, LocalDevicesError, replica_spec
+            from peerd.worker.local_dp import LocalDataParallel, LocalDevicesError, replica_spec
 
             try:
                 self.local_dp = LocalDataParallel(self.model, node.local_devices,

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from peerd.cli import main
+from peerd.commands.main import main
 from peerd.testing.localswarm import LOCAL, TINY, Swarm, peerd_cmd
 
 pytestmark = pytest.mark.timeout(180)
@@ -161,7 +161,7 @@ def test_bootstrap_keeps_its_peer_id_across_restarts(tmp_path):
 
 def test_light_commands_do_not_import_torch():
     """`peerd --help`, `health`, `pause`, `config show` stay fast: the CLI and the node config import no torch."""
-    probe = ("import sys, peerd.cli, peerd.config, peerd.service.control; "
+    probe = ("import sys, peerd.commands.main, peerd.config, peerd.service.control; "
              "print(sorted(m for m in ('torch', 'hivemind', 'protocols.allreduce') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -5,12 +5,12 @@ import argparse
 import pytest
 
 from peerd import config
-from peerd.cli import build_parser
-from peerd.export import WEIGHTS
+from peerd.commands.parser import build_parser
+from peerd.commands.export import WEIGHTS
 from peerd.models.registry import MODEL_PRESETS
 from peerd.roles.registry import OUTER_SYNCS, ROLES
 from peerd.run_config import AVERAGING_METHODS, MODEL_NAMES, MOE_MODEL_NAMES, PARALLELISMS
-from peerd.telemetry import LOG_FORMATS
+from peerd.runtime.telemetry import LOG_FORMATS
 
 pytestmark = pytest.mark.timeout(60)
 

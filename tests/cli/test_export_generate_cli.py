@@ -6,8 +6,8 @@ import subprocess
 import pytest
 import torch
 
-from peerd.checkpoint import Checkpoint, checkpoint_path, save_checkpoint
-from peerd.generate import generate_text, sample
+from peerd.worker.checkpoint_file import Checkpoint, checkpoint_path, save_checkpoint
+from peerd.commands.generate import generate_text, sample
 from peerd.models import build_model
 from peerd.testing.localswarm import peerd_cmd
 from protocols.diloco import flatten_parameters

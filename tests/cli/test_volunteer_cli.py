@@ -8,7 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from peerd.cli import build_parser, main
+from peerd.commands.main import main
+from peerd.commands.parser import build_parser
 from peerd.testing.localswarm import LOCAL, peerd_cmd
 
 pytestmark = pytest.mark.timeout(120)

@@ -32,12 +32,12 @@ from peerd.run_config import load_run_config
 from peerd.daemon import publish_run_config, resolve_run_config
 from peerd.roles.outer_sync import group_key
 from peerd.testing.localswarm import TINY
-from peerd.membership import RunConfigConflict, config_payload
-from peerd.signing import Signer, owner_subkey, seal, verify
-from peerd.namespace import RunNamespace
-from peerd.status import make_status
+from peerd.identity.membership import RunConfigConflict, config_payload
+from peerd.identity.signing import Signer, owner_subkey, seal, verify
+from peerd.identity.namespace import RunNamespace
+from peerd.status.records import make_status
 from peerd.transport.hivemind_backend import HivemindTransport
-from peerd.signing import key_id
+from peerd.identity.signing import key_id
 from peerd.transport.records import OwnerRecordValidator, SignedDiscovery
 from protocols.matchmaking import MatchmakingConfig, Matchmaker, MatchmakingFailed
 from protocols.state_transfer import StateTransferFailed, download_state

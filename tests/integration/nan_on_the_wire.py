@@ -15,7 +15,7 @@ import sys
 
 import numpy as np
 
-from peerd import cli
+from peerd.commands.main import main
 from peerd.testing.faults import Faults
 from protocols.allreduce import ButterflyAllReduce
 
@@ -47,4 +47,4 @@ def encode_part(self: ButterflyAllReduce, part) -> bytes:
 if __name__ == "__main__":
     Faults.transform_pseudo_gradient = transform_pseudo_gradient
     ButterflyAllReduce._encode_part = encode_part
-    sys.exit(cli.main(sys.argv[1:]))
+    sys.exit(main(sys.argv[1:]))

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from peerd.identity import load_or_create_identity
+from peerd.identity.key import load_or_create_identity
 from peerd.testing.localswarm import TINY
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]

@@ -22,7 +22,7 @@ from typing import Callable, Optional
 import psutil
 import pytest
 
-from peerd.checkpoint import load_checkpoint
+from peerd.worker.checkpoint_file import load_checkpoint
 from peerd.testing.localswarm import LOCAL, TINY, Peer, Swarm, peerd_cmd
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -45,7 +45,7 @@ def endless(tmp_path: Path) -> Path:
 def silent_peer(tmp_path: Path):
     """The multiaddr of a "bootstrap node" that accepts TCP connections and never answers: a command given it as
     its initial peer waits on the network (until its DHT start-up times out, 30 s or more)."""
-    from peerd.identity import load_or_create_identity
+    from peerd.identity.key import load_or_create_identity
 
     peer_id = load_or_create_identity(tmp_path / "silent.key")
     with socket.socket() as listener:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from peerd.testing.faults import Faults
-from peerd.identity import load_or_create_identity
+from peerd.identity.key import load_or_create_identity
 from peerd.testing.localswarm import LOCAL
 from tests.integration.test_diloco_swarm import _config
 

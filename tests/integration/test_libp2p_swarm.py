@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from peerd.identity import load_or_create_identity
+from peerd.identity.key import load_or_create_identity
 from peerd.testing.localswarm import TINY, peerd_cmd
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]  # 175-185 s each measured on a heavily loaded 2-core machine

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from peerd.identity import load_or_create_identity
+from peerd.identity.key import load_or_create_identity
 from peerd.testing.localswarm import TINY
 
 pytestmark = pytest.mark.timeout(300)  # ~40 s on an idle 2-core machine; generous for a loaded one

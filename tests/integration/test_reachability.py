@@ -13,7 +13,7 @@ import pytest
 
 from peerd.config import NodeConfig
 from peerd.daemon import serve_dialback
-from peerd.doctor import network_checks
+from peerd.commands.doctor import network_checks
 from peerd.transport.dialback import p2pd_dial
 from peerd.transport.hivemind_backend import HivemindTransport
 from tests.ports import closed_port

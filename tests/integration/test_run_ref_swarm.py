@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from peerd.identity import load_or_create_identity
+from peerd.identity.key import load_or_create_identity
 from peerd.testing.localswarm import TINY
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

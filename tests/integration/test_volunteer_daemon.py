@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from peerd.identity import load_or_create_identity
+from peerd.identity.key import load_or_create_identity
 from peerd.testing.localswarm import TINY, Peer, Swarm, peerd_cmd
 from tests.dockerfile import DOCKERFILE, exec_form, image_env
 

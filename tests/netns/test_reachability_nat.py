@@ -260,7 +260,7 @@ def test_a_peer_behind_nat_is_unreachable_and_reached_through_a_relay(backend, n
 def _join(ns: str, name: str, host: str, bootstrap: str, run: Path, tmp_path: Path) -> subprocess.Popen:
     """``peerd join`` in namespace ``ns`` listening on ``host`` (JSON events to ``<name>.log``)."""
     argv = ["ip", "netns", "exec", ns, "env", f"PYTHONPATH={ROOT}", "PEERD_LOGLEVEL=INFO", sys.executable, "-m",
-            "peerd.cli", "join", "--run-id", "nat", "--run-config", str(run), "--config", str(LOCAL),
+            "peerd", "join", "--run-id", "nat", "--run-config", str(run), "--config", str(LOCAL),
             "--log-format", "json", "--identity", str(tmp_path / f"{name}.key"),
             "--checkpoint-dir", str(tmp_path / f"ckpt-{name}"), "--initial-peers", bootstrap, "--host-maddrs", host]
     return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=(tmp_path / f"{name}.log").open("w"))
@@ -294,7 +294,7 @@ def test_a_diloco_worker_behind_nat_trains_with_reachable_workers_and_reduces_no
     run.write_text(text)
     boot_out = (tmp_path / "bootstrap.out").open("w")
     bootstrap = subprocess.Popen(
-        ["ip", "netns", "exec", pub, "env", f"PYTHONPATH={ROOT}", sys.executable, "-m", "peerd.cli", "bootstrap",
+        ["ip", "netns", "exec", pub, "env", f"PYTHONPATH={ROOT}", sys.executable, "-m", "peerd", "bootstrap",
          "--config", str(LOCAL), "--identity", str(tmp_path / "bootstrap.key"), "--checkpoint-dir",
          str(tmp_path / "bootstrap-state"), "--host-maddrs", f"/ip4/{PUBLIC_IP}/tcp/0"],
         stdout=boot_out, stderr=(tmp_path / "bootstrap.err").open("w"))
@@ -309,7 +309,7 @@ def test_a_diloco_worker_behind_nat_trains_with_reachable_workers_and_reduces_no
             workers[name] = _join(ns, name, f"/ip4/{host}/tcp/0", boot, run, tmp_path)
         # `peerd doctor` on the NATed machine while the run trains: its reachable line says relayed
         doctor = subprocess.run(
-            ["ip", "netns", "exec", lan, "env", f"PYTHONPATH={ROOT}", sys.executable, "-m", "peerd.cli", "doctor",
+            ["ip", "netns", "exec", lan, "env", f"PYTHONPATH={ROOT}", sys.executable, "-m", "peerd", "doctor",
              "--run-id", "nat", "--config", str(LOCAL), "--initial-peers", boot, "--host-maddrs", "/ip4/0.0.0.0/tcp/0",
              "--identity", str(tmp_path / "doctor.key")],
             capture_output=True, text=True, timeout=150)

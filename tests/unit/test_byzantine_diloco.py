@@ -10,7 +10,7 @@ import pytest
 
 from peerd.config import NodeConfig
 from peerd.run_config import AveragingConfig, RunConfig
-from peerd.data import evaluate
+from peerd.data.corpus import evaluate
 from peerd.testing.faults import Faults, instrument
 from peerd.roles.base import RunContext
 from peerd.roles.diloco import DiLoCoRole

@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import save as st_save
 
-from peerd.checkpoint import (FILENAME, Checkpoint, CheckpointError, check_checkpoint, checkpoint_path, load_checkpoint,
-                              save_checkpoint)
+from peerd.worker.checkpoint_file import (FILENAME, Checkpoint, CheckpointError, check_checkpoint, checkpoint_path,
+                                          load_checkpoint, save_checkpoint)
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -7,7 +7,7 @@ import asyncio
 import aiohttp
 import pytest
 
-from peerd.cli import main
+from peerd.commands.main import main
 from peerd.config import ConfigError, NodeConfig
 from peerd.dashboard import security
 from peerd.dashboard.app import Dashboard

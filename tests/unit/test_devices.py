@@ -7,10 +7,10 @@ import types
 import pytest
 import torch
 
-from peerd.cli import main
+from peerd.commands.main import main
 from peerd.config import ConfigError, NodeConfig, load_node_config
-from peerd.devices import DeviceUnavailable, describe_device, device_problem, gpu_backend, resolve_device
-from peerd.doctor import check_device
+from peerd.hardware.devices import DeviceUnavailable, describe_device, device_problem, gpu_backend, resolve_device
+from peerd.commands.doctor import check_device
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -105,7 +105,7 @@ def test_peers_found_unreachable_do_not_check_others_reachability():
             now = 1e12
             return {p: types.SimpleNamespace(value=value, expiration_time=now) for p, value in records.items()}
 
-    from peerd.status import make_status
+    from peerd.status.records import make_status
 
     records = {
         "12D3KooWreach": make_status(role="diloco", outer_round=1, reachable=True),

@@ -329,7 +329,7 @@ def test_a_joiner_starting_during_round_0_trains_what_is_left_of_it_and_joins_th
 def test_a_worker_reports_its_contribution_and_keeps_counting_after_a_restart(tmp_path):
     """tokens_trained and rounds_contributed in the status record (what `peerd status` and the dashboard rank),
     carried across a restart by the checkpoint."""
-    from peerd.status import contribution
+    from peerd.status.records import contribution
 
     run = _run(min_group_size=1)
     per_round = run.diloco.inner_steps * run.batch_size * run.seq_len

@@ -11,7 +11,7 @@ import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from peerd.signing import Signer
+from peerd.identity.signing import Signer
 from peerd.transport.direct import DirectStreams
 from peerd.transport.inprocess import Hub
 from peerd.transport.records import SignedDiscovery

@@ -19,7 +19,7 @@ import uvloop
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 import peerd.transport.direct as direct
-from peerd.signing import Signer, owner_subkey
+from peerd.identity.signing import Signer, owner_subkey
 from peerd.transport.direct import DATAPLANE_KEY, DirectStreams, HandshakeRefused, client_handshake
 from peerd.transport.inprocess import Hub
 from peerd.transport.pacing import pace

@@ -2,10 +2,10 @@
 
 import pytest
 
-import peerd.doctor as doctor
-from peerd.cli import main
+import peerd.commands.doctor as doctor
+from peerd.commands.main import main
 from peerd.config import ConfigError, NodeConfig
-from peerd.status import make_status, status_problem
+from peerd.status.records import make_status, status_problem
 from peerd.transport.dialback import listens_on_loopback_only
 from peerd.transport.hivemind_backend import dht_start_error, relay_options
 
@@ -146,7 +146,7 @@ def test_a_dht_that_reached_no_initial_peer_says_what_to_check():
 
 
 def test_a_relayed_peer_passes_the_reachable_check_with_the_way_to_direct_connections():
-    from peerd.doctor import reachability_check
+    from peerd.commands.doctor import reachability_check
     from protocols.reachability import Verdict
 
     relay = f"/ip4/192.0.2.1/tcp/31337/p2p/{PEER.rsplit('/', 1)[1]}"

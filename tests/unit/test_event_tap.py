@@ -9,7 +9,7 @@ import pytest
 
 from peerd.events import EventBus, LogEvents, Paused, RoundDone, RoundFailed
 from peerd.service.health import DaemonState
-from peerd.telemetry import setup_logging
+from peerd.runtime.telemetry import setup_logging
 
 pytestmark = pytest.mark.timeout(30)
 

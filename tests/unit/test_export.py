@@ -4,8 +4,8 @@ import pytest
 import torch
 import transformers  # in the test extra (setup.cfg)
 
-from peerd.checkpoint import Checkpoint, CheckpointError, checkpoint_path, save_checkpoint
-from peerd.export import export_llama, find_checkpoint, load_checkpoint_model
+from peerd.worker.checkpoint_file import Checkpoint, CheckpointError, checkpoint_path, save_checkpoint
+from peerd.commands.export import export_llama, find_checkpoint, load_checkpoint_model
 from peerd.models import build_model
 from protocols.diloco import flatten_parameters
 

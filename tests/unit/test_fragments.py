@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from peerd.models import build_model
-from peerd.namespace import RunNamespace, RunRef
+from peerd.identity.namespace import RunNamespace, RunRef
 from peerd.roles.base import ROLES, parallelism, role_class
 from peerd.roles.fragments import fragment, whole_model
 from peerd.run_config import RunConfig

@@ -1,9 +1,9 @@
-"""Returning freed heap memory to the OS between outer rounds (peerd.heap)."""
+"""Returning freed heap memory to the OS between outer rounds (peerd.runtime.heap)."""
 
 import psutil
 import pytest
 
-from peerd import heap
+from peerd.runtime import heap
 
 pytestmark = pytest.mark.timeout(60)
 

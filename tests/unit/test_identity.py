@@ -11,7 +11,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.p2p import PeerID
 from hivemind.proto import crypto_pb2
 
-from peerd.identity import IdentityError, IdentityInUse, hold_identity, load_or_create_identity, peer_id_of
+from peerd.identity.key import IdentityError, IdentityInUse, hold_identity, load_or_create_identity, peer_id_of
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from peerd.config import ConfigError, NodeConfig
-from peerd.export import find_checkpoint, load_checkpoint_model
-from peerd.inner_step import InnerStep, Precision, micro_batch_count, resolve_precision
+from peerd.commands.export import find_checkpoint, load_checkpoint_model
+from peerd.worker.inner_step import InnerStep, Precision, micro_batch_count, resolve_precision
 from peerd.models import build_model
 from peerd.roles.base import RunContext
 from peerd.roles.diloco import DiLoCoRole

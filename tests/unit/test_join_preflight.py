@@ -9,12 +9,12 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 import peerd.daemon as daemon
-from peerd.checkpoint import Checkpoint, CheckpointError, checkpoint_path, save_checkpoint
+from peerd.worker.checkpoint_file import Checkpoint, CheckpointError, checkpoint_path, save_checkpoint
 from peerd.config import RUN_CONFIG_KEYS, ConfigError, NodeConfig, load_node_config
-from peerd.membership import RunConfigConflict
-from peerd.preflight import check_local_checkpoint, node_run_error
+from peerd.identity.membership import RunConfigConflict
+from peerd.worker.preflight import check_local_checkpoint, node_run_error
 from peerd.run_config import RunConfig, load_run_config
-from peerd.signing import Signer
+from peerd.identity.signing import Signer
 from peerd.testing.localswarm import TINY
 from peerd.transport.inprocess import Hub
 from peerd.transport.records import SignedDiscovery

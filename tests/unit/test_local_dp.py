@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from peerd.config import ConfigError, NodeConfig
-from peerd.inner_step import InnerStep, Precision
-from peerd.local_dp import LocalDataParallel, LocalDevicesError, ReplicaSpec, check_local_devices, slice_size
+from peerd.worker.inner_step import InnerStep, Precision
+from peerd.worker.local_dp import LocalDataParallel, LocalDevicesError, ReplicaSpec, check_local_devices, slice_size
 from peerd.models import build_model
 from peerd.roles.base import RunContext
 from peerd.roles.diloco import DiLoCoRole

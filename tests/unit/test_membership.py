@@ -14,7 +14,7 @@ from peerd.config import ConfigError, NodeConfig
 from peerd.run_config import RunConfig, load_run_config
 from peerd.daemon import explain_config_conflict, publish_run_config, resolve_run_config
 from peerd.testing.localswarm import TINY
-from peerd.membership import (
+from peerd.identity.membership import (
     RunConfigConflict,
     choose,
     config_payload,
@@ -23,8 +23,8 @@ from peerd.membership import (
     pin_path,
     save_pin,
 )
-from peerd.namespace import RunIdError, RunNamespace, RunRef
-from peerd.signing import InvalidRecord, Signer, owner_subkey, seal
+from peerd.identity.namespace import RunIdError, RunNamespace, RunRef
+from peerd.identity.signing import InvalidRecord, Signer, owner_subkey, seal
 
 
 def config_key(run_id: str) -> str:
@@ -32,7 +32,7 @@ def config_key(run_id: str) -> str:
 
 from peerd.transport.admission import AdmissionStreams, admit_only
 from peerd.transport.inprocess import Hub
-from peerd.signing import key_id
+from peerd.identity.signing import key_id
 from peerd.transport.records import OwnerRecordValidator, SignedDiscovery
 from protocols.matchmaking import MatchmakingConfig, Matchmaker, MatchmakingFailed
 from protocols.wire import ProtocolViolation, read_frame, write_frame

@@ -1,4 +1,4 @@
-"""The memory model (peerd/memory.py) against what torch really holds, measured on a CPU: the model state exactly
+"""The memory model (peerd/hardware/memory.py) against what torch really holds, measured on a CPU: the model state exactly
 (weights, gradients, AdamW moments after a step), the activations through the tensors autograd saves for backward
 (``saved_tensors_hooks``, counted by storage so views count once), and the choices the planner makes."""
 
@@ -8,10 +8,10 @@ import dataclasses
 import pytest
 import torch
 
-from peerd.cli import main
+from peerd.commands.main import main
 from peerd.config import ConfigError, NodeConfig
-from peerd.doctor import check_memory
-from peerd.memory import GIB, Shape, activation_bytes, estimate, fit_node, plan
+from peerd.commands.doctor import check_memory
+from peerd.hardware.memory import GIB, Shape, activation_bytes, estimate, fit_node, plan
 from peerd.models.registry import MODEL_PRESETS, get_preset
 from peerd.models.transformer import Transformer, TransformerConfig
 from peerd.run_config import RunConfig
@@ -211,7 +211,7 @@ def test_eight_bit_optimizer_comes_from_bitsandbytes(monkeypatch):
     import sys
     import types
 
-    from peerd.inner_step import make_optimizer
+    from peerd.worker.inner_step import make_optimizer
 
     made = []
 

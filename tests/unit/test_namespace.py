@@ -1,10 +1,10 @@
-"""peerd/namespace.py: run ids (RunRef) and the run namespace (every DHT key and handler prefix of a run)."""
+"""peerd/identity/namespace.py: run ids (RunRef) and the run namespace (every DHT key and handler prefix of a run)."""
 
 import itertools
 
 import pytest
 
-from peerd.namespace import CREATOR_MIN_PREFIX, RunIdError, RunNamespace, RunRef, network_key
+from peerd.identity.namespace import CREATOR_MIN_PREFIX, RunIdError, RunNamespace, RunRef, network_key
 
 pytestmark = pytest.mark.timeout(10)
 

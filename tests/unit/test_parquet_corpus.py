@@ -8,8 +8,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-import peerd.data
-from peerd.data import DataError, load_corpus
+import peerd.data.corpus
+from peerd.data.corpus import DataError, load_corpus
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -25,7 +25,7 @@ def test_parquet_rows_are_documents_streamed_by_row_group(tmp_path, monkeypatch)
     in_memory = load_corpus(str(path))
     as_jsonl = load_corpus(str(jsonl))
     assert torch.equal(in_memory.train, as_jsonl.train) and torch.equal(in_memory.eval, as_jsonl.eval)
-    monkeypatch.setattr(peerd.data, "PIECE_BYTES", 61)
+    monkeypatch.setattr(peerd.data.corpus, "PIECE_BYTES", 61)
     streamed = load_corpus(str(path), tmp_path / "cache")  # through the memory-mapped byte cache
     assert torch.equal(streamed.train, in_memory.train) and torch.equal(streamed.eval, in_memory.eval)
     groups = []

@@ -1,4 +1,4 @@
-"""peerd.processes in one process: a stop abandons a start-up, a signal interrupts a waiting command after its
+"""peerd.runtime.processes in one process: a stop abandons a start-up, a signal interrupts a waiting command after its
 clean-up ran. (The real-process behaviour, signals to a process group: tests/integration/test_group_signals.py.)"""
 
 import asyncio
@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from peerd.processes import Interrupted, interruptible, unless_stopped
+from peerd.runtime.processes import Interrupted, interruptible, unless_stopped
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -9,8 +9,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.dht.validation import DHTRecord
 from hivemind.utils import MSGPackSerializer
 
-from peerd.identity import load_or_create_identity
-from peerd.signing import (
+from peerd.identity.key import load_or_create_identity
+from peerd.identity.signing import (
     InvalidRecord,
     Signer,
     is_peer_id,
@@ -21,10 +21,10 @@ from peerd.signing import (
     unseal,
     verify,
 )
-from peerd.namespace import RunNamespace
-from peerd.status import StatusFilter, make_status, status_problem
+from peerd.identity.namespace import RunNamespace
+from peerd.status.records import StatusFilter, make_status, status_problem
 from peerd.transport.inprocess import Hub
-from peerd.signing import key_id
+from peerd.identity.signing import key_id
 from peerd.transport.records import OwnerRecordValidator, SignedDiscovery
 
 pytestmark = pytest.mark.timeout(60)

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from peerd.data import ByteTokenizer, load_corpus
+from peerd.data.corpus import ByteTokenizer, load_corpus
 from peerd.models import build_model, split_model
-from peerd.swarm_infer import evaluate_swarm, generate_swarm
+from peerd.commands.swarm_infer import evaluate_swarm, generate_swarm
 from peerd.transport.inprocess import Hub
 from protocols.skippipe import NoPath
 from protocols.stage_service import PipelineTrainer, StageService, flat_parameters
@@ -87,8 +87,8 @@ def test_peerd_eval_and_generate_print_the_loss_and_the_skipped_stages(monkeypat
     in one line when the last stage is unreachable."""
     import contextlib
 
-    import peerd.swarm_infer as swarm_infer
-    from peerd.cli import main
+    import peerd.commands.swarm_infer as swarm_infer
+    from peerd.commands.main import main
     from peerd.run_config import RunConfig
 
     run = RunConfig(model="tiny", seq_len=SEQ_LEN, batch_size=2, eval_batches=1, parallelism="swarm",

@@ -8,11 +8,11 @@ import dataclasses
 import pytest
 
 from peerd.config import NodeConfig
-from peerd.data import load_corpus
+from peerd.data.corpus import load_corpus
 from peerd.roles.base import RunContext
 from peerd.roles.swarm import SwarmRole, stage_service_name
 from peerd.run_config import RunConfig
-from peerd.swarm_infer import evaluate_swarm
+from peerd.commands.swarm_infer import evaluate_swarm
 from peerd.transport.inprocess import Hub
 from protocols.diloco import DiLoCoHyperparams
 from protocols.stage_service import PipelineTrainer

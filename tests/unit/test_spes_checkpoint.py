@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import torch
 
-from peerd.checkpoint import CheckpointError
+from peerd.worker.checkpoint_file import CheckpointError
 from peerd.config import NodeConfig
 from peerd.roles.base import RunContext
 from peerd.roles.spes import SpesRole

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from peerd.models.moe import MoEConfig, MoETransformer
-from peerd.namespace import RunNamespace, RunRef
+from peerd.identity.namespace import RunNamespace, RunRef
 from peerd.roles.spes_sync import SparseSync
 from peerd.transport.inprocess import Hub
 from protocols.allreduce import AllReduceConfig

@@ -1,10 +1,10 @@
-"""peerd/status.py: status records that can evolve (a version field, unknown fields ignored, old records read)."""
+"""peerd/status/records.py: status records that can evolve (a version field, unknown fields ignored, old records read)."""
 
 import time
 
 import pytest
 
-from peerd.status import (
+from peerd.status.records import (
     KNOWN_STATUS_FIELDS,
     STATUS_FIELDS,
     STATUS_VERSION,

@@ -10,7 +10,7 @@ from peerd.events import DuplicateIdentitySeen, EventBus
 from peerd.roles.base import RunContext
 from peerd.roles.status_board import DuplicateIdentity
 from peerd.run_config import RunConfig
-from peerd.status import make_status, status_problem
+from peerd.status.records import make_status, status_problem
 from peerd.transport.inprocess import Hub
 
 pytestmark = pytest.mark.timeout(30)

@@ -12,7 +12,7 @@ from peerd.models import build_model
 from peerd.roles.base import RunContext
 from peerd.roles.diloco import DiLoCoRole
 from peerd.run_config import AveragingConfig, RunConfig
-from peerd.status import status_problem
+from peerd.status.records import status_problem
 from peerd.transport.inprocess import Hub
 from protocols.diloco import DiLoCoHyperparams
 from protocols.streaming import FragmentSchedule, strided_fragments

@@ -8,15 +8,15 @@ import math
 import pytest
 import torch
 
-from peerd.data import evaluate, load_corpus, tokenize_corpus
+from peerd.data.corpus import evaluate, load_corpus, tokenize_corpus
 from peerd.events import Evaluated, RoundDone
 from peerd.models import build_model, split_model
-from peerd.namespace import RunNamespace, RunRef
+from peerd.identity.namespace import RunNamespace, RunRef
 from peerd.roles.base import eval_units
 from peerd.roles.tokenizer_sync import fetch_run_tokenizer, serve_tokenizers
 from peerd.run_config import RunConfig
-from peerd.status import make_status
-from peerd.tokenizer import TokenizerCache, train_bpe
+from peerd.status.records import make_status
+from peerd.data.tokenizer import TokenizerCache, train_bpe
 from peerd.transport.inprocess import Hub
 from protocols.stage_service import PipelineTrainer, StageService
 from protocols.swarm import SwarmConfig, Wiring
@@ -33,8 +33,8 @@ def service_name(k: int) -> str:
 
 
 def test_swarm_eval_and_generate_of_a_bpe_run_fetch_its_tokenizer(tmp_path, monkeypatch, capsys, wait_for_order):
-    import peerd.swarm_infer as swarm_infer
-    from peerd.cli import main
+    import peerd.commands.swarm_infer as swarm_infer
+    from peerd.commands.main import main
 
     torch.set_num_threads(1)
     bpe = train_bpe(DOCS, vocab_size=300)

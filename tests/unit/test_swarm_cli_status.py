@@ -2,7 +2,7 @@
 
 import pytest
 
-from peerd.cli import _stage_lines
+from peerd.commands.status import _stage_lines
 from peerd.config import ConfigError, NodeConfig
 from peerd.roles.base import RunContext
 from peerd.roles.swarm import SwarmRole
@@ -49,8 +49,8 @@ def test_status_shows_each_stage_its_servers_and_the_bottleneck():
 
 def test_status_shows_the_experts_each_spes_peer_trains(monkeypatch, capsys):
     import peerd.daemon
-    from peerd.cli import main
-    from peerd.status import StatusFilter, make_status
+    from peerd.commands.main import main
+    from peerd.status.records import StatusFilter, make_status
 
     records = {"p1": make_status(role="spes", outer_round=3, inner_step=4, experts=[0, 5], tokens_trained=1000,
                                  rounds_contributed=2),

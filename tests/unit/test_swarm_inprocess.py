@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from peerd.data import WindowSampler, load_corpus
+from peerd.data.corpus import WindowSampler, load_corpus
 from peerd.models import build_model, split_model
 from peerd.transport.inprocess import Hub
 from protocols.stage_service import PipelineTrainer, StageService

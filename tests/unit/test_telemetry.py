@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from peerd.namespace import RunNamespace
-from peerd.status import KNOWN_STATUS_FIELDS, STATUS_VERSION, make_status
-from peerd.telemetry import JsonFormatter
+from peerd.identity.namespace import RunNamespace
+from peerd.status.records import KNOWN_STATUS_FIELDS, STATUS_VERSION, make_status
+from peerd.runtime.telemetry import JsonFormatter
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -148,7 +148,7 @@ def test_dht_keys_are_per_run():
 
 def test_a_multi_line_message_is_one_log_line_with_its_time_and_level():
     """go-libp2p's dial errors list one address per line: each log record stays one line of the text log."""
-    from peerd.telemetry import TextFormatter
+    from peerd.runtime.telemetry import TextFormatter
 
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)

@@ -8,19 +8,19 @@ import numpy as np
 import pytest
 import torch
 
-import peerd.corpus_store
-import peerd.data
+import peerd.data.corpus_store
+import peerd.data.corpus
 from peerd.config import ConfigError, NodeConfig
-from peerd.data import DataError, load_corpus, tokenize_corpus
-from peerd.export import checkpoint_tokenizer, export_llama, find_checkpoint, load_checkpoint_model
-from peerd.generate import generate_text
-from peerd.namespace import RunNamespace, RunRef
+from peerd.data.corpus import DataError, load_corpus, tokenize_corpus
+from peerd.commands.export import checkpoint_tokenizer, export_llama, find_checkpoint, load_checkpoint_model
+from peerd.commands.generate import generate_text
+from peerd.identity.namespace import RunNamespace, RunRef
 from peerd.roles.base import RunContext
 from peerd.roles.diloco import DiLoCoRole
 from peerd.roles.tokenizer_sync import resolve_tokenizer, serve_tokenizers
 from peerd.run_config import RunConfig
-from peerd.status import make_status
-from peerd.tokenizer import BpeTokenizer, TokenizerCache, TokenizerError, parse_spec, train_bpe
+from peerd.status.records import make_status
+from peerd.data.tokenizer import BpeTokenizer, TokenizerCache, TokenizerError, parse_spec, train_bpe
 from peerd.transport.inprocess import Hub
 from protocols.blobs import BlobServer, BlobUnavailable, fetch_blob, sha256_hex
 from protocols.diloco import DiLoCoHyperparams
@@ -79,8 +79,8 @@ def test_local_corpus_streamed_into_memory_mapped_caches(tmp_path, bpe, monkeypa
     (tmp_path / "a.txt").write_bytes("\r\n\r\n".join(DOCS[:120]).encode() + "\n\n\n É 漢字 ✓\r\n".encode())
     (tmp_path / "b.jsonl").write_text("\n".join(json.dumps({"text": d + " ✓"}) for d in DOCS[120:]) + "\n")
     spec = str(tmp_path / "*.*")
-    monkeypatch.setattr(peerd.corpus_store, "PIECE_BYTES", 61)
-    monkeypatch.setattr(peerd.data, "PIECE_BYTES", 61)
+    monkeypatch.setattr(peerd.data.corpus_store, "PIECE_BYTES", 61)
+    monkeypatch.setattr(peerd.data.corpus, "PIECE_BYTES", 61)
     in_memory = load_corpus(spec)
     cache = tmp_path / "cache"
     streamed = load_corpus(spec, cache)
@@ -95,8 +95,8 @@ def test_local_corpus_streamed_into_memory_mapped_caches(tmp_path, bpe, monkeypa
     assert int(ids.train.max()) >= 256 and int(ids.train.max()) < bpe.vocab_size
     assert sorted(p.suffix for p in cache.iterdir()) == [".i32", ".i32", ".json", ".u8"]
 
-    monkeypatch.setattr(peerd.data, "_file_pieces", lambda *a: pytest.fail("read the files again"))
-    monkeypatch.setattr(peerd.corpus_store, "encode_bytes", lambda *a: pytest.fail("tokenized again"))
+    monkeypatch.setattr(peerd.data.corpus, "_file_pieces", lambda *a: pytest.fail("read the files again"))
+    monkeypatch.setattr(peerd.data.corpus_store, "encode_bytes", lambda *a: pytest.fail("tokenized again"))
     maps = []
     real_memmap = np.memmap
     monkeypatch.setattr(np, "memmap", lambda *a, **k: maps.append(k["mode"]) or real_memmap(*a, **k))
@@ -106,7 +106,7 @@ def test_local_corpus_streamed_into_memory_mapped_caches(tmp_path, bpe, monkeypa
     assert not [r for r in caplog.records if "tokenizing" in r.getMessage()]  # cached: nothing to say
     assert torch.equal(again.train, ids.train) and torch.equal(again.eval, ids.eval)
     assert maps == ["c"] * 3  # bytes, train ids, eval ids: memory-mapped copy-on-write
-    assert tokenize_corpus(in_memory, peerd.data.ByteTokenizer) is in_memory  # bytes: the corpus is its own ids
+    assert tokenize_corpus(in_memory, peerd.data.corpus.ByteTokenizer) is in_memory  # bytes: the corpus is its own ids
 
 
 def test_jsonl_corpus_reads_the_text_field(tmp_path):

@@ -8,12 +8,12 @@ import pytest
 
 from peerd.config import ConfigError, NodeConfig
 from peerd.events import InnerProgress, RoundDone, RoundFailed, Evaluated, Paused
-from peerd.history import MAX_POINTS, RecentHistory, history_problem, thin
+from peerd.status.history import MAX_POINTS, RecentHistory, history_problem, thin
 from peerd.service.pause import PauseGate
 from peerd.service.rules import (BATTERY_REASON, CPU_REASON, Probes, RuleEnforcer, VolunteerRules,
                                  effective_device)
 from peerd.service.volunteer import VolunteerServices
-from peerd.status import StatusFilter, make_status, status_problem
+from peerd.status.records import StatusFilter, make_status, status_problem
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from peerd.checkpoint import FILENAME, CheckpointError, load_checkpoint
+from peerd.worker.checkpoint_file import FILENAME, CheckpointError, load_checkpoint
 from peerd.models.registry import get_preset
 from peerd.models.transformer import Transformer
 
@@ -50,11 +50,11 @@ def find_checkpoint(checkpoint_dir: str | os.PathLike, run_id: Optional[str] = N
 
 
 def checkpoint_tokenizer(path: str | os.PathLike):
-    """The tokenizer a checkpoint's run trained with: :class:`~peerd.data.ByteTokenizer` (also for checkpoints that
+    """The tokenizer a checkpoint's run trained with: :class:`~peerd.data.corpus.ByteTokenizer` (also for checkpoints that
     do not record one), or its BPE from the node's tokenizer cache (``<checkpoint_dir>/tokenizers``, found next to
     the checkpoint or its run folder). Raises CheckpointError if the BPE file is not there."""
-    from peerd.data import ByteTokenizer
-    from peerd.tokenizer import TokenizerCache, parse_spec
+    from peerd.data.corpus import ByteTokenizer
+    from peerd.data.tokenizer import TokenizerCache, parse_spec
 
     checkpoint = load_checkpoint(path)
     spec = checkpoint.metadata.get("tokenizer", "bytes") if checkpoint is not None else "bytes"
@@ -170,11 +170,11 @@ def export_llama(model: Transformer, out_dir: str | os.PathLike, tokenizer=None)
     """Write ``model.safetensors``, ``config.json``, ``tokenizer.json`` and ``tokenizer_config.json`` into
     ``out_dir`` (created); returns the paths written. ``transformers.AutoModelForCausalLM.from_pretrained(out_dir)``
     then gives the same logits as ``model``, and ``AutoTokenizer.from_pretrained(out_dir)`` the run's token ids: the
-    file of a BPE ``tokenizer`` (:class:`peerd.tokenizer.BpeTokenizer`), or for a byte-level run (``tokenizer``
-    None or :class:`peerd.data.ByteTokenizer`) a tokenizer whose ids are the UTF-8 bytes."""
+    file of a BPE ``tokenizer`` (:class:`peerd.data.tokenizer.BpeTokenizer`), or for a byte-level run (``tokenizer``
+    None or :class:`peerd.data.corpus.ByteTokenizer`) a tokenizer whose ids are the UTF-8 bytes."""
     from safetensors.torch import save_file
 
-    from peerd.tokenizer import byte_level_tokenizer_json
+    from peerd.data.tokenizer import byte_level_tokenizer_json
 
     out = Path(out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)

@@ -153,7 +153,7 @@ def byte_to_unicode() -> dict[int, str]:
 
 def byte_level_tokenizer_json() -> str:
     """A ``tokenizers`` file whose ids are the UTF-8 bytes 0-255 of the text, as a byte-level run trains on
-    (:class:`peerd.data.ByteTokenizer`): a byte-level BPE with no merges, so ``transformers`` loads a byte-level
+    (:class:`peerd.data.corpus.ByteTokenizer`): a byte-level BPE with no merges, so ``transformers`` loads a byte-level
     export like a BPE one (``AutoTokenizer.from_pretrained``)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from peerd.data import DOC_SEPARATOR, ByteTokenizer
+from peerd.data.corpus import DOC_SEPARATOR, ByteTokenizer
 
 
 @torch.no_grad()

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from peerd.config import NodeConfig
-from peerd.processes import interruptible
+from peerd.runtime.processes import interruptible
 
 #: A peer's clock may differ from the others' by this many seconds before records go wrong (status records live
 #: ``status_ttl_s``, 30 s by default; signed records carry times).
@@ -69,21 +69,21 @@ def check_device(node: NodeConfig) -> Check:
     except Exception as e:  # noqa: BLE001 - reported, not raised
         return Check("device", False, str(e), "set device = \"cpu\" or \"auto\", or install a GPU build of torch "
                      "(CUDA or ROCm)")
-    from peerd.devices import describe_device
+    from peerd.hardware.devices import describe_device
 
     return Check("device", True, f"training on {describe_device(device)}")
 
 
 def check_memory(node: NodeConfig, run: Any, budget: Optional[tuple[int, str]] = None) -> Optional[Check]:
-    """The run's predicted peak memory on this machine's training device (:func:`peerd.memory.fit_node`): FAIL
+    """The run's predicted peak memory on this machine's training device (:func:`peerd.hardware.memory.fit_node`): FAIL
     when it cannot fit. ``run``: a :class:`peerd.run_config.RunConfig`; ``budget``: ``(bytes, name)`` instead of
     asking the device (tests). None where there is no prediction (another parallelism, a mixture-of-experts model,
     a BPE vocabulary whose file is not here yet)."""
     from peerd.config import ConfigError
-    from peerd.memory import fit_node
+    from peerd.hardware.memory import fit_node
     from peerd.roles.base import pick_device
     from peerd.service.rules import effective_device
-    from peerd.tokenizer import TokenizerCache, parse_spec, tokenizer_dir
+    from peerd.data.tokenizer import TokenizerCache, parse_spec, tokenizer_dir
 
     digest = parse_spec(run.tokenizer)
     if digest is None:
@@ -124,7 +124,7 @@ def clock_check(record_times: list[float], now: float, skew_s: float = CLOCK_SKE
 async def network_checks(node: NodeConfig, run_id: str, identity_dir: Optional[str] = None) -> list[Check]:
     """bootstrap, run config, reachability and clock, through a short-lived node of ours."""
     from peerd.daemon import read_run_status, serve_dialback
-    from peerd.namespace import RunNamespace, as_run_ref
+    from peerd.identity.namespace import RunNamespace, as_run_ref
     from peerd.transport.dialback import check_transport, helpers_for
     from peerd.transport.factory import open_transport
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from peerd.checkpoint import check_checkpoint, checkpoint_path
+from peerd.worker.checkpoint_file import check_checkpoint, checkpoint_path
 from peerd.config import ConfigError, NodeConfig
 from peerd.run_config import RunConfig
 
@@ -19,8 +19,8 @@ from peerd.run_config import RunConfig
 def node_run_error(node: NodeConfig, run: RunConfig) -> Optional[ConfigError]:
     """Why this node cannot take part in ``run`` as configured (``--stage``, ``--local-devices``,
     ``--micro-batch-size``), as a ConfigError naming the key, or None if it can."""
-    from peerd.inner_step import micro_batch_count
-    from peerd.local_dp import LocalDevicesError, slice_size
+    from peerd.worker.inner_step import micro_batch_count
+    from peerd.worker.local_dp import LocalDevicesError, slice_size
 
     if node.stage is not None and run.stage_error(node.stage):
         return ConfigError(run.stage_error(node.stage), key="stage")

@@ -1,7 +1,7 @@
 """A peer's compact recent history (training loss, held-out loss, tokens/s), carried in its status record.
 
 A dashboard opened late still draws curves: every status record carries the optional field ``history`` (see
-:mod:`peerd.status`), at most :data:`MAX_POINTS` points per series, thinned evenly over the daemon's lifetime.
+:mod:`peerd.status.records`), at most :data:`MAX_POINTS` points per series, thinned evenly over the daemon's lifetime.
 
 Wire form (JSON/msgpack friendly, numbers only)::
 

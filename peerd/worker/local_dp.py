@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from peerd.config import local_devices_problem
-from peerd.inner_step import InnerStep, Precision, enable_tf32, make_optimizer, micro_batch_count
+from peerd.worker.inner_step import InnerStep, Precision, enable_tf32, make_optimizer, micro_batch_count
 
 logger = logging.getLogger(__name__)
 
@@ -297,7 +297,7 @@ class LocalDataParallel:
 
 
 class DataParallelStep:
-    """Callable like :class:`peerd.inner_step.InnerStep` (``step(x, y) -> loss``) with the batch shared by the
+    """Callable like :class:`peerd.worker.inner_step.InnerStep` (``step(x, y) -> loss``) with the batch shared by the
     local devices; the caller sets the learning rate on ``optimizer`` before each call, as for ``InnerStep``."""
 
     def __init__(self, dp: LocalDataParallel, optimizer: torch.optim.Optimizer, precision: Optional[Precision]):

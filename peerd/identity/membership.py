@@ -2,7 +2,7 @@
 
 **The config record.** The peer that creates a run signs its config with its identity key and stores it under
 ``(RunNamespace.config_key, [owner:<creator PeerID>])`` (``peerd.<run name>.config``) as a *portable* signed record
-(:mod:`peerd.signing`): the payload ``{run_id, creator, public_key, fingerprint, config}`` (``run_id`` holds the run
+(:mod:`peerd.identity.signing`): the payload ``{run_id, creator, public_key, fingerprint, config}`` (``run_id`` holds the run
 *name*, without any ``@creator``) is signed together with the DHT key, so it cannot be moved to another run. DHT nodes refuse anything under the creator's subkey that the creator did not sign, so the
 honest record cannot be overwritten or altered; every peer of the run re-stores it (unchanged) to keep it alive
 after the creator leaves. A verifier checks the signature with the key embedded in the creator's PeerID, that
@@ -12,7 +12,7 @@ is the config's.
 **Which creator.** Anyone can sign a config for any run name under their *own* subkey, so a reader must know whose
 config is the run's. In order:
 
-1. A run id of the form ``name@<creator PeerID prefix>`` (:class:`peerd.namespace.RunRef`: the full PeerID or its
+1. A run id of the form ``name@<creator PeerID prefix>`` (:class:`peerd.identity.namespace.RunRef`: the full PeerID or its
    first ``RUN_CREATOR_MIN_PREFIX`` characters or more, e.g. ``shakespeare@12D3KooWQ4s6d1Yvb2tnUfSx``) is the same
    run as ``name`` (same keys) but accepts only configs signed by a PeerID with that prefix. Finding another key
    with the same 24-character prefix takes ~58^16 key generations.
@@ -43,9 +43,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from peerd.config import ConfigError
-from peerd.namespace import CREATOR_MIN_PREFIX, RunRef, as_run_ref
+from peerd.identity.namespace import CREATOR_MIN_PREFIX, RunRef, as_run_ref
 from peerd.run_config import RunConfig
-from peerd.signing import InvalidRecord, public_key_of, verify
+from peerd.identity.signing import InvalidRecord, public_key_of, verify
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ def load_pin(path: Path, run_name: str, config_key_id: bytes) -> Optional[RunCon
         creator = data["creator"]
         import msgpack
 
-        from peerd.signing import owner_subkey
+        from peerd.identity.signing import owner_subkey
 
         verify(config_key_id, owner_subkey(creator), envelope, 0.0)
         value = msgpack.unpackb(envelope["payload"], raw=False)

@@ -119,10 +119,10 @@ class Signer:
     @classmethod
     def from_identity_file(cls, path: str | os.PathLike) -> "Signer":
         """Load the key of a peerd identity file (libp2p ``PrivateKey`` protobuf: Ed25519, 32-byte seed + 32-byte
-        public key; see :mod:`peerd.identity`). Raises IdentityError if it is malformed."""
+        public key; see :mod:`peerd.identity.key`). Raises IdentityError if it is malformed."""
         from hivemind.proto import crypto_pb2
 
-        from peerd.identity import IdentityError, peer_id_of
+        from peerd.identity.key import IdentityError, peer_id_of
 
         blob = open(path, "rb").read()
         peer_id = peer_id_of(blob, source=str(path))  # validates type and length

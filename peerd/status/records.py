@@ -23,7 +23,7 @@ import math
 import time
 from typing import Any, Callable, Optional
 
-from peerd.history import history_problem, known_series
+from peerd.status.history import history_problem, known_series
 
 #: Schema version written by this code. 0 = records without ``v``.
 STATUS_VERSION = 1
@@ -32,7 +32,7 @@ STATUS_FIELDS = ("role", "outer_round", "inner_step", "loss", "tokens_per_s", "e
 #: Known fields a record may lack (added after version 0): ``instance`` = a random id per daemon process (<= 64
 #: characters), which tells a restarted peer from its previous process; ``stage`` = the pipeline stage a SWARM server
 #: serves (a non-negative integer); ``history`` = the peer's compact recent history of losses and tokens/s
-#: (:mod:`peerd.history`, read by dashboards); ``fragment_rounds`` = the outer round of each Streaming DiLoCo fragment
+#: (:mod:`peerd.status.history`, read by dashboards); ``fragment_rounds`` = the outer round of each Streaming DiLoCo fragment
 #: of a DiLoCo worker with ``[diloco] fragments`` > 1 (a list of at most 256 non-negative integers); ``reachable`` =
 #: whether other peers could dial this peer back directly (:mod:`protocols.reachability`; a boolean, None = not
 #: checked yet or nobody answered); ``relayed`` = whether the peer holds a circuit relay reservation (others reach it
@@ -87,7 +87,7 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "digest": (lambda v: v is None or (isinstance(v, str) and len(v) <= 64), "a string of at most 64 characters"),
     "instance": (_short_str(64), "a string of 1-64 characters"),
     "stage": (_count, "a non-negative integer"),
-    "history": (lambda v: v is None or history_problem(v) is None, "a history table (peerd.history)"),
+    "history": (lambda v: v is None or history_problem(v) is None, "a history table (peerd.status.history)"),
     "fragment_rounds": (lambda v: v is None or (isinstance(v, (list, tuple)) and 0 < len(v) <= 256
                                                 and all(_count(x) and x is not None for x in v)),
                         "a list of 1-256 non-negative integers"),

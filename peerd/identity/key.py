@@ -40,7 +40,7 @@ class IdentityHold:
 
     def release(self) -> None:
         """Unlock (idempotent)."""
-        from peerd import locks
+        from peerd.runtime import locks
 
         if self._fd is None:
             return
@@ -53,7 +53,7 @@ def hold_identity(path: str | os.PathLike) -> IdentityHold:
 
     Raises IdentityInUse, naming the file and the holder's pid, if another daemon holds it; IdentityError if the
     lock file cannot be created."""
-    from peerd import locks
+    from peerd.runtime import locks
 
     path = Path(path)
     try:

@@ -9,7 +9,7 @@
 - ``creator``: the creator's full PeerID or a prefix of it of at least :data:`CREATOR_MIN_PREFIX` characters
   (``12D3KooW``, the same for every Ed25519 PeerID, plus 16 characters; finding another key with the same prefix
   takes ~58^16 key generations). It only restricts which signed run config a peer accepts
-  (:mod:`peerd.membership`); the creator itself may start with ``name@<own PeerID>``.
+  (:mod:`peerd.identity.membership`); the creator itself may start with ``name@<own PeerID>``.
 
 **Keys.** ``peerd.<name>[.<scope>=<value>...].<what>``. Names, scope keys and values and key names are drawn from
 the same alphabet without ``.`` and ``=``, and a scope segment is the only one with an ``=``, so two different
@@ -58,7 +58,7 @@ class RunRef:
     """The run name; all keys derive from it alone."""
     creator: Optional[str] = None
     """Full PeerID or a >= 24-character prefix of it; restricts accepted configs. None = any (rules in
-    :mod:`peerd.membership`)."""
+    :mod:`peerd.identity.membership`)."""
 
     def __post_init__(self) -> None:
         check_name(self.name, "run id")

@@ -101,7 +101,7 @@ def stop_processes(procs: Iterable[psutil.Process], grace_s: float) -> list[psut
 def exit_now(signum: int) -> None:
     """The second stop signal: SIGKILL every descendant (helpers must not outlive us), say so in one line, and exit
     with 128 + ``signum`` (130 for SIGINT) without unwinding: no traceback, no exit handlers. Checkpoints are written
-    atomically (:mod:`peerd.checkpoint`), so the last complete one stays valid."""
+    atomically (:mod:`peerd.worker.checkpoint_file`), so the last complete one stays valid."""
     with contextlib.suppress(psutil.Error):
         for proc in psutil.Process().children(recursive=True):
             with contextlib.suppress(psutil.Error):

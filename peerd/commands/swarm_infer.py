@@ -75,7 +75,7 @@ async def _through_reachable(trainer: PipelineTrainer, tokens: torch.Tensor,
 async def evaluate_swarm(trainer: PipelineTrainer, eval_tokens: torch.Tensor, seq_len: int, batch_size: int,
                          max_batches: int) -> SwarmEval:
     """Loss of the swarm's model on the start of ``eval_tokens`` (uint8 or int64 bytes, (N,)): the same windows
-    as :func:`peerd.data.evaluate` (consecutive, non-overlapping, ``max_batches`` batches of ``batch_size``).
+    as :func:`peerd.data.corpus.evaluate` (consecutive, non-overlapping, ``max_batches`` batches of ``batch_size``).
 
     Raises:
         NoPath: the first or the last stage has no reachable server.
@@ -107,12 +107,12 @@ async def generate_swarm(trainer: PipelineTrainer, prompt: str, max_new_tokens: 
                          top_k: int = 50, seed: int = 0, seq_len: Optional[int] = None,
                          tokenizer: Any = None) -> tuple[str, tuple[int, ...]]:
     """``prompt`` followed by ``max_new_tokens`` tokens of ``tokenizer`` (default bytes; a BPE run's
-    :class:`peerd.tokenizer.BpeTokenizer`) sampled through the reachable stages (as
-    :func:`peerd.generate.generate_text`, one ``infer`` per token, context cropped to ``seq_len``), and the stages
-    skipped. An empty prompt samples the start of a document (as :func:`peerd.generate.generate_text`). Raises
+    :class:`peerd.data.tokenizer.BpeTokenizer`) sampled through the reachable stages (as
+    :func:`peerd.commands.generate.generate_text`, one ``infer`` per token, context cropped to ``seq_len``), and the stages
+    skipped. An empty prompt samples the start of a document (as :func:`peerd.commands.generate.generate_text`). Raises
     NoPath as :func:`evaluate_swarm`."""
-    from peerd.data import DOC_SEPARATOR, ByteTokenizer
-    from peerd.generate import next_token
+    from peerd.data.corpus import DOC_SEPARATOR, ByteTokenizer
+    from peerd.commands.generate import next_token
 
     tokenizer = tokenizer if tokenizer is not None else ByteTokenizer
     ids = tokenizer.encode(prompt or DOC_SEPARATOR).long()
@@ -137,7 +137,7 @@ async def open_swarm_client(node: Any, run_id: str):
     its tokenizer file in time.
     """
     from peerd.daemon import read_status
-    from peerd.namespace import RunNamespace, as_run_ref
+    from peerd.identity.namespace import RunNamespace, as_run_ref
     from peerd.run_config import RunConfig
     from peerd.transport.factory import open_reader
     from protocols.swarm import StageAnnouncement, Wiring
@@ -165,7 +165,7 @@ async def open_swarm_client(node: Any, run_id: str):
         trainer = PipelineTrainer(transport.streams, lambda k: ns.scoped(stage=k).prefix("swarm"), wiring,
                                   run.swarm, d_model=MODEL_SIZES[run.model]["d_model"])
         from peerd.roles.tokenizer_sync import fetch_run_tokenizer
-        from peerd.tokenizer import TokenizerCache, tokenizer_dir
+        from peerd.data.tokenizer import TokenizerCache, tokenizer_dir
 
         tokenizer = await fetch_run_tokenizer(run.tokenizer, TokenizerCache(tokenizer_dir(node)), transport, ns,
                                               TOKENIZER_TIMEOUT_S)

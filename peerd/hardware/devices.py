@@ -5,7 +5,7 @@ Names: ``auto`` (a CUDA GPU if torch sees one, else Apple's MPS if present, else
 current CUDA GPU), ``cuda:N``, ``mps`` (Apple silicon's GPU through Metal; it has one device). ROCm builds of torch
 show AMD GPUs as ``cuda`` devices (``torch.version.hip`` is set), so ``cuda``/``cuda:N`` name them too. Several
 GPUs of one machine as one peer: a list, ``["cuda:0", "cuda:1"]`` (``cuda:0,cuda:1`` on the command line or in
-``PEERD_DEVICE``), which is :attr:`peerd.config.NodeConfig.local_devices` (:mod:`peerd.local_dp`).
+``PEERD_DEVICE``), which is :attr:`peerd.config.NodeConfig.local_devices` (:mod:`peerd.worker.local_dp`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Local corpora of any size: read once per machine into a memory-mapped byte file, tokenized once per tokenizer.
 
-:func:`peerd.data.load_corpus` without a cache reads every file into memory; a node's daemon passes its cache folder
+:func:`peerd.data.corpus.load_corpus` without a cache reads every file into memory; a node's daemon passes its cache folder
 (``<checkpoint_dir>/corpus-cache``), and then a local corpus is streamed in 8 MB pieces into
 ``text-<key>.u8`` (the same bytes, in the same order, with the same separators and the same final-5% eval cut as the
 in-memory path) and memory-mapped copy-on-write, so a corpus larger than RAM trains. ``key`` names the files by path,
