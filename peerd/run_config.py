@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, Optional
 
-from peerd.config import ConfigError, build_config, read_toml
+from peerd.config_loading import ConfigError, build_config, read_toml
 from peerd.models.registry import MODEL_PRESETS
 from peerd.roles.registry import OUTER_SYNCS, ROLES
 from protocols.allreduce import AllReduceConfig

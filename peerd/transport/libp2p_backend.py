@@ -15,7 +15,7 @@ asyncio and trio never share a thread or a process: py-libp2p's protobuf modules
 hivemind's (both define ``crypto.pb.KeyType`` in protobuf's default pool), so the trio side lives in its own process
 and the hand-off between the two is the p2pd control protocol over unix sockets, the same one p2pd serves. The
 libp2p daemon exits when this process closes its stdin (:meth:`PyLibp2pP2P.shutdown`) or dies (the pipe's EOF);
-the DHT process dies with this process (:class:`peerd.transport.hivemind_backend._TiedDHT`). Both run in sessions of
+the DHT process dies with this process (:class:`peerd.transport.hivemind_dht._TiedDHT`). Both run in sessions of
 their own, so that a Ctrl-C to this process's group reaches this process only (:mod:`peerd.runtime.processes`).
 
 Identity: the daemon reads the same Ed25519 key file as p2pd (:mod:`peerd.identity.key`): same PeerID on both backends.
@@ -39,9 +39,8 @@ from hivemind.p2p.p2p_daemon_bindings.control import DEFAULT_MAX_MSG_SIZE
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from hivemind.utils.multiaddr import Multiaddr
 
-from peerd.transport.hivemind_backend import (
-    HivemindDiscovery, HivemindStreams, HivemindTransport, dht_start_error, start_dht_process, stop_dht_process,
-)
+from peerd.transport.hivemind_backend import HivemindDiscovery, HivemindStreams, HivemindTransport, dht_start_error
+from peerd.transport.hivemind_dht import start_dht_process, stop_dht_process
 
 logger = logging.getLogger(__name__)
 

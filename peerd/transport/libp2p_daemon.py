@@ -17,7 +17,7 @@ Why a separate process, not a trio thread inside the daemon: py-libp2p's generat
 both register ``crypto.pb.KeyType`` (from different ``.proto`` files) in protobuf's one default descriptor pool, so
 importing both in one process fails (``TypeError: duplicate symbol 'crypto.pb.KeyType'``). This module therefore
 never imports hivemind; it loads hivemind's ``p2pd_pb2`` module (package ``p2pclient.p2pd.pb``, no imports) from
-its file, outside the ``hivemind`` package.
+its file, outside the ``hivemind`` package (:mod:`peerd.transport.libp2p_control`).
 
 Threading model: one process, one thread, one trio event loop. Everything (control connections, libp2p streams,
 the DHT) is a trio task; nothing polls. The process exits when its parent goes away: the parent holds the write end
@@ -27,7 +27,6 @@ of our stdin, and its EOF (on any death of the parent, SIGKILL included) ends th
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import logging
 import os
 import sys
@@ -46,140 +45,17 @@ from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from libp2p.tools.anyio_service import background_trio_service
 
 from peerd.config import RELAY_MODES
+from peerd.transport.libp2p_control import (
+    PIPE_CHUNK, Reader, delimited, key_pair_from_identity, pb, remote_maddr, stream_receive,
+)
 from peerd.transport.libp2p_relay import concrete_addrs, reserve_on_relays, wants_reservation
 
 logger = logging.getLogger("peerd.libp2p_daemon")
 
-#: Largest control or unary message accepted (hivemind's DEFAULT_MAX_MSG_SIZE is 4 MiB; p2pd allows this too).
-MAX_MESSAGE_BYTES = 8 << 20
-#: Bytes per read when piping a stream.
-PIPE_CHUNK = 1 << 16
 #: How long a dial (including a DHT lookup of the peer's addresses) may take, in seconds.
 DIAL_TIMEOUT_S = 15.0
 #: The line printed on stdout once the control socket listens (the parent waits for it).
 READY_LINE = "peerd-libp2p-daemon ready"
-
-
-def _load_p2pd_pb2() -> Any:
-    spec = importlib.util.find_spec("hivemind")
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("hivemind is not installed: its p2pd.proto messages are needed")
-    path = Path(spec.submodule_search_locations[0]) / "proto" / "p2pd_pb2.py"
-    module_spec = importlib.util.spec_from_file_location("peerd_p2pd_pb2", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module
-
-
-pb = _load_p2pd_pb2()
-
-
-def key_pair_from_identity(blob: bytes) -> KeyPair:
-    """A py-libp2p key pair from a serialized libp2p ``PrivateKey`` protobuf of type Ed25519 (the format of
-    :mod:`peerd.identity.key`: field 1 = key type 1, field 2 = 32-byte seed + 32-byte public key). Raises ValueError."""
-    key_type, data, i = None, None, 0
-    while i < len(blob):  # the two fields by hand: the libp2p crypto protobuf module cannot be used beside others
-        tag, i = _varint(blob, i)
-        if tag == 0x08:
-            key_type, i = _varint(blob, i)
-        elif tag == 0x12:
-            n, i = _varint(blob, i)
-            data, i = blob[i:i + n], i + n
-        else:
-            raise ValueError(f"unexpected field tag {tag} in the identity key")
-    if key_type != 1 or data is None or len(data) not in (32, 64):
-        raise ValueError("the identity is not an Ed25519 libp2p private key")
-    private = Ed25519PrivateKey.new(bytes(data[:32]))
-    return KeyPair(private, private.get_public_key())
-
-
-def _varint(buf: bytes, i: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if i >= len(buf) or shift > 63:
-            raise ValueError("truncated varint")
-        b = buf[i]
-        i += 1
-        value |= (b & 0x7F) << shift
-        shift += 7
-        if not b & 0x80:
-            return value, i
-
-
-def _encode_varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        out.append(b | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-class _Reader:
-    """Buffered reads (exact sizes, varint-delimited protobufs) over any ``receive(max_bytes) -> bytes``."""
-
-    def __init__(self, receive: Callable[[int], Awaitable[bytes]]):
-        self._receive = receive
-        self._buf = bytearray()
-
-    async def _fill(self) -> None:
-        data = await self._receive(PIPE_CHUNK)
-        if not data:
-            raise EOFError("stream closed")
-        self._buf += data
-
-    async def exactly(self, n: int) -> bytes:
-        while len(self._buf) < n:
-            await self._fill()
-        out = bytes(self._buf[:n])
-        del self._buf[:n]
-        return out
-
-    async def varint(self) -> int:
-        value = shift = 0
-        while True:
-            b = (await self.exactly(1))[0]
-            value |= (b & 0x7F) << shift
-            shift += 7
-            if not b & 0x80:
-                return value
-            if shift > 63:
-                raise ValueError("varint too long")
-
-    async def message(self, message: Any) -> Any:
-        size = await self.varint()
-        if size > MAX_MESSAGE_BYTES:
-            raise ValueError(f"message of {size} bytes exceeds {MAX_MESSAGE_BYTES}")
-        message.ParseFromString(await self.exactly(size))
-        return message
-
-    def take_buffered(self) -> bytes:
-        out = bytes(self._buf)
-        self._buf.clear()
-        return out
-
-
-def _delimited(message: Any) -> bytes:
-    data = message.SerializeToString()
-    return _encode_varint(len(data)) + data
-
-
-async def _stream_receive(stream: Any, n: int) -> bytes:
-    from libp2p.network.stream.exceptions import StreamEOF
-
-    try:
-        return await stream.read(n)
-    except StreamEOF:
-        return b""
-
-
-def _remote_maddr(stream: Any) -> bytes:
-    try:
-        host, port = stream.get_remote_address()
-        return multiaddr.Multiaddr(f"/ip4/{host}/tcp/{port}").to_bytes()
-    except Exception:  # noqa: BLE001 - an address we cannot tell is reported as none
-        return b""
 
 
 class _ConnectNotifee(INotifee):
@@ -302,7 +178,7 @@ class Daemon:
     # ------------------------------------------------------------------------------------------------ control
 
     async def serve_control(self, sock: trio.SocketStream) -> None:
-        reader = _Reader(sock.receive_some)
+        reader = Reader(sock.receive_some)
         try:
             request = await reader.message(pb.Request())
         except Exception:  # noqa: BLE001 - a client that went away before asking
@@ -310,7 +186,7 @@ class Daemon:
             return
         kind = request.type
         if kind == pb.Request.PERSISTENT_CONN_UPGRADE:
-            await sock.send_all(_delimited(pb.Response(type=pb.Response.OK)))
+            await sock.send_all(delimited(pb.Response(type=pb.Response.OK)))
             await self.serve_persistent(sock, reader)
             return
         if kind == pb.Request.STREAM_OPEN:
@@ -320,8 +196,8 @@ class Daemon:
             except Exception as e:  # noqa: BLE001 - any dial failure (TooSlowError included) is a ControlFailure
                 await self._error(sock, f"cannot open stream: {type(e).__name__}: {e}")
                 return
-            info = pb.StreamInfo(peer=peer_id.to_bytes(), addr=_remote_maddr(stream), proto=stream.get_protocol())
-            await sock.send_all(_delimited(pb.Response(type=pb.Response.OK, streamInfo=info)))
+            info = pb.StreamInfo(peer=peer_id.to_bytes(), addr=remote_maddr(stream), proto=stream.get_protocol())
+            await sock.send_all(delimited(pb.Response(type=pb.Response.OK, streamInfo=info)))
             await self.pipe(sock, stream, reader.take_buffered())
             return
         try:
@@ -329,14 +205,14 @@ class Daemon:
         except Exception as e:  # noqa: BLE001
             response = pb.Response(type=pb.Response.ERROR, error=pb.ErrorResponse(msg=f"{type(e).__name__}: {e}"))
         try:
-            await sock.send_all(_delimited(response))
+            await sock.send_all(delimited(response))
         except Exception:  # noqa: BLE001
             pass
         await sock.aclose()
 
     async def _error(self, sock: trio.SocketStream, message: str) -> None:
         try:
-            await sock.send_all(_delimited(pb.Response(type=pb.Response.ERROR, error=pb.ErrorResponse(msg=message))))
+            await sock.send_all(delimited(pb.Response(type=pb.Response.ERROR, error=pb.ErrorResponse(msg=message))))
         except Exception:  # noqa: BLE001
             pass
         await sock.aclose()
@@ -398,9 +274,9 @@ class Daemon:
                 await stream.reset()
                 return
             peer_id = stream.muxed_conn.peer_id
-            info = pb.StreamInfo(peer=peer_id.to_bytes(), addr=_remote_maddr(stream), proto=proto)
+            info = pb.StreamInfo(peer=peer_id.to_bytes(), addr=remote_maddr(stream), proto=proto)
             try:
-                await sock.send_all(_delimited(info))
+                await sock.send_all(delimited(info))
             except Exception:  # noqa: BLE001
                 await stream.reset()
                 await sock.aclose()
@@ -411,13 +287,13 @@ class Daemon:
 
     # ------------------------------------------------------------------------------------------------ unary
 
-    async def serve_persistent(self, sock: trio.SocketStream, reader: _Reader) -> None:
+    async def serve_persistent(self, sock: trio.SocketStream, reader: Reader) -> None:
         lock = trio.Lock()
         mine: list[str] = []
 
         async def send(message: Any) -> None:
             async with lock:
-                await sock.send_all(_delimited(message))
+                await sock.send_all(delimited(message))
 
         cancels: dict[bytes, trio.CancelScope] = {}
         try:
@@ -492,8 +368,8 @@ class Daemon:
         stream = None
         try:
             stream = await self.new_stream(ID(request.callUnary.peer), [request.callUnary.proto])
-            await stream.write(_delimited(request))
-            answer = await _Reader(lambda n: _stream_receive(stream, n)).message(pb.PersistentConnectionRequest())
+            await stream.write(delimited(request))
+            answer = await Reader(lambda n: stream_receive(stream, n)).message(pb.PersistentConnectionRequest())
             response.callUnaryResponse.CopyFrom(answer.unaryResponse)
         except Exception as e:  # noqa: BLE001 - reported to the caller as a daemon error (TooSlowError included)
             response = pb.PersistentConnectionResponse(callId=call_id)
@@ -513,7 +389,7 @@ class Daemon:
                 send = self.unary_handlers.get(proto)
                 if send is None:
                     return
-                request = await _Reader(lambda n: _stream_receive(stream, n)).message(
+                request = await Reader(lambda n: stream_receive(stream, n)).message(
                     pb.PersistentConnectionRequest())
                 if request.WhichOneof("message") != "callUnary":
                     return
@@ -526,7 +402,7 @@ class Daemon:
                     handling.requestHandling.CopyFrom(request.callUnary)
                     await send(handling)
                     answer = await waiter_receive.receive()
-                    await stream.write(_delimited(answer))
+                    await stream.write(delimited(answer))
                 finally:
                     self.response_waiters.pop(call_id, None)
             except Exception as e:  # noqa: BLE001 - a broken call only ends this stream

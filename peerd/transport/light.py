@@ -9,7 +9,7 @@ peers elsewhere, only over their p2pd sockets (loopback or network), exactly lik
 
 Used by the standalone averaging peer (``peerd.testing.avgpeer --peers K``) to run tens of peers on one box. The
 DiLoCo worker keeps :class:`HivemindTransport` (one peer per process; its node config ``dht = "inline"`` puts its
-DHT node in its own event loop the same way, :class:`peerd.transport.hivemind_backend.InlineDHT`).
+DHT node in its own event loop the same way, :class:`peerd.transport.hivemind_dht.InlineDHT`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from typing import Sequence
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P
 
-from peerd.transport.hivemind_backend import HivemindStreams, NodeDiscovery, dht_start_error, start_dht_node
+from peerd.transport.hivemind_backend import HivemindStreams, NodeDiscovery, dht_start_error
+from peerd.transport.hivemind_dht import start_dht_node
 
 logger = logging.getLogger(__name__)
 

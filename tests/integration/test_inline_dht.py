@@ -17,7 +17,8 @@ import psutil
 import pytest
 
 from peerd.testing.localswarm import TINY, Swarm, warm_preload
-from peerd.transport.hivemind_backend import HivemindTransport, InlineDHT
+from peerd.transport.hivemind_backend import HivemindTransport
+from peerd.transport.hivemind_dht import InlineDHT
 from protocols.rpc import Service, call
 
 pytestmark = pytest.mark.timeout(180)

@@ -90,7 +90,7 @@ def test_relay_key_and_options():
 def test_p2pd_flags_reach_the_command_line_of_the_dht_process_p2pd(monkeypatch):
     import hivemind.dht.node as dht_node
 
-    from peerd.transport.hivemind_backend import _add_p2pd_flags
+    from peerd.transport.hivemind_dht import _add_p2pd_flags
 
     monkeypatch.setattr(dht_node, "P2P", dht_node.P2P)  # restored after the test
     plain = dht_node.P2P._make_process_args("p2pd", autoRelay=True, trustedRelays="/ip4/192.0.2.1/tcp/1/p2p/x")

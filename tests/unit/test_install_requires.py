@@ -15,7 +15,8 @@ pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parents[2]
 #: Modules that run only where their extra is installed (transport = libp2p runs them in a process of their own,
 #: after checking the import): they may import the extra's distributions at module level.
-EXTRA_MODULES = {"peerd/transport/libp2p_daemon.py", "peerd/transport/libp2p_relay.py"}
+EXTRA_MODULES = {"peerd/transport/libp2p_daemon.py", "peerd/transport/libp2p_control.py",
+                 "peerd/transport/libp2p_relay.py"}
 
 
 def _requirements(text: str) -> set[str]:

@@ -11,7 +11,7 @@ from typing import Literal, Optional
 import pytest
 
 import peerd.run_config as rc
-from peerd.config import ConfigError, build_config
+from peerd.config_loading import ConfigError, build_config
 from peerd.run_config import AveragingConfig, RunConfig, load_run_config
 from protocols.gossip import GossipConfig
 from protocols.state_transfer import StateTransferConfig
