@@ -6,4 +6,8 @@
 - The DiLoCo worker (:mod:`peerd.worker.outer_worker`) adds the inner loop (:mod:`peerd.worker.inner`), catch-up
   (:mod:`peerd.worker.catch_up`), its checkpoint (:mod:`peerd.worker.checkpointing`), the round evaluation
   (:mod:`peerd.worker.evaluation`) and one round strategy (:mod:`peerd.worker.rounds`).
+- How this machine computes an inner step: :mod:`peerd.worker.inner_step` (micro-batches, precision) and
+  :mod:`peerd.worker.local_dp` (several devices of one machine as one peer).
+- :mod:`peerd.worker.checkpoint_file`: the checkpoint file format every training role writes;
+  :mod:`peerd.worker.preflight`: what ``peerd join`` checks (node options, local checkpoint) before the network.
 """
