@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from peerd.roles.registry import ROLES
 from peerd.status.records import contribution
 
 #: Status roles that are no training peer (yet, or any more).
@@ -99,7 +100,8 @@ def run_view(run_id: str, peers: dict[str, dict], config: Optional[dict], now: f
             "fingerprint": config.get("fingerprint"), "creator": config.get("creator"),
             "parallelism": run_cfg.get("parallelism", "diloco"), "model": run_cfg.get("model"),
             "method": (run_cfg.get("averaging") or {}).get("method"), "max_outer_rounds": run_cfg.get("max_outer_rounds")},
-        "groups": {"diloco": sorted(r["peer"] for r in rows if r.get("role") == "diloco")},
+        "groups": {role: sorted(r["peer"] for r in rows if r.get("role") == role) for role in ROLES
+                   if any(r.get("role") == role for r in rows)},
         "stages": stage_map(rows, (run_cfg.get("swarm") or {}).get("stages")),
         "experts": expert_map(rows),
         "contribution": contribution(peers),

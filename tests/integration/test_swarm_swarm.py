@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(200)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 RUN = Path(__file__).resolve().parents[2] / "node_configs" / "runs" / "swarm-tiny.toml"
 
@@ -54,7 +54,7 @@ def test_three_plus_one_servers_rebalance_train_agree_and_survive_a_sigkill(swar
                 return name, first["outer_round"]
         return None
 
-    swarm.wait_for(lambda: mover_agrees() and trainer.of("swarm_progress"), 110,
+    swarm.wait_for(lambda: mover_agrees() and trainer.of("swarm_progress"), 200,
                    "a move to stage 1, then a stage-1 round of the mover with s1, and the trainer's first counts")
     assert sorted(stages().values()) == [0, 0, 1, 1], stages()
     mover, _ = mover_agrees()
@@ -64,13 +64,21 @@ def test_three_plus_one_servers_rebalance_train_agree_and_survive_a_sigkill(swar
     assert before["completed"] > 0, before
 
     os.kill(peers["s1"].proc.pid, signal.SIGKILL)
-    swarm.wait_for(lambda: trainer.of("swarm_progress")[-1]["completed"] >= before["completed"] + 60, 90,
-                   "60 more micro-batches after the SIGKILL")
+
+    def losses():
+        return [e["loss"] for e in trainer.of("swarm_progress") if e["loss"] is not None]
+
+    def learned() -> bool:  # the mean of the last 3 readings 0.2 below the first 3 (a run that does not learn: ~0)
+        xs = losses()
+        return len(xs) >= 6 and _mean(xs[-3:]) < _mean(xs[:3]) - 0.2
+
+    # waits on the trainer's counts and its loss, not on a window: a loaded machine gets there later, not never
+    swarm.wait_for(lambda: trainer.of("swarm_progress")[-1]["completed"] >= before["completed"] + 60 and learned(),
+                   240, "60 more micro-batches after the SIGKILL and a loss 0.2 below the first readings")
     after = trainer.of("swarm_progress")
     last = after[-1]
     # the killed server's calls were re-sent to its replica (or counted as dropped), not lost
     assert last["retried"] + last["dropped"] > before["retried"] + before["dropped"], (before, last)
     # published between micro-batches: every one sent has ended, completed or counted as dropped
     assert all(e["sent"] == e["completed"] + e["dropped"] for e in after), after[-1]
-    losses = [e["loss"] for e in after if e["loss"] is not None]
-    assert _mean(losses[-3:]) < _mean(losses[:3]) - 0.2, losses  # a run that does not learn: ~0 (0.28 on a loaded run)
+    assert learned(), losses()

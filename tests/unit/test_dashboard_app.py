@@ -41,6 +41,9 @@ def test_views_of_the_run():
     assert view["live_peers"] == 2 and view["training_peers"] == 1 and view["outer_round"] == 4
     assert view["tokens_per_s"] == 1000.0 and view["best_eval_nats_per_byte"] == 3.2
     assert view["config"]["fingerprint"] == "f00d" and view["stages"] is None
+    assert view["groups"] == {"diloco": ["12D3KooWA"]}  # training peers by role (a paused peer is in none)
+    spes = run_view("r", {p: {**PEERS[p], "role": "spes"} for p in ("12D3KooWA", "12D3KooWB")}, CONFIG, NOW, ttl_s=6.0)
+    assert spes["groups"] == {"spes": ["12D3KooWA", "12D3KooWB"]}
     assert view["loss_unit"] == "byte" and loss_unit(None) == "byte"  # a BPE run's losses are per token
     assert loss_unit({"config": {"tokenizer": "bpe:gpt2"}}) == "token"
     assert peer_state({"role": "diloco", "time": NOW - 5}, NOW, 6.0) == "stale"

@@ -136,19 +136,28 @@ def test_peer_ahead_waits_for_a_syncing_peer_instead_of_outrunning_it(tmp_path):
         assert a.outer.outer_round == 2
         b = _worker(hub, "peer-b", run, tmp_path)
         await _start(b)
-        sizes, roles = [], []
-        real_run, real_download = a.sync.allreduce.run, b.download_first
+        sizes, roles, waited_for = [], [], []
+        real_run, real_round, real_download = a.sync.allreduce.run, a.sync.round, b.download_first
+        a_matchmaking = asyncio.Event()
 
         async def recording_run(group, tensor, weight):
             sizes.append(len(group.members))
             return await real_run(group, tensor, weight)
 
+        async def recording_round(local, weight, live, syncing):
+            waited_for.append(set(syncing))
+            a_matchmaking.set()
+            return await real_round(local, weight, live, syncing)
+
+        syncing_published = asyncio.Event()
+
         async def slow_download(peers):
             roles.append((await a.peer_records())[b.peer_id]["role"])
-            await asyncio.sleep(1.5)  # the download outlasts a's round
+            syncing_published.set()
+            await asyncio.wait_for(a_matchmaking.wait(), 60)  # the download outlasts the start of a's round
             return await real_download(peers)
 
-        a.sync.allreduce.run, b.download_first = recording_run, slow_download
+        a.sync.allreduce.run, a.sync.round, b.download_first = recording_run, recording_round, slow_download
         await a.train_until_quota()
 
         async def b_joins():
@@ -157,10 +166,11 @@ def test_peer_ahead_waits_for_a_syncing_peer_instead_of_outrunning_it(tmp_path):
             await b.run_round()
 
         async def a_round():
-            await asyncio.sleep(0.3)
+            await asyncio.wait_for(syncing_published.wait(), 60)
             await a.run_round()
 
         await asyncio.gather(a_round(), b_joins())
+        assert waited_for == [{b.peer_id}]  # a's round counted the syncing b in its expected group
         assert roles == ["syncing"]
         assert sizes == [2]  # a waited for b
         assert a.outer.outer_round == b.outer.outer_round == 3 and a.outer.digest() == b.outer.digest()

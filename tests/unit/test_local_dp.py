@@ -63,7 +63,7 @@ def test_local_devices_are_validated_without_touching_a_device():
             LocalDataParallel(torch.nn.Linear(2, 2), ["cuda:62", "cuda:63"], spec)  # refused before any use
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(240)
 def test_two_cpu_processes_step_like_one_process_on_the_whole_batch():
     torch.set_num_threads(1)
     spec = ReplicaSpec("tiny", T, 1, 256, HP, B, micro_batch_size=2, grad_clip_norm=HP.grad_clip_norm, threads=1,
@@ -127,7 +127,7 @@ def _role(tmp_path, **node) -> DiLoCoRole:
     return DiLoCoRole(RunContext.build("unit", run, config, Hub().transport("solo")))
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(240)
 def test_a_diloco_role_on_two_local_devices_keeps_its_replicas_identical(tmp_path):
     with pytest.raises(ConfigError, match="multiple of the 3 local devices"):
         _role(tmp_path / "three", local_devices=("cpu", "cpu", "cpu"))

@@ -48,8 +48,9 @@ function renderRun(run) {
       div.textContent = `expert ${e}: ${holders.map(short).join(", ")}`;
       map.appendChild(div);
     }
-  } else if (run.groups && run.groups.diloco.length) {
-    map.textContent = `DiLoCo group: ${run.groups.diloco.length} training peer(s)`;
+  } else if (run.groups) {
+    map.textContent = Object.entries(run.groups)
+      .map(([role, peers]) => `${role} group: ${peers.length} training peer(s)`).join("; ");
   }
 }
 
