@@ -77,7 +77,7 @@ def test_sign_members_are_bit_identical_with_a_tenth_of_fp16s_bytes(averaging_pe
     async def main():
         n, numel = 3, 3 * 8192
         peers = await averaging_peers(Hub(), n, allreduce=AllReduceConfig(
-            compression="sign", sender_timeout_s=1.0, reducer_timeout_s=2.0))
+            compression="sign", sender_timeout_s=20.0, reducer_timeout_s=40.0))  # nobody stalls: loose timeouts
         codec = get_codec("sign")
         g = torch.Generator().manual_seed(1)
         xs = [torch.randn(numel, generator=g) for _ in range(n)]
