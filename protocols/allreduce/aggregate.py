@@ -13,6 +13,7 @@ from protocols.codecs import all_finite
 from protocols.matchmaking import Group
 from protocols.robust import AGGREGATIONS, centered_clip
 
+
 #: Largest weight (samples) a member may claim for one round.
 MAX_WEIGHT = 1e12
 

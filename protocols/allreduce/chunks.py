@@ -12,6 +12,7 @@ import torch
 
 from protocols.codecs import Codec
 
+
 def finite(x: torch.Tensor) -> bool:
     """True if every value of the CPU float tensor ``x`` is finite: one fp32 sum (a finite sum proves every term
     finite), then a value-by-value check only if the sum is not. Per chunk this is much cheaper than

@@ -12,6 +12,7 @@ from protocols.codecs import Codec, TopKCompression, get_codec
 from protocols.partition import CHUNK_ALIGN, CHUNK_NUMEL
 from protocols.robust import AGGREGATIONS
 
+
 #: Partition modes: ``equal`` parts, or ``bandwidth``-proportional ones where every member announced its rates.
 PARTITIONS = ("equal", "bandwidth")
 #: How members combine their vectors: the butterfly ``reduce``, or ``gather`` (sparse codecs only).

@@ -11,6 +11,7 @@ from protocols.allreduce.config import AllReduceConfig
 from protocols.matchmaking import Group
 from protocols.partition import partition_sizes, proportional_sizes, valid_rate
 
+
 #: Announced rates that differ by less than this factor give equal parts (bandwidth partition only).
 RATE_SPREAD = 1.5
 #: A member's announced rates are the median of its last RATE_HISTORY measured runs...

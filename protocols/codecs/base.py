@@ -13,6 +13,7 @@ import torch
 
 from protocols.wire import ProtocolViolation
 
+
 # Codec names on the wire; :mod:`protocols.codecs.registry` maps each to its class.
 
 #: Dense codecs: every value travels (approximately).

@@ -7,6 +7,7 @@ import torch
 
 from protocols.codecs.base import Buffer, _BlockwiseCodec
 
+
 class Int8Compression(_BlockwiseCodec):
     """``"int8"``: blockwise absmax quantization; ``block_size`` values share one fp32 scale (default 256).
 

@@ -7,6 +7,7 @@ import torch
 
 from protocols.codecs.base import Buffer, _BlockwiseCodec
 
+
 class SignCompression(_BlockwiseCodec):
     """``"sign"``: scaled sign, 1 bit per value plus one fp32 scale ``mean |x|`` per block of ``block_size`` values
     (default 64: 1.5 bits per value, 10.7x fewer bytes than fp16); ``mean |x|`` is the scale that minimizes the

@@ -10,6 +10,7 @@ import torch
 
 from protocols.codecs.base import Buffer, Codec
 
+
 class TopKCompression(Codec):
     """``"topk"``: SparseLoCo's top-k + 2-bit compressor (Sarfi et al. 2025, arXiv 2508.15706, section 3).
 

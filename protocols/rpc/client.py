@@ -15,6 +15,7 @@ from protocols.rpc.framing import (
 from protocols.rpc.stream import RpcStream, _open, _send_first, close_writer
 from protocols.wire import ProtocolViolation, read_header, read_payload, write_frame
 
+
 async def call(
     streams: PeerStreams,
     peer: str,

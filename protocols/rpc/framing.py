@@ -11,6 +11,7 @@ from protocols.interfaces import StreamReader, StreamWriter
 from protocols.rpc.errors import Refused, Unreachable
 from protocols.wire import ProtocolViolation, StreamEnded, read_header, read_payload, write_frame
 
+
 #: Default largest payload of one frame; longer payloads are chunked. A payload up to this size is received without
 #: a copy (a chunked one is copied once, into its buffer), and its message is byte for byte the single frame that
 #: peers spoke before chunking existed.
