@@ -229,7 +229,8 @@ class DialBackService(Service):
                 try:
                     dialed = await asyncio.wait_for(self.dial(peer, to_dial, self.dial_timeout_s),
                                                     self.dial_timeout_s * len(to_dial) + DIALER_START_S)
-                except Exception as e:  # noqa: BLE001 - a dialer failure is an answer, not a crash
+                except Exception as e:  # noqa: BLE001 - boundary: the host's dialer (any transport's code); its
+                    # failure is this check's answer (every address failed), not a crash of the service
                     dialed = {a: (False, f"dialer failed: {type(e).__name__}: {e}") for a in to_dial}
             self.checks += 1
         results = [{"addr": a, "ok": bool(dialed.get(a, (False, ""))[0]),

@@ -120,7 +120,8 @@ async def read_header(reader: StreamReader) -> tuple[dict[str, Any], int, int]:
         raise ProtocolViolation(f"stream ended mid-header ({len(e.partial)} of {header_length} bytes)") from None
     try:
         header = msgpack.unpackb(header_bytes, raw=False, strict_map_key=True, ext_hook=_refuse_ext)
-    except Exception as e:  # msgpack raises several unrelated types on garbage
+    except Exception as e:  # noqa: BLE001 - boundary: a peer's bytes in msgpack's parser, which raises several
+        # unrelated types on garbage (ExtraData, FormatError, StackError, ValueError, TypeError...): all a violation
         raise ProtocolViolation(f"malformed msgpack header: {type(e).__name__}: {e}") from None
     if not isinstance(header, dict):
         raise ProtocolViolation(f"frame header must be a map, got {type(header).__name__}")

@@ -144,7 +144,7 @@ def test_three_peers_with_delayed_overlap_and_fp4_stay_bit_identical_and_learn(s
     config = tmp_path / "overlap-fp4.toml"
     text = _config(tmp_path, "base.toml", max_outer_rounds=3).read_text()
     text = text.replace("[diloco]\n", '[diloco]\noverlap = "delayed"\n', 1)
-    text = text.replace('[averaging.allreduce]        # protocols/allreduce.py AllReduceConfig\ncompression = "fp16"',
+    text = text.replace('[averaging.allreduce]        # protocols/allreduce/config.py AllReduceConfig\ncompression = "fp16"',
                         '[averaging.allreduce]\ncompression = "fp4"', 1)
     assert 'overlap = "delayed"' in text and 'compression = "fp4"' in text
     config.write_text(text)

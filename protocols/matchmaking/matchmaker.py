@@ -1,61 +1,5 @@
-"""Group formation for one averaging round: discovery records plus a leader that seals the group.
-
-Every peer that wants to average under a group key (e.g. ``round7``) registers itself in discovery under
-``<prefix>.mm.<key>``. The registered peer with the smallest PeerID (dialable peers first, below) leads: the others open
-a *join* stream to it and wait; the leader seals the group when it has the expected number of members, when nobody new
-has joined for ``matchmaking_timeout_s``, or when the earliest member's whole wait (``max_wait_s``) runs out, and
-answers every waiting member with the same member list. A leader that discovers a smaller registered peer hands its
-followers over to that peer (a redirect) and joins it itself, so concurrent views of the discovery records converge on
-one leader. "Smaller" orders peers that can be dialed before dial-only ones (behind a NAT, reached through a relay or
-not at all: their record says ``"dial_only": true``), then by PeerID: every follower dials its leader, and only a
-dialable leader takes the joins directly. A leader watches every join stream: a follower whose stream closes before the
-seal (its process died) is left out of the group.
-
-The leader can refuse a member (``admit`` callback): DiLoCo refuses peers whose outer state digest differs from its
-own, so a group never mixes peers that disagree on theta_outer; the refused peer re-synchronizes its state instead.
-
-The wait is an *idle* window, restarted whenever the group grows, not a deadline counted from the first arrival:
-peers reach a round's rendezvous spread out by how long their previous round took (on a loaded machine, or with a
-slow group, the spread exceeds any fixed window), and a window counted from the first arrival sealed the group while
-the rest were still on their way, failing their round. While members keep arriving the group waits (up to
-``max_wait_s``); once they stop, it seals ``matchmaking_timeout_s`` later, so a peer that died before the seal
-still costs one timeout. A peer that nevertheless arrives after the seal can ask (``on_late="next"``) to form the
-next group of late peers under a successor key instead of failing its round.
-
-The expected size comes from the peer's own view of the swarm (DiLoCo: the live workers' status records), and a
-view read from a loaded DHT lacks records: a leader counting 42 of 64 workers sealed at the 43rd arrival and left the
-rest out of the round. So views are pooled (``expected_peers``): every member sends the PeerIDs it expects with its
-join request (``expects``), and the leader seals early only once every peer that any member expects has joined; a
-peer that all views lack is the only one still missed. A peer that some view wrongly holds (it died moments ago)
-costs one idle window, as in a view of one.
-
-When the members are known in advance (``expected_members``: Moshpit's sharded rendezvous, where every peer computes
-its 2-M groupmates from the grid) the idle window is the wrong rule: a group of three sees gaps between its members'
-arrivals as long as their previous rounds' spread, and sealed short after one quiet window (a third to a half of
-the rounds of 8 real peers ran alone). Such a group instead waits for exactly those members and seals the moment the
-last one joins; a member that never comes is left out when the earliest member's ``max_wait_s`` runs out, and the
-others average without it. A member whose process died never comes either, and is not waited for that long: once
-the group has gained nobody for ``matchmaking_timeout_s``, its leader probes the missing members, and one that
-answers no probe twice in a row is left out (the group seals about two idle windows after its last arrival). A live
-member can be just as absent: its view of the swarm differed (a status record that lapsed under load gives another
-grid) and it is matchmaking for another group of the same round. A probe's answer lists the keys the member is
-matchmaking for or sealed lately; one under another key of the round (``round_prefix``) is left out at once.
-
-Under load the margins are thin. A leader seals at the earliest follower's deadline and that follower gives up one
-``request_timeout_s`` later, so nothing the leader does while waiting (a discovery read that takes seconds on a
-loaded DHT, a hand-over to a smaller peer found at the last moment) may push the seal past it. A follower that
-failed to reach a leader (a loaded leader read its request too late) tries it again when a groupmate redirects it
-there (up to 2 failed attempts), instead of bouncing between the two until ``max_wait_s``.
-
-A leader that seals says so in its discovery record (``"sealed": true``). A peer that arrives after the seal and
-would lead (its PeerID is smaller than the sealer's, so nobody redirects it there) reads that record at its next
-poll and asks the sealer, which answers it is late like any other latecomer (``on_late``), or gives it the group
-when it is a member that lost the answer, instead of leading a group of one for a whole idle window:
-in a DiLoCo run such a peer averaged alone, came out of every later round's boundary one window after the others,
-and so missed every later group too. Told at once, it learns that the round went on without it and catches up.
-
-This is the pure-decision + runner pair for matchmaking; the only I/O goes through the handed :class:`Transport`.
-"""
+"""The matchmaking runner: :class:`Matchmaker`, a service that leads or joins the group of a key (see
+:mod:`protocols.matchmaking`)."""
 
 from __future__ import annotations
 
@@ -64,15 +8,20 @@ import contextlib
 import logging
 import secrets
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from protocols.bans import BanList
 from protocols.interfaces import Transport
+from protocols.matchmaking.config import (
+    AdmissionRefused, AdmitFn, Group, MatchmakingConfig, MatchmakingFailed, SealedWithout,
+)
+from protocols.matchmaking.session import (
+    _awaited, _deadline, _Follower, _group_answer, _Late, _rank, _rival_key, _seal_at, _Session,
+)
 from protocols.rpc import Refused, Request, RpcError, RpcTimeout, Service, Unreachable, call
 from protocols.wire import ProtocolViolation, require
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("protocols.matchmaking")
 
 #: A deadline this close counts as reached: asyncio runs a timer up to its clock resolution (1 ns) early, so a wait
 #: for the last few ns could wake without the clock moving, and on a virtual clock never move it (a busy loop).
@@ -93,114 +42,6 @@ _PROBE_MAX_KEYS = 128
 
 #: Most PeerIDs a join request may list as expected (``expects``); a longer list is a malformed request.
 _MAX_EXPECTS = 10_000
-
-#: ``admit(own_info, peer_id, peer_info) -> None`` to accept the peer, or a reason string to refuse it.
-AdmitFn = Callable[[dict, str, dict], Optional[str]]
-
-
-@dataclass(frozen=True)
-class MatchmakingConfig:
-    """Timeouts of group formation (seconds)."""
-
-    matchmaking_timeout_s: float = 30.0
-    """Longest a group waits with nobody new joining: counted from when the peer starts matchmaking, restarted
-    whenever a new member joins the group it leads."""
-    request_timeout_s: float = 5.0
-    """Longest a single exchange with the leader (connect, send the join request) may take."""
-    poll_interval_s: float = 0.5
-    """How often discovery records are re-read while waiting."""
-    min_group_size: int = 1
-    """A sealed group smaller than this fails the round for all its members."""
-    max_wait_s: Optional[float] = None
-    """Longest a peer matchmakes in all, however the group keeps growing; None = 3 x ``matchmaking_timeout_s``."""
-
-    def __post_init__(self) -> None:
-        if self.matchmaking_timeout_s <= 0 or self.request_timeout_s <= 0 or self.poll_interval_s <= 0:
-            raise ValueError("matchmaking timeouts and poll interval must be positive")
-        if self.request_timeout_s >= self.matchmaking_timeout_s:
-            raise ValueError(
-                f"request_timeout_s ({self.request_timeout_s}) must be smaller than matchmaking_timeout_s "
-                f"({self.matchmaking_timeout_s}): a join request must fit inside the matchmaking window"
-            )
-        if self.poll_interval_s >= self.matchmaking_timeout_s:
-            raise ValueError("poll_interval_s must be smaller than matchmaking_timeout_s")
-        if self.min_group_size < 1:
-            raise ValueError(f"min_group_size must be >= 1, got {self.min_group_size}")
-        if self.max_wait_s is not None and self.max_wait_s < self.matchmaking_timeout_s:
-            raise ValueError(f"max_wait_s ({self.max_wait_s}) must be >= matchmaking_timeout_s "
-                             f"({self.matchmaking_timeout_s})")
-
-    @property
-    def max_wait(self) -> float:
-        """``max_wait_s`` with its default filled in (seconds)."""
-        return self.max_wait_s if self.max_wait_s is not None else 3.0 * self.matchmaking_timeout_s
-
-
-@dataclass(frozen=True)
-class Group:
-    """A sealed averaging group. ``members`` are sorted PeerIDs (this peer included); ``infos`` maps each member to
-    the info it gave when joining."""
-
-    group_id: str
-    key: str
-    leader: str
-    members: tuple[str, ...]
-    infos: dict[str, dict]
-
-
-class MatchmakingFailed(Exception):
-    """No usable group formed for this key (timeout, too few peers, the group was already sealed)."""
-
-
-class SealedWithout(MatchmakingFailed):
-    """The group for the key was sealed (by ``leader``) before this peer joined it (``on_late="fail"``)."""
-
-    def __init__(self, key: str, leader: str):
-        super().__init__(f"the group for {key!r} was already sealed by {leader}")
-        self.key = key
-        self.leader = leader
-
-
-class AdmissionRefused(MatchmakingFailed):
-    """The leader refused this peer (``reason`` says why, e.g. an outer state that differs from the leader's)."""
-
-    def __init__(self, leader: str, reason: str):
-        super().__init__(f"leader {leader} refused us: {reason}")
-        self.leader = leader
-        self.reason = reason
-
-
-@dataclass
-class _Follower:
-    info: dict
-    deadline: float  # loop time by which the follower wants an answer (its whole wait, max_wait_s)
-    answer: asyncio.Future
-    closed: asyncio.Event = field(default_factory=asyncio.Event)
-
-
-@dataclass
-class _Session:
-    key: str
-    info: dict
-    deadline: float  # loop time at which this peer gives up (max_wait_s after it started)
-    idle_until: float  # loop time at which a group this peer leads seals for lack of new members
-    expected_size: Optional[int]
-    expected_members: Optional[frozenset] = None  # when known: seal once all joined, else at max_wait (no idle seal)
-    expects: Optional[tuple[str, ...]] = None  # the peers we believe are coming (our view), sent when joining
-    pooled: Optional[set[str]] = None  # as leader: the peers any member expects (our view and the followers' joined)
-    round_prefix: Optional[str] = None  # keys of the same round's other groups start with it
-    probe_failures: dict[str, int] = field(default_factory=dict)  # missing expected member -> failed probes in a row
-    following: Optional[str] = None  # the leader we defer to, when not leading
-    expiration: float = 0.0  # discovery time at which our discovery record for the key expires
-    sealed: bool = False
-    followers: dict[str, _Follower] = field(default_factory=dict)
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
-
-
-def _rank(peer: str, record: Any) -> tuple[bool, str]:
-    """Who leads a key: the smallest (dial-only, PeerID), so peers that can be dialed lead before those that cannot."""
-    value = getattr(record, "value", None)
-    return isinstance(value, dict) and value.get("dial_only") is True, peer
 
 
 class Matchmaker(Service):
@@ -627,46 +468,6 @@ class Matchmaker(Service):
         raise Refused(str(value), "late")
 
 
-def _rival_key(session: _Session, keys: Sequence[str]) -> Optional[str]:
-    """The first of a probed member's ``keys`` that is another group of ``session``'s round (not ours, nor our
-    groups of late peers), or None."""
-    if session.round_prefix is None:
-        return None
-    for key in keys:
-        if key.startswith(session.round_prefix) and key != session.key and not key.startswith(session.key + "."):
-            return key
-    return None
-
-
-def _awaited(session: _Session, me: str) -> set[str]:
-    """The peers that some member of the group ``session`` leads expects (pooled views) and that have not joined."""
-    if session.pooled is None:
-        return set()
-    return session.pooled - session.followers.keys() - {me}
-
-
-def _deadline(session: _Session) -> float:
-    """Loop time at which some member of the group ``session`` leads (or the leader) cannot wait any longer."""
-    return min([session.deadline] + [f.deadline for f in session.followers.values()])
-
-
-def _seal_at(session: _Session) -> float:
-    """Loop time at which the group ``session`` leads seals: at :func:`_deadline`, or, members unknown, when nobody
-    new has joined for ``matchmaking_timeout_s``."""
-    deadline = _deadline(session)
-    if session.expected_members is None:
-        deadline = min(deadline, session.idle_until)
-    return deadline
-
-
-class _Late(Exception):
-    """The group for the key was sealed (by ``leader``) before we joined it."""
-
-    def __init__(self, message: str, leader: str):
-        super().__init__(message)
-        self.leader = leader
-
-
 def _forget(tasks: set) -> Callable[[asyncio.Task], None]:
     """Done callback: drop the task from ``tasks`` and retrieve its exception (a failed store is only logged)."""
     def done(task: asyncio.Task) -> None:
@@ -674,10 +475,6 @@ def _forget(tasks: set) -> Callable[[asyncio.Task], None]:
         if not task.cancelled() and task.exception() is not None:
             logger.debug("could not mark a sealed group in discovery: %r", task.exception())
     return done
-
-
-def _group_answer(group: Group) -> dict[str, Any]:
-    return {"type": "group", "group_id": group.group_id, "members": list(group.members), "infos": group.infos}
 
 
 async def _watch_closed(request: Request, follower: _Follower) -> None:

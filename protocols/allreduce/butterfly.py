@@ -1,0 +1,252 @@
+"""The butterfly all-reduce as a service: the member's side of a run (send our slice of every part, receive every
+part's aggregate) on top of the reducer's side (:mod:`protocols.allreduce.reducer`) and the part scheduling
+(:mod:`protocols.allreduce.parts`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Optional, Union
+
+import torch
+
+from protocols.allreduce.aggregate import ChunkedPartReducer, check_local_input
+from protocols.allreduce.chunks import decode_chunk_into, encode_chunk, finite
+from protocols.allreduce.config import AllReduceConfig, AllReduceFailed, AllReduceResult
+from protocols.allreduce.parts import PartPlanner
+from protocols.allreduce.reducer import ReducerSide
+from protocols.allreduce.session import _ReduceSession
+from protocols.bans import BanList
+from protocols.codecs import get_codec
+from protocols.interfaces import Transport
+from protocols.matchmaking import Group
+from protocols.partition import chunk_bounds
+from protocols.rpc import Refused, RpcError, RpcTimeout, Service, call_framed
+
+logger = logging.getLogger("protocols.allreduce")
+
+
+class _InvalidMean(Exception):
+    """A reducer answered with bytes that do not decode to finite values of the right size."""
+
+
+class ButterflyAllReduce(PartPlanner, ReducerSide, Service):
+    """Runs butterfly all-reduces for groups formed by :class:`protocols.matchmaking.Matchmaker`.
+
+    An RPC service (:mod:`protocols.rpc`) named ``prefix`` with one method, ``reduce`` (stream handler
+    ``<prefix>.reduce``). A member's request is one message carrying its slice of our part (header ``group_id``,
+    ``numel``, ``weight``, ``codec``), framed in chunks of ``chunk_numel`` values, each chunk encoded on its own;
+    the reply is one message carrying the encoded aggregate, framed the same way. Both travel at once
+    (:func:`protocols.rpc.call_framed`): the reducer answers chunk k as soon as every member's chunk k is in (or the
+    member was excluded), while later chunks are still arriving, so the two phases of the butterfly overlap. A part
+    of one chunk is byte for byte the message of the unchunked protocol.
+
+    Call :meth:`start` once, then :meth:`run` once per group. :meth:`announce` gives the rates to put into the group
+    info for bandwidth-proportional parts.
+    """
+
+    def __init__(self, transport: Transport, prefix: str, config: AllReduceConfig, bans: Optional[BanList] = None):
+        super().__init__()
+        self.transport = transport
+        self.prefix = self.name = prefix
+        self.config = config
+        self.request_timeout_s = config.sender_timeout_s  # a sender stalled inside its header is banned
+        self.bans = bans if bans is not None else BanList()
+        self.codec = config.make_codec()
+        result = config.result_compression
+        if result == "auto":
+            result = "fp16" if self.codec.sparse else config.compression
+        self.result_codec = get_codec(result)
+        self._sessions: dict[str, _ReduceSession] = {}
+        self._session_ready: dict[str, asyncio.Event] = {}
+
+    @property
+    def handler_name(self) -> str:
+        return self.handler_name_of("reduce")
+
+    def _round_trip(self, part: torch.Tensor) -> torch.Tensor:
+        """What ``part`` decodes to at its reducer (fp32, its length). Chunks are multiples of every codec's block,
+        so the whole part round-trips to the same values as its chunks do, in one call."""
+        if self.codec.name == "none":
+            return part
+        return self.codec.decode(encode_chunk(self.codec, part, checked=True), part.numel())
+
+    async def run(self, group: Group, tensor: torch.Tensor, weight: float) -> AllReduceResult:
+        """Average ``tensor`` (P,) fp32 with the group, weighted by ``weight`` (e.g. samples processed).
+
+        Every member must call this with the same group and the same P. Raises :class:`AllReduceFailed` if any part's
+        mean could not be obtained within ``reducer_timeout_s``; ValueError on bad local input.
+        """
+        me = self.transport.streams.peer_id
+        weight = check_local_input(group, me, tensor, weight)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        cpu_start = time.process_time()
+        sizes = self.part_sizes(group, tensor.numel())
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        my_index = group.members.index(me)
+        tensor = tensor.detach().cpu().contiguous()
+
+        bounds = chunk_bounds(sizes[my_index], self.config.chunk_numel)
+        session = _ReduceSession(
+            group, sizes[my_index], bounds, self.codec,
+            ChunkedPartReducer(sizes[my_index], bounds, self.config.aggregation, self.config.clip_tau),
+            start + self.config.sender_timeout_s,
+        )
+        for member in group.members:  # do not wait for parts we would refuse anyway
+            if member != me and self.bans.is_banned(member):
+                session.excluded[member] = f"banned: {self.bans.reason(member)}"
+        if not finite(tensor):  # once for the whole vector: chunks are then encoded without their own check
+            raise ValueError("cannot encode non-finite values")
+        own = tensor[offsets[my_index] : offsets[my_index] + sizes[my_index]]
+        own_sent = self._round_trip(own)
+        for k, (a, b) in enumerate(bounds):
+            session.reducer.add(me, k, own_sent[a:b], weight, finite_checked=True)
+        self._sessions[group.group_id] = session
+        self._session_ready.setdefault(group.group_id, asyncio.Event()).set()
+        sealer = asyncio.ensure_future(self._seal_chunks(session))
+        averaged = torch.empty_like(tensor)
+        uploaded: list[tuple[int, float]] = []
+
+        async def exchange(i: int, peer: str) -> tuple[torch.Tensor, int, int]:
+            if not sizes[i]:  # it reduces nothing: no stream (a dial-only member is dialed by nobody)
+                return averaged[offsets[i]:offsets[i]], 0, 0
+            try:
+                return await self._exchange(peer, group, tensor[offsets[i] : offsets[i] + sizes[i]], weight, start,
+                                            averaged[offsets[i] : offsets[i] + sizes[i]], uploaded)
+            except AllReduceFailed:
+                self._give_up_on(session, peer)
+                raise
+
+        try:
+            calls = [exchange(i, peer) for i, peer in enumerate(group.members) if peer != me]
+            results = await asyncio.gather(sealer, *calls, return_exceptions=True)
+            failures = [r for r in results if isinstance(r, BaseException)]
+            if failures:
+                raise AllReduceFailed(f"{len(failures)} part(s) missing: {failures[0]!r}") from failures[0]
+            sent = received = 0
+            others = iter(results[1:])
+            for i, peer in enumerate(group.members):
+                target = averaged[offsets[i] : offsets[i] + sizes[i]]
+                if peer == me:
+                    # codec none: the sealed bytes are our aggregate, checked finite when sealed; a lossy codec
+                    # may overflow when encoding, so its bytes are checked like any reducer's
+                    trusted = self.result_codec.name == "none"
+                    for k, (a, b) in enumerate(bounds):
+                        decode_chunk_into(self.result_codec, session.sealed[k], target[a:b], trusted)
+                    continue
+                part, b_sent, b_received = next(others)
+                sent, received = sent + b_sent, received + b_received
+                if part.numel() and part.data_ptr() != target.data_ptr():  # an override decoded elsewhere
+                    target.copy_(part)
+            sent_parts = None
+            if self.codec.sparse:
+                sent_parts = torch.cat([own_sent if peer == me else
+                                        self._round_trip(tensor[offsets[i] : offsets[i] + sizes[i]])
+                                        for i, peer in enumerate(group.members)])
+            await self._wait_answers_written(session)
+            seconds = loop.time() - start
+            self._measure(uploaded, session.downloads)
+            logger.info("all-reduce of group %s (%s) done: %d members", group.group_id, group.key, len(group.members),
+                        extra={"event": "allreduce", "group_id": group.group_id, "key": group.key,
+                               "group_size": len(group.members), "part_numel": sizes[my_index],
+                               "cpu_s": time.process_time() - cpu_start})
+            return AllReduceResult(
+                averaged,
+                len(group.members),
+                sent + session.bytes_sent,
+                received + session.bytes_received,
+                seconds,
+                len(session.reducer.contributors),
+                dict(session.excluded),
+                sent_parts,
+                tuple(sizes),
+                tuple(session.late),
+            )
+        finally:
+            sealer.cancel()
+            if not session.finished.is_set():  # we failed before our part was sealed: answer what we have
+                try:
+                    while len(session.sealed) < len(session.bounds):
+                        self._seal_next(session)
+                except ValueError as e:  # an aggregate that overflowed: the waiting members time out
+                    logger.warning("could not seal our part of group %s: %s", group.group_id, e)
+                session.finished.set()
+            asyncio.get_running_loop().call_later(
+                self.config.reducer_timeout_s, self._forget, group.group_id
+            )
+
+    async def _wait_answers_written(self, session: _ReduceSession, grace_s: float = 2.0) -> None:
+        """Let our answers to the other contributors finish (briefly), so the byte counts are complete."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while session.answers < len(session.reducer.contributors) - 1 and loop.time() < deadline:
+            session.answered.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(session.answered.wait(), deadline - loop.time())
+
+    @staticmethod
+    def _give_up_on(session: _ReduceSession, peer: str) -> None:
+        """Our call to reducer ``peer`` failed, so this round fails for us (its part is missing): stop waiting for
+        ``peer``'s own part as well (``gone``: not excluded, not banned, its part still taken if it comes), so our
+        part is sealed with whoever delivered and the other members learn of the failure at once instead of at
+        ``sender_timeout_s``. A reducer that died before it sent us its part would otherwise hold every member's
+        round until that deadline."""
+        if session.reducer.delivered.get(peer, 0) < len(session.bounds):
+            session.gone.add(peer)
+            session.changed.set()
+
+    def _forget(self, group_id: str) -> None:
+        self._sessions.pop(group_id, None)
+        self._session_ready.pop(group_id, None)
+
+    async def _exchange(
+        self, peer: str, group: Group, part: torch.Tensor, weight: float, start: float,
+        out: Optional[torch.Tensor] = None, uploaded: Optional[list] = None,
+    ) -> tuple[torch.Tensor, int, int]:
+        """Send our slice of ``peer``'s part, chunk by chunk, while its aggregate streams back into ``out`` (fp32,
+        the part's length; allocated if None). Returns ``(out, bytes sent, bytes received)``; appends ``(bytes, seconds
+        since start)`` to ``uploaded`` once our last chunk was handed to the transport."""
+        loop = asyncio.get_running_loop()
+        timeout = start + self.config.reducer_timeout_s - loop.time()
+        header = {"group_id": group.group_id, "numel": part.numel(), "weight": weight, "codec": self.codec.name}
+        bounds = chunk_bounds(part.numel(), self.config.chunk_numel)
+        out = torch.empty(part.numel(), dtype=torch.float32) if out is None else out
+
+        sizes = [self.codec.encoded_size(b - a) for a, b in bounds]
+
+        def frames():
+            for a, b in bounds:
+                yield self._encode_part(part[a:b])
+            if uploaded is not None:
+                uploaded.append((sum(sizes), loop.time() - start))
+
+        def on_frame(k: int, payload) -> None:
+            a, b = bounds[k]
+            try:
+                decode_chunk_into(self.result_codec, payload, out[a:b])
+            except ValueError as e:
+                raise _InvalidMean(str(e)) from None
+
+        try:
+            _, sent, received = await call_framed(
+                self.transport.streams, peer, self.prefix, "reduce", header, frames(), sizes,
+                [self.result_codec.encoded_size(b - a) for a, b in bounds], on_frame,
+                timeout_s=max(timeout, 0.0))
+        except RpcTimeout:
+            raise AllReduceFailed(f"reducer {peer} did not answer within reducer_timeout_s") from None
+        except Refused as e:
+            raise AllReduceFailed(f"reducer {peer} refused our part: {e.reason}") from e
+        except RpcError as e:
+            raise AllReduceFailed(f"reducer {peer} failed: {e!r}") from e
+        except _InvalidMean as e:  # wrong size or non-finite values: a faulty or hostile reducer
+            self.bans.ban(peer, f"sent an invalid mean: {e}")
+            raise AllReduceFailed(f"reducer {peer} failed: sent an invalid mean: {e}") from None
+        return out, sent, received
+
+    def _encode_part(self, part: torch.Tensor) -> Union[bytes, memoryview]:
+        """Encode one chunk of our slice of another member's part (a seam for fault-injection tests); run() checked
+        the whole vector finite."""
+        return encode_chunk(self.codec, part, checked=True)

@@ -1,0 +1,115 @@
+"""What an all-reduce is configured with and what it returns: :class:`AllReduceConfig`, :class:`AllReduceResult`,
+:class:`AllReduceFailed`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from protocols.codecs import Codec, TopKCompression, get_codec
+from protocols.partition import CHUNK_ALIGN, CHUNK_NUMEL
+from protocols.robust import AGGREGATIONS
+
+
+#: Partition modes: ``equal`` parts, or ``bandwidth``-proportional ones where every member announced its rates.
+PARTITIONS = ("equal", "bandwidth")
+#: How members combine their vectors: the butterfly ``reduce``, or ``gather`` (sparse codecs only).
+EXCHANGES = ("reduce", "gather")
+
+
+@dataclass(frozen=True)
+class AllReduceConfig:
+    """Wire format and timeouts (seconds) of one all-reduce."""
+
+    compression: str = "fp16"
+    """Codec for parts (and, if dense, results) on the wire: none | fp16 | bf16 | int8 | fp4 | sign | topk."""
+    sender_timeout_s: float = 30.0
+    """A reducer waits this long, from its own start, for the members' parts before averaging without them."""
+    reducer_timeout_s: float = 60.0
+    """A member waits this long, from its start, for every reducer's answer before the all-reduce fails."""
+    aggregation: str = "mean"
+    """How a reducer combines its part: mean (weighted) or centered_clip (robust to a minority of bad senders)."""
+    clip_tau: float = 1.0
+    """CenteredClip radius, in the units of the averaged values (per part: each reducer clips its own part)."""
+    result_compression: str = "auto"
+    """Dense codec of the reducers' answers; auto: ``compression`` if it is dense, else fp16."""
+    chunk_numel: int = CHUNK_NUMEL
+    """Values per chunk of a part on the wire (a multiple of 4096); every member of a run must use the same."""
+    partition: str = "bandwidth"
+    """equal | bandwidth: bandwidth-proportional parts when every member announced ``rates`` in its group info
+    (:meth:`ButterflyAllReduce.announce`), else equal parts."""
+    topk_fraction: float = 0.02
+    """Sparse codec ``topk`` only: the fraction of each 4096-value chunk that travels (SparseLoCo's density), in
+    (0, 1]; every member of a run must use the same."""
+    exchange: str = "reduce"
+    """reduce | gather. reduce: the butterfly all-reduce (:mod:`protocols.allreduce`). gather: every member sends its encoded
+    vector to every other and all sum the same bytes (:class:`protocols.allgather.SparseAllGather`, SparseLoCo);
+    needs a sparse ``compression`` (topk) and ``aggregation = "mean"``."""
+
+    def __post_init__(self) -> None:
+        get_codec(self.compression)
+        if self.result_compression != "auto" and get_codec(self.result_compression).sparse:
+            raise ValueError(f"result_compression must be a dense codec, got {self.result_compression!r}")
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
+        if self.clip_tau <= 0:
+            raise ValueError(f"clip_tau must be positive, got {self.clip_tau}")
+        if self.sender_timeout_s <= 0:
+            raise ValueError(f"sender_timeout_s must be positive, got {self.sender_timeout_s}")
+        if self.reducer_timeout_s <= self.sender_timeout_s:
+            raise ValueError(
+                f"reducer_timeout_s ({self.reducer_timeout_s}) must exceed sender_timeout_s ({self.sender_timeout_s}):"
+                " a reducer may legitimately wait sender_timeout_s for a slow sender before it answers"
+            )
+        if (isinstance(self.chunk_numel, bool) or not isinstance(self.chunk_numel, int) or self.chunk_numel < 1
+                or self.chunk_numel % CHUNK_ALIGN):
+            raise ValueError(f"chunk_numel must be a positive multiple of {CHUNK_ALIGN}, got {self.chunk_numel!r}")
+        if self.partition not in PARTITIONS:
+            raise ValueError(f"partition must be one of {PARTITIONS}, got {self.partition!r}")
+        if (isinstance(self.topk_fraction, bool) or not isinstance(self.topk_fraction, (int, float))
+                or not 0 < self.topk_fraction <= 1):
+            raise ValueError(f"topk_fraction must be in (0, 1], got {self.topk_fraction!r}")
+        object.__setattr__(self, "topk_fraction", float(self.topk_fraction))  # equal configs print alike
+        if self.exchange not in EXCHANGES:
+            raise ValueError(f"exchange must be one of {EXCHANGES}, got {self.exchange!r}")
+        if self.exchange == "gather" and not get_codec(self.compression).sparse:
+            raise ValueError(f"exchange = 'gather' needs a sparse compression (topk), got {self.compression!r}: "
+                             "a dense vector is cheaper to all-reduce")
+        if self.exchange == "gather" and self.aggregation != "mean":
+            raise ValueError(f"exchange = 'gather' sums with aggregation = 'mean', got {self.aggregation!r}")
+
+
+    def make_codec(self) -> Codec:
+        """The codec of ``compression``, with ``topk_fraction`` for ``topk``."""
+        if self.compression == "topk":
+            return TopKCompression(self.topk_fraction)
+        return get_codec(self.compression)
+
+
+class AllReduceFailed(Exception):
+    """This peer did not obtain every part's mean; it must not use the result."""
+
+
+@dataclass
+class AllReduceResult:
+    """What one member obtained. ``averaged`` is (P,) fp32, identical on every member that got a result."""
+
+    averaged: torch.Tensor
+    group_size: int
+    bytes_sent: int
+    bytes_received: int
+    seconds: float
+    contributors: int
+    """How many members contributed every chunk of this peer's own part (its reducer view)."""
+    excluded: dict[str, str] = field(default_factory=dict)
+    """Members whose part this peer refused as reducer, with the reason."""
+    sent: Optional[torch.Tensor] = None
+    """(P,) fp32: what this member's contribution decoded to at the reducers; set for sparse codecs only (for
+    :class:`protocols.codecs.ErrorFeedback`)."""
+    part_sizes: tuple[int, ...] = ()
+    """Values each member reduced, in member order (equal or bandwidth-proportional)."""
+    late: tuple[str, ...] = ()
+    """Members whose part reached this peer (as reducer) only after ``sender_timeout_s``: left out, not banned. A
+    slow member still sending when this peer returns is not listed yet (the reducer's session lists it later)."""

@@ -1,0 +1,99 @@
+"""Part scheduling of the butterfly: how many values each member reduces (equal, bandwidth-proportional, none for a
+dial-only member) and the link rates a peer measures from its own runs and announces for that."""
+
+from __future__ import annotations
+
+from collections import deque
+from statistics import median
+from typing import Optional, Sequence
+
+from protocols.allreduce.config import AllReduceConfig
+from protocols.matchmaking import Group
+from protocols.partition import partition_sizes, proportional_sizes, valid_rate
+
+
+#: Announced rates that differ by less than this factor give equal parts (bandwidth partition only).
+RATE_SPREAD = 1.5
+#: A member's announced rates are the median of its last RATE_HISTORY measured runs...
+RATE_HISTORY = 5
+#: ...and are announced only once RATE_MIN_RUNS runs were measured (before that: equal parts).
+RATE_MIN_RUNS = 3
+#: A run's measurement counts only if it moved at least this many bytes each way: short transfers measure latency
+#: and the event loop, not the link.
+RATE_MIN_BYTES = 4 << 20
+#: With bandwidth-proportional parts, every member within partition.FLOOR_SPREAD of the fastest reduces at least
+#: MIN_SHARE of an equal part, so that every honest reducer validates (and can exclude) every sender.
+MIN_SHARE = 0.25
+
+
+class PartPlanner:
+    """The part-scheduling side of :class:`protocols.allreduce.ButterflyAllReduce` (a mixin): what this peer announces
+    in the group info, the part sizes every member computes alike from the group, and the rate measurement."""
+
+    config: AllReduceConfig
+
+    def __init__(self) -> None:
+        self.dial_only = False
+        """This peer cannot be dialed directly (behind a NAT): announced in the group info, it then reduces no part
+        while another member can (:meth:`part_sizes`); it still sends its own parts, dialing out. Set it per round."""
+        self.rates: Optional[dict[str, float]] = None
+        """This peer's rates in bytes/s, ``{"up", "down"}``: set by the operator, or measured from the all-reduce's
+        own transfers: the median of the last :data:`RATE_HISTORY` runs that moved at least :data:`RATE_MIN_BYTES`
+        each way, once there are :data:`RATE_MIN_RUNS` of them (a median: one run slowed or sped up by other load
+        on the host does not move it). A run's estimate is the sum over its concurrent streams of each stream's
+        bytes over that stream's own duration: a stream slowed by the other end's link counts at its own pace, so
+        the sum approaches this peer's link rate when it is the bottleneck."""
+        self._rate_history: deque = deque(maxlen=RATE_HISTORY)
+
+    def announce(self) -> dict:
+        """Group-info entries for the matchmaking: ``{"rates": {"up", "down"}}`` once known, ``{"dial_only": true}``
+        while :attr:`dial_only`; ``{}`` for neither."""
+        out: dict = {"rates": dict(self.rates)} if self.rates else {}
+        if self.dial_only:
+            out["dial_only"] = True
+        return out
+
+    def part_sizes(self, group: Group, numel: int) -> list[int]:
+        """Values each member reduces, in member order. Members that announced ``dial_only`` reduce nothing while
+        another member can (a reducer is dialed by every sender: a dial-only reducer would pull every sender's part
+        through a relay, or fail it); the others' parts are bandwidth-proportional
+        (:func:`protocols.partition.proportional_sizes` of min(up, down)) if ``partition == "bandwidth"``, every
+        one of them announced valid rates and the fastest is more than :data:`RATE_SPREAD` times the slowest, else
+        equal. Every member computes the same sizes."""
+        infos = group.infos if isinstance(group.infos, dict) else {}
+        reducers = [m for m in group.members
+                    if not (isinstance(infos.get(m), dict) and infos[m].get("dial_only") is True)]
+        if not reducers or len(reducers) == len(group.members):
+            return self._reducer_sizes(group.members, infos, numel)
+        sizes = dict(zip(reducers, self._reducer_sizes(reducers, infos, numel)))
+        return [sizes.get(m, 0) for m in group.members]
+
+    def _reducer_sizes(self, members: Sequence[str], infos: dict, numel: int) -> list[int]:
+        if self.config.partition == "bandwidth" and len(members) > 1:
+            rates = []
+            for member in members:
+                info = infos.get(member)
+                announced = info.get("rates") if isinstance(info, dict) else None
+                up = valid_rate(announced.get("up")) if isinstance(announced, dict) else None
+                down = valid_rate(announced.get("down")) if isinstance(announced, dict) else None
+                if up is None or down is None:
+                    break
+                rates.append(min(up, down))
+            else:
+                # rates within RATE_SPREAD of each other are measurement noise: equal parts are as good, and stable
+                if sum(rates) > 0 and max(rates) > RATE_SPREAD * min(rates):
+                    return proportional_sizes(numel, rates, MIN_SHARE)
+        return partition_sizes(numel, len(members))
+
+    def _measure(self, uploads: list[tuple[int, float]], downloads: list[tuple[int, float]]) -> None:
+        """Fold one run's streams, ``(bytes, seconds)`` each, into :attr:`rates` (bytes/s): see there."""
+        up = sum(b / t for b, t in uploads if t > 0)
+        down = sum(b / t for b, t in downloads if t > 0)
+        if up <= 0 or down <= 0:
+            return
+        if sum(b for b, _ in uploads) < RATE_MIN_BYTES or sum(b for b, _ in downloads) < RATE_MIN_BYTES:
+            return
+        self._rate_history.append((up, down))
+        if len(self._rate_history) >= RATE_MIN_RUNS:
+            self.rates = {"up": median(u for u, _ in self._rate_history),
+                          "down": median(d for _, d in self._rate_history)}
