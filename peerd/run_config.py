@@ -37,7 +37,7 @@ AVERAGING_METHODS = tuple(OUTER_SYNCS)
 PARALLELISMS = tuple(ROLES)
 
 #: ``[averaging.<table>]`` -> (attribute of AveragingConfig, the protocol's own config class). Each protocol
-#: documents its fields (protocols/matchmaking.py, allreduce.py, gossip.py, state_transfer.py).
+#: documents its fields (protocols/matchmaking/, allreduce/, gossip.py, state_transfer.py).
 PROTOCOL_TABLES: dict[str, tuple[str, type]] = {
     "matchmaking": ("matchmaking_config", MatchmakingConfig),
     "allreduce": ("allreduce_config", AllReduceConfig),
