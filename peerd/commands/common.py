@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from peerd.config import NodeConfig, load_node_config
+
+if TYPE_CHECKING:
+    from peerd.identity.namespace import RunRef
 
 
 class UsageError(Exception):
@@ -45,7 +48,8 @@ def node_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {name: getattr(args, name, None) for name in names}
 
 
-def require_run_id(args: argparse.Namespace) -> str:
+def require_run_id(args: argparse.Namespace) -> "RunRef":
+    """The parsed ``--run-id``; UsageError if none was given."""
     if not args.run_id:
         raise UsageError(f"peerd {args.command}: --run-id is required (or set PEERD_RUN_ID) (see `peerd "
                          f"{args.command} --help`)")

@@ -17,10 +17,13 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from peerd.config import NodeConfig
 from peerd.runtime.processes import interruptible
+
+if TYPE_CHECKING:
+    from peerd.identity.namespace import RunRef
 
 #: A peer's clock may differ from the others' by this many seconds before records go wrong (status records live
 #: ``status_ttl_s``, 30 s by default; signed records carry times).
@@ -121,7 +124,7 @@ def clock_check(record_times: list[float], now: float, skew_s: float = CLOCK_SKE
     return Check("clock", True, f"within {max(ahead, 0.0):.1f} s of the newest peer record")
 
 
-async def network_checks(node: NodeConfig, run_id: str, identity_dir: Optional[str] = None) -> list[Check]:
+async def network_checks(node: NodeConfig, run_id: "RunRef | str", identity_dir: Optional[str] = None) -> list[Check]:
     """bootstrap, run config, reachability and clock, through a short-lived node of ours."""
     from peerd.daemon import read_run_status, serve_dialback
     from peerd.identity.namespace import RunNamespace, as_run_ref
@@ -190,7 +193,7 @@ def reachability_check(verdict: Any, note: str = "") -> Check:
     return Check("reachable", bool(verdict.reachable), verdict.line().split(";", 1)[0] + note, fix)
 
 
-def run_doctor(node: NodeConfig, run_id: str, network: Any = None) -> list[Check]:
+def run_doctor(node: NodeConfig, run_id: "RunRef | str", network: Any = None) -> list[Check]:
     """Every check, in report order. ``network``: replaces :func:`network_checks` (tests)."""
     checks = [check_p2pd(), check_libp2p()]
     try:

@@ -16,7 +16,8 @@ def _checkpoint_model(args: argparse.Namespace):
     """(checkpoint file, its model, the tokenizer its run trained with)."""
     from peerd.commands.export import checkpoint_tokenizer, find_checkpoint, load_checkpoint_model
 
-    path = find_checkpoint(args.checkpoint_dir, args.run_id)
+    # checkpoints live under the run's name (``name@creator`` names the same run)
+    path = find_checkpoint(args.checkpoint_dir, args.run_id.name if args.run_id else None)
     return path, load_checkpoint_model(path, args.weights, args.model, args.seq_len), checkpoint_tokenizer(path)
 
 
@@ -132,7 +133,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
              f"{', '.join(map(str, result.skipped)) or 'none'}")
     if units["eval_unit"] == "byte":
         if args.json:
-            print(json.dumps({"run_id": run_id, "nats_per_byte": result.nats_per_byte,
+            print(json.dumps({"run_id": str(run_id), "nats_per_byte": result.nats_per_byte,
                               "perplexity": result.perplexity, "tokens": result.tokens, "path": list(result.path),
                               "skipped": list(result.skipped)}))
         else:
@@ -143,7 +144,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     per_token, bytes_per_token = result.nats_per_byte, units.get("eval_bytes_per_token")
     per_byte = per_token / bytes_per_token if bytes_per_token else None
     if args.json:
-        print(json.dumps({"run_id": run_id, "nats_per_token": per_token, "nats_per_byte": per_byte,
+        print(json.dumps({"run_id": str(run_id), "nats_per_token": per_token, "nats_per_byte": per_byte,
                           "bits_per_byte": per_byte / math.log(2) if per_byte is not None else None,
                           "perplexity": result.perplexity, "tokens": result.tokens, "path": list(result.path),
                           "skipped": list(result.skipped)}))

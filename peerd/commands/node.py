@@ -50,7 +50,7 @@ def cmd_install_service(args: argparse.Namespace) -> int:
     peerd = args.peerd or _own_executable() or shutil.which("peerd")
     if not peerd or not os.path.isabs(peerd):
         raise UsageError("peerd install-service: cannot tell where the peerd executable is: pass --peerd PATH")
-    exec_args = [peerd, "join", "--run-id", run_id]
+    exec_args = [peerd, "join", "--run-id", str(run_id)]
     files = [peerd]
     if args.config:
         load_node_config(args.config, environ={})  # refuse a broken file now, not at the service's first start

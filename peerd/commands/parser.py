@@ -19,12 +19,13 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message} (see `{self.prog} --help`)")
 
 
-def _run_id(value: str) -> str:
-    """A run id as :meth:`peerd.identity.namespace.RunRef.parse` accepts it (the one place run ids are parsed)."""
+def _run_id(value: str):
+    """``--run-id`` (or ``PEERD_RUN_ID``) parsed into a :class:`peerd.identity.namespace.RunRef`: the one place a
+    run id given to the CLI is parsed; every command and the daemon take the RunRef."""
     from peerd.identity.namespace import RunIdError, RunRef
 
     try:
-        return str(RunRef.parse(value))
+        return RunRef.parse(value)
     except RunIdError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 

@@ -5,9 +5,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+from typing import TYPE_CHECKING
 
 from peerd.commands.common import UsageError, node_config, require_run_id, run_async
 from peerd.config import NodeConfig
+
+if TYPE_CHECKING:
+    from peerd.identity.namespace import RunRef
 
 logger = logging.getLogger("peerd")
 
@@ -46,7 +50,7 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _serve_dashboard(node: NodeConfig, run_id: str) -> None:
+async def _serve_dashboard(node: NodeConfig, run_id: "RunRef") -> None:
     from peerd.dashboard.app import Dashboard, control_socket_node
     from peerd.daemon import read_run_status
     from peerd.runtime.processes import install_stop_handlers, unless_stopped
@@ -58,7 +62,7 @@ async def _serve_dashboard(node: NodeConfig, run_id: str) -> None:
     if transport is None:
         return  # stopped while the DHT client was starting
     try:
-        dashboard = Dashboard(run_id, lambda: read_run_status(transport.discovery, run_id),
+        dashboard = Dashboard(str(run_id), lambda: read_run_status(transport.discovery, run_id),
                               control_socket_node(node.control_socket_path), node.dashboard_token, node.status_ttl_s)
         try:
             await dashboard.start(node.dashboard_host, node.dashboard_port)

@@ -20,7 +20,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         raise UsageError("peerd status: --initial-peers is required (any peer of the run)")
     peers, config = run_async(interruptible(read_status(node, args.run_id)))
     if args.json:
-        print(json.dumps({"run_id": args.run_id, "config": config, "peers": peers}, indent=2, sort_keys=True))
+        print(json.dumps({"run_id": str(args.run_id), "config": config, "peers": peers}, indent=2, sort_keys=True))
         return 0
     live = {p: s for p, s in peers.items() if s.get("role") != "left"}
     print(f"run {args.run_id}: {len(live)} live peer(s)" + ("" if config else " (no configuration published)"))

@@ -47,6 +47,11 @@ def test_export_writes_a_llama_folder(checkpoint_dir, tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["num_hidden_layers"] == 4
     assert (out / "model.safetensors").stat().st_size > 4 * sum(p.numel() for p in model.parameters())
+    # the run id as a joiner gives it (name@creator) names the same run: its checkpoint is under the name
+    creator = "12D3KooW" + "A" * 44
+    result = _peerd("export", "--checkpoint-dir", str(root), "--run-id", f"demo@{creator}", "--out", str(out / "b"))
+    assert result.returncode == 0, result.stderr
+    assert (out / "b" / "config.json").exists()
 
 
 def test_bad_flags_exit_2_and_a_missing_checkpoint_exits_1(tmp_path):
