@@ -39,7 +39,8 @@ from multiaddr import Multiaddr
 
 from peerd.config import DHT_MODES
 from peerd.processes import blocked_stop_signals, in_own_session, leave_terminal_session, stop_processes, tree_of
-from peerd.transport.linger import CLOSE_LINGER_S, until_remote_closes
+from peerd.transport.linger import serve_stream
+from peerd.transport.p2pd_errors import P2PD_ERRORS
 from protocols.interfaces import Record, StreamHandler
 
 logger = logging.getLogger(__name__)
@@ -179,7 +180,7 @@ async def stop_dht_process(dht: hivemind.DHT) -> None:
     tree = tree_of(dht.pid) if dht.pid is not None else []
 
     def stop() -> None:
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(OSError):  # its pipe closed already (the process died, or was shut down before)
             dht.shutdown()  # waits up to hivemind's shutdown_timeout, then SIGTERM
         stop_processes(tree, DHT_EXIT_GRACE_S if dht.is_alive() else 0.0)
         dht.join(5.0)
@@ -193,12 +194,12 @@ async def stop_p2pd(p2p: P2P) -> None:
     child = getattr(p2p, "_child", None)
     try:
         await asyncio.wait_for(p2p.shutdown(), P2PD_EXIT_GRACE_S)
-    except Exception:  # noqa: BLE001 - a p2pd that does not stop is killed below
+    except asyncio.TimeoutError:  # a p2pd that does not stop is killed below
         pass
     if child is not None and child.returncode is None:
         with contextlib.suppress(ProcessLookupError):
             child.kill()
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(child.wait(), 5.0)
 
 
@@ -381,7 +382,7 @@ class InlineDHT:
 
     async def aclose(self) -> None:
         """Stop the DHT node, then p2pd (idempotent; bounded: p2pd is killed if it does not stop)."""
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(*P2PD_ERRORS):  # its handlers not removed in time: p2pd is stopped next anyway
             await asyncio.wait_for(self.node.shutdown(), P2PD_EXIT_GRACE_S)
         await stop_p2pd(self.p2p)
         if self._watchdog is not None:
@@ -389,10 +390,6 @@ class InlineDHT:
                 self._watchdog.kill()
                 self._watchdog.wait(5)
             self._watchdog = None
-
-
-# the p2pd close-order quirk: a served stream stays open until the remote closed it (see peerd.transport.linger)
-_until_remote_closes = until_remote_closes
 
 
 class HivemindStreams:
@@ -417,20 +414,15 @@ class HivemindStreams:
         async def serve(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             self._observe(info)
             try:
-                await handler(info.peer_id.to_base58(), reader, writer)
-            except Exception:
-                logger.exception("stream handler %s failed for %s", name, info.peer_id)
-            else:
-                await _until_remote_closes(reader, CLOSE_LINGER_S)
+                await serve_stream(handler, info.peer_id.to_base58(), reader, writer, name)
             finally:
-                with contextlib.suppress(Exception):
-                    writer.close()
+                writer.close()
 
         await self.p2p.add_binary_stream_handler(name, serve)
         self._served.add(name)
 
     def _observe(self, info: Any) -> None:
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(ValueError):  # an address p2pd reports that does not decode is not recorded
             peer, addr = info.peer_id.to_base58(), str(info.addr)
             if addr:
                 self.observed.pop(peer, None)
@@ -441,7 +433,7 @@ class HivemindStreams:
     async def remove_handler(self, name: str) -> None:
         if name in self._served:
             self._served.discard(name)
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(*P2PD_ERRORS):  # p2pd gone or refusing: nothing is served there any more
                 await self.p2p.remove_binary_stream_handler(name)
 
     async def connect(self, maddr: str, timeout_s: float = 20.0) -> None:
@@ -455,7 +447,7 @@ class HivemindStreams:
             raise ValueError(f"{maddr!r} does not end with /p2p/<PeerID>")
         try:
             await asyncio.wait_for(self.p2p._client.connect(PeerID.from_base58(peer), [Multiaddr(head)]), timeout_s)
-        except Exception as e:  # a timeout, or p2pd's ControlFailure for a failed dial
+        except P2PD_ERRORS as e:  # a timeout, or p2pd's ControlFailure for a failed dial
             raise ConnectionError(f"cannot connect to {maddr}: {e}") from e
 
     async def open(self, peer_id: str, name: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -463,7 +455,7 @@ class HivemindStreams:
             _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), name)
         except (ConnectionError, OSError):
             raise
-        except Exception as e:  # p2pd reports dial failures as ControlFailure / P2PDaemonError
+        except P2PD_ERRORS as e:  # p2pd reports dial failures as ControlFailure / P2PDaemonError
             raise ConnectionError(f"cannot open {name!r} to {peer_id}: {e}") from e
         return reader, writer
 
@@ -476,7 +468,7 @@ class HivemindTransport:
     discovery: "HivemindDiscovery | NodeDiscovery"
     streams: HivemindStreams
     on_shutdown: list[Callable[[], None]] = field(default_factory=list)
-    """Called after the DHT process is gone (e.g. releasing the identity lock)."""
+    """Called after the DHT process is gone (e.g. releasing the identity lock); a callback must not raise."""
 
     @classmethod
     async def create(
@@ -523,7 +515,7 @@ class HivemindTransport:
                 inline = await InlineDHT.create(**node_options, **p2p_options)
                 return cls(inline, NodeDiscovery(inline.node), HivemindStreams(inline.p2p))
             child = await start_dht_process(**node_options, **p2p_options)
-        except Exception as e:
+        except Exception as e:  # boundary: hivemind's start-up forwards any error of its node; named for the user
             raise dht_start_error(e, initial_peers) from e
         try:
             p2p = await child.replicate_p2p()
@@ -547,8 +539,7 @@ class HivemindTransport:
             finally:
                 self._released()
             return
-        with contextlib.suppress(Exception):
-            await self.streams.p2p.shutdown()
+        await self.streams.p2p.shutdown()  # a client of the DHT process's p2pd: closes its sockets, never raises
         try:
             await stop_dht_process(self.dht)
         finally:
@@ -556,6 +547,5 @@ class HivemindTransport:
 
     def _released(self) -> None:
         for callback in self.on_shutdown:
-            with contextlib.suppress(Exception):
-                callback()
+            callback()
         self.on_shutdown.clear()
