@@ -186,7 +186,7 @@ def _remote_maddr(stream: Any) -> bytes:
     try:
         host, port = stream.get_remote_address()
         return multiaddr.Multiaddr(f"/ip4/{host}/tcp/{port}").to_bytes()
-    except (TypeError, ValueError):  # an address we cannot tell (None: a relayed stream; not IPv4) is reported as none
+    except (TypeError, ValueError):  # an address we cannot tell (None: unknown; not IPv4) is reported as none
         return b""
 
 
