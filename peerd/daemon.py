@@ -169,7 +169,7 @@ async def keep_run_config_alive(transport, run_id: RunRef | str, record: RunConf
     """Every live peer re-stores the creator's record, unchanged: the run's config outlives its creator."""
     while True:
         await asyncio.sleep(CONFIG_REFRESH_S)
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(ConnectionError):  # the DHT unreachable now: stored again next time
             await keep_config_record(transport, run_id, record)
 
 
@@ -292,11 +292,12 @@ def explain_config_conflict(error: RunConfigConflict, node: NodeConfig,
 async def serve_dialback(transport):
     """Serve the dial-back check (:mod:`protocols.reachability`) for any peer; None if it cannot be served."""
     from peerd.transport.dialback import dialback_service
+    from peerd.transport.p2pd_errors import P2PD_ERRORS
 
     service = dialback_service(transport)
     try:
         await service.start(transport)
-    except Exception as e:  # noqa: BLE001 - a peer that cannot help others check still trains
+    except P2PD_ERRORS as e:  # p2pd refused the handler, or it is served already: a peer that cannot help still trains
         logger.warning("not serving the dial-back check: %s", e)
         return None
     return service
@@ -321,7 +322,7 @@ async def _check_reachability(transport, node: NodeConfig, ctx) -> None:
         await watch_reachability(transport, node, ctx.namespace.status_key, on_verdict=record)
     except asyncio.CancelledError:
         raise
-    except Exception as e:  # noqa: BLE001 - the check informs the volunteer; it never stops training
+    except Exception as e:  # boundary: a background check; it informs the volunteer, it never stops training
         logger.warning("the reachability check failed: %s", e)
 
 

@@ -419,7 +419,7 @@ class EventBus:
         for subscriber in list(self._subscribers):
             try:
                 subscriber(event)
-            except Exception:  # say so once, not on every event
+            except Exception:  # boundary: a subscriber's bug must not stop the publisher; said once, not per event
                 if id(subscriber) not in self._failed:
                     self._failed.add(id(subscriber))
                     logger.warning("event subscriber %r failed on %s", subscriber, event.name, exc_info=True)

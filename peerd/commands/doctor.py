@@ -69,7 +69,7 @@ def check_device(node: NodeConfig) -> Check:
         from peerd.service.rules import effective_device
 
         device = pick_device(effective_device(node.device, node.gpu))
-    except Exception as e:  # noqa: BLE001 - reported, not raised
+    except RuntimeError as e:  # DeviceUnavailable, or torch failing to bring the GPU up: reported, not raised
         return Check("device", False, str(e), "set device = \"cpu\" or \"auto\", or install a GPU build of torch "
                      "(CUDA or ROCm)")
     from peerd.hardware.devices import describe_device
@@ -102,7 +102,7 @@ def check_memory(node: NodeConfig, run: Any, budget: Optional[tuple[int, str]] =
     except ConfigError as e:
         detail, _, fix = str(e).partition("; ")
         return Check("memory", False, detail, fix)
-    except Exception as e:  # noqa: BLE001 - the device check says what is wrong with the device
+    except RuntimeError as e:  # no device (DeviceUnavailable, torch's GPU errors): the device check says why
         return Check("memory", False, f"no prediction: {e}", "see the device line")
     return Check("memory", True, line) if line else None
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
 import time
 from importlib import resources
@@ -30,6 +29,7 @@ from aiohttp import web
 
 from peerd.dashboard import security
 from peerd.dashboard.view import history_view, peers_view, run_view
+from peerd.runtime.processes import reap
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class Dashboard:
         """Read the run once and record a sample of every peer's values."""
         try:
             peers, config = await self.read_run()
-        except Exception as e:  # the DHT may be unreachable for a while: show the last view and say why
+        except Exception as e:  # boundary: the poll loop; the DHT may be unreachable: show the last view, say why
             self.read_error = f"{type(e).__name__}: {e}"
             logger.debug("dashboard: reading the run failed", exc_info=True)
             return
@@ -194,7 +194,7 @@ class Dashboard:
         try:
             status = await self.node({"cmd": "status"})
             health = await self.node({"cmd": "health"})
-        except Exception as e:
+        except Exception as e:  # boundary: the daemon's handler (in-process, or over its socket) answers the page
             return web.json_response({"available": False, "error": str(e)})
         return web.json_response({"available": bool(status.get("ok")), "status": status, "health": health,
                                   "rounds": list(self.rounds), "bans": list(self.bans)})
@@ -225,7 +225,7 @@ class Dashboard:
             return web.json_response({"ok": False, "error": "no local daemon"}, status=409)
         try:
             reply = await self.node(payload)
-        except Exception as e:
+        except Exception as e:  # boundary: the daemon's handler (in-process, or over its socket) answers the page
             return web.json_response({"ok": False, "error": str(e)}, status=503)
         return web.json_response(reply, status=200 if reply.get("ok") else 400)
 
@@ -257,9 +257,7 @@ class Dashboard:
 
     async def stop(self) -> None:
         if self._poller is not None:
-            self._poller.cancel()
-            with contextlib.suppress(BaseException):
-                await self._poller
+            await reap(self._poller)
             self._poller = None
         if self._runner is not None:
             await self._runner.cleanup()

@@ -57,7 +57,7 @@ class BpeTokenizer:
 
         try:
             self._tok = Tokenizer.from_str(data.decode("utf-8"))
-        except Exception as e:  # noqa: BLE001 - the library raises plain Exceptions for bad JSON
+        except Exception as e:  # boundary: a run's tokenizer file; `tokenizers` raises plain Exception on bad JSON
             raise TokenizerError(f"not a tokenizer file: {e}") from None
         self.data = bytes(data)
         self.digest = sha256_hex(self.data)

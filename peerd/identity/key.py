@@ -18,6 +18,7 @@ from typing import Optional
 import base58
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from google.protobuf.message import DecodeError
 from hivemind.proto import crypto_pb2
 
 _IDENTITY_MULTIHASH = b"\x00"  # multihash code 0x00 (identity): keys up to 42 bytes are embedded in the PeerID
@@ -102,7 +103,7 @@ def peer_id_of(blob: bytes, source: str = "identity") -> str:
     """PeerID (base58) of a serialized libp2p Ed25519 ``PrivateKey``."""
     try:
         key = crypto_pb2.PrivateKey.FromString(blob)
-    except Exception as e:
+    except DecodeError as e:
         raise IdentityError(f"{source}: not a libp2p private key ({e})") from None
     if key.key_type != crypto_pb2.KeyType.Ed25519 or len(key.data) != 64:
         raise IdentityError(f"{source}: expected an Ed25519 key, got key type {key.key_type}")

@@ -195,5 +195,5 @@ def unseal(key_id: bytes, subkey: Any, envelope: Any, expiration_time: float) ->
     payload = verify(key_id, subkey, envelope, expiration_time)
     try:
         return msgpack.unpackb(payload, raw=False)
-    except Exception as e:  # msgpack raises several unrelated types on garbage
+    except Exception as e:  # boundary: a peer's bytes; msgpack's docs: unpack "may raise" beyond UnpackException
         raise InvalidRecord(f"payload does not decode: {e}") from None

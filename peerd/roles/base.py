@@ -10,7 +10,6 @@ what happens as typed events (:mod:`peerd.events`), never by special log lines.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib
 import logging
 import os
@@ -24,6 +23,7 @@ from peerd.config import NodeConfig
 from peerd.data.corpus import ByteTokenizer, DataError, load_corpus, tokenize_corpus
 from peerd.events import Banned, EventBus
 from peerd.identity.namespace import RunNamespace, RunRef, as_run_ref
+from peerd.runtime.processes import reap
 from peerd.service.pause import PauseGate
 from peerd.roles.registry import ROLES, resolve
 from peerd.roles.status_board import StatusBoard
@@ -194,9 +194,7 @@ async def unless_stopped(ctx: RunContext, coro, what: str = "matchmaking") -> An
         pauser.cancel()
     if task.done():
         return task.result()
-    task.cancel()
-    with contextlib.suppress(BaseException):
-        await task
+    await reap(task)
     logger.info("%s requested: abandoned %s", "stop" if ctx.stop.is_set() else "pause", what)
     return None
 
@@ -216,9 +214,7 @@ async def bounded_on_stop(ctx: RunContext, coro, grace_s: float = SHUTDOWN_GRACE
     if not task.done():
         done, _ = await asyncio.wait({task}, timeout=grace_s)
         if not done:
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
+            await reap(task)
             logger.info("stop requested: abandoned the running all-reduce")
             return None
     return task.result()

@@ -27,6 +27,7 @@ from typing import ClassVar, Optional, Union
 
 import torch
 
+from peerd.runtime.processes import stop_all
 from peerd.roles.base import RunContext, bounded_on_stop, unless_stopped
 from peerd.roles.fragments import FragmentState
 from peerd.roles.registry import OUTER_SYNCS, resolve
@@ -113,11 +114,7 @@ class OuterSync:
             await component.start()
 
     async def stop(self) -> None:
-        for component in self.components:
-            try:
-                await component.stop()
-            except Exception:  # stopping is best effort: the transport goes down next
-                logger.debug("could not stop %r", component, exc_info=True)
+        await stop_all(self.components)
 
     def _admit(self, own_info: dict, peer: str, info: dict) -> Optional[str]:
         allowlist = self.ctx.run.allowlist

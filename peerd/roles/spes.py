@@ -170,7 +170,7 @@ class SpesRole(WorkerCore):
         """:meth:`claims_view` and the PeerIDs whose record says they left."""
         try:
             found = await self.ctx.transport.discovery.get(self.claims_key)
-        except Exception as e:  # a DHT hiccup: no view this time, the next sync reads again
+        except ConnectionError as e:  # a DHT hiccup (DiscoveryError): no view this time, the next sync reads again
             logger.info("could not read expert claims: %s", e)
             return {}, set()
         out, left = {}, set()
@@ -223,7 +223,7 @@ class SpesRole(WorkerCore):
         """Publish this peer's claim; as left when ``left`` or while paused."""
         left = left or self.ctx.gate.paused
         discovery = self.ctx.transport.discovery
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(ConnectionError):  # the DHT unreachable now: the next claim comes soon
             await discovery.store(self.claims_key, self.peer_id,
                                   claim_record(self.own, self.capacity, self.outer_round, left),
                                   discovery.time() + self.ctx.node.status_ttl_s)
@@ -231,7 +231,7 @@ class SpesRole(WorkerCore):
     async def _publish_loop(self) -> None:
         while True:
             await self.publish_claim()
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(ConnectionError):  # the DHT unreachable now: read again next time
                 await self.ctx.status.records()
             await self.ctx.status.publish()
             await asyncio.sleep(self.ctx.node.status_interval_s)

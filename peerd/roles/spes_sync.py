@@ -26,6 +26,7 @@ import torch
 
 from peerd.models.moe import MoETransformer, expert_parameter_names, shared_parameter_names
 from peerd.identity.namespace import RunNamespace
+from peerd.runtime.processes import stop_all
 from peerd.roles.fragments import Fragment, fragment
 from protocols.allreduce import AllReduceConfig, AllReduceFailed, ButterflyAllReduce
 from protocols.bans import BanList
@@ -145,11 +146,7 @@ class SparseSync:
         await self.server.start()
 
     async def stop(self) -> None:
-        for component in [self.server, *(c for pair in self._services.values() for c in pair)]:
-            try:
-                await component.stop()
-            except Exception:  # best effort: the transport goes down next
-                logger.debug("could not stop %r", component, exc_info=True)
+        await stop_all([self.server, *(c for pair in self._services.values() for c in pair)])
 
     def set_own(self, own: Collection[int]) -> None:
         self.own = frozenset(own)

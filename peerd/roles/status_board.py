@@ -80,7 +80,7 @@ class StatusBoard:
                                  "relayed": self.relayed, **self._describe(),
                                 **override,
                                 "instance": self.instance})
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(ConnectionError):  # the DHT unreachable now (DiscoveryError)
             await self.discovery.store(self.key, self.peer_id, record, self.discovery.time() + self.ttl_s)
 
     async def records(self) -> dict[str, dict]:
@@ -93,7 +93,7 @@ class StatusBoard:
         """Publish every ``interval_s`` and look for a duplicate identity, until cancelled. It reads before it
         publishes: what another daemon stored under our PeerID since our last record is still there to be seen."""
         while True:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(ConnectionError):  # the DHT unreachable now: read again next time
                 await self.records()
             await self.publish()
             await asyncio.sleep(self.interval_s)

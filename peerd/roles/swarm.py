@@ -49,6 +49,7 @@ from peerd.config import ConfigError
 from peerd.data.corpus import WindowSampler
 from peerd.events import StageMoved, StageRoundDone, SwarmProgress
 from peerd.models import build_stage
+from peerd.runtime.processes import reap
 from peerd.roles.base import RunContext
 from peerd.roles.fragments import FragmentState, fragment
 from peerd.roles.outer_sync import OuterSync, RoundFailure, RoundOutcome, RoundResult, make_outer_sync
@@ -89,7 +90,7 @@ async def read_stage_servers(ctx: RunContext) -> dict[str, StageAnnouncement]:
     num_stages = ctx.run.swarm.stages
     found: dict[str, StageAnnouncement] = {}
     for k in range(num_stages):
-        with contextlib.suppress(Exception):  # an unreachable DHT this time: the next refresh may succeed
+        with contextlib.suppress(ConnectionError):  # an unreachable DHT this time: the next refresh may succeed
             for peer, record in (await ctx.transport.discovery.get(stage_key(ctx, k))).items():
                 announcement = StageAnnouncement.parse(record.value, num_stages)
                 if announcement is None or announcement.stage != k or ctx.bans.is_banned(peer):
@@ -183,7 +184,7 @@ class SwarmRole:
         value = StageAnnouncement(self.stage, self.service.throughput, self.service.pending, seq,
                                   outer_round).to_dict()
         discovery = self.ctx.transport.discovery
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(ConnectionError):  # the DHT unreachable now: the next announcement comes soon
             await discovery.store(stage_key(self.ctx, self.stage), self.ctx.peer_id, value,
                                   discovery.time() + self.ctx.node.status_ttl_s)
 
@@ -200,7 +201,7 @@ class SwarmRole:
     async def _announce_loop(self) -> None:
         while not self.ctx.stop.is_set():
             await self.announce()
-            with contextlib.suppress(Exception):  # reading first lets the board see a duplicate identity
+            with contextlib.suppress(ConnectionError):  # reading first lets the board see a duplicate identity
                 await self.ctx.status.records()
             await self.ctx.status.publish()
             with contextlib.suppress(asyncio.TimeoutError):
@@ -358,7 +359,7 @@ class SwarmRole:
                 break
             try:
                 await self.sync_once()
-            except Exception:  # one bad round must not end serving: the next one may succeed
+            except Exception:  # boundary: one bad round must not end serving: the next one may succeed
                 logger.exception("stage %d: outer round failed", self.stage)
 
     # --- training ---------------------------------------------------------------------------------------------
@@ -462,14 +463,10 @@ class SwarmRole:
             else:
                 await ctx.stop.wait()
         finally:
-            for task in (announcer, rebalancer, syncer):
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
+            await reap(announcer, rebalancer, syncer)
             await self.service.stop()
             await self.outer_sync.stop()
-            with contextlib.suppress(Exception):
-                await ctx.status.publish(role="left")
+            await ctx.status.publish(role="left")  # never raises: a failed store is the board's to drop
             stats = self.wiring.stats
             logger.info("leaving run %s: served stage %d%s", ctx.run_id, self.stage,
                         f"; trained {len(self.losses)} micro-batches (sent {stats.sent}, completed {stats.completed}, "

@@ -106,7 +106,7 @@ def exit_now(signum: int) -> None:
         for proc in psutil.Process().children(recursive=True):
             with contextlib.suppress(psutil.Error):
                 proc.kill()
-    with contextlib.suppress(Exception):
+    with contextlib.suppress(OSError, ValueError):  # no stderr to write to; a signal number Python does not name
         os.write(2, f"peerd: {signal.Signals(signum).name} again: exiting now\n".encode())
     os._exit(128 + signum)
 
@@ -187,3 +187,29 @@ async def interruptible(work: Awaitable[T]) -> T:
     finally:
         for signum in STOP_SIGNALS:
             loop.remove_signal_handler(signum)
+
+
+async def reap(*tasks: Optional[asyncio.Future], cancel: bool = True) -> None:
+    """Wait until each of ``tasks`` has ended (None entries skipped), cancelling it first unless ``cancel`` is False:
+    how an owner that stops ends its background tasks (a status loop, a background evaluation, abandoned work).
+    How a task ended does not propagate: a failure is logged here (a warning with its traceback), a cancellation is
+    the expected end. The caller's own cancellation does propagate."""
+    pending = [task for task in tasks if task is not None]
+    if cancel:
+        for task in pending:
+            task.cancel()
+    if pending:
+        await asyncio.wait(pending)
+    for task in pending:
+        if not task.cancelled() and task.exception() is not None:
+            logger.warning("background task failed: %r", task, exc_info=task.exception())
+
+
+async def stop_all(components: Iterable[Any]) -> None:
+    """``await component.stop()`` for each of ``components``, in order, for leaving: one that fails to stop is
+    logged (debug) and the rest are stopped all the same (the transport goes down next anyway)."""
+    for component in components:
+        try:
+            await component.stop()
+        except Exception:  # boundary: leaving; one service that fails to stop must not keep the others serving
+            logger.debug("could not stop %r", component, exc_info=True)

@@ -73,7 +73,7 @@ class ControlServer:
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(asyncio.TimeoutError):  # a client still connected: not waited for longer
                 await asyncio.wait_for(self._server.wait_closed(), 2.0)
             self._server = None
             with contextlib.suppress(FileNotFoundError):
@@ -93,14 +93,13 @@ class ControlServer:
             reply = await self.handler(request)
         except (asyncio.LimitOverrunError, asyncio.IncompleteReadError, asyncio.TimeoutError, ValueError) as e:
             reply = {"ok": False, "error": f"bad request: {e}"}
-        except Exception as e:  # a bug in a handler must not kill the daemon
+        except Exception as e:  # boundary: a bug in a handler must not kill the daemon
             logger.exception("control request failed")
             reply = {"ok": False, "error": f"internal error: {e}"}
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(OSError, TypeError, ValueError):  # the client went away; a reply JSON cannot encode
             writer.write(json.dumps(reply, default=str).encode() + b"\n")
             await writer.drain()
-        with contextlib.suppress(Exception):
-            writer.close()
+        writer.close()
 
 
 def request(path: Path, payload: dict[str, Any], timeout_s: float = 10.0) -> dict[str, Any]:

@@ -297,6 +297,6 @@ class RuleEnforcer:
         while True:
             try:
                 self.step()
-            except Exception:  # a probe failing (e.g. /proc unreadable) must not stop the daemon
+            except Exception:  # boundary: a probe failing (e.g. /proc unreadable) must not stop the daemon
                 logger.debug("volunteer rule probe failed", exc_info=True)
             await sleep(sample_s)

@@ -40,6 +40,7 @@ from peerd.events import (
     RoundFailed,
     StageRoundDone,
 )
+from peerd.runtime.processes import reap
 from peerd.transport.pacing import PacedStreams, PacedTransport, pace
 
 logger = logging.getLogger(__name__)
@@ -133,11 +134,7 @@ class VolunteerServices:
         if self.streams is not None:
             report = self.streams.report()
             self.events.publish(Bandwidth(report["upload"], report["download"]))
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(BaseException):
-                await task
+        await reap(*self._tasks)
         await self._control.close()
         if self.metrics is not None:
             self.metrics.close()
@@ -181,7 +178,7 @@ class VolunteerServices:
 
         async def poll() -> None:
             while True:
-                with contextlib.suppress(Exception):
+                with contextlib.suppress(ConnectionError):  # the DHT unreachable now (DiscoveryError): poll again
                     records = await discovery.get(status_key)
                     live = [p for p, r in records.items() if isinstance(r.value, dict) and r.value.get("role") != "left"]
                     self.peers_seen = len(live)

@@ -256,7 +256,7 @@ class _KillBeforeAnswerWriter:
                 return
             try:
                 header = msgpack.unpackb(self.held[_PREFIX.size:_PREFIX.size + header_length], raw=False)
-            except Exception:  # not our frame format: nothing to decide on
+            except (ValueError, TypeError, msgpack.UnpackException):  # not our frame format: nothing to decide on
                 header = None
             if (isinstance(header, dict) and header.get("status") == "ok"
                     and self.faults._due("kill", "reduce") is not None):

@@ -36,6 +36,7 @@ import logging
 import time
 from typing import Any, Optional, Sequence
 
+from peerd.transport.p2pd_errors import P2PD_ERRORS
 from protocols.reachability import ASK_TIMEOUT_S, DialBackService, Verdict, check_reachability, relays_of
 
 logger = logging.getLogger(__name__)
@@ -68,13 +69,12 @@ async def p2pd_dial(peer_id: str, addrs: Sequence[str], timeout_s: float) -> dic
             except asyncio.TimeoutError:
                 out[addr] = (False, f"no answer within {timeout_s:.0f} s")
                 continue
-            except Exception as e:  # noqa: BLE001 - p2pd reports every dial failure as a control error
+            except P2PD_ERRORS as e:  # p2pd reports every dial failure as a control error
                 out[addr] = (False, f"dial failed: {str(e)[:150]}")
                 continue
             out[addr] = (True, f"connected in {time.monotonic() - started:.2f} s")
     finally:
-        with contextlib.suppress(Exception):
-            await prober.shutdown()
+        await prober.shutdown()  # SIGTERM to its p2pd, then its exit: never raises
     return out
 
 
@@ -175,7 +175,7 @@ async def check_transport(transport: Any, helpers: Sequence[str], announce_maddr
     verdict.relay_mode = relay
     deadline = time.monotonic() + (relay_wait_s if verdict.reachable is False and relay != "off" else 0.0)
     while True:
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(*P2PD_ERRORS):  # p2pd did not answer now: asked again within a second
             verdict.relays = relays_of(await visible_addrs(transport))
         if verdict.relayed or time.monotonic() >= deadline:
             return verdict
@@ -193,7 +193,7 @@ async def helpers_for(node: Any, discovery: Any = None, status_key: Optional[str
 
     helpers = [p for p in map(peer_of, node.initial_peers) if p]
     if discovery is not None and status_key is not None:
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(ConnectionError):  # the DHT unreachable now: only the initial peers are asked
             live = [p for p, s in StatusFilter(logger)(await discovery.get(status_key)).items()
                     if s.get("role") != "left" and s.get("reachable") is not False]
             random.shuffle(live)

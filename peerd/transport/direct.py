@@ -55,7 +55,7 @@ from cryptography.exceptions import InvalidSignature
 
 from peerd.identity.namespace import network_key
 from peerd.identity.signing import InvalidRecord, Signer, public_key_of
-from peerd.transport.linger import CLOSE_LINGER_S, until_remote_closes
+from peerd.transport.linger import serve_stream
 from peerd.transport.mux import MUX_NAME, MuxSession, MuxStream
 from protocols.interfaces import Discovery, PeerStreams, StreamHandler
 from protocols.wire import ProtocolViolation, read_frame, require, try_write_frame, write_frame
@@ -562,10 +562,7 @@ class DirectStreams:
     async def _republish_forever(self) -> None:
         while True:
             await asyncio.sleep(REPUBLISH_INTERVAL_S)
-            try:
-                await self._publish()
-            except Exception:  # noqa: BLE001 - keep trying; peers use p2pd meanwhile
-                logger.exception("could not publish the data plane address")
+            await self._publish()  # a failure is logged there; peers use p2pd meanwhile
 
     # --------------------------------------------------------------------------------------------------- serving
 
@@ -606,7 +603,7 @@ class DirectStreams:
             except (HandshakeFailed, ProtocolViolation, ConnectionError, OSError) as e:
                 self._refused(remote, str(e))
                 return
-            except Exception as e:  # noqa: BLE001 - nothing a remote sends may crash the listener
+            except Exception as e:  # boundary: nothing a remote sends may crash the listener
                 self._refused(remote, f"{type(e).__name__}: {e}")
                 return
             finally:
@@ -620,15 +617,9 @@ class DirectStreams:
             if handler is None:  # removed during the handshake
                 return
             self.stats["served_direct"] += 1
-            try:
-                await handler(client, reader, writer)
-            except Exception:
-                logger.exception("stream handler %s failed for %s (direct)", name, client)
-            else:  # closing with unread bytes would reset the connection and could drop our answer
-                await until_remote_closes(reader, CLOSE_LINGER_S)
+            await serve_stream(handler, client, reader, writer, f"{name} (direct)")
         finally:
-            with contextlib.suppress(Exception):
-                writer.close()
+            writer.close()
 
     def _serves(self, name: str) -> bool:
         return name in self._handlers or (self.multiplex and name == MUX_NAME)
@@ -663,11 +654,7 @@ class DirectStreams:
         async def serve() -> None:
             self.stats["served_direct"] += 1
             try:
-                await handler(peer, stream, stream)
-            except Exception:
-                logger.exception("stream handler %s failed for %s (direct)", name, peer)
-            else:
-                await until_remote_closes(stream, CLOSE_LINGER_S)
+                await serve_stream(handler, peer, stream, stream, f"{name} (direct)")
             finally:
                 stream.close()
 
@@ -790,7 +777,7 @@ class DirectStreams:
     async def _read_table(self) -> None:
         try:
             records = await asyncio.wait_for(self.discovery.get(self.key), LOOKUP_TIMEOUT_S)
-        except Exception as e:  # noqa: BLE001 - a failed read means p2pd for now, never a failed open
+        except (asyncio.TimeoutError, ConnectionError) as e:  # DiscoveryError or no answer: p2pd for now
             logger.info("could not read data plane addresses: %r", e)
             records = None
         finally:

@@ -28,7 +28,8 @@ from hivemind.utils import get_dht_time
 
 from peerd.config import DHT_MODES
 from peerd.transport.hivemind_dht import InlineDHT, start_dht_process, stop_dht_process
-from peerd.transport.linger import CLOSE_LINGER_S, until_remote_closes
+from peerd.transport.linger import serve_stream
+from peerd.transport.p2pd_errors import P2PD_ERRORS
 from protocols.interfaces import Record, StreamHandler
 
 logger = logging.getLogger(__name__)
@@ -123,10 +124,6 @@ class NodeDiscovery:
         return unexpired_records(await self.node.get(key, latest=True), self.time())
 
 
-# the p2pd close-order quirk: a served stream stays open until the remote closed it (see peerd.transport.linger)
-_until_remote_closes = until_remote_closes
-
-
 class HivemindStreams:
     """:class:`protocols.interfaces.PeerStreams` on p2pd binary streams."""
 
@@ -149,20 +146,15 @@ class HivemindStreams:
         async def serve(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             self._observe(info)
             try:
-                await handler(info.peer_id.to_base58(), reader, writer)
-            except Exception:
-                logger.exception("stream handler %s failed for %s", name, info.peer_id)
-            else:
-                await _until_remote_closes(reader, CLOSE_LINGER_S)
+                await serve_stream(handler, info.peer_id.to_base58(), reader, writer, name)
             finally:
-                with contextlib.suppress(Exception):
-                    writer.close()
+                writer.close()
 
         await self.p2p.add_binary_stream_handler(name, serve)
         self._served.add(name)
 
     def _observe(self, info: Any) -> None:
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(ValueError):  # an address p2pd reports that does not decode is not recorded
             peer, addr = info.peer_id.to_base58(), str(info.addr)
             if addr:
                 self.observed.pop(peer, None)
@@ -173,7 +165,7 @@ class HivemindStreams:
     async def remove_handler(self, name: str) -> None:
         if name in self._served:
             self._served.discard(name)
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(*P2PD_ERRORS):  # p2pd gone or refusing: nothing is served there any more
                 await self.p2p.remove_binary_stream_handler(name)
 
     async def connect(self, maddr: str, timeout_s: float = 20.0) -> None:
@@ -187,7 +179,7 @@ class HivemindStreams:
             raise ValueError(f"{maddr!r} does not end with /p2p/<PeerID>")
         try:
             await asyncio.wait_for(self.p2p._client.connect(PeerID.from_base58(peer), [Multiaddr(head)]), timeout_s)
-        except Exception as e:  # a timeout, or p2pd's ControlFailure for a failed dial
+        except P2PD_ERRORS as e:  # a timeout, or p2pd's ControlFailure for a failed dial
             raise ConnectionError(f"cannot connect to {maddr}: {e}") from e
 
     async def open(self, peer_id: str, name: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -195,7 +187,7 @@ class HivemindStreams:
             _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), name)
         except (ConnectionError, OSError):
             raise
-        except Exception as e:  # p2pd reports dial failures as ControlFailure / P2PDaemonError
+        except P2PD_ERRORS as e:  # p2pd reports dial failures as ControlFailure / P2PDaemonError
             raise ConnectionError(f"cannot open {name!r} to {peer_id}: {e}") from e
         return reader, writer
 
@@ -208,7 +200,7 @@ class HivemindTransport:
     discovery: "HivemindDiscovery | NodeDiscovery"
     streams: HivemindStreams
     on_shutdown: list[Callable[[], None]] = field(default_factory=list)
-    """Called after the DHT process is gone (e.g. releasing the identity lock)."""
+    """Called after the DHT process is gone (e.g. releasing the identity lock); a callback must not raise."""
 
     @classmethod
     async def create(
@@ -255,7 +247,7 @@ class HivemindTransport:
                 inline = await InlineDHT.create(**node_options, **p2p_options)
                 return cls(inline, NodeDiscovery(inline.node), HivemindStreams(inline.p2p))
             child = await start_dht_process(**node_options, **p2p_options)
-        except Exception as e:
+        except Exception as e:  # boundary: hivemind's start-up forwards any error of its node; named for the user
             raise dht_start_error(e, initial_peers) from e
         try:
             p2p = await child.replicate_p2p()
@@ -279,8 +271,7 @@ class HivemindTransport:
             finally:
                 self._released()
             return
-        with contextlib.suppress(Exception):
-            await self.streams.p2p.shutdown()
+        await self.streams.p2p.shutdown()  # a client of the DHT process's p2pd: closes its sockets, never raises
         try:
             await stop_dht_process(self.dht)
         finally:
@@ -288,6 +279,5 @@ class HivemindTransport:
 
     def _released(self) -> None:
         for callback in self.on_shutdown:
-            with contextlib.suppress(Exception):
-                callback()
+            callback()
         self.on_shutdown.clear()

@@ -29,6 +29,7 @@ from multiaddr import Multiaddr
 from peerd.runtime.processes import (
     blocked_stop_signals, in_own_session, leave_terminal_session, stop_processes, tree_of,
 )
+from peerd.transport.p2pd_errors import P2PD_ERRORS
 
 
 #: How often the DHT process checks that the daemon that started it is alive, in seconds.
@@ -163,7 +164,7 @@ async def stop_dht_process(dht: hivemind.DHT) -> None:
     tree = tree_of(dht.pid) if dht.pid is not None else []
 
     def stop() -> None:
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(OSError):  # its pipe closed already (the process died, or was shut down before)
             dht.shutdown()  # waits up to hivemind's shutdown_timeout, then SIGTERM
         stop_processes(tree, DHT_EXIT_GRACE_S if dht.is_alive() else 0.0)
         dht.join(5.0)
@@ -177,12 +178,12 @@ async def stop_p2pd(p2p: P2P) -> None:
     child = getattr(p2p, "_child", None)
     try:
         await asyncio.wait_for(p2p.shutdown(), P2PD_EXIT_GRACE_S)
-    except Exception:  # noqa: BLE001 - a p2pd that does not stop is killed below
+    except asyncio.TimeoutError:  # a p2pd that does not stop is killed below
         pass
     if child is not None and child.returncode is None:
         with contextlib.suppress(ProcessLookupError):
             child.kill()
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(child.wait(), 5.0)
 
 
@@ -280,7 +281,7 @@ class InlineDHT:
 
     async def aclose(self) -> None:
         """Stop the DHT node, then p2pd (idempotent; bounded: p2pd is killed if it does not stop)."""
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(*P2PD_ERRORS):  # its handlers not removed in time: p2pd is stopped next anyway
             await asyncio.wait_for(self.node.shutdown(), P2PD_EXIT_GRACE_S)
         await stop_p2pd(self.p2p)
         if self._watchdog is not None:

@@ -41,6 +41,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from peerd.transport.hivemind_backend import HivemindDiscovery, HivemindStreams, HivemindTransport, dht_start_error
 from peerd.transport.hivemind_dht import start_dht_process, stop_dht_process
+from peerd.transport.p2pd_errors import P2PD_ERRORS
 
 logger = logging.getLogger(__name__)
 
@@ -125,17 +126,17 @@ class PyLibp2pP2P(P2P):
         as long again."""
         child = self._child
         if child is not None and child.returncode is None and child.stdin is not None:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(asyncio.TimeoutError):  # not gone in time: SIGTERM next
                 if self._client is not None:
                     self._client.close()
                 child.stdin.close()
                 await asyncio.wait_for(child.wait(), EXIT_GRACE_S)
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(asyncio.TimeoutError):  # not gone in time: SIGKILL next
             await asyncio.wait_for(super().shutdown(), EXIT_GRACE_S)
         if child is not None and child.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 child.kill()
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(child.wait(), 5.0)
 
 
@@ -219,7 +220,7 @@ class LibP2PTransport(HivemindTransport):
                                                   announce_maddrs=announce_maddrs, identity_path=identity_path,
                                                   startup_timeout_s=startup_timeout_s,
                                                   relay="off" if client_mode else relay)
-        except Exception as e:
+        except P2PD_ERRORS as e:
             raise ConnectionError(f"could not start the py-libp2p daemon: {e}") from e
         try:
             dht = await start_dht_process(initial_peers=list(initial_peers), p2p=p2p, client_mode=client_mode,
@@ -238,6 +239,5 @@ class LibP2PTransport(HivemindTransport):
             await self.streams.p2p.shutdown()
         finally:
             for callback in self.on_shutdown:
-                with contextlib.suppress(Exception):
-                    callback()
+                callback()
             self.on_shutdown.clear()

@@ -141,5 +141,5 @@ def remote_maddr(stream: Any) -> bytes:
     try:
         host, port = stream.get_remote_address()
         return multiaddr.Multiaddr(f"/ip4/{host}/tcp/{port}").to_bytes()
-    except Exception:  # noqa: BLE001 - an address we cannot tell is reported as none
+    except (TypeError, ValueError):  # an address we cannot tell (None: unknown; not IPv4) is reported as none
         return b""

@@ -35,10 +35,12 @@ from typing import Any, Awaitable, Callable, Optional
 
 import multiaddr
 import trio
+from google.protobuf.message import DecodeError
 from libp2p import new_host
 from libp2p.abc import INotifee
 from libp2p.crypto.ed25519 import Ed25519PrivateKey
 from libp2p.crypto.keys import KeyPair
+from libp2p.exceptions import BaseLibp2pError
 from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
@@ -56,6 +58,12 @@ logger = logging.getLogger("peerd.libp2p_daemon")
 DIAL_TIMEOUT_S = 15.0
 #: The line printed on stdout once the control socket listens (the parent waits for it).
 READY_LINE = "peerd-libp2p-daemon ready"
+#: What a broken control socket or libp2p stream raises: trio's for a socket closed or gone, OSError, EOFError (an
+#: end of input mid-message), and py-libp2p's own errors (StreamReset, StreamClosed, MuxedStreamError ...: all
+#: BaseLibp2pError).
+BROKEN = (trio.BrokenResourceError, trio.ClosedResourceError, OSError, EOFError, BaseLibp2pError)
+#: What a message that does not parse raises: a bad varint or an oversized length (ValueError), bad protobuf.
+MALFORMED = (ValueError, DecodeError)
 
 
 class _ConnectNotifee(INotifee):
@@ -100,7 +108,7 @@ class Daemon:
         await trio.sleep(0.5)  # identify first: the table keeps only peers that speak the kad protocol
         try:
             await self.dht.add_peer(peer_id)
-        except Exception as e:  # noqa: BLE001 - a peer we cannot add is simply not routed through
+        except Exception as e:  # boundary: a task of the daemon's nursery; a peer we cannot add is not routed through
             logger.debug("routing table refused %s: %s", peer_id, e)
 
     async def ensure_connected(self, peer_id: ID) -> None:
@@ -110,13 +118,13 @@ class Daemon:
             addrs = []
             try:
                 addrs = self.host.get_peerstore().addrs(peer_id)
-            except Exception:  # noqa: BLE001 - no known address
+            except KeyError:  # PeerStoreError: no known address
                 pass
             if addrs:
                 try:
                     await self.host.connect(PeerInfo(peer_id, addrs))
                     return
-                except Exception as e:  # noqa: BLE001 - stale addresses: look the peer up
+                except (*BROKEN, trio.TooSlowError) as e:  # SwarmException ...: stale addresses, look the peer up
                     logger.debug("dial %s at known addresses failed: %s", peer_id, e)
             info = await self.dht.find_peer(peer_id)
             if info is None or not info.addrs:
@@ -144,7 +152,7 @@ class Daemon:
                         await stream.close_write()
                         return
                     await stream.write(data)
-            except Exception:  # noqa: BLE001 - either side broke: tear both down
+            except BROKEN:  # either side broke: tear both down
                 cancel.cancel()
 
         async def to_client(cancel: trio.CancelScope) -> None:
@@ -158,7 +166,7 @@ class Daemon:
                         await sock.send_eof()
                         return
                     await sock.send_all(data)
-            except Exception:  # noqa: BLE001
+            except BROKEN:
                 cancel.cancel()
 
         clean = False
@@ -171,7 +179,7 @@ class Daemon:
             with trio.CancelScope(shield=True):
                 try:
                     await (stream.close() if clean else stream.reset())
-                except Exception:  # noqa: BLE001
+                except BROKEN:
                     pass
                 await sock.aclose()
 
@@ -181,7 +189,7 @@ class Daemon:
         reader = Reader(sock.receive_some)
         try:
             request = await reader.message(pb.Request())
-        except Exception:  # noqa: BLE001 - a client that went away before asking
+        except (*BROKEN, *MALFORMED):  # a client that went away before asking, or garbled its request
             await sock.aclose()
             return
         kind = request.type
@@ -193,7 +201,7 @@ class Daemon:
             try:
                 peer_id = ID(request.streamOpen.peer)
                 stream = await self.new_stream(peer_id, list(request.streamOpen.proto))
-            except Exception as e:  # noqa: BLE001 - any dial failure (TooSlowError included) is a ControlFailure
+            except Exception as e:  # boundary: any dial failure (TooSlowError included) is the client's ControlFailure
                 await self._error(sock, f"cannot open stream: {type(e).__name__}: {e}")
                 return
             info = pb.StreamInfo(peer=peer_id.to_bytes(), addr=remote_maddr(stream), proto=stream.get_protocol())
@@ -202,18 +210,18 @@ class Daemon:
             return
         try:
             response = await self.control_request(request)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # boundary: whatever a request fails with is answered as an error, never raised
             response = pb.Response(type=pb.Response.ERROR, error=pb.ErrorResponse(msg=f"{type(e).__name__}: {e}"))
         try:
             await sock.send_all(delimited(response))
-        except Exception:  # noqa: BLE001
+        except BROKEN:  # the client went away
             pass
         await sock.aclose()
 
     async def _error(self, sock: trio.SocketStream, message: str) -> None:
         try:
             await sock.send_all(delimited(pb.Response(type=pb.Response.ERROR, error=pb.ErrorResponse(msg=message))))
-        except Exception:  # noqa: BLE001
+        except BROKEN:  # the client went away
             pass
         await sock.aclose()
 
@@ -247,7 +255,7 @@ class Daemon:
                     info.id = peer_id.to_bytes()
                     try:
                         info.addrs.extend(a.to_bytes() for a in self.host.get_peerstore().addrs(peer_id))
-                    except Exception:  # noqa: BLE001
+                    except KeyError:  # PeerStoreError: connected, but no address kept
                         pass
         elif kind == pb.Request.DISCONNECT:
             await self.host.disconnect(ID(request.disconnect.peer))
@@ -277,7 +285,7 @@ class Daemon:
             info = pb.StreamInfo(peer=peer_id.to_bytes(), addr=remote_maddr(stream), proto=proto)
             try:
                 await sock.send_all(delimited(info))
-            except Exception:  # noqa: BLE001
+            except BROKEN:  # the client went away
                 await stream.reset()
                 await sock.aclose()
                 return
@@ -301,7 +309,7 @@ class Daemon:
                 while True:
                     try:
                         request = await reader.message(pb.PersistentConnectionRequest())
-                    except Exception:  # noqa: BLE001 - the client closed its persistent connection
+                    except (*BROKEN, *MALFORMED):  # the client closed its persistent connection (or garbled it)
                         nursery.cancel_scope.cancel()
                         break
                     nursery.start_soon(self._persistent_request, request, send, mine, cancels)
@@ -348,7 +356,7 @@ class Daemon:
                 response.cancel.SetInParent()
             try:
                 await send(response)
-            except Exception:  # noqa: BLE001 - the client is gone
+            except BROKEN:  # the client is gone
                 pass
         elif which == "unaryResponse":
             waiter = self.response_waiters.get(call_id)
@@ -371,7 +379,7 @@ class Daemon:
             await stream.write(delimited(request))
             answer = await Reader(lambda n: stream_receive(stream, n)).message(pb.PersistentConnectionRequest())
             response.callUnaryResponse.CopyFrom(answer.unaryResponse)
-        except Exception as e:  # noqa: BLE001 - reported to the caller as a daemon error (TooSlowError included)
+        except Exception as e:  # boundary: reported to the caller as a daemon error (TooSlowError included)
             response = pb.PersistentConnectionResponse(callId=call_id)
             response.daemonError.message = f"{type(e).__name__}: {e}"
         finally:
@@ -379,7 +387,7 @@ class Daemon:
                 with trio.CancelScope(shield=True):
                     try:
                         await stream.close()
-                    except Exception:  # noqa: BLE001
+                    except BROKEN:
                         pass
         return response
 
@@ -405,13 +413,13 @@ class Daemon:
                     await stream.write(delimited(answer))
                 finally:
                     self.response_waiters.pop(call_id, None)
-            except Exception as e:  # noqa: BLE001 - a broken call only ends this stream
+            except Exception as e:  # boundary: a libp2p stream handler; a broken call only ends this stream
                 logger.debug("unary %s failed: %s", proto, e)
             finally:
                 with trio.CancelScope(shield=True):
                     try:
                         await stream.close()
-                    except Exception:  # noqa: BLE001
+                    except BROKEN:
                         pass
 
         return handle
@@ -425,7 +433,15 @@ async def _serve_unix(path: str, handler: Callable[[trio.SocketStream], Awaitabl
         sock.listen(128)
         listener = trio.SocketListener(sock)
         task_status.started()
-        await trio.serve_listeners(handler, [listener])
+
+        async def serve_one(client: trio.SocketStream) -> None:
+            try:
+                await handler(client)
+            except Exception:  # boundary: one control connection; what ends it unexpectedly must not end the daemon
+                logger.exception("control connection failed")
+                await client.aclose()
+
+        await trio.serve_listeners(serve_one, [listener])
 
 
 async def _wait_for_parent() -> None:
@@ -459,7 +475,7 @@ async def run(args: argparse.Namespace) -> None:
                     with trio.fail_after(DIAL_TIMEOUT_S):
                         await host.connect(info)
                     await dht.add_peer(info.peer_id, skip_server_mode_check=True)
-                except Exception as e:  # noqa: BLE001 - the parent's DHT decides whether that is fatal
+                except Exception as e:  # boundary: one bootstrap peer; the parent's DHT decides whether that is fatal
                     logger.warning("bootstrap peer %s unreachable: %s", maddr, e)
             relays = [a for a in args.bootstrap.split(",") if "/p2p/" in a]
             own = concrete_addrs([str(a) for a in host.get_addrs()], relays)

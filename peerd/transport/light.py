@@ -24,6 +24,7 @@ from hivemind.p2p import P2P
 
 from peerd.transport.hivemind_backend import HivemindStreams, NodeDiscovery, dht_start_error
 from peerd.transport.hivemind_dht import start_dht_node
+from peerd.transport.p2pd_errors import P2PD_ERRORS
 
 logger = logging.getLogger(__name__)
 
@@ -59,13 +60,12 @@ class LightTransport:
                 initial_peers=list(initial_peers), host_maddrs=list(host_maddrs), nat_port_map=nat_port_map,
                 use_relay=False, use_auto_relay=False, use_ipfs=False, startup_timeout=startup_timeout_s,
             )
-        except Exception as e:
+        except P2PD_ERRORS as e:
             raise ConnectionError(f"could not start p2pd: {e}") from e
         try:
             node = await start_dht_node(p2p, initial_peers, startup_timeout_s, num_workers=num_workers)
-        except Exception as e:
-            with contextlib.suppress(Exception):
-                await p2p.shutdown()
+        except Exception as e:  # boundary: hivemind's node start-up, any failure: p2pd stopped, the cause named
+            await p2p.shutdown()  # SIGTERM to p2pd, then its exit: never raises
             raise dht_start_error(e, initial_peers) from e
         return cls(node, p2p, NodeDiscovery(node), HivemindStreams(p2p))
 
@@ -78,7 +78,6 @@ class LightTransport:
         return [str(m) for m in await self.p2p.get_visible_maddrs()]
 
     async def shutdown(self) -> None:
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(*P2PD_ERRORS):  # its handlers not removed: p2pd stops next anyway
             await self.node.shutdown()
-        with contextlib.suppress(Exception):
-            await self.p2p.shutdown()
+        await self.p2p.shutdown()

@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 #: After a handler returns, how long its stream stays open for the remote to read the last answer and close first.
 CLOSE_LINGER_S = 5.0
@@ -25,15 +28,28 @@ CLOSE_LINGER_S = 5.0
 async def until_remote_closes(reader: Any, timeout_s: float = CLOSE_LINGER_S) -> None:
     """Wait (at most ``timeout_s``) for the remote's EOF, discarding anything it still sends.
 
-    ``reader`` needs ``read(n)`` (returns b"" at EOF) or else ``readexactly(n)``. Never raises: EOF, a reset and the
-    timeout all mean the stream may be closed now.
+    ``reader`` needs ``read(n)`` (returns b"" at EOF) or else ``readexactly(n)``. Never raises: EOF
+    (IncompleteReadError), a reset (ConnectionError), the timeout and a read still waiting elsewhere (RuntimeError
+    from the multiplexed and direct streams) all mean the stream may be closed now.
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     read = getattr(reader, "read", None)
-    with contextlib.suppress(Exception):
+    with contextlib.suppress(OSError, EOFError, RuntimeError):
         if read is None:
             while True:
                 await asyncio.wait_for(reader.readexactly(1), max(0.0, deadline - loop.time()))
         while await asyncio.wait_for(read(1 << 16), max(0.0, deadline - loop.time())):
             pass
+
+
+async def serve_stream(handler: Any, peer: str, reader: Any, writer: Any, name: str) -> None:
+    """How a transport serves one incoming stream: ``await handler(peer, reader, writer)``, then, once it answered,
+    :func:`until_remote_closes`. A handler that fails is logged with its traceback; the caller closes the stream
+    either way."""
+    try:
+        await handler(peer, reader, writer)
+    except Exception:  # boundary: a handler's failure on one peer's stream ends that stream, never the transport
+        logger.exception("stream handler %s failed for %s", name, peer)
+    else:  # closing with unread bytes would reset the connection and could drop our answer
+        await until_remote_closes(reader, CLOSE_LINGER_S)

@@ -24,7 +24,6 @@ do not modify it until ``drain`` returned.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import struct
 from collections import deque
@@ -380,8 +379,7 @@ class MuxSession:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            with contextlib.suppress(Exception):
-                self.conn.close()
+            self.conn.close()  # a transport's close: never raises
         self._reader.cancel()
 
     async def _read_loop(self) -> None:
@@ -401,8 +399,7 @@ class MuxSession:
                 logger.info("mux connection to %s ended: %r", self.peer, e)
         finally:
             self.closed = True
-            with contextlib.suppress(Exception):
-                self.conn.close()
+            self.conn.close()
             for stream in list(self.streams.values()):
                 stream._fail(error)
             self.streams.clear()

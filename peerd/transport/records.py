@@ -9,7 +9,8 @@
 - :class:`SignedDiscovery` wraps a :class:`protocols.interfaces.Discovery` for the protocols above it: ``store``
   signs (a peer stores only its own records, under its own PeerID), ``get`` returns only records whose signature
   verifies, keyed by their owner's PeerID, and logs (once each) and counts what it dropped. Records under any other
-  subkey are dropped too: through this wrapper, every record has an owner who signed it.
+  subkey are dropped too: through this wrapper, every record has an owner who signed it. It is also the one place
+  where the DHT backend's failures are named: every read or write that fails raises :class:`DiscoveryError`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import Counter
-from typing import Any, Optional
+from typing import Any, Awaitable, Optional
 
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer
@@ -33,6 +34,18 @@ logger = logging.getLogger(__name__)
 _LOGGED_MAX = 4096
 
 
+class DiscoveryError(ConnectionError):
+    """A DHT read or write failed (no node answered, the DHT process stopped, a timeout). Its ``__cause__`` is what
+    the backend raised: hivemind's DHT forwards whatever its node raised, so callers catch this one name."""
+
+
+async def _reach(call: Awaitable[Any]) -> Any:
+    try:
+        return await call
+    except Exception as e:  # boundary: hivemind's DHT (in-process or in its own process) raises untyped errors
+        raise DiscoveryError(f"{type(e).__name__}: {e}") from e
+
+
 class OwnerRecordValidator(RecordValidatorBase):
     """Refuses unsigned or forged writes to ``[owner:<PeerID>]`` subkeys, at store time and on reads.
 
@@ -43,13 +56,13 @@ class OwnerRecordValidator(RecordValidatorBase):
     def validate(self, record: DHTRecord) -> bool:
         try:
             subkey = MSGPackSerializer.loads(record.subkey)
-        except Exception:
+        except Exception:  # boundary: a peer's record (msgpack raises beyond its UnpackException on garbage)
             return True  # regular values (no subkey) and whole-dictionary tags are not owner records
         if not claims_owner(subkey):
             return True
         try:
             verify(record.key, subkey, MSGPackSerializer.loads(record.value), record.expiration_time)
-        except Exception as e:  # InvalidRecord, or a value that is not even msgpack
+        except Exception as e:  # boundary: a peer's record; InvalidRecord, or a value that is not even msgpack
             logger.debug("refused DHT record under %s: %s", str(subkey)[:80], e)
             return False
         return True
@@ -88,11 +101,12 @@ class SignedDiscovery:
         return self.inner.time()
 
     async def store(self, key: str, subkey: str, value: Any, expiration_time: float) -> bool:
-        """Sign and store this peer's own record. Raises ValueError for another subkey than our PeerID."""
+        """Sign and store this peer's own record. Raises ValueError for another subkey than our PeerID,
+        DiscoveryError if the DHT cannot be written."""
         if self.signer is None or subkey != self.signer.peer_id:
             raise ValueError(f"a peer stores only its own records (subkey {subkey!r} is not our PeerID)")
         envelope = seal(self.signer, key_id(key), value, expiration_time)
-        return await self.inner.store(key, owner_subkey(subkey), envelope, expiration_time)
+        return await _reach(self.inner.store(key, owner_subkey(subkey), envelope, expiration_time))
 
     def seal_portable(self, key: str, value: Any) -> dict:
         """A portable envelope of ``value`` under ``key`` (no bound expiration): anyone may re-store it."""
@@ -107,13 +121,14 @@ class SignedDiscovery:
         if envelope.get("expires") is not None:
             raise InvalidRecord("only portable envelopes (expires = None) can be re-stored by others")
         verify(key_id(key), subkey, envelope, expiration_time)
-        return await self.inner.store(key, subkey, envelope, expiration_time)
+        return await _reach(self.inner.store(key, subkey, envelope, expiration_time))
 
     async def get_signed(self, key: str) -> dict[str, SignedRecord]:
-        """Owner PeerID -> verified record, for every valid record under ``key``; the rest is dropped and logged."""
+        """Owner PeerID -> verified record, for every valid record under ``key``; the rest is dropped and logged.
+        Raises DiscoveryError if the DHT cannot be read."""
         kid = key_id(key)
         out: dict[str, SignedRecord] = {}
-        for subkey, record in (await self.inner.get(key)).items():
+        for subkey, record in (await _reach(self.inner.get(key))).items():
             owner = owner_of(subkey)
             try:
                 if owner is None:

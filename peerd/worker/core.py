@@ -17,7 +17,6 @@ here); it never re-implements the loop.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from typing import Optional
 
@@ -28,6 +27,7 @@ from peerd.config import ConfigError
 from peerd.data.corpus import WindowSampler
 from peerd.events import Evaluated, Left, Paused, Resumed
 from peerd.runtime.heap import trim_heap
+from peerd.runtime.processes import reap, stop_all
 from peerd.worker.inner_step import enable_tf32, micro_batch_count, resolve_precision
 from peerd.roles.base import RunContext, eval_units, held_out_loss
 from peerd.worker.stats import RoundStats
@@ -93,16 +93,12 @@ class WorkerCore:
                 trim_heap()  # the round's freed buffers back to the OS: without it the worker's RSS kept growing
         finally:
             await self._finish_in_flight()
-            status_task.cancel()
-            with contextlib.suppress(BaseException):  # the status task's own end (cancelled, or a DHT error)
-                await status_task
+            await reap(status_task)
             await self._finish_background()
             self._save_final_checkpoint()
             await self.ctx.status.publish(role="left")
             await self._after_left()
-            for component in self.components:
-                with contextlib.suppress(Exception):  # leaving: a service that fails to stop must not stop the rest
-                    await component.stop()
+            await stop_all(self.components)
             await self._after_stop()
         self.ctx.events.publish(Left(self.outer_round, self.stats.bytes_sent, self.stats.bytes_received,
                                      self.stats.rounds_failed, self.ctx.run_id))

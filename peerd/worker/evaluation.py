@@ -10,13 +10,13 @@ event when done.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from typing import Optional
 
 import torch
 
 from peerd.events import Evaluated
 from peerd.models import build_model
+from peerd.runtime.processes import reap
 from peerd.roles.base import held_out_loss
 
 
@@ -34,8 +34,7 @@ class RoundEvaluation:
         if not self.run_cfg.eval_batches or not (self.rounds.local_differs or self.ctx.node.background_eval):
             return await self.evaluate()
         if self._eval_task is not None:  # one at a time: the copy below is shared
-            with contextlib.suppress(Exception):  # a failed background evaluation was logged by its task
-                await self._eval_task
+            await reap(self._eval_task, cancel=False)  # a failed background evaluation is logged there
         if self._eval_model is None:
             self._eval_model = build_model(self.run_cfg.model, self.run_cfg.seq_len, self.run_cfg.seed,
                                            self.ctx.tokenizer.vocab_size).to(self.device)
@@ -62,5 +61,4 @@ class RoundEvaluation:
 
     async def _finish_background(self) -> None:
         if self._eval_task is not None:
-            with contextlib.suppress(Exception):  # leaving: a failed background evaluation must not stop the exit
-                await self._eval_task
+            await reap(self._eval_task, cancel=False)  # leaving: a failed one is logged, and the exit goes on

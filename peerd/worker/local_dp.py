@@ -291,7 +291,7 @@ class LocalDataParallel:
         for pipe in self._pipes:
             pipe.close()
         if self._started:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(RuntimeError, ValueError):  # the backend's own error; ValueError: no group
                 dist.destroy_process_group()
         shutil.rmtree(self._dir, ignore_errors=True)
 
@@ -391,7 +391,7 @@ def _helper_main(rank: int, devices: Sequence[str], store: str, spec: ReplicaSpe
             dist.broadcast(xy, 0)
             _step_on_slice(inner, xy[0].to(device), xy[1].to(device), rank, world)
     finally:
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(RuntimeError, ValueError):  # the backend's own error; ValueError: never joined
             dist.destroy_process_group()
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from peerd.transport.inprocess import Hub
-from peerd.transport.linger import until_remote_closes
+from peerd.transport.linger import serve_stream, until_remote_closes
 from protocols.allreduce import AllReduceConfig
 from protocols.matchmaking import MatchmakingConfig
 
@@ -30,6 +30,30 @@ def test_waits_for_the_member_to_close_and_no_longer_than_the_timeout():
         return asyncio.get_running_loop().time() - started
 
     assert 0.15 <= asyncio.run(main()) < 1.0
+
+
+def test_a_served_stream_lingers_after_an_answer_and_not_after_a_failed_handler(caplog):
+    """serve_stream: the one handler boundary of the p2pd and direct transports."""
+
+    async def answers(peer, reader, writer):
+        pass
+
+    async def fails(peer, reader, writer):
+        raise KeyError("a handler bug")
+
+    async def main():
+        reader = asyncio.StreamReader()
+        lingering = asyncio.ensure_future(serve_stream(answers, "peerA", reader, None, "answers"))
+        await asyncio.sleep(0.05)
+        assert not lingering.done()  # answered: waits for the remote's close
+        reader.feed_eof()
+        await asyncio.wait_for(lingering, 1.0)
+        await asyncio.wait_for(serve_stream(fails, "peerB", asyncio.StreamReader(), None, "fails"), 1.0)
+
+    with caplog.at_level("ERROR", logger="peerd.transport.linger"):
+        asyncio.run(main())
+    assert [(r.getMessage(), type(r.exc_info[1])) for r in caplog.records] == [
+        ("stream handler fails failed for peerB", KeyError)]
 
 
 def test_reducer_handlers_end_once_members_close_after_reading_the_answer(averaging_peers):

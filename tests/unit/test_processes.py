@@ -59,3 +59,96 @@ def test_a_signal_interrupts_a_waiting_command_after_its_clean_up(sig):
     assert caught.value.signum == sig and 128 + caught.value.signum == {signal.SIGINT: 130, signal.SIGTERM: 143}[sig]
     assert waiting and cleaned == ["shutdown"]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers removed again
+
+
+# ------------------------------------------------------------------------------------ ending background tasks
+
+
+def test_reap_cancels_waits_and_logs_a_failed_task_without_raising(caplog):
+    from peerd.runtime.processes import reap
+
+    ended = []
+
+    async def loop_until_cancelled():
+        try:
+            await asyncio.Event().wait()
+        finally:
+            ended.append("loop")
+
+    async def failing():
+        raise RuntimeError("evaluation broke")
+
+    async def go():
+        looping = asyncio.ensure_future(loop_until_cancelled())
+        failed = asyncio.ensure_future(failing())
+        await asyncio.sleep(0)
+        await reap(looping, None, failed)
+        return looping, failed
+
+    with caplog.at_level("WARNING", logger="peerd.runtime.processes"):
+        looping, failed = asyncio.run(go())
+    assert ended == ["loop"] and looping.cancelled()
+    assert failed.done() and not failed.cancelled()
+    assert [r.exc_info[1] for r in caplog.records if r.exc_info] == [failed.exception()]
+
+
+def test_reap_without_cancel_waits_for_the_task_to_finish():
+    from peerd.runtime.processes import reap
+
+    async def go():
+        release = asyncio.Event()
+        task = asyncio.ensure_future(release.wait())
+        asyncio.get_running_loop().call_soon(release.set)
+        await reap(task, cancel=False)
+        return task
+
+    task = asyncio.run(go())
+    assert task.done() and not task.cancelled() and task.result() is True
+
+
+def test_reap_lets_the_callers_own_cancellation_through():
+    """A cancellation of the task that reaps is not swallowed (it was, when each site suppressed BaseException)."""
+    from peerd.runtime.processes import reap
+
+    async def go():
+        stubborn_started, may_end = asyncio.Event(), asyncio.Event()
+
+        async def stubborn():
+            stubborn_started.set()
+            while not may_end.is_set():
+                try:
+                    await may_end.wait()
+                except asyncio.CancelledError:
+                    continue  # ignores cancellation: the reaper would wait on it until it ends by itself
+
+        task = asyncio.ensure_future(stubborn())
+        await stubborn_started.wait()
+        reaper = asyncio.ensure_future(reap(task))
+        await asyncio.sleep(0)
+        reaper.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reaper
+        still_running = not task.done()
+        may_end.set()
+        await task
+        return still_running
+
+    assert asyncio.run(asyncio.wait_for(go(), 10)) is True  # the reaper returned before the task ended
+
+
+def test_stop_all_stops_every_component_even_after_one_fails():
+    from peerd.runtime.processes import stop_all
+
+    stopped = []
+
+    class Component:
+        def __init__(self, name, fails=False):
+            self.name, self.fails = name, fails
+
+        async def stop(self):
+            stopped.append(self.name)
+            if self.fails:
+                raise ConnectionError("p2pd is gone")
+
+    asyncio.run(stop_all([Component("matchmaker", fails=True), Component("allreduce")]))
+    assert stopped == ["matchmaker", "allreduce"]

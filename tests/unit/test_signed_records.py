@@ -221,3 +221,71 @@ def test_key_ids_equal_the_dht_ids_hivemind_computes():
     for key in ("peerd.r.status", "peerd.demo.config", "", "ключ", "x" * 300):
         assert key_id(key) == DHTID.generate(source=key).to_bytes()
     assert len(key_id("a")) == 20 and key_id("a") != key_id("b")
+
+
+# ------------------------------------------------------------------------------------- a DHT that fails
+
+
+class BrokenDHT:
+    """A DHT backend whose reads and writes fail as hivemind's do when its DHT process is gone: with whatever
+    error the node raised (here a RuntimeError), not a ConnectionError. Counts the calls."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+        self.calls = 0
+        self.tried = asyncio.Event()
+
+    def time(self):
+        return EXP - 100
+
+    async def _fail(self):
+        self.calls += 1
+        if self.calls >= 6:
+            self.tried.set()
+        raise self.error
+
+    async def store(self, key, subkey, value, expiration_time):
+        await self._fail()
+
+    async def get(self, key):
+        await self._fail()
+
+
+def test_a_failing_dht_backend_raises_one_named_error_with_its_cause():
+    from peerd.transport.records import DiscoveryError
+
+    cause = RuntimeError("the DHT process is gone")
+    alice = signer()
+    discovery = SignedDiscovery(BrokenDHT(cause), alice)
+
+    async def go():
+        for call in (discovery.get(KEY), discovery.store(KEY, alice.peer_id, {"x": 1}, EXP)):
+            with pytest.raises(DiscoveryError) as raised:
+                await call
+            assert isinstance(raised.value, ConnectionError) and raised.value.__cause__ is cause
+
+    asyncio.run(go())
+
+
+def test_the_status_loop_outlives_a_dht_that_keeps_failing():
+    """The status board catches ConnectionError only: the backend's untyped error reaches it as a DiscoveryError,
+    and the loop goes on reading and publishing."""
+    from peerd.roles.status_board import StatusBoard
+
+    alice = signer()
+    dht = BrokenDHT(RuntimeError("the DHT process is gone"))
+    board = StatusBoard(SignedDiscovery(dht, alice), KEY, alice.peer_id, interval_s=0.0, ttl_s=60.0,
+                        stop=asyncio.Event())
+    board.set_source(lambda: {"role": "diloco", "outer_round": 1})
+
+    async def go():
+        loop = asyncio.ensure_future(board.run())
+        await asyncio.wait({loop, asyncio.ensure_future(dht.tried.wait())}, timeout=10,
+                           return_when=asyncio.FIRST_COMPLETED)
+        assert not loop.done(), loop  # had the error escaped, the loop would have ended with it
+        loop.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await loop
+
+    asyncio.run(go())
+    assert dht.calls >= 6  # reads and stores went on failing, and the loop went on

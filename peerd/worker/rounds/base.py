@@ -85,6 +85,6 @@ class LandsInFlight:
     async def close(self) -> None:
         if self.in_flight is None:
             return
-        with contextlib.suppress(Exception):  # leaving: a failed last round must not stop the final checkpoint
+        with contextlib.suppress(Exception):  # boundary: leaving; a failed last round must not stop the checkpoint
             if await self.land() == RoundEnd.DONE:
                 self.worker.restart_local()  # leaving: the model kept is theta_outer, the local steps are dropped
