@@ -5,6 +5,7 @@ import pytest
 import peerd.commands.doctor as doctor
 from peerd.commands.main import main
 from peerd.config import ConfigError, NodeConfig
+from peerd.identity.namespace import RunRef
 from peerd.status.records import make_status, status_problem
 from peerd.transport.dialback import listens_on_loopback_only
 from peerd.transport.hivemind_backend import dht_start_error, relay_options
@@ -30,7 +31,7 @@ def test_check_lines():
 
 def _doctor(monkeypatch, capsys, checks, *flags):
     async def network(node, run_id):
-        assert node.initial_peers == (PEER,) and run_id == "demo"
+        assert node.initial_peers == (PEER,) and isinstance(run_id, RunRef) and str(run_id) == "demo"  # parsed once, by the CLI
         return checks
 
     monkeypatch.setattr(doctor, "network_checks", network)

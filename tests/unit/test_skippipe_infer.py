@@ -98,7 +98,7 @@ def test_peerd_eval_and_generate_print_the_loss_and_the_skipped_stages(monkeypat
 
     @contextlib.asynccontextmanager
     async def fake_client(node, run_id):
-        assert list(node.initial_peers) == ["/ip4/127.0.0.1/tcp/1/p2p/12D3KooWDptq23arqsipaxkBVToiQZPCgYnmBUo2eYGMRa9FzXeq"] and run_id == "skiprun"
+        assert list(node.initial_peers) == ["/ip4/127.0.0.1/tcp/1/p2p/12D3KooWDptq23arqsipaxkBVToiQZPCgYnmBUo2eYGMRa9FzXeq"] and str(run_id) == "skiprun"
         hub = Hub()
         for k, name in live.items():
             await StageService(service_name(k), stages[k], run.swarm).start(hub.transport(name))

@@ -11,7 +11,7 @@ import torch
 from peerd.data.corpus import evaluate, load_corpus, tokenize_corpus
 from peerd.events import Evaluated, RoundDone
 from peerd.models import build_model, split_model
-from peerd.identity.namespace import RunNamespace, RunRef
+from peerd.identity.namespace import RunNamespace
 from peerd.roles.base import eval_units
 from peerd.roles.tokenizer_sync import fetch_run_tokenizer, serve_tokenizers
 from peerd.run_config import RunConfig
@@ -50,7 +50,7 @@ def test_swarm_eval_and_generate_of_a_bpe_run_fetch_its_tokenizer(tmp_path, monk
     @contextlib.asynccontextmanager
     async def client(node, run_id):
         hub = Hub()
-        ns = RunNamespace(RunRef(run_id))
+        ns = RunNamespace(run_id)  # the CLI hands over the parsed RunRef
         servers = [hub.transport(f"s{k}") for k in range(2)]
         creator_cache = TokenizerCache(tmp_path / "creator")
         creator_cache.put(bpe)
