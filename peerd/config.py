@@ -105,8 +105,8 @@ class NodeConfig:
     """Local UTF-8 text file or glob to train on instead of the run's default corpus."""
     data_plane: str = "p2p"
     """How bulk peer streams (all-reduce parts, state downloads) travel: ``p2p`` = libp2p streams through p2pd
-    (encrypted, the default), or ``direct`` = plain TCP between the peers' processes, endpoints authenticated with
-    their identity keys, not encrypted, several times cheaper in CPU (falls back to p2p per peer when unreachable;
+    (encrypted, the default), or ``direct`` = TLS 1.3 over TCP between the peers' processes, certificates bound to
+    their PeerIDs, encrypted too and cheaper in CPU (falls back to p2p per peer when unreachable;
     :mod:`peerd.transport.direct`)."""
     data_port: int = 0
     """TCP port of the direct data plane (0 = any free port); forward it too behind a router."""

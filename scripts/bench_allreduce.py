@@ -60,7 +60,7 @@ from protocols.allreduce import RATE_MIN_RUNS  # noqa: E402
 
 SECTION = "## All-reduce on a virtual WAN: peerd vs hivemind vs gloo (scripts/bench_allreduce.py)"
 CODECS = ("none", "fp16", "int8")
-#: peerd-direct = peerd with its streams on the direct TCP data plane (peerd/transport/direct.py), one connection per
+#: peerd-direct = peerd with its streams on the direct data plane (TLS 1.3 over TCP, peerd/transport/direct.py), one connection per
 #: stream; peerd-mux = the same with one warm multiplexed connection per peer pair (peerd/transport/mux.py);
 #: peerd-libp2p = peerd on the py-libp2p transport (peerd/transport/libp2p_backend.py) instead of p2pd.
 #: tcp and tcp-ring are ceilings, not all-reduces (see the module docstring and worker_tcp).
@@ -621,7 +621,7 @@ def render(rows: list[Row], scenarios: dict[str, Scenario], args, meta: dict) ->
            "(plus its DHT child and p2pd for peerd/hivemind) inside its own network namespace of "
            "`scripts/wan_testbed` (tbf per peer, both directions, no added delay); loopback = all peers in one "
            "namespace on 127.0.0.1, unshaped. peerd = `Matchmaker` + `ButterflyAllReduce` on `HivemindTransport` "
-           "(uvloop); peerd-direct = the same with its streams on the direct TCP data plane (`DirectStreams`, "
+           "(uvloop); peerd-direct = the same with its streams on the direct data plane (TLS 1.3 over TCP, `DirectStreams`, "
            "p2pd only as fallback), one TCP connection per stream; peerd-mux = the same with one warm multiplexed "
            "connection per peer pair (`DirectStreams(multiplex=True)`); peerd-libp2p = peerd on the py-libp2p "
            "transport (its Python libp2p daemon process counts as p2pd below); hivemind = `DecentralizedAverager` "

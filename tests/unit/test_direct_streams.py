@@ -1,5 +1,6 @@
-"""The direct TCP data plane (peerd/transport/direct.py): streams go over authenticated TCP between the processes'
-event loops instead of p2pd, and fall back to the inner streams whenever that is impossible.
+"""The direct TCP data plane (peerd/transport/direct.py): streams go over TLS 1.3 between the processes' event
+loops instead of p2pd, and fall back to the inner streams whenever that is impossible. (Attacks on the channel
+itself: tests/unit/test_direct_tls.py.)
 
 Discovery and the inner streams are an in-process Hub (discovery through SignedDiscovery, as in the daemon); the
 direct path is real TCP on 127.0.0.1. Every test counts which path a stream took.
@@ -20,7 +21,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 import peerd.transport.direct as direct
 from peerd.identity.signing import Signer, owner_subkey
+from peerd.transport.connection import Connection, open_connection
 from peerd.transport.direct import DATAPLANE_KEY, DirectStreams, HandshakeRefused, client_handshake
+from peerd.transport.tls import PeerTLS
 from peerd.transport.inprocess import Hub
 from peerd.transport.pacing import pace
 from peerd.transport.records import SignedDiscovery
@@ -241,23 +244,32 @@ def test_pacing_and_passthrough_work_on_top(loop):
 
 
 def test_an_impostor_client_is_refused():
-    """A client with another key claiming a's PeerID never reaches the handler."""
+    """A client with another key presenting a certificate for a's PeerID never reaches the handler: refused at the
+    hello (the certificate's extension is not signed by a's key)."""
 
     async def main():
         async with swarm(2) as (_, (a, b)):
             seen = await serve_echo(b)
-            reader, writer = await asyncio.open_connection("127.0.0.1", b.port)
             impostor = new_signer()
-            await client_handshake(reader, writer, impostor, b.peer_id, "echo", claimed_peer_id=a.peer_id)
-            await write_frame(writer, {"n": 3}, b"abc")
-            assert await closed_by_server(reader)
-            writer.close()
+            impostor.peer_id = a.peer_id  # says "I am a", signs with its own key
+            conn = await open_connection("127.0.0.1", b.port)
+            with pytest.raises(HandshakeRefused) as refused:
+                await client_handshake(conn, PeerTLS(impostor), b.peer_id, "echo")
+            conn.close()
+            assert refused.value.code == "malformed" and "certificate" in str(refused.value)
             assert await eventually(lambda: b.stats["refused"] == 1)
             assert seen == [] and b.stats["served_direct"] == 0
             _, answer = await round_trip(a, b.peer_id, b"still serving")  # the real a gets through
             assert answer == b"still serving" and seen == [a.peer_id]
 
     asyncio.run(main())
+
+
+async def serve_raw(handler):
+    """A listener on 127.0.0.1 whose connections (:class:`Connection`) go to ``handler(conn)``."""
+    loop = asyncio.get_running_loop()
+    return await loop.create_server(lambda: Connection(lambda conn: asyncio.ensure_future(handler(conn))),
+                                    "127.0.0.1", 0)
 
 
 def test_an_impostor_server_is_not_trusted_and_the_stream_falls_back():
@@ -270,13 +282,13 @@ def test_an_impostor_server_is_not_trusted_and_the_stream_falls_back():
             fake = Signer(Ed25519PrivateKey.generate())
             fake.peer_id = b.peer_id  # says "I am b", signs with its own key
 
-            async def impostor(reader, writer):
+            async def impostor(conn):
                 with contextlib.suppress(Exception):
-                    await direct.server_handshake(reader, writer, fake, lambda name: True)
-                    await reader.read()
-                writer.close()
+                    await direct.server_handshake(conn, PeerTLS(fake), lambda name: True)
+                    await conn.read()
+                conn.close()
 
-            server = await asyncio.start_server(impostor, "127.0.0.1", 0)
+            server = await serve_raw(impostor)
             b.port = server.sockets[0].getsockname()[1]
             await b._publish()  # b's (signed) record now names the impostor's port
             _, answer = await round_trip(a, b.peer_id, b"hello")
@@ -292,10 +304,10 @@ def test_a_hello_for_another_peer_is_refused():
         async with swarm(3) as (_, (a, b, c)):
             seen_b, seen_c = await serve_echo(b), await serve_echo(c)
             # directly: c's listener refuses a hello addressed to b
-            reader, writer = await asyncio.open_connection("127.0.0.1", c.port)
+            conn = await open_connection("127.0.0.1", c.port)
             with pytest.raises(HandshakeRefused) as refused:
-                await client_handshake(reader, writer, a.signer, b.peer_id, "echo")
-            writer.close()
+                await client_handshake(conn, a.tls, b.peer_id, "echo")
+            conn.close()
             assert refused.value.code == "wrong_peer" and await eventually(lambda: c.stats["refused"] == 1)
             # through open(): a stale record of b that names c's port (b restarted, c took the port) falls back
             b.port, real_port = c.port, b.port
@@ -312,10 +324,10 @@ def test_a_hello_for_another_peer_is_refused():
 def test_a_handler_name_the_server_does_not_serve_is_refused():
     async def main():
         async with swarm(2) as (_, (a, b)):
-            reader, writer = await asyncio.open_connection("127.0.0.1", b.port)
+            conn = await open_connection("127.0.0.1", b.port)
             with pytest.raises(HandshakeRefused) as refused:
-                await client_handshake(reader, writer, a.signer, b.peer_id, "nothing-here")
-            writer.close()
+                await client_handshake(conn, a.tls, b.peer_id, "nothing-here")
+            conn.close()
             assert refused.value.code == "not_served"
             with pytest.raises(ConnectionError):  # open() falls back to the inner streams, which refuse too
                 await a.open(b.peer_id, "nothing-here")
@@ -350,13 +362,17 @@ def test_garbage_oversized_and_silent_handshakes_are_closed_and_the_server_keeps
     async def main():
         async with swarm(2) as (_, (a, b)):
             seen = await serve_echo(b)
-            hello = msgpack.packb({"v": 1, "from": a.peer_id, "to": b.peer_id, "name": "echo", "nonce": b"n" * 32})
+            hello = msgpack.packb({"v": 2, "to": b.peer_id, "cert": a.tls.certificate})
+            plaintext_hello = msgpack.packb({"v": 1, "from": a.peer_id, "to": b.peer_id, "name": "echo",
+                                             "nonce": b"n" * 32})  # version 1: no TLS after it
             attacks = [
                 os.urandom(200),  # garbage
                 struct.pack(">II", 10_000_000, 0),  # a 10 MB header announced
                 struct.pack(">II", 3, 0) + b"\x93\x01\x02",  # a header that is not a map
                 struct.pack(">II", len(hello), 1_000_000) + hello,  # a hello with a payload
                 struct.pack(">II", 2, 0) + b"\xc1\xc1",  # msgpack that does not parse
+                struct.pack(">II", len(plaintext_hello), 0) + plaintext_hello,  # the old plaintext handshake
+                struct.pack(">II", len(hello), 0) + hello + b"plaintext instead of TLS",
                 b"",  # nothing at all: the handshake times out
             ]
             for attack in attacks:
