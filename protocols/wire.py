@@ -43,6 +43,13 @@ class StreamEnded(ProtocolViolation):
     """
 
 
+class StreamCorrupted(ConnectionResetError):
+    """The transport found bytes of the stream altered on the path (e.g. a TLS record that failed its
+    authentication) and ended the connection. Nothing altered was delivered; the peer at the other end is not at
+    fault (an on-path attacker or a broken link is), so callers treat it as a broken stream, never as a reason to
+    ban that peer."""
+
+
 #: Largest payload one frame can carry (its length is a u32); :mod:`protocols.rpc` chunks longer messages.
 MAX_FRAME_PAYLOAD_BYTES = 2**32 - 1
 

@@ -39,7 +39,7 @@ from typing import Any, Optional
 
 from peerd.identity.namespace import network_key
 from peerd.identity.signing import Signer
-from peerd.transport.connection import SOCKET_BUFFER_BYTES, Connection, open_connection, tune
+from peerd.transport.connection import SOCKET_BUFFER_BYTES, Connection, Listener, listen, open_connection, tune
 from peerd.transport.handshake import (HandshakeFailed, HandshakeRefused, client_handshake,  # noqa: F401 - re-exported
                                        server_handshake)
 from peerd.transport.linger import serve_stream
@@ -118,7 +118,7 @@ class DirectStreams:
         self.key = key
         self.socket_buffer_bytes = socket_buffer_bytes
         self._handlers: dict[str, StreamHandler] = {}
-        self._server: Optional[asyncio.AbstractServer] = None
+        self._server: Optional[Listener] = None
         self._republisher: Optional[asyncio.Task] = None
         self._connections: set[asyncio.Task] = set()
         self._pending_handshakes = 0
@@ -166,9 +166,7 @@ class DirectStreams:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             tune(sock, self.socket_buffer_bytes)  # accepted sockets inherit the listener's buffers
             sock.bind(sockaddr)
-            sock.setblocking(False)
-            self._server = await loop.create_server(lambda: Connection(self._accepted), sock=sock,
-                                                    backlog=MAX_PENDING_HANDSHAKES)
+            self._server = await listen(sock, self._accepted, backlog=MAX_PENDING_HANDSHAKES)
         except BaseException:
             sock.close()
             raise

@@ -29,6 +29,8 @@ import struct
 from collections import deque
 from typing import Any, Callable, Optional
 
+from protocols.wire import StreamCorrupted
+
 logger = logging.getLogger(__name__)
 
 #: The handshake name of a multiplexed connection (never a handler name: those are ``<service>.<method>``). Version 2
@@ -146,9 +148,13 @@ class MuxStream:
             self._unacked = 0
         return data
 
+    def _reset(self) -> ConnectionResetError:
+        kind = StreamCorrupted if isinstance(self._error, StreamCorrupted) else ConnectionResetError
+        return kind(f"stream reset: {self._error}")
+
     def _ended(self, partial: bytes, n: int) -> BaseException:
         if self._error is not None:
-            return ConnectionResetError(f"stream reset: {self._error}")
+            return self._reset()
         return asyncio.IncompleteReadError(partial, n)
 
     async def readexactly(self, n: int) -> bytes:
@@ -182,7 +188,7 @@ class MuxStream:
         while not self._buffered:
             if self._eof:
                 if self._error is not None:
-                    raise ConnectionResetError(f"stream reset: {self._error}")
+                    raise self._reset()
                 return b""
             await self._wait()
         return self._take(self._buffered if n < 0 else min(n, self._buffered))
@@ -254,7 +260,7 @@ class MuxStream:
         if self._pending:
             await self._flushed.wait()
         if self._error is not None:
-            raise ConnectionResetError(f"stream reset: {self._error}")
+            raise self._reset()
         await self._session.drain()
 
     def close(self) -> None:

@@ -47,6 +47,8 @@ CERTIFICATE_DAYS = 365
 _BACKDATE = datetime.timedelta(hours=1)
 #: Largest certificate accepted from a peer (bytes); ours are ~500.
 MAX_CERTIFICATE_BYTES = 4096
+#: Server contexts (one per client certificate) a peer keeps for reuse.
+SERVER_CONTEXTS = 256
 #: Identity multihash prefix of a PeerID (code 0x00, then the protobuf's length): the rest is the protobuf.
 _IDENTITY_MULTIHASH = b"\x00"
 
@@ -164,6 +166,7 @@ class PeerTLS:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
+        self._server_contexts: dict[bytes, ssl.SSLContext] = {}
         self.client_context = self._context(ssl.PROTOCOL_TLS_CLIENT)
         self.client_context.check_hostname = False
         self.client_context.verify_mode = ssl.CERT_NONE  # checked by peer_id_of_certificate after the handshake
@@ -176,7 +179,17 @@ class PeerTLS:
         return context
 
     def server_context(self, client_certificate: bytes) -> ssl.SSLContext:
-        """A server context that requires the client to present (and prove the key of) ``client_certificate``."""
+        """A server context that requires the client to present (and prove the key of) ``client_certificate``;
+        one per client certificate, reused for its later connections (the last :data:`SERVER_CONTEXTS` kept)."""
+        context = self._server_contexts.pop(client_certificate, None)
+        if context is None:
+            context = self._new_server_context(client_certificate)
+        self._server_contexts[client_certificate] = context  # most recently used last
+        while len(self._server_contexts) > SERVER_CONTEXTS:
+            self._server_contexts.pop(next(iter(self._server_contexts)))
+        return context
+
+    def _new_server_context(self, client_certificate: bytes) -> ssl.SSLContext:
         context = self._context(ssl.PROTOCOL_TLS_SERVER)
         context.verify_mode = ssl.CERT_REQUIRED
         context.load_verify_locations(cadata=client_certificate)

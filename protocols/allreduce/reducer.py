@@ -16,7 +16,7 @@ from protocols.bans import BanList
 from protocols.codecs import Codec
 from protocols.interfaces import StreamReader, StreamWriter
 from protocols.rpc import Refused, Request, RpcError, RpcTimeout, Unreachable, until
-from protocols.wire import ProtocolViolation, require
+from protocols.wire import ProtocolViolation, StreamCorrupted, require
 
 logger = logging.getLogger("protocols.allreduce")
 
@@ -100,9 +100,10 @@ class ReducerSide:
                 other.excluded.setdefault(peer, f"malformed part header: {error}")
                 other.changed.set()
 
-    def _exclude(self, session: _ReduceSession, peer: str, reason: str) -> None:
+    def _exclude(self, session: _ReduceSession, peer: str, reason: str, ban: bool = True) -> None:
         session.excluded[peer] = reason
-        self.bans.ban(peer, reason)
+        if ban:
+            self.bans.ban(peer, reason)
         session.changed.set()
         logger.warning("excluded %s from group %s: %s", peer, session.group.group_id, reason,
                        extra={"event": "exclude", "peer": peer, "reason": reason})
@@ -166,7 +167,8 @@ class ReducerSide:
         gives it :data:`SLOW_SENDER_PACES` times its average time per chunk (at least :data:`SLOW_SENDER_GRACE_S`)
         for the next one, up to ``reducer_timeout_s`` (and never less than 1 s past the sender deadline); its chunks
         sealed without it are only read, and it is reported in ``late``, not banned. One that sends nothing for
-        longer is stalled: excluded and banned."""
+        longer is stalled: excluded and banned. A stream whose bytes the transport found altered on the path
+        (:class:`protocols.wire.StreamCorrupted`) excludes the member from this round without a ban (Refused)."""
         peer, k = request.peer, 0
         loop = asyncio.get_running_loop()
         opened = loop.time()
@@ -200,6 +202,10 @@ class ReducerSide:
         except (RpcTimeout, Unreachable) as e:
             if late:  # its part no longer counts here: a late stream that breaks off is no offence
                 raise Refused(f"late part not read: {e}", "timeout") from None
+            if isinstance(e, Unreachable) and isinstance(e.__cause__, StreamCorrupted):
+                reason = f"chunk {k} of {len(sizes)}: altered on the path: {e}"  # not the sender's doing: no ban
+                self._exclude(session, peer, reason, ban=False)
+                raise Refused(reason) from None
             if isinstance(e, Unreachable):
                 return f"chunk {k} of {len(sizes)}: {type(e).__name__}: {e}"
             return (f"stalled: chunk {k} of {len(sizes)} not delivered within "
