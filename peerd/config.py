@@ -103,13 +103,15 @@ class NodeConfig:
     """CPU threads for torch (0 = torch's default)."""
     data: Optional[str] = None
     """Local UTF-8 text file or glob to train on instead of the run's default corpus."""
-    data_plane: str = "p2p"
-    """How bulk peer streams (all-reduce parts, state downloads) travel: ``p2p`` = libp2p streams through p2pd
-    (encrypted, the default), or ``direct`` = TLS 1.3 over TCP between the peers' processes, certificates bound to
-    their PeerIDs, encrypted too and cheaper in CPU (falls back to p2p per peer when unreachable;
-    :mod:`peerd.transport.direct`)."""
+    data_plane: str = "direct"
+    """How bulk peer streams (all-reduce parts, state downloads) travel: ``direct`` (the default) = TLS 1.3 over
+    TCP between the peers' processes, certificates bound to their PeerIDs: encrypted, integrity-protected and
+    cheaper in CPU than p2pd. A peer publishes its direct address only once the dial-back check says others can
+    dial it; streams to peers that did not (behind a NAT, relayed) or that fail the connection go through p2pd
+    (:mod:`peerd.transport.direct`). ``p2p`` = every stream through p2pd (libp2p's encrypted streams)."""
     data_port: int = 0
-    """TCP port of the direct data plane (0 = any free port); forward it too behind a router."""
+    """TCP port of the direct data plane (0 = any free port); forward it too behind a router (the dial-back check
+    tests the libp2p port only)."""
     transport: str = "auto"
     """libp2p implementation: ``p2pd`` = hivemind's Go daemon; ``libp2p`` = py-libp2p in a Python process (no Go
     binary: any machine that runs Python); ``auto`` = p2pd where its binary runs, else py-libp2p (one log line says

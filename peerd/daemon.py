@@ -258,7 +258,7 @@ async def join(run_id: RunRef | str, node: NodeConfig, local_run: Optional[RunCo
             role = role_class(parallelism(run))(ctx)
             services.set_role(role.name)
             services.watch_peers(role_transport.discovery, ctx.namespace.status_key)
-            reach = asyncio.ensure_future(_check_reachability(transport, node, ctx))
+            reach = asyncio.ensure_future(_check_reachability(transport, node, ctx, data_plane))
             services.ready(f"joined run {run_id}")
             await role.run(ctx)
             if ctx.status.conflict is not None:
@@ -303,20 +303,30 @@ async def serve_dialback(transport):
     return service
 
 
-async def _check_reachability(transport, node: NodeConfig, ctx) -> None:
+async def _check_reachability(transport, node: NodeConfig, ctx, data_plane=None) -> None:
     """The join's reachability line; the status record carries the verdict. A peer that listens on loopback only
-    (tests, the local demo) is reachable from this machine alone: it says so and asks nobody."""
+    (tests, the local demo) is reachable from this machine alone: it says so and asks nobody. The direct data plane
+    (``data_plane``, if started) publishes its address only while the verdict says others can dial this peer, so
+    that nobody waits for a connect to a peer behind a NAT (streams to it go through p2pd)."""
     from peerd.transport.dialback import listens_on_loopback_only, watch_reachability
 
+    streams = data_plane.streams if data_plane is not None else None
     if listens_on_loopback_only(node.host_maddrs):
         logger.info("reachable from this machine only: listening on loopback (host_maddrs %s); set host_maddrs to "
                     "/ip4/0.0.0.0/tcp/PORT for peers on other machines", " ".join(node.host_maddrs),
                     extra={"event": "reachability", "reachable": None})
+        if streams is not None:
+            await streams.set_dialable(True)  # every peer that can reach us shares this machine
         return
+    publishing: set[asyncio.Task] = set()
 
     def record(verdict) -> None:
         ctx.status.reachable = verdict.reachable
         ctx.status.relayed = verdict.relayed
+        if streams is not None:
+            task = asyncio.ensure_future(streams.set_dialable(verdict.reachable is True))
+            publishing.add(task)
+            task.add_done_callback(publishing.discard)
 
     try:
         await watch_reachability(transport, node, ctx.namespace.status_key, on_verdict=record)

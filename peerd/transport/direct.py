@@ -5,7 +5,9 @@ one stream at a few hundred MB/s and costs CPU in both daemons. :class:`DirectSt
 :class:`protocols.interfaces.PeerStreams` and moves streams onto TCP between the two Python processes instead:
 
 - ``start()`` listens on ``host:port`` and publishes ``{"host", "port"}`` under :data:`DATAPLANE_KEY`, subkey = our
-  PeerID, re-published every :data:`REPUBLISH_INTERVAL_S`. Through the daemon's
+  PeerID, re-published every :data:`REPUBLISH_INTERVAL_S` (or, with ``publish=False``, only once
+  :meth:`DirectStreams.set_dialable` says others can dial us: the daemon waits for the dial-back check's verdict,
+  so that nobody waits for a connect to a peer behind a NAT; an empty record withdraws the address). Through the daemon's
   :class:`peerd.transport.records.SignedDiscovery` the record is signed by its owner, so nobody can point another
   peer's address elsewhere. (A wrong address alone gets nobody a stream: the handshake fails there and the stream
   falls back to p2pd.)
@@ -99,13 +101,16 @@ class DirectStreams:
     Streams are TLS 1.3 with a certificate made at :meth:`start` (:mod:`peerd.transport.tls`).
     ``multiplex``: carry every stream to a peer over one long-lived connection (:mod:`peerd.transport.mux`), dialled
     once and reused across rounds (re-dialled if it drops), instead of one connection per stream.
-    Before :meth:`start` and after :meth:`stop`, every stream goes through ``inner``. ``stats`` counts direct and
-    fallback opens, direct streams served, refused handshakes, and TCP connections dialled (``tcp_dials``).
+    ``publish``: publish our address at :meth:`start`; False = only once :meth:`set_dialable` says others can dial
+    us (until then peers open their streams to us through ``inner``, and ours to them go direct where they
+    published). Before :meth:`start` and after :meth:`stop`, every stream goes through ``inner``. ``stats`` counts
+    direct and fallback opens, direct streams served, refused handshakes, and TCP connections dialled
+    (``tcp_dials``).
     """
 
     def __init__(self, inner: PeerStreams, discovery: Discovery, signer: Signer, host: str, port: int = 0,
                  announce_host: Optional[str] = None, *, key: str = DATAPLANE_KEY,
-                 socket_buffer_bytes: int = SOCKET_BUFFER_BYTES, multiplex: bool = False):
+                 socket_buffer_bytes: int = SOCKET_BUFFER_BYTES, multiplex: bool = False, publish: bool = True):
         if signer.peer_id != inner.peer_id:
             raise ValueError(f"the signer's key is {signer.peer_id}'s, but the streams are {inner.peer_id}'s")
         announce = announce_host or host
@@ -117,6 +122,7 @@ class DirectStreams:
         self.host, self.port, self.announce_host = host, port, announce
         self.key = key
         self.socket_buffer_bytes = socket_buffer_bytes
+        self.publishing = publish
         self._handlers: dict[str, StreamHandler] = {}
         self._server: Optional[Listener] = None
         self._republisher: Optional[asyncio.Task] = None
@@ -171,12 +177,13 @@ class DirectStreams:
             sock.close()
             raise
         self.port = self._server.sockets[0].getsockname()[1]
-        try:
-            await self._publish()
-        except BaseException:
-            await self.stop()
-            raise
-        self._republisher = asyncio.ensure_future(self._republish_forever())
+        if self.publishing:
+            try:
+                await self._publish()
+            except BaseException:
+                await self.stop()
+                raise
+            self._republisher = asyncio.ensure_future(self._republish_forever())
         logger.info("direct data plane on %s:%d", self.announce_host, self.port,
                     extra={"event": "dataplane_listening", "host": self.announce_host, "port": self.port})
 
@@ -201,12 +208,28 @@ class DirectStreams:
             self.tls.close()
             self.tls = None
 
+    async def set_dialable(self, dialable: bool) -> None:
+        """Publish our address (``dialable``: others can dial us, e.g. the dial-back check said so) or withdraw it
+        (an empty record replaces it: peers that read the table again open their streams to us through ``inner``
+        instead of waiting for a connect that cannot succeed). Only while started; a no-op if nothing changes."""
+        if self._server is None or dialable == self.publishing:
+            return
+        self.publishing = dialable
+        if self._republisher is not None:
+            self._republisher.cancel()
+            self._republisher = None
+        await self._publish()
+        if dialable:
+            self._republisher = asyncio.ensure_future(self._republish_forever())
+        logger.info("direct data plane address %s", "published" if dialable else "withdrawn",
+                    extra={"event": "dataplane_published", "dialable": dialable})
+
     async def _publish(self) -> bool:
         expiration = self.discovery.time() + RECORD_TTL_S
+        address = {"host": self.announce_host, "port": self.port} if self.publishing else {}
         try:
             ok = await asyncio.wait_for(
-                self.discovery.store(self.key, self.peer_id, {"host": self.announce_host, "port": self.port},
-                                     expiration), LOOKUP_TIMEOUT_S)
+                self.discovery.store(self.key, self.peer_id, address, expiration), LOOKUP_TIMEOUT_S)
         except (asyncio.TimeoutError, ConnectionError, OSError) as e:
             ok = False
             logger.info("could not publish the data plane address: %r", e)

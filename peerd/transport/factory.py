@@ -113,10 +113,13 @@ def _ip4(maddr: str) -> Optional[str]:
 
 
 async def start_data_plane(node: NodeConfig, transport: HivemindTransport) -> Optional[HivemindTransport]:
-    """With ``data_plane = "direct"``: ``transport`` with its streams moved onto the direct TCP data plane
-    (:class:`peerd.transport.direct.DirectStreams` with one warm multiplexed connection per peer pair, listening on the host of ``host_maddrs`` at ``data_port`` and
-    announcing the host of ``announce_maddrs``, else the first non-loopback address we are visible at); None with
-    ``p2p``, or if no address to announce is known (then streams stay on p2pd, with a warning)."""
+    """With ``data_plane = "direct"`` (the default): ``transport`` with its streams moved onto the direct TCP data
+    plane (:class:`peerd.transport.direct.DirectStreams` with one warm multiplexed connection per peer pair,
+    listening on the host of ``host_maddrs`` at ``data_port`` and announcing the host of ``announce_maddrs``, else
+    the first non-loopback address we are visible at). Its address is published only once the caller calls
+    ``set_dialable(True)`` (the daemon: when the dial-back check says others can dial this peer); until then peers
+    reach us through p2pd, and our streams go direct to every peer that published. None with ``p2p``, or if no
+    address to announce is known (then streams stay on p2pd, with a warning)."""
     if node.data_plane != "direct":
         return None
     from peerd.transport.direct import DirectStreams
@@ -136,6 +139,6 @@ async def start_data_plane(node: NodeConfig, transport: HivemindTransport) -> Op
     # warm multiplexed connections: as fast or faster than a connection per stream in every measured scenario, and
     # 1.2x faster than p2pd's streams with 8 peers at 100 Mbit/s, at 0.6x the CPU (docs/benchmarks.md)
     streams = DirectStreams(transport.streams, discovery, discovery.signer, host, node.data_port, announce,
-                            multiplex=True)
+                            multiplex=True, publish=False)
     await streams.start()
     return dataclasses.replace(transport, streams=streams)

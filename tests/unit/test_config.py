@@ -389,7 +389,7 @@ def test_node_paths_expand_the_home_folder(monkeypatch, tmp_path):
 
 
 def test_data_plane_choices_and_port_range():
-    assert NodeConfig().data_plane == "p2p"  # encrypted libp2p streams unless the volunteer opts in
+    assert NodeConfig().data_plane == "direct"  # TLS 1.3 between the processes; p2pd for peers not dialable
     assert load_node_config(environ={"PEERD_DATA_PLANE": "direct", "PEERD_DATA_PORT": "31338"}).data_port == 31338
     with pytest.raises(ConfigError, match="data_plane must be p2p or direct"):
         NodeConfig(data_plane="udp")

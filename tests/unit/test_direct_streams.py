@@ -420,6 +420,41 @@ def test_falls_back_when_the_peer_has_no_data_plane(caplog):
     assert len([r for r in caplog.records if getattr(r, "event", None) == "direct_fallback"]) == 1  # once per peer
 
 
+def test_a_peer_not_yet_dialable_is_reached_through_the_inner_streams_without_a_connect_attempt():
+    """b listens but publishes its address only once it is found dialable: until then a opens its streams to b
+    through the inner streams at once (no TCP connect to wait for), b's own streams to a go direct; once b
+    publishes, a goes direct too; a withdrawn address sends a back to the inner streams."""
+
+    async def main():
+        hub = Hub()
+        a, b = make_peer(hub, new_signer()), make_peer(hub, new_signer(), publish=False)
+        try:
+            await a.start()
+            await b.start()
+            seen_b, seen_a = await serve_echo(b), await serve_echo(a)
+            _, answer = await round_trip(a, b.peer_id, b"not dialable yet")
+            assert answer == b"not dialable yet" and seen_b == [a.peer_id]
+            assert a.inner.opens == 1 and a.stats["fallback_opens"] == 1
+            assert a.stats["tcp_dials"] == 0 and a.stats["direct_failed"] == 0  # nothing dialled, nothing waited for
+            _, answer = await round_trip(b, a.peer_id, b"outgoing is direct")
+            assert answer == b"outgoing is direct" and b.stats["direct_opens"] == 1 and b.inner.opens == 0
+            await b.set_dialable(True)
+            a._looked_up_at = -float("inf")  # read the table again now, not after LOOKUP_RETRY_S
+            _, answer = await round_trip(a, b.peer_id, b"now direct")
+            assert answer == b"now direct" and a.stats["direct_opens"] == 1 and a.inner.opens == 1
+            await b.set_dialable(False)
+            a._looked_up_at = -float("inf")
+            a._addresses.clear()  # as after ADDRESS_TTL_S
+            _, answer = await round_trip(a, b.peer_id, b"withdrawn")
+            assert answer == b"withdrawn" and a.inner.opens == 2 and a.stats["direct_opens"] == 1
+            assert seen_b == [a.peer_id] * 3 and seen_a == [b.peer_id]
+        finally:
+            await a.stop()
+            await b.stop()
+
+    asyncio.run(main())
+
+
 def test_falls_back_when_the_peer_port_is_closed():
     async def main():
         async with swarm(2) as (_, (a, b)):
