@@ -315,9 +315,7 @@ async def _check_reachability(transport, node: NodeConfig, ctx, data_plane=None)
         logger.info("reachable from this machine only: listening on loopback (host_maddrs %s); set host_maddrs to "
                     "/ip4/0.0.0.0/tcp/PORT for peers on other machines", " ".join(node.host_maddrs),
                     extra={"event": "reachability", "reachable": None})
-        if streams is not None:
-            await streams.set_dialable(True)  # every peer that can reach us shares this machine
-        return
+        return  # the data plane published its address at start: every peer that can reach us shares this machine
     publishing: set[asyncio.Task] = set()
 
     def record(verdict) -> None:

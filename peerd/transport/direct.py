@@ -7,9 +7,9 @@ one stream at a few hundred MB/s and costs CPU in both daemons. :class:`DirectSt
 - ``start()`` listens on ``host:port`` and publishes ``{"host", "port"}`` under :data:`DATAPLANE_KEY`, subkey = our
   PeerID, re-published every :data:`REPUBLISH_INTERVAL_S` (or, with ``publish=False``, only once
   :meth:`DirectStreams.set_dialable` says others can dial us: the daemon waits for the dial-back check's verdict,
-  so that nobody waits for a connect to a peer behind a NAT; an empty record withdraws the address). Through the daemon's
-  :class:`peerd.transport.records.SignedDiscovery` the record is signed by its owner, so nobody can point another
-  peer's address elsewhere. (A wrong address alone gets nobody a stream: the handshake fails there and the stream
+  so that nobody waits for a connect to a peer behind a NAT; an empty record withdraws the address). Through the
+  daemon's :class:`peerd.transport.records.SignedDiscovery` the record is signed by its owner, so nobody can point
+  another peer's address elsewhere. (A wrong address alone gets nobody a stream: the handshake fails there and the stream
   falls back to p2pd.)
 - ``add_handler`` serves a name on both the inner streams and the direct listener; ``open`` looks the peer's
   address up (one DHT read returns every peer's address; cached), connects and runs the handshake; if the peer has no
@@ -41,7 +41,7 @@ from typing import Any, Optional
 
 from peerd.identity.namespace import network_key
 from peerd.identity.signing import Signer
-from peerd.transport.connection import SOCKET_BUFFER_BYTES, Connection, Listener, listen, open_connection, tune
+from peerd.transport.connection import SOCKET_BUFFER_BYTES, Connection, open_connection, tune
 from peerd.transport.handshake import (HandshakeFailed, HandshakeRefused, client_handshake,  # noqa: F401 - re-exported
                                        server_handshake)
 from peerd.transport.linger import serve_stream
@@ -124,7 +124,7 @@ class DirectStreams:
         self.socket_buffer_bytes = socket_buffer_bytes
         self.publishing = publish
         self._handlers: dict[str, StreamHandler] = {}
-        self._server: Optional[Listener] = None
+        self._server: Optional[asyncio.AbstractServer] = None
         self._republisher: Optional[asyncio.Task] = None
         self._connections: set[asyncio.Task] = set()
         self._pending_handshakes = 0
@@ -172,7 +172,9 @@ class DirectStreams:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             tune(sock, self.socket_buffer_bytes)  # accepted sockets inherit the listener's buffers
             sock.bind(sockaddr)
-            self._server = await listen(sock, self._accepted, backlog=MAX_PENDING_HANDSHAKES)
+            sock.setblocking(False)
+            self._server = await loop.create_server(lambda: Connection(self._accepted), sock=sock,
+                                                    backlog=MAX_PENDING_HANDSHAKES)
         except BaseException:
             sock.close()
             raise

@@ -116,12 +116,14 @@ async def start_data_plane(node: NodeConfig, transport: HivemindTransport) -> Op
     """With ``data_plane = "direct"`` (the default): ``transport`` with its streams moved onto the direct TCP data
     plane (:class:`peerd.transport.direct.DirectStreams` with one warm multiplexed connection per peer pair,
     listening on the host of ``host_maddrs`` at ``data_port`` and announcing the host of ``announce_maddrs``, else
-    the first non-loopback address we are visible at). Its address is published only once the caller calls
-    ``set_dialable(True)`` (the daemon: when the dial-back check says others can dial this peer); until then peers
-    reach us through p2pd, and our streams go direct to every peer that published. None with ``p2p``, or if no
+    the first non-loopback address we are visible at). Its address is published at once if we listen on loopback
+    only (every peer that can reach us shares this machine), else only once the caller calls ``set_dialable(True)``
+    (the daemon: when the dial-back check says others can dial this peer); until then peers reach us through p2pd,
+    and our streams go direct to every peer that published. None with ``p2p``, or if no
     address to announce is known (then streams stay on p2pd, with a warning)."""
     if node.data_plane != "direct":
         return None
+    from peerd.transport.dialback import listens_on_loopback_only
     from peerd.transport.direct import DirectStreams
 
     host = next(filter(None, map(_ip4, node.host_maddrs)), "0.0.0.0")
@@ -139,6 +141,6 @@ async def start_data_plane(node: NodeConfig, transport: HivemindTransport) -> Op
     # warm multiplexed connections: as fast or faster than a connection per stream in every measured scenario, and
     # 1.2x faster than p2pd's streams with 8 peers at 100 Mbit/s, at 0.6x the CPU (docs/benchmarks.md)
     streams = DirectStreams(transport.streams, discovery, discovery.signer, host, node.data_port, announce,
-                            multiplex=True, publish=False)
+                            multiplex=True, publish=listens_on_loopback_only(node.host_maddrs))
     await streams.start()
     return dataclasses.replace(transport, streams=streams)

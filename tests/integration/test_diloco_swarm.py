@@ -34,7 +34,7 @@ def test_three_peers_hold_bit_identical_theta_outer_and_learn(swarm):
     p2pd (the direct peers fall back to p2pd for it). Every round is bit-identical on all three."""
     swarm.start_bootstrap()
     peers = [swarm.start_peer(f"d{i}", "trio", env={"PEERD_DATA_PLANE": "direct"}) for i in range(2)]
-    peers.append(swarm.start_peer("p2", "trio"))
+    peers.append(swarm.start_peer("p2", "trio", env={"PEERD_DATA_PLANE": "p2p"}))
     for peer in peers:
         assert swarm.wait_exit(peer, 180) == 0, swarm.tails()
     _assert_bit_identical(peers, rounds=(1, 2))

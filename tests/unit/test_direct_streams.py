@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 import peerd.transport.direct as direct
 from peerd.identity.signing import Signer, owner_subkey
-from peerd.transport.connection import listen, open_connection
+from peerd.transport.connection import Connection, open_connection
 from peerd.transport.direct import DATAPLANE_KEY, DirectStreams, HandshakeRefused, client_handshake
 from peerd.transport.tls import PeerTLS
 from peerd.transport.inprocess import Hub
@@ -267,9 +267,9 @@ def test_an_impostor_client_is_refused():
 
 async def serve_raw(handler):
     """A listener on 127.0.0.1 whose connections (:class:`Connection`) go to ``handler(conn)``."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    return await listen(sock, lambda conn: asyncio.ensure_future(handler(conn)))
+    loop = asyncio.get_running_loop()
+    return await loop.create_server(lambda: Connection(lambda conn: asyncio.ensure_future(handler(conn))),
+                                    "127.0.0.1", 0)
 
 
 def test_an_impostor_server_is_not_trusted_and_the_stream_falls_back():
