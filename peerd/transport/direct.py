@@ -378,9 +378,16 @@ class DirectStreams:
     # --------------------------------------------------------------------------------------------------- opening
 
     async def open(self, peer_id: str, name: str) -> tuple[Any, Any]:
-        """A direct stream to ``peer_id``'s ``name`` if possible, else ``inner.open`` (ConnectionError if neither)."""
+        """A direct stream to ``peer_id``'s ``name`` if possible, else ``inner.open`` (ConnectionError if neither).
+        With ``multiplex``, a live connection to the peer is used whoever dialled it: a peer that publishes no
+        address (behind a NAT) is reached over the connection it dialled to us."""
         reason = "direct data plane stopped"
         if self._server is not None:
+            session = self._mux.get(peer_id) if self.multiplex else None
+            if session is not None and not session.closed:
+                stream = session.open(name)
+                self.stats["direct_opens"] += 1
+                return stream, stream
             address = await self._address_of(peer_id)
             reason = "no data plane address"
             if address is not None:

@@ -455,6 +455,33 @@ def test_a_peer_not_yet_dialable_is_reached_through_the_inner_streams_without_a_
     asyncio.run(main())
 
 
+def test_a_peer_that_publishes_no_address_is_reached_over_the_connection_it_dialled():
+    """With warm connections, b (behind a NAT: no address published) dials a; a's streams to b then use that
+    connection instead of p2pd."""
+
+    async def main():
+        hub = Hub()
+        a = make_peer(hub, new_signer(), multiplex=True)
+        b = make_peer(hub, new_signer(), multiplex=True, publish=False)
+        try:
+            await a.start()
+            await b.start()
+            seen_b, seen_a = await serve_echo(b), await serve_echo(a)
+            _, answer = await round_trip(a, b.peer_id, b"before b dialled")  # no address, no connection: p2pd
+            assert answer == b"before b dialled" and a.inner.opens == 1 and a.stats["tcp_dials"] == 0
+            _, answer = await round_trip(b, a.peer_id, b"b dials a")
+            assert answer == b"b dials a" and b.stats["mux_dialled"] == 1 and b.inner.opens == 0
+            _, answer = await round_trip(a, b.peer_id, b"over b's connection")
+            assert answer == b"over b's connection" and a.inner.opens == 1 and a.stats["direct_opens"] == 1
+            assert a.stats["tcp_dials"] == 0 and a.stats["mux_accepted"] == 1
+            assert seen_b == [a.peer_id, a.peer_id] and seen_a == [b.peer_id]
+        finally:
+            await a.stop()
+            await b.stop()
+
+    asyncio.run(main())
+
+
 def test_falls_back_when_the_peer_port_is_closed():
     async def main():
         async with swarm(2) as (_, (a, b)):
