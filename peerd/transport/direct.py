@@ -9,8 +9,8 @@ one stream at a few hundred MB/s and costs CPU in both daemons. :class:`DirectSt
   :meth:`DirectStreams.set_dialable` says others can dial us: the daemon waits for the dial-back check's verdict,
   so that nobody waits for a connect to a peer behind a NAT; an empty record withdraws the address). Through the
   daemon's :class:`peerd.transport.records.SignedDiscovery` the record is signed by its owner, so nobody can point
-  another peer's address elsewhere. (A wrong address alone gets nobody a stream: the handshake fails there and the stream
-  falls back to p2pd.)
+  another peer's address elsewhere. (A wrong address alone gets nobody a stream: the handshake fails there and the
+  stream falls back to p2pd.)
 - ``add_handler`` serves a name on both the inner streams and the direct listener; ``open`` looks the peer's
   address up (one DHT read returns every peer's address; cached), connects and runs the handshake; if the peer has no
   address, cannot be reached or fails the handshake, it falls back to ``inner.open`` (logged once per peer).
