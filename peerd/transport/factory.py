@@ -4,8 +4,8 @@
 streams (hivemind's DHT on p2pd, :mod:`peerd.transport.hivemind_backend`, or on py-libp2p,
 :mod:`peerd.transport.libp2p_backend`, by the node config's ``transport``), signs what the peer stores and
 verifies what it reads (:mod:`peerd.transport.records`). :func:`start_data_plane` moves peer streams onto the
-direct TLS data plane (:mod:`peerd.transport.direct`; the default, ``data_plane = "p2p"`` keeps them on p2pd). :func:`open_reader` is a short-lived DHT client
-with no identity, for ``peerd status``.
+direct TLS data plane (:mod:`peerd.transport.direct`; the default, ``data_plane = "p2p"`` keeps them on p2pd).
+:func:`open_reader` is a short-lived DHT client with no identity, for ``peerd status``.
 """
 
 from __future__ import annotations
