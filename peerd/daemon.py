@@ -306,6 +306,7 @@ async def serve_dialback(transport):
 async def _check_reachability(transport, node: NodeConfig, ctx) -> None:
     """The join's reachability line; the status record carries the verdict. A peer that listens on loopback only
     (tests, the local demo) is reachable from this machine alone: it says so and asks nobody."""
+    from peerd.status.records import dialable_peers
     from peerd.transport.dialback import listens_on_loopback_only, watch_reachability
 
     if listens_on_loopback_only(node.host_maddrs):
@@ -319,7 +320,8 @@ async def _check_reachability(transport, node: NodeConfig, ctx) -> None:
         ctx.status.relayed = verdict.relayed
 
     try:
-        await watch_reachability(transport, node, ctx.namespace.status_key, on_verdict=record)
+        await watch_reachability(transport, node, dialable_peers(transport.discovery, ctx.namespace.status_key),
+                                 on_verdict=record)
     except asyncio.CancelledError:
         raise
     except Exception as e:  # boundary: a background check; it informs the volunteer, it never stops training
