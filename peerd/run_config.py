@@ -342,12 +342,13 @@ class RunConfig:
         return hashlib.sha256(json.dumps(self.fingerprint_dict(), sort_keys=True).encode()).hexdigest()[:16]
 
     def _check_dataset(self) -> None:
+        from peerd.data.hf_stream import parse_hf_spec
         from peerd.data.shards import parse_shards_spec
 
-        if self.dataset in ("shakespeare", "local") or (self.dataset.startswith("hf:") and self.dataset[3:].strip()):
+        if self.dataset in ("shakespeare", "local"):
             return
         try:
-            if parse_shards_spec(self.dataset) is not None:
+            if parse_shards_spec(self.dataset) is not None or parse_hf_spec(self.dataset) is not None:
                 return
         except ValueError as e:
             raise ConfigError(str(e), key="dataset", reason=str(e)) from None
