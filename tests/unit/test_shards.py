@@ -177,3 +177,14 @@ def test_an_interrupted_shard_download_resumes_where_it_stopped(tmp_path, creato
         assert sha256_hex((tmp_path / other).read_bytes()) == other
 
     asyncio.run(main())
+
+
+def test_a_daemon_never_trains_a_sharded_run_on_other_text(tmp_path, corpus_file, creator_store):
+    from peerd.config import NodeConfig
+    from peerd.roles.base import RunContext
+
+    _, manifest = creator_store
+    node = NodeConfig(checkpoint_dir=str(tmp_path / "node"), data=corpus_file, threads=1, device="cpu")
+    ctx = RunContext.build("unit", RunConfig(dataset=manifest.spec), node, Hub().transport("solo"))
+    with pytest.raises(DataError, match="shards:"):
+        ctx.training_corpus()
