@@ -61,6 +61,14 @@ def test_transport_knows_no_status_records_roles_or_commands():
     assert found == [], found
 
 
+def test_every_package_folder_is_a_regular_package():
+    # `packages = find:` installs only folders with an __init__.py: a folder without one works from the checkout and
+    # is missing from a `pip install .` (peerd.commands once was)
+    folders = [d for top in ("peerd", "protocols") for d in [ROOT / top, *(ROOT / top).rglob("*")]
+               if d.is_dir() and d.name not in ("__pycache__", "static") and any(d.glob("*.py"))]
+    assert [str(d.relative_to(ROOT)) for d in folders if not (d / "__init__.py").exists()] == []
+
+
 def _tag(ctx):
     return ("wrapped", ctx)
 
