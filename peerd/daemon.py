@@ -308,6 +308,7 @@ async def _check_reachability(transport, node: NodeConfig, ctx, data_plane=None)
     (tests, the local demo) is reachable from this machine alone: it says so and asks nobody. The direct data plane
     (``data_plane``, if started) publishes its address only while the verdict says others can dial this peer, so
     that nobody waits for a connect to a peer behind a NAT (streams to it go through p2pd)."""
+    from peerd.status.records import dialable_peers
     from peerd.transport.dialback import listens_on_loopback_only, watch_reachability
 
     streams = data_plane.streams if data_plane is not None else None
@@ -327,7 +328,8 @@ async def _check_reachability(transport, node: NodeConfig, ctx, data_plane=None)
             task.add_done_callback(publishing.discard)
 
     try:
-        await watch_reachability(transport, node, ctx.namespace.status_key, on_verdict=record)
+        await watch_reachability(transport, node, dialable_peers(transport.discovery, ctx.namespace.status_key),
+                                 on_verdict=record)
     except asyncio.CancelledError:
         raise
     except Exception as e:  # boundary: a background check; it informs the volunteer, it never stops training

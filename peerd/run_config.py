@@ -205,7 +205,10 @@ class RunConfig:
     batch_size: int = 16
     """Sequences per inner step on each peer."""
     dataset: str = "shakespeare"
-    """Training text: shakespeare (the default corpus) or local (each peer passes --data)."""
+    """Training text: shakespeare (the default corpus), local (each peer passes --data), ``shards:<sha256>`` (the
+    creator's local corpus split into content-addressed shards that peers fetch from each other,
+    :mod:`peerd.data.shards`) or ``hf:NAME`` (a Hugging Face dataset with a ``text`` column, streamed; each peer
+    reads its shards in its own order, :mod:`peerd.data.hf_stream`)."""
     tokenizer: str = "bytes"
     """``bytes`` (UTF-8 bytes, vocab 256) or ``bpe:<sha256 of the tokenizer file>``: a byte-level BPE trained by
     the run's creator (``peerd tokenizer train``); peers without the file fetch it from live peers of the run and
@@ -283,8 +286,7 @@ class RunConfig:
             parse_spec(self.tokenizer)
         except ValueError as e:
             raise ConfigError(str(e), key="tokenizer", reason=str(e)) from None
-        if self.dataset not in ("shakespeare", "local"):
-            raise ConfigError(f"dataset must be 'shakespeare' or 'local', got {self.dataset!r}")
+        self._check_dataset()
         for name in ("seq_len", "batch_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -338,6 +340,20 @@ class RunConfig:
         have equal fingerprints, and adding a defaulted field to the config keeps the fingerprints of configs that
         leave it at its default (checkpoints resume, pins hold)."""
         return hashlib.sha256(json.dumps(self.fingerprint_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+    def _check_dataset(self) -> None:
+        from peerd.data.hf_stream import parse_hf_spec
+        from peerd.data.shards import parse_shards_spec
+
+        if self.dataset in ("shakespeare", "local"):
+            return
+        try:
+            if parse_shards_spec(self.dataset) is not None or parse_hf_spec(self.dataset) is not None:
+                return
+        except ValueError as e:
+            raise ConfigError(str(e), key="dataset", reason=str(e)) from None
+        raise ConfigError(f"dataset must be 'shakespeare', 'local', 'shards:<sha256>' or 'hf:NAME', got "
+                          f"{self.dataset!r}")
 
     def fingerprint_dict(self) -> dict[str, Any]:
         """What the fingerprint hashes: :meth:`to_dict` with ``averaging`` in the flat form the scheme was fixed

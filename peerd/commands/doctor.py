@@ -128,6 +128,7 @@ async def network_checks(node: NodeConfig, run_id: "RunRef | str", identity_dir:
     """bootstrap, run config, reachability and clock, through a short-lived node of ours."""
     from peerd.daemon import read_run_status, serve_dialback
     from peerd.identity.namespace import RunNamespace, as_run_ref
+    from peerd.status.records import dialable_peers
     from peerd.transport.dialback import check_transport, helpers_for
     from peerd.transport.factory import open_transport
 
@@ -172,7 +173,7 @@ async def network_checks(node: NodeConfig, run_id: "RunRef | str", identity_dir:
                 memory = check_memory(node, RunConfig.from_dict(config["config"]))
                 if memory is not None:
                     checks.append(memory)
-            helpers = await helpers_for(node, transport.discovery, RunNamespace(ref).status_key)
+            helpers = await helpers_for(node, dialable_peers(transport.discovery, RunNamespace(ref).status_key))
             verdict = await check_transport(transport, helpers, node.announce_maddrs, node.relay)
             checks.append(reachability_check(verdict, note))
             checks.append(clock_check([s["time"] for s in live.values()], time.time()))

@@ -125,6 +125,10 @@ class RunContext:
     def training_corpus(self):
         """The node's corpus (``--data`` or Shakespeare) in the run's tokens; a local corpus's bytes and BPE ids are
         cached per machine in ``<checkpoint_dir>/corpus-cache`` (memory-mapped: any size trains). Raises DataError (a local-data run without ``--data``, unreadable text)."""
+        if self.run.dataset not in ("shakespeare", "local"):  # never train on other text than the run names
+            raise DataError(f"run {self.run_id!r} names dataset {self.run.dataset!r}: the training loop reads "
+                            "shakespeare and local corpora only (shards: and hf: have readers in peerd.data.shards "
+                            "and peerd.data.hf_stream, not yet wired into the roles)")
         if self.run.dataset == "local" and not self.node.data:
             raise DataError(f"run {self.run_id!r} trains on local data: pass --data PATH|GLOB")
         cache = corpus_cache_dir(self.node)

@@ -48,21 +48,44 @@ async def resolve_tokenizer(spec: str, cache: TokenizerCache, transport, ns: Run
     cached = cache.get(digest)
     if cached is not None:
         return cached
+    got = await wait_for_blob(transport, ns, files_service(ns), digest, MAX_TOKENIZER_BYTES, stop, retry_s,
+                              log_every_s, f"the run's tokenizer file ({spec})",
+                              f"the run's creator can also copy it to {cache.path(digest)}")
+    if got is None:
+        return None
+    data, peer = got
+    tokenizer = BpeTokenizer(data)
+    cache.put(tokenizer)
+    logger.info("fetched the run's tokenizer (%d tokens, %d bytes) from %s", tokenizer.vocab_size, len(data), peer)
+    return tokenizer
+
+
+async def live_peers(transport, ns: RunNamespace, status_filter: StatusFilter) -> list[str]:
+    """The run's live peers other than this one (from their status records), in random order (spreads askers over
+    the holders)."""
+    peers = [p for p in status_filter(await transport.discovery.get(ns.status_key)) if p != transport.streams.peer_id]
+    random.shuffle(peers)
+    return peers
+
+
+async def wait_for_blob(transport, ns: RunNamespace, service: str, digest: str, max_bytes: int,
+                        stop: Optional[asyncio.Event], retry_s: float, log_every_s: float, what: str,
+                        hint: str) -> Optional[tuple[bytes, str]]:
+    """``(bytes, peer)`` of the blob ``digest`` from one of the run's live peers serving ``service``, asking them
+    again every ``retry_s`` seconds (a warning naming ``what`` and ``hint`` every ``log_every_s``) until one
+    delivers it; None once ``stop`` is set first."""
     status_filter = StatusFilter(logger)
     loop = asyncio.get_running_loop()
     last_log = -float("inf")
     while stop is None or not stop.is_set():
-        peers = [p for p in status_filter(await transport.discovery.get(ns.status_key)) if p != transport.streams.peer_id]
-        random.shuffle(peers)  # spread joiners over the holders
+        peers = await live_peers(transport, ns, status_filter)
         try:
-            data, peer = await fetch_blob(transport, files_service(ns), peers, digest, MAX_TOKENIZER_BYTES,
-                                          FETCH_TIMEOUT_S)
+            return await fetch_blob(transport, service, peers, digest, max_bytes, FETCH_TIMEOUT_S)
         except BlobUnavailable:
             if loop.time() - last_log >= log_every_s:
                 last_log = loop.time()
-                logger.warning("the run's tokenizer file (%s) is not here and no live peer (%d asked) served it yet;"
-                               " waiting (the run's creator can also copy it to %s)", spec, len(peers),
-                               cache.path(digest))
+                logger.warning("%s is not here and no live peer (%d asked) served it yet; waiting (%s)", what,
+                               len(peers), hint)
             if stop is None:
                 await asyncio.sleep(retry_s)
                 continue
@@ -70,12 +93,6 @@ async def resolve_tokenizer(spec: str, cache: TokenizerCache, transport, ns: Run
                 await asyncio.wait_for(stop.wait(), retry_s)
             except asyncio.TimeoutError:
                 pass
-            continue
-        tokenizer = BpeTokenizer(data)
-        cache.put(tokenizer)
-        logger.info("fetched the run's tokenizer (%d tokens, %d bytes) from %s", tokenizer.vocab_size, len(data),
-                    peer)
-        return tokenizer
     return None
 
 

@@ -161,6 +161,23 @@ class StatusFilter:
         return out
 
 
+
+def dialable_peers(discovery: Any, status_key: str) -> Callable[[], Any]:
+    """A reader for the reachability check's helpers (:func:`peerd.transport.dialback.helpers_for`): each call reads
+    the run's status records under ``status_key`` and returns, shuffled, the PeerIDs of live peers that did not
+    leave and whose own check did not find them unreachable. Raises ConnectionError if the DHT cannot be read."""
+    import random
+
+    read = StatusFilter()
+
+    async def peers() -> list[str]:
+        live = [p for p, s in read(await discovery.get(status_key)).items()
+                if s.get("role") != "left" and s.get("reachable") is not False]
+        random.shuffle(live)
+        return live
+
+    return peers
+
 def contribution(records: dict[str, dict]) -> list[dict[str, Any]]:
     """What each peer contributed to the run, ranked: ``[{rank, peer, tokens, rounds, share}, ...]`` by tokens
     trained, then rounds (then PeerID), from the ``tokens_trained`` / ``rounds_contributed`` of their signed status

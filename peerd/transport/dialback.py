@@ -34,7 +34,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Awaitable, Callable, Optional, Sequence
 
 from peerd.transport.p2pd_errors import P2PD_ERRORS
 from protocols.reachability import ASK_TIMEOUT_S, DialBackService, Verdict, check_reachability, relays_of
@@ -182,22 +182,19 @@ async def check_transport(transport: Any, helpers: Sequence[str], announce_maddr
         await asyncio.sleep(1.0)
 
 
-async def helpers_for(node: Any, discovery: Any = None, status_key: Optional[str] = None) -> list[str]:
+#: The run's peers worth asking, read on each check (shuffled by the caller's reader), e.g.
+#: :func:`peerd.status.records.dialable_peers`: transport knows no status records.
+LivePeers = Callable[[], Awaitable[Sequence[str]]]
+
+
+async def helpers_for(node: Any, live_peers: Optional[LivePeers] = None) -> list[str]:
     """Whom to ask: the PeerIDs of the node config's initial peers (bootstrap nodes are reachable by design), then
-    the run's live peers from their status records (shuffled), if ``discovery`` and ``status_key`` are given; not
-    those whose own check found them unreachable (a peer behind a NAT or firewall may fail to dial an address that
-    others reach: it once told a reachable peer it was not)."""
-    import random
-
-    from peerd.status.records import StatusFilter
-
+    what ``live_peers()`` returns (the run's peers that did not find themselves unreachable: a peer behind a NAT or
+    firewall may fail to dial an address that others reach; it once told a reachable peer it was not)."""
     helpers = [p for p in map(peer_of, node.initial_peers) if p]
-    if discovery is not None and status_key is not None:
+    if live_peers is not None:
         with contextlib.suppress(ConnectionError):  # the DHT unreachable now: only the initial peers are asked
-            live = [p for p, s in StatusFilter(logger)(await discovery.get(status_key)).items()
-                    if s.get("role") != "left" and s.get("reachable") is not False]
-            random.shuffle(live)
-            helpers += live
+            helpers += list(await live_peers())
     return list(dict.fromkeys(helpers))
 
 
@@ -214,14 +211,14 @@ def log_verdict(verdict: Verdict) -> None:
 RECHECK_S = (5.0, 15.0, 60.0, 60.0)
 
 
-async def watch_reachability(transport: Any, node: Any, status_key: Optional[str] = None, on_verdict=None,
+async def watch_reachability(transport: Any, node: Any, live_peers: Optional[LivePeers] = None, on_verdict=None,
                              recheck_s: Sequence[float] = RECHECK_S) -> Optional[Verdict]:
     """Run the check after joining and log its line; while nobody answered, check again after each delay of
     ``recheck_s`` (seconds) in turn. ``on_verdict(verdict)`` gets each verdict (the status board records
     ``reachable``)."""
     verdict = None
     for attempt in range(len(recheck_s) + 1):
-        helpers = await helpers_for(node, transport.discovery, status_key)
+        helpers = await helpers_for(node, live_peers)
         verdict = await check_transport(transport, helpers, node.announce_maddrs, node.relay)
         if on_verdict is not None:
             on_verdict(verdict)

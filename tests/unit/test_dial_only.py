@@ -105,7 +105,7 @@ def test_peers_found_unreachable_do_not_check_others_reachability():
             now = 1e12
             return {p: types.SimpleNamespace(value=value, expiration_time=now) for p, value in records.items()}
 
-    from peerd.status.records import make_status
+    from peerd.status.records import dialable_peers, make_status
 
     records = {
         "12D3KooWreach": make_status(role="diloco", outer_round=1, reachable=True),
@@ -113,7 +113,7 @@ def test_peers_found_unreachable_do_not_check_others_reachability():
         "12D3KooWunknown": make_status(role="diloco", outer_round=1, reachable=None),
     }
     node = types.SimpleNamespace(initial_peers=["/ip4/127.0.0.1/tcp/1/p2p/12D3KooWboot"])
-    helpers = asyncio.run(helpers_for(node, Discovery(), "status"))
+    helpers = asyncio.run(helpers_for(node, dialable_peers(Discovery(), "status")))
     assert helpers[0] == "12D3KooWboot" and sorted(helpers[1:]) == ["12D3KooWreach", "12D3KooWunknown"]
 
 

@@ -44,6 +44,31 @@ def test_no_production_module_imports_the_test_harness():
             assert not any(n.startswith("peerd.testing") for n in names), f"{path}:{node.lineno}"
 
 
+def _imports(path: Path) -> list[tuple[int, str]]:
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            out.append((node.lineno, node.module or ""))
+    return out
+
+
+def test_transport_knows_no_status_records_roles_or_commands():
+    above = ("peerd.status", "peerd.roles", "peerd.worker", "peerd.commands", "peerd.dashboard", "peerd.service")
+    found = [f"{path.name}:{line} {name}" for path in (ROOT / "peerd" / "transport").rglob("*.py")
+             for line, name in _imports(path) if name.startswith(above)]
+    assert found == [], found
+
+
+def test_every_package_folder_is_a_regular_package():
+    # `packages = find:` installs only folders with an __init__.py: a folder without one works from the checkout and
+    # is missing from a `pip install .` (peerd.commands once was)
+    folders = [d for top in ("peerd", "protocols") for d in [ROOT / top, *(ROOT / top).rglob("*")]
+               if d.is_dir() and d.name not in ("__pycache__", "static") and any(d.glob("*.py"))]
+    assert [str(d.relative_to(ROOT)) for d in folders if not (d / "__init__.py").exists()] == []
+
+
 def _tag(ctx):
     return ("wrapped", ctx)
 

@@ -217,6 +217,7 @@ async def test_join_check_logs_one_line_and_the_status_record_carries_it(caplog,
 
     from peerd.config import NodeConfig
     from peerd.roles.status_board import StatusBoard
+    from peerd.status.records import dialable_peers
     from peerd.transport.dialback import watch_reachability
 
     hub = Hub()
@@ -232,7 +233,7 @@ async def test_join_check_logs_one_line_and_the_status_record_carries_it(caplog,
     node = NodeConfig(initial_peers=(f"/ip4/127.0.0.1/tcp/1/p2p/{HELPER_ID}",), checkpoint_dir=str(tmp_path))
     try:
         with caplog.at_level(logging.INFO, logger="peerd.transport.dialback"):
-            verdict = await watch_reachability(me, node, board.key,
+            verdict = await watch_reachability(me, node, dialable_peers(me.discovery, board.key),
                                                on_verdict=lambda v: setattr(board, "reachable", v.reachable))
         lines = [r.getMessage() for r in caplog.records if getattr(r, "event", None) == "reachability"]
         assert lines == ["reachable: other peers can dial this peer at /ip4/127.0.0.1/tcp/4001 (checked by 1 peer(s))"]

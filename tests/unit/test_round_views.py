@@ -55,14 +55,15 @@ async def _start(workers):
         await w.publish_status()
 
 
-async def _round(workers, late, delay_s):
-    """Every worker trains its quota and runs its outer round; ``late`` reaches the boundary ``delay_s`` later."""
+async def _round(workers, late, delay_s, after: "asyncio.Event | None" = None):
+    """Every worker trains its quota and runs its outer round; ``late`` reaches the boundary ``delay_s`` later (or
+    once ``after`` is set)."""
     for w in workers:
         await w.train_until_quota()
 
     async def boundary(w):
         if w is late:
-            await asyncio.sleep(delay_s)
+            await (after.wait() if after is not None else asyncio.sleep(delay_s))
         await w.run_round()
 
     await asyncio.gather(*(boundary(w) for w in workers))
@@ -86,7 +87,7 @@ def test_the_leader_waits_for_a_peer_its_own_view_lacks_but_a_followers_view_has
 
 
 def test_a_peer_left_out_adopts_the_rounds_state_though_its_view_lacks_the_leader(tmp_path):
-    """Neither peer-a's nor peer-b's view has peer-c, which comes 0.3 s late, while their all-reduce runs: the group
+    """Neither peer-a's nor peer-b's view has peer-c, which comes late, while their all-reduce runs: the group
     sealed without it and peer-c is told so. Its own view lacks the leader's record: it used to stop waiting for the
     leader's round at once, find nobody ahead yet, fail the round and train the next on the stale state. It now waits
     until a live worker (peer-b) has finished the round, adopts that state, and counts no failed try (no fresh group
@@ -95,15 +96,17 @@ def test_a_peer_left_out_adopts_the_rounds_state_though_its_view_lacks_the_leade
         a, b, c = workers = _workers(tmp_path)
         await _start(workers)
         hidden = [_hide(a, "peer-c"), _hide(b, "peer-c"), _hide(c, "peer-a")]
-        for w in (a, b):  # an all-reduce that takes a while (64 workers on a loaded machine: ~20 s)
+        sealed = asyncio.Event()  # peer-c comes once a's and b's group has sealed (on a loaded machine 0.3 s late
+        for w in (a, b):          # could still be in time): an all-reduce that takes a while (64 workers: ~20 s)
             real_run = w.sync.allreduce.run
 
             async def slow_run(group, tensor, weight, real_run=real_run):
+                sealed.set()
                 await asyncio.sleep(1.0)
                 return await real_run(group, tensor, weight)
 
             w.sync.allreduce.run = slow_run
-        await _round(workers, late=c, delay_s=0.3)
+        await _round(workers, late=c, delay_s=0.3, after=sealed)
         return workers, hidden
 
     (a, b, c), hidden = asyncio.run(main())
