@@ -120,7 +120,9 @@ def test_diloco_with_moshpit_and_gossip_learns_and_peers_stay_close(swarm, tmp_p
         done = [e["outer_round"] for e in rounds]
         # a moshpit peer whose groupmates finished a round without it joins their next round instead (peers that
         # start seconds apart on a loaded machine can split into two pairs that way); it says so, and skips nothing else
-        skipped = sorted(set(range(1, 4)) - set(done))
+        # and a peer that started late adopted a live peer's state past the rounds it missed (a state download)
+        adopted = max((e["outer_round"] for e in peer.of("state_download")), default=0)
+        skipped = sorted(r for r in set(range(1, 4)) - set(done) if r > adopted)
         assert done == sorted(set(done)) and done[-1] == 3, done
         assert not skipped or (method == "moshpit" and "our moshpit groupmates moved on" in peer.log.read_text()
                                and len(skipped) == 1), (done, swarm.tails())
