@@ -103,6 +103,7 @@ status_interval_s = 2.0
 status_ttl_s = 12.0
 background_eval = {background}
 background_checkpoint = {background}
+data_plane = "{data_plane}"
 """
 
 
@@ -249,7 +250,7 @@ def run_diloco(tb, a, workdir: str, run_toml: str, tokens_per_step: int, env: Op
             path = os.path.join(workdir, f"node{i}.toml")
             with open(path, "w") as f:
                 f.write(NODE_TOML.format(addr=tb.addr(i), background="true" if a.background else "false",
-                                        log_every=getattr(a, "log_every", 1)))
+                                        log_every=getattr(a, "log_every", 1), data_plane=a.data_plane))
             node_tomls.append(path)
         out = os.path.join(workdir, "bootstrap.out")
         with open(out, "w") as stdout, open(os.path.join(workdir, "bootstrap.err"), "w") as stderr:
@@ -569,6 +570,8 @@ def main() -> int:
     p.add_argument("--variants", nargs="+", default=["plain", "streaming-fp4"],
                    help="--emulate-gpu: variants of scripts/wan_emulation.py, run in turn")
     p.add_argument("--plain-rounds", type=int, default=2, help="--emulate-gpu: outer rounds of the plain variant")
+    p.add_argument("--data-plane", default="p2p", choices=("p2p", "direct"),
+                   help="the daemons' node data_plane (bulk streams through p2pd, or direct TCP)")
     p.add_argument("--skip-dp", action="store_true")
     p.add_argument("--no-md", action="store_true", help="do not write the section into docs/benchmarks.md")
     p.add_argument("--md", default=os.path.join(REPO, "docs", "benchmarks.md"))

@@ -155,7 +155,8 @@ def render(section: str, results: dict[str, dict], notes: list[str], a, meta: di
              f"{p['params']:,} / {p['real_params']:,}"
              + (f" / time scale {a.time_scale:g} (step time x {a.time_scale:g})" if a.time_scale != 1 else "")
              + f". H = {a.h}, min_group_size {n}, outer SGD lr 0.7 Nesterov 0.9, checkpoints and status in the "
-             f"background as on a GPU (`background_checkpoint = true`), no evaluation. The fp16 all-reduce's link "
+             f"background as on a GPU (`background_checkpoint = true`), bulk streams on the `{a.data_plane}` data plane, no "
+             f"evaluation. The fp16 all-reduce's link "
              f"bound is {p['fp16_bound_s']:.0f} s against {a.h * p['step_s']:.0f} s of compute per round.", "",
              "Compute utilization = inner steps x step time / wall time of a peer, from the start of its first step "
              "to its last round's end (steady: from the end of its first round), median over peers.", "",
