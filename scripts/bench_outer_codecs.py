@@ -40,8 +40,9 @@ from protocols.matchmaking import MatchmakingConfig  # noqa: E402
 def run_config(a: argparse.Namespace, variant: str) -> RunConfig:
     """``variant``: ``up/answers`` codecs (``fp16`` alone = fp16/fp16) or ``topk-gather`` (the sparse all-gather,
     no answers), optionally ``+F<n>`` fragments, ``+delayed``, ``+k<fraction>`` (top-k density, default 0.02),
-    ``+olr<lr>`` (outer lr), ``+ef<decay>`` (error feedback decay; 0 = none) and ``+sparseloco`` (SparseLoCo's
-    outer step: no outer momentum, outer lr 1, error feedback decay 0.95, arXiv 2508.15706)."""
+    ``+olr<lr>`` (outer lr), ``+ef<decay>`` (error feedback decay; 0 = none), ``+sparseloco`` (SparseLoCo's
+    outer step: no outer momentum, outer lr 1, error feedback decay 0.95, arXiv 2508.15706) and ``+tau<n>`` (with
+    ``+delayed``: each background exchange lands n inner steps after it began, :class:`LandAfterSteps`)."""
     codecs, *extra = variant.split("+")
     exchange, topk_fraction = "reduce", AllReduceConfig.topk_fraction
     if codecs.endswith("-gather"):
@@ -61,6 +62,8 @@ def run_config(a: argparse.Namespace, variant: str) -> RunConfig:
             diloco.update(outer_momentum=0.0, outer_lr=1.0, error_feedback_decay=0.95)
         elif item.startswith("F"):
             diloco["fragments"] = int(item[1:])
+        elif item.startswith("tau") and item[3:].isdigit():
+            pass  # run_variant: each background exchange lands tau inner steps after it was sent
         else:
             raise ValueError(f"variant {variant!r}: unknown part {item!r}")
     averaging = AveragingConfig(
@@ -73,14 +76,61 @@ def run_config(a: argparse.Namespace, variant: str) -> RunConfig:
                      averaging=averaging)
 
 
+class StepCounter:
+    """A worker's inner steps, counted from its ``inner`` events (one per step with ``log_every_steps = 1``)."""
+
+    def __init__(self):
+        self.count = 0
+        self._stepped = asyncio.Event()
+
+    def on_event(self, event) -> None:
+        if event.name == "inner":
+            self.count += 1
+            self._stepped.set()
+
+    async def reached(self, target: int) -> None:
+        while self.count < target:
+            self._stepped.clear()
+            await self._stepped.wait()
+
+
+class LandAfterSteps:
+    """An outer sync whose exchanges (the delayed overlap's background all-reduces) return no sooner than ``tau``
+    inner steps of its worker after they began: the staleness of a WAN all-reduce lasting tau steps (Streaming
+    DiLoCo's tau), here where the in-process all-reduce lasts about one step. ``tau`` must stay below the steps
+    between two boundaries (compute waits for the exchange at the next one)."""
+
+    def __init__(self, inner, steps: StepCounter, tau: int):
+        self.inner, self.steps, self.tau = inner, steps, tau
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def exchange(self, *args, **kwargs):
+        target = self.steps.count + self.tau
+        outcome = await self.inner.exchange(*args, **kwargs)
+        await self.steps.reached(target)
+        return outcome
+
+
+def _tau(variant: str) -> int:
+    return next((int(item[3:]) for item in variant.split("+")[1:] if item.startswith("tau")), 0)
+
+
 async def run_variant(a: argparse.Namespace, variant: str, workdir: str) -> dict:
     run = run_config(a, variant)
     hub = Hub()
     workers, done = [], []
+    tau = _tau(variant)
     for i in range(a.peers):
         node = NodeConfig(checkpoint_dir=os.path.join(workdir, variant.replace("/", "_"), str(i)), threads=1,
-                          device="cpu")
-        w = DiLoCoRole(RunContext.build("bench", run, node, hub.transport(f"peer-{i}")))
+                          device="cpu", log_every_steps=1)
+        ctx = RunContext.build("bench", run, node, hub.transport(f"peer-{i}"))
+        if tau:
+            counter = StepCounter()
+            ctx.events.subscribe(counter.on_event)
+            ctx.wrap_sync = lambda sync, counter=counter: LandAfterSteps(sync, counter, tau)
+        w = DiLoCoRole(ctx)
         w.ctx.events.subscribe(lambda e: done.append(e) if isinstance(e, RoundDone) else None)
         workers.append(w)
     started = time.perf_counter()
@@ -100,7 +150,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variants", nargs="+", default=["fp16", "fp4/fp4", "topk/fp16", "topk/fp4"],
                    help="up/answers codecs or topk-gather, + F<n> fragments, + delayed, + k<top-k fraction>, "
-                        "+ olr<outer lr>, + ef<error feedback decay>, + sparseloco; "
+                        "+ olr<outer lr>, + ef<error feedback decay>, + sparseloco, + tau<steps the exchange lasts>; "
                         "the first is the "
                         "reference")
     p.add_argument("--peers", type=int, default=4)

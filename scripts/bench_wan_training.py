@@ -98,11 +98,12 @@ device = "cpu"
 threads = 1
 host_maddrs = ["/ip4/{addr}/tcp/0"]
 nat_port_map = false
-log_every_steps = 1
+log_every_steps = {log_every}
 status_interval_s = 2.0
 status_ttl_s = 12.0
 background_eval = {background}
 background_checkpoint = {background}
+data_plane = "{data_plane}"
 """
 
 
@@ -236,8 +237,10 @@ def kill(procs: list[Proc]) -> None:
             pass
 
 
-def run_diloco(tb, a, workdir: str, run_toml: str, tokens_per_step: int) -> dict[str, Any]:
-    """Start the bootstrap node and the workers in their namespaces; wait for them; analyse their JSON logs."""
+def run_diloco(tb, a, workdir: str, run_toml: str, tokens_per_step: int, env: Optional[dict] = None,
+               analyse=None) -> dict[str, Any]:
+    """Start the bootstrap node and the workers in their namespaces; wait for them; analyse their JSON logs
+    (``analyse(logs)`` instead of :func:`analyse_diloco` if given). ``env``: the workers' environment."""
     procs: list[Proc] = []
     n = a.peers
     boot_ns = n  # the bootstrap node has its own (unshaped) namespace
@@ -246,7 +249,8 @@ def run_diloco(tb, a, workdir: str, run_toml: str, tokens_per_step: int) -> dict
         for i in range(n + 1):
             path = os.path.join(workdir, f"node{i}.toml")
             with open(path, "w") as f:
-                f.write(NODE_TOML.format(addr=tb.addr(i), background="true" if a.background else "false"))
+                f.write(NODE_TOML.format(addr=tb.addr(i), background="true" if a.background else "false",
+                                        log_every=getattr(a, "log_every", 1), data_plane=a.data_plane))
             node_tomls.append(path)
         out = os.path.join(workdir, "bootstrap.out")
         with open(out, "w") as stdout, open(os.path.join(workdir, "bootstrap.err"), "w") as stderr:
@@ -272,7 +276,7 @@ def run_diloco(tb, a, workdir: str, run_toml: str, tokens_per_step: int) -> dict
             with open(log, "w") as stderr:
                 procs.append(Proc(f"peer{i}", subprocess.Popen(
                     tb.wrap(i, argv), stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True, cwd=REPO,
-                    env={**os.environ, "PEERD_LOGLEVEL": "INFO"}), log))
+                    env={**(env or os.environ), "PEERD_LOGLEVEL": "INFO"}), log))
         workers = procs[1:]
         limit = a.diloco_timeout_s
         if limit is None:  # one failed round costs a boundary more; 300 s each covers a loaded machine
@@ -285,7 +289,8 @@ def run_diloco(tb, a, workdir: str, run_toml: str, tokens_per_step: int) -> dict
             tails = "\n".join(f"--- {p.name} rc={p.popen.poll()}\n{open(p.log, errors='replace').read()[-1500:]}"
                               for p in workers)
             raise RuntimeError(f"DiLoCo workers did not all finish cleanly ({codes}):\n{tails}")
-        return analyse_diloco([read_events(p.log) for p in workers], tokens_per_step, a, t_launch)
+        logs = [read_events(p.log) for p in workers]
+        return analyse(logs) if analyse is not None else analyse_diloco(logs, tokens_per_step, a, t_launch)
     finally:
         kill(procs)
 
@@ -462,6 +467,60 @@ def verdict(res: Results, a) -> list[str]:
             f"**{'met' if ok else 'MISSED'}**."]
 
 
+SECTION_GPU = ("## Compute utilization at a 1.1B model's ratio on home links (scripts/bench_wan_training.py "
+               "--emulate-gpu)")
+
+
+def run_emulated(a, wt) -> int:
+    """``--emulate-gpu``: each variant of scripts/wan_emulation.py in turn on one testbed; its section of the docs."""
+    import wan_emulation as emu
+
+    unknown = [v for v in a.variants if v not in emu.VARIANTS]
+    if unknown:
+        print(f"unknown variants {unknown}; known: {sorted(emu.VARIANTS)}", file=sys.stderr)
+        return 2
+    t0 = time.time()
+    p = emu.plan(a)
+    meta = {"command": ("sudo .venv/bin/python scripts/bench_wan_training.py "
+                        + shlex.join(result_args(sys.argv[1:]))).strip(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": machine_line()}
+    print(json.dumps(p), flush=True)
+    a.background = True  # checkpoints off the critical path, as on a GPU
+    a.log_every = 100  # the steps come from the round events' token counts (logging every step costs ~5 ms a step)
+    workdir = tempfile.mkdtemp(prefix="bench_wan_gpu_")
+    print(f"logs in {workdir}", flush=True)
+    results: dict[str, dict] = {}
+    notes: list[str] = []
+    rate = p["rate_mbit"] * 1e6
+    links = [wt.Link(rate, rate)] * a.peers + [wt.Link(None, None)]
+    with wt.Testbed(links, name=f"bg{os.getpid() % 10**7}") as tb:
+        for variant in a.variants:
+            rounds = a.plain_rounds if variant == "plain" else a.rounds
+            sub = os.path.join(workdir, variant)
+            os.makedirs(sub)
+            run_toml = os.path.join(sub, "run.toml")
+            with open(run_toml, "w") as f:
+                f.write(emu.run_toml(a, variant, p, rounds))
+            a.diloco_timeout_s = rounds * (a.h * p["step_s"] + 3 * p["fp16_bound_s"]) + 600
+            print(f"== {variant}: {rounds} rounds", flush=True)
+            try:
+                results[variant] = run_diloco(tb, a, sub, run_toml, 0, env=emu.node_env(p),
+                                              analyse=lambda logs: emu.analyse(logs, p["step_s"], emu.TOKENS_PER_STEP))
+                print(json.dumps(results[variant])[:3000], flush=True)
+            except Exception as e:  # noqa: BLE001 - report what failed, still run the other variants
+                notes.append(f"- {variant} failed: {type(e).__name__}: {str(e)[:1500]}")
+                print(notes[-1], flush=True)
+    meta["wall_s"] = time.time() - t0
+    text = emu.render(SECTION_GPU, results, notes, a, meta, p)
+    print(text)
+    with open(os.path.join(workdir, "results.json"), "w") as f:
+        json.dump({"results": results, "plan": p, "meta": meta}, f, indent=1, default=str)
+    if not a.no_md:
+        replace_section(a.md, SECTION_GPU, text)
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dp-worker", action="store_true", help=argparse.SUPPRESS)
@@ -501,6 +560,18 @@ def main() -> int:
     p.add_argument("--diloco-timeout-s", type=float, default=None,
                    help="limit of the DiLoCo run (default: 300 s per round boundary, plus 300 s; the delayed "
                         "overlap needs one boundary more than --rounds)")
+    p.add_argument("--emulate-gpu", action="store_true",
+                   help="compute utilization at the ratio of the 1.1b preset on 100 Mbit/s links with H200 compute "
+                        "(emulated device; scripts/wan_emulation.py) instead of DiLoCo vs data parallel")
+    p.add_argument("--emulate-model", default="small", choices=("tiny", "small", "125m", "350m"),
+                   help="--emulate-gpu: the preset whose real parameters the daemons hold (the link rate follows)")
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="--emulate-gpu: step time x this, link rate / this (the same ratio)")
+    p.add_argument("--variants", nargs="+", default=["plain", "streaming-fp4"],
+                   help="--emulate-gpu: variants of scripts/wan_emulation.py, run in turn")
+    p.add_argument("--plain-rounds", type=int, default=2, help="--emulate-gpu: outer rounds of the plain variant")
+    p.add_argument("--data-plane", default="p2p", choices=("p2p", "direct"),
+                   help="the daemons' node data_plane (bulk streams through p2pd, or direct TCP)")
     p.add_argument("--skip-dp", action="store_true")
     p.add_argument("--no-md", action="store_true", help="do not write the section into docs/benchmarks.md")
     p.add_argument("--md", default=os.path.join(REPO, "docs", "benchmarks.md"))
@@ -523,6 +594,8 @@ def main() -> int:
     from peerd.models import build_model, count_parameters
 
     wt = load_wan_testbed()
+    if a.emulate_gpu:
+        return run_emulated(a, wt)
     t0 = time.time()
     meta: dict[str, Any] = {
         "command": ("sudo .venv/bin/python scripts/bench_wan_training.py "

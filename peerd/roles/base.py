@@ -103,7 +103,9 @@ class CheckpointStore:
 @dataclass
 class RunContext:
     """Everything a role needs from the daemon. ``wrap_sync`` decorates each outer-sync strategy the role builds
-    (identity in production; :mod:`peerd.testing.faults` injects faults through it)."""
+    (identity in production; :mod:`peerd.testing.faults` injects faults through it); ``wrap_inner_step`` the DiLoCo
+    worker's inner step (identity in production; :mod:`peerd.testing.emulated_device` puts an emulated accelerator's
+    step in its place)."""
 
     run_id: str
     namespace: RunNamespace
@@ -118,6 +120,7 @@ class RunContext:
     events: EventBus
     device: torch.device
     wrap_sync: Callable[[Any], Any] = field(default=lambda sync: sync)
+    wrap_inner_step: Callable[[Any], Any] = field(default=lambda step: step)
     tokenizer: Any = ByteTokenizer
     """The run's tokenizer (:mod:`peerd.data.tokenizer`; the daemon resolves it before the role starts): its
     ``vocab_size`` sizes the model, :meth:`training_corpus` encodes the corpus with it."""

@@ -28,12 +28,13 @@ class OuterCheckpoint:
     def save_checkpoint(self, final: bool = False) -> None:
         """Write the checkpoint; with the node's ``background_checkpoint`` a copy is written by the writer thread
         (``final``: and waited for, with every write before it)."""
-        tensors = {"theta_outer": self._cat("theta"), "momentum": self._cat("momentum"),
-                   "theta_local": torch.cat([p.fragment.flatten(self.model) for p in self.parts])}
-        tensors.update(optimizer_tensors(self.optimizer))
+        # fresh tensors (concatenations) hold still; the optimizer's state changes with the next inner step
+        flats = [p.fragment.flatten(self.model) for p in self.parts]  # fresh copies
+        fresh = {"theta_local": torch.cat(flats) if len(flats) > 1 else flats[0]}
         feedbacks = self.feedbacks()
         if feedbacks:  # what the sparse codec has not sent yet: lost on a restart otherwise
-            tensors["error_feedback"] = torch.cat([f.error for f in feedbacks])
+            fresh["error_feedback"] = torch.cat([f.error for f in feedbacks])
+        changing = optimizer_tensors(self.optimizer)
         metadata = {
             "run_id": self.ctx.run_id, "run_fingerprint": self.run_cfg.fingerprint(),
             "outer_round": self.outer.outer_round, "steps_since_sync": self.steps_since_sync,
@@ -43,13 +44,16 @@ class OuterCheckpoint:
             "tokenizer": self.run_cfg.tokenizer,
         }
         metadata.update(self.rounds.checkpoint_metadata())
+        outers = [p.outer for p in self.parts]
         if self.writer is None:
-            self.ctx.checkpoints.save(Checkpoint(tensors, metadata))
+            self.ctx.checkpoints.save(Checkpoint(_tensors(outers, fresh, changing), metadata))
             return
-        # copies in host memory: theta_local and the optimizer's moments change while the writer writes, and a copy
-        # on the GPU would take the memory the inner steps were planned with (peerd.hardware.memory)
-        copied = {name: t.detach().to("cpu", copy=True) for name, t in tensors.items()}
-        self.writer.submit(self.ctx.checkpoints.save, Checkpoint(copied, metadata))
+        # the writer thread concatenates theta_outer and the momentum itself: outer states are immutable. The copies
+        # taken here, in host memory, are what changes while it writes (a copy on the GPU would take the memory the
+        # inner steps were planned with, peerd.hardware.memory): at a round boundary no inner step runs, so each
+        # copy the boundary makes holds up the next step
+        copied = {name: t.detach().to("cpu", copy=True) for name, t in changing.items()}
+        self.writer.submit(lambda: self.ctx.checkpoints.save(Checkpoint(_tensors(outers, fresh, copied), metadata)))
         if final:
             self.writer.shutdown(wait=True)
             self.writer = None
@@ -96,6 +100,18 @@ class OuterCheckpoint:
         self.save_checkpoint(final=True)
         if self.local_dp is not None:
             self.local_dp.close()
+
+
+def _tensors(outers: list, fresh: dict[str, torch.Tensor], optimizer: dict[str, torch.Tensor]) -> dict:
+    """The checkpoint's tensors: theta_outer and the momentum of the fragments' outer states ``outers``, concatenated
+    in fragment order ((P,) fp32), then theta_local, the optimizer's state and the error feedback."""
+    tensors = {"theta_outer": torch.cat([o.theta for o in outers]) if len(outers) > 1 else outers[0].theta,
+               "momentum": torch.cat([o.momentum for o in outers]) if len(outers) > 1 else outers[0].momentum,
+               "theta_local": fresh["theta_local"]}
+    tensors.update(optimizer)
+    if "error_feedback" in fresh:
+        tensors["error_feedback"] = fresh["error_feedback"]
+    return tensors
 
 
 def writes_in_background(setting, device: torch.device) -> bool:

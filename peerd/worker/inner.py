@@ -56,11 +56,12 @@ class InnerLoop:
         self.optimizer = make_optimizer(self.model.parameters(), torch.device(self.device).type, hp=self.hp,
                                         eight_bit=self.ctx.node.optimizer_8bit)
         if self.local_dp is not None:
-            self.inner_step = self.local_dp.inner_step(self.optimizer, self.precision)
+            self.inner_step = self.ctx.wrap_inner_step(self.local_dp.inner_step(self.optimizer, self.precision))
             return
-        self.inner_step = InnerStep(self.model, self.optimizer, batch_size=self.run_cfg.batch_size,
-                                    micro_batch_size=self.ctx.node.micro_batch_size, precision=self.precision,
-                                    grad_clip_norm=self.hp.grad_clip_norm, forward=self._forward)
+        self.inner_step = self.ctx.wrap_inner_step(InnerStep(
+            self.model, self.optimizer, batch_size=self.run_cfg.batch_size,
+            micro_batch_size=self.ctx.node.micro_batch_size, precision=self.precision,
+            grad_clip_norm=self.hp.grad_clip_norm, forward=self._forward))
 
     def _inner_step(self) -> torch.Tensor:
         """One inner step on a fresh batch of the run's size; runs in a worker thread. Returns the loss

@@ -49,7 +49,7 @@ class OuterState:
     1-D CPU tensors of the same shape, or ``outer_round`` is not an int >= 0.
     """
 
-    __slots__ = ("theta", "momentum", "outer_round")
+    __slots__ = ("theta", "momentum", "outer_round", "_digest")
 
     def __init__(self, theta: torch.Tensor, momentum: torch.Tensor, outer_round: int) -> None:
         _check_vector("theta", theta)
@@ -59,6 +59,7 @@ class OuterState:
         self.theta = theta.detach().contiguous()  # (P,)
         self.momentum = momentum.detach().contiguous()  # (P,)
         self.outer_round = int(outer_round)
+        self._digest: str | None = None  # computed once: the state never changes
 
     @classmethod
     def initial(cls, theta: torch.Tensor) -> "OuterState":
@@ -114,13 +115,17 @@ class OuterState:
 
     def digest(self) -> str:
         """Hex sha256 of (outer_round as 8-byte little-endian, P as 8-byte LE, theta bytes, momentum bytes),
-        tensors as little-endian fp32. Equal digests mean bit-identical states."""
+        tensors as little-endian fp32. Equal digests mean bit-identical states. Computed on the first call (8P bytes
+        hashed: seconds for a billion parameters) and kept: the state is immutable."""
+        if self._digest is not None:
+            return self._digest
         h = hashlib.sha256()
         h.update(self.outer_round.to_bytes(8, "little"))
         h.update(self.numel.to_bytes(8, "little"))
         for t in (self.theta, self.momentum):
             h.update(memoryview(t.numpy().astype("<f4", copy=False)).cast("B"))
-        return h.hexdigest()
+        self._digest = h.hexdigest()
+        return self._digest
 
     def state_dict(self) -> dict[str, Any]:
         """``{"theta": Tensor (P,), "momentum": Tensor (P,), "outer_round": int}``; the tensors are this state's own

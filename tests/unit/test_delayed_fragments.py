@@ -122,7 +122,7 @@ def test_a_failed_background_fragment_round_keeps_theta_outer_and_counts_its_sam
             for w in (a, b):
                 await w.train_until_quota()
             await asyncio.gather(a.run_round(), b.run_round())
-        (outcome, weight, steps, _), _ = await asyncio.gather(*[w.rounds.in_flight[1] for w in (a, b)])
+        (outcome, weight, steps, _, _), _ = await asyncio.gather(*[w.rounds.in_flight[1] for w in (a, b)])
         assert a.rounds.in_flight[0] == 0 and isinstance(outcome, tuple)
         assert steps == H + H // F and weight == 4.0 * steps  # the failed round's steps counted in this one
         assert not any([await w.rounds.between_steps() for w in (a, b)])

@@ -124,7 +124,7 @@ def test_a_failed_background_round_keeps_theta_outer_and_carries_its_steps(tmp_p
         assert a.outer.digest() == b.outer.digest() == start
         assert a.stats.rounds_failed == b.stats.rounds_failed == 1
         assert a.rounds.carry is None  # the carry went into the relaunched round
-        outcome, _, weight, steps, _ = await a.rounds.in_flight
+        outcome, _, weight, steps, _, _ = await a.rounds.in_flight
         assert (weight, steps) == (24.0, 6) and isinstance(outcome, tuple)  # both rounds' samples and steps
         await _boundary([a, b])  # lands it: 6 steps of each peer in one average
         assert a.outer.outer_round == b.outer.outer_round == 1

@@ -34,7 +34,8 @@ logger = logging.getLogger(__name__)
 
 class DelayedRounds(LandsInFlight, RoundStrategy):
     """The whole model, its all-reduce overlapped with the next round's inner steps. ``in_flight``: the background
-    all-reduce (a task returning ``(outcome, delta, weight, steps, started)``), or None; ``carry``: a failed
+    all-reduce (a task returning ``(outcome, delta, weight, steps, started, stepped)``, ``stepped`` from
+    :meth:`step_off_loop`), or None; ``carry``: a failed
     background round's (samples, steps), added to the next round's weight."""
 
     local_differs = True  # theta_local never restarts from theta_outer
@@ -76,7 +77,7 @@ class DelayedRounds(LandsInFlight, RoundStrategy):
         w.steps_since_sync, w.samples_since_sync = 0, 0  # theta_local goes on: no restart
         w.round_quota = w.schedule.stride
         w.save_checkpoint()
-        await w.ctx.status.publish()  # peers count on us in the next round from now
+        self.publish_soon()  # peers count on us in the next round from now
         return RoundEnd.SENT
 
     async def between_steps(self) -> bool:
@@ -91,9 +92,9 @@ class DelayedRounds(LandsInFlight, RoundStrategy):
         """All-reduce ``delta`` (P,) for the round after theta_outer; ``(outcome, delta, weight, steps, started)``.
         Peers still at the previous round (not at their boundary yet) are expected too."""
         started = time.perf_counter()
-        r = self.worker.outer.outer_round
-        outcome = await self.worker.sync.exchange(delta, weight, live, expected, also_expect=(r - 1,))
-        return outcome, delta, weight, steps, started
+        outer = self.worker.outer
+        outcome = await self.worker.sync.exchange(delta, weight, live, expected, also_expect=(outer.outer_round - 1,))
+        return outcome, delta, weight, steps, started, await self.step_off_loop(outer, outcome)
 
     async def land(self) -> RoundEnd:
         """Wait for the background all-reduce and land it: DONE (theta_outer took its outer step, theta_local
@@ -101,7 +102,7 @@ class DelayedRounds(LandsInFlight, RoundStrategy):
         round's weight) or ADOPTED (refused: we took the leader's state)."""
         w = self.worker
         task, self.in_flight = self.in_flight, None
-        outcome, delta, weight, steps, started = await task
+        outcome, delta, weight, steps, started, stepped = await task
         r = w.outer.outer_round
         if isinstance(outcome, Refused):
             logger.warning("round %d: %s; adopting the leader's state after its round", r + 1, outcome.reason)
@@ -114,7 +115,7 @@ class DelayedRounds(LandsInFlight, RoundStrategy):
             self.carry = (weight, steps)
             return RoundEnd.FAILED
         result, attempts = outcome
-        step = DelayedOuterStep(w.outer).complete(result.averaged, w.hp)
+        step = self.landed_step(w.outer, stepped, result.averaged)
         w.outer = step.state
         if w.finished():  # the run's last outer step: the model is theta_outer
             w.restart_local()
@@ -128,7 +129,7 @@ class DelayedRounds(LandsInFlight, RoundStrategy):
         fields = (w.outer.outer_round, n, result.bytes_sent, result.bytes_received, round(result.seconds, 3),
                   result.excluded, attempts, round(time.perf_counter() - started, 3), weight, steps, dp_bytes,
                   w.outer.digest(), w.sync.method)
-        await w.ctx.status.publish()
+        self.publish_soon()
         w.ctx.events.publish(RoundDone(*fields, await w.round_eval(), w.stats.tokens, **w._units))
         return RoundEnd.DONE
 

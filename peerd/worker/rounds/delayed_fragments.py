@@ -33,8 +33,8 @@ logger = logging.getLogger(__name__)
 
 class DelayedFragmentRounds(LandsInFlight, FragmentRounds):
     """F fragments, each fragment's exchange overlapped with the next H/F inner steps. ``in_flight``: the fragment
-    whose exchange runs in the background and its task (returning ``(outcome, weight, steps, started)``), or
-    None."""
+    whose exchange runs in the background and its task (returning ``(outcome, weight, steps, started, stepped)``,
+    ``stepped`` from :meth:`step_off_loop`), or None."""
 
     def __init__(self, worker):
         super().__init__(worker)
@@ -65,16 +65,17 @@ class DelayedFragmentRounds(LandsInFlight, FragmentRounds):
         self.synced_at[j] = (w.samples_total, w.steps_total)  # back to _unsent if the round fails
         last = j == len(self.parts) - 1
         self.seek(0 if last else position, 0 if last else j + 1)
-        w.save_checkpoint()
-        await w.ctx.status.publish()
+        # the checkpoint is written once a cycle, when its last fragment lands (_fragment_done), not at each of its
+        # F boundaries: each write copies the whole state while no inner step runs
+        self.publish_soon()
         return RoundEnd.SENT
 
     async def _exchange(self, j: int, delta: torch.Tensor, weight: float, steps: int, live: dict,
                         expected: frozenset[str]):
         started = time.perf_counter()
-        r = self.parts[j].outer.outer_round
-        outcome = await self.syncs[j].exchange(delta, weight, live, expected, also_expect=(r - 1,))
-        return outcome, weight, steps, started
+        outer = self.parts[j].outer
+        outcome = await self.syncs[j].exchange(delta, weight, live, expected, also_expect=(outer.outer_round - 1,))
+        return outcome, weight, steps, started, await self.step_off_loop(outer, outcome)
 
     async def between_steps(self) -> bool:
         if self.in_flight is None or not self.in_flight[1].done():
@@ -87,7 +88,7 @@ class DelayedFragmentRounds(LandsInFlight, FragmentRounds):
         theta_local merged), FAILED (unchanged; its samples count in its next round) or ADOPTED."""
         w = self.worker
         (j, task), self.in_flight = self.in_flight, None
-        outcome, weight, steps, started = await task
+        outcome, weight, steps, started, stepped = await task
         part = self.parts[j]
         r = part.outer.outer_round
         if isinstance(outcome, Refused):
@@ -102,7 +103,7 @@ class DelayedFragmentRounds(LandsInFlight, FragmentRounds):
             self.synced_at[j] = self._unsent
             return RoundEnd.FAILED
         result, attempts = outcome
-        step = DelayedOuterStep(part.outer).complete(result.averaged, w.hp)
+        step = self.landed_step(part.outer, stepped, result.averaged)
         part.outer = step.state
         finished = w.finished()
         if not finished:

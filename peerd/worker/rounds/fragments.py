@@ -125,7 +125,7 @@ class FragmentRounds(RoundStrategy):
         cycle["weight"], cycle["steps"] = weight, steps
         w.stats.bytes_sent += sent
         w.stats.bytes_received += received
-        await w.ctx.status.publish()
+        await self.publish_status()
         if j != len(self.parts) - 1:
             return
         cycle, self._cycle = self._cycle, None
