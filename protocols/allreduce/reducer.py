@@ -124,10 +124,16 @@ class ReducerSide:
                 self._session_ready.pop(group_id, None)
             logger.warning("dropped a part from %s: %r", peer, e)
             raise Refused(f"unknown group: {e!r}") from None
+        banned = session.excluded.get(peer, "") if session.excluded.get(peer, "").startswith("banned: ") else (
+            f"banned: {self.bans.reason(peer)}" if self.bans.is_banned(peer) else "")
+        if banned and peer not in session.reducer.delivered:
+            # refused, the ban not renewed: it lapses after ban_s. Renewed at each refusal, a peer banned once (e.g.
+            # a sender that died mid-part, restarted with its identity) stayed banned as long as it kept averaging
+            session.excluded.setdefault(peer, banned)
+            session.changed.set()
+            raise Refused(banned)
         sizes = [session.codec.encoded_size(b - a) for a, b in session.bounds]
         reason = self._check_header(session, peer, header, request.size, sum(sizes))
-        if reason is None and self.bans.is_banned(peer):
-            reason = f"banned: {self.bans.reason(peer)}"
         if reason is not None:
             self._exclude(session, peer, reason)
             raise Refused(reason)

@@ -169,3 +169,29 @@ def test_stalled_sender_does_not_hold_the_round_and_is_banned(mode, averaging_pe
             assert isinstance(outcome[3], AdmissionRefused)
 
     asyncio.run(main())
+
+
+def test_a_banned_member_s_part_is_refused_without_renewing_its_ban(averaging_peers):
+    """A reducer that banned a member (e.g. a sender that died mid-part, restarted with its identity) refuses its
+    parts until the ban lapses, but does not ban it anew for each refused part: renewed every round, a ban never
+    lapsed for a peer that kept averaging, and the restarted peer was locked out of every round."""
+    async def main():
+        hub = Hub()
+        cfg = AllReduceConfig("none", SENDER_TIMEOUT_S, 2 * SENDER_TIMEOUT_S + 2)
+        peers = await averaging_peers(hub, [f"peer{i}" for i in range(3)], "b", MatchmakingConfig(3.0, 0.5, 0.05),
+                                      cfg, ban_s=60.0)
+        bans = {p.matchmaker.peer_id: p.bans for p in peers}
+        bans["peer1"].ban("peer2", "sent a part and died")
+        until, total = bans["peer1"]._until["peer2"], bans["peer1"].total
+        groups = await asyncio.gather(*[mm.form_group("r", {}, expected_size=3) for mm, _ in peers])
+        group = groups[0]
+        assert set(group.members) == {"peer0", "peer1", "peer2"}
+        by_id = {p.matchmaker.peer_id: p.allreduce for p in peers}
+        results = await asyncio.gather(*[by_id[m].run(group, torch.full((30,), float(i)), 1.0)
+                                         for i, m in enumerate(group.members)], return_exceptions=True)
+        for m, res in zip(group.members, results):
+            if m != "peer2" and not isinstance(res, BaseException):
+                assert "peer2" in res.excluded or m != "peer1"
+        assert bans["peer1"]._until["peer2"] == until and bans["peer1"].total == total  # refused, not banned anew
+
+    asyncio.run(main())
