@@ -155,7 +155,7 @@ class ReducerSide:
                 answering.cancel()
         if reason is not None:
             answering.cancel()
-            with contextlib.suppress(asyncio.CancelledError):  # _answer handles its own errors
+            with contextlib.suppress(asyncio.CancelledError, Exception):  # boundary: the answer is abandoned either way
                 await answering  # a frame being written is complete before the refusal follows it
             self._exclude(session, peer, reason)
             raise Refused(reason)

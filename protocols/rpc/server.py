@@ -168,7 +168,7 @@ class Request:
         so any further byte counts as closed too). Reads the stream: do not use with :meth:`payload` pending."""
         try:
             await self.stream.reader.readexactly(1)
-        except (EOFError, ConnectionError, OSError):  # EOF (IncompleteReadError), reset: all mean closed
+        except Exception:  # boundary: EOF, reset, or a transport's own stream error (p2pd): all mean closed
             pass
 
 

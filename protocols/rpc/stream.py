@@ -93,5 +93,5 @@ def close_writer(writer: StreamWriter) -> None:
     """Close ``writer``; closing a stream that already broke does not raise (it is closed either way)."""
     try:
         writer.close()
-    except (ConnectionError, OSError, RuntimeError):  # the transport's error; asyncio/uvloop: loop closing or closed
+    except Exception:  # boundary: a transport's close raises its own error types (p2pd streams, uvloop); closed either way
         pass
