@@ -12,7 +12,7 @@ import pytest
 from peerd.identity.key import load_or_create_identity
 from peerd.testing.localswarm import TINY
 
-pytestmark = pytest.mark.timeout(300)  # ~40 s on an idle 2-core machine; generous for a loaded one
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # 40-85 s on an idle 2-core machine; generous for a loaded one
 
 HOSTILE = Path(__file__).with_name("hostile_member.py")
 

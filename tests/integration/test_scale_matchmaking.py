@@ -8,7 +8,7 @@ import pytest
 
 from protocols.moshpit import assign
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]  # 100-190 s on an idle 2-core machine
 
 N, PER_PROCESS, ROUNDS, GROUP = 32, 8, 4, 4
 
@@ -21,7 +21,7 @@ def test_32_light_peers_every_moshpit_round_succeeds_at_the_grid_group_size(swar
         "--arrival-jitter-s", "4", "--max-wait-s", "60", "--timeout-s", "20", "--member-ttl-s", "20",
         "--start-timeout-s", "120", per_process=PER_PROCESS)
     for p in processes:
-        assert swarm.wait_exit(p, 220) == 0, swarm.tails()
+        assert swarm.wait_exit(p, 450) == 0, swarm.tails()
     records = [json.loads(line) for i in range(N) for line in (tmp_path / f"a{i}.jsonl").read_text().splitlines()]
     peers = sorted({r["peer"] for r in records if r["event"] == "start"})
     assert len(peers) == N

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.netns, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.netns, pytest.mark.xdist_group("netns"), pytest.mark.timeout(600)]
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCAL = ROOT / "node_configs" / "machines" / "local-test.toml"

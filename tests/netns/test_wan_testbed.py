@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.netns, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.netns, pytest.mark.xdist_group("netns"), pytest.mark.timeout(60)]
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "wan_testbed"
 RATE_BPS = 50e6
