@@ -270,6 +270,8 @@ class SpesRole(WorkerCore):
         for _ in range(max(0, steps)):
             if self.ctx.stop.is_set() or self.ctx.gate.paused:
                 return
+            if not await self.sampler.ready():  # the next shard not fetched yet, and stopped meanwhile
+                return
             loss = await loop.run_in_executor(None, self._inner_step)
             self.steps_since_sync += 1
             self.samples_since_sync += self.run_cfg.batch_size

@@ -24,12 +24,12 @@ import torch
 
 from peerd.worker.checkpoint_file import Checkpoint, CheckpointError
 from peerd.config import ConfigError
-from peerd.data.corpus import WindowSampler
 from peerd.events import Evaluated, Left, Paused, Resumed
 from peerd.runtime.heap import trim_heap
 from peerd.runtime.processes import reap, stop_all
 from peerd.worker.inner_step import enable_tf32, micro_batch_count, resolve_precision
 from peerd.roles.base import RunContext, eval_units, held_out_loss
+from peerd.roles.batch_sources import open_batch_source
 from peerd.worker.stats import RoundStats
 
 logger = logging.getLogger(__name__)
@@ -55,11 +55,22 @@ class WorkerCore:
         self.components: tuple = ()
         if node.threads:
             torch.set_num_threads(node.threads)
-        corpus = ctx.training_corpus()
-        self.eval_tokens = corpus.eval
-        self._units = eval_units(ctx.tokenizer, self.eval_tokens, run)  # what the eval fields of events are per
-        self.sampler = WindowSampler(corpus.train, run.seq_len, run.batch_size, seed=self.peer_id)
+        # the run's batches and held-out tokens (peerd.data.sources); a shards:/hf: source has them once started
+        self.sampler = open_batch_source(ctx)
+        self._units_cache: Optional[dict] = None
         ctx.status.set_source(self.status_fields)
+
+    @property
+    def eval_tokens(self):
+        """The run's held-out tokens, 1-D (N,) (None before a network source started)."""
+        return self.sampler.eval_tokens
+
+    @property
+    def _units(self) -> dict:
+        """What the eval fields of events are per (:func:`peerd.roles.base.eval_units`)."""
+        if self._units_cache is None:
+            self._units_cache = eval_units(self.ctx.tokenizer, self.eval_tokens, self.run_cfg)
+        return self._units_cache
 
     def _check_inner_step(self) -> None:
         """How this machine computes the run's inner step (:mod:`peerd.worker.inner_step`): micro-batches and precision.
@@ -81,8 +92,11 @@ class WorkerCore:
             await component.start()
         status_task = asyncio.ensure_future(self._status_loop())
         try:
-            await self.join()
-            while not self.ctx.stop.is_set() and not self.finished():
+            # the batch source first: a sharded run's data may come from peers (False: stopped meanwhile)
+            started = await self.sampler.start()
+            if started:
+                await self.join()
+            while started and not self.ctx.stop.is_set() and not self.finished():
                 await self.wait_while_paused()
                 await self.train_until_quota()
                 if self.ctx.stop.is_set() or self.finished():  # a round may land between two inner steps
@@ -99,6 +113,7 @@ class WorkerCore:
             await self.ctx.status.publish(role="left")
             await self._after_left()
             await stop_all(self.components)
+            await self.sampler.close()
             await self._after_stop()
         self.ctx.events.publish(Left(self.outer_round, self.stats.bytes_sent, self.stats.bytes_received,
                                      self.stats.rounds_failed, self.ctx.run_id))

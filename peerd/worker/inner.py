@@ -83,6 +83,8 @@ class InnerLoop:
         window_start, window_steps = time.perf_counter(), 0
         while (self.steps_since_sync < self.round_quota and not self.ctx.stop.is_set()
                and not self.ctx.gate.paused):
+            if not await self.sampler.ready():  # a sharded run's next shard not fetched yet, and stopped meanwhile
+                break
             loss_on_device = await loop.run_in_executor(None, self._inner_step)
             self.steps_since_sync += 1
             self.samples_since_sync += self.run_cfg.batch_size
