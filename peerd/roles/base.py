@@ -126,12 +126,13 @@ class RunContext:
     ``vocab_size`` sizes the model, :meth:`training_corpus` encodes the corpus with it."""
 
     def training_corpus(self):
-        """The node's corpus (``--data`` or Shakespeare) in the run's tokens; a local corpus's bytes and BPE ids are
+        """The node's corpus (``--data`` or Shakespeare) in the run's tokens, for ``shakespeare`` and ``local`` runs
+        (a role draws its batches through :func:`peerd.roles.batch_sources.open_batch_source`, which calls this); a local corpus's bytes and BPE ids are
         cached per machine in ``<checkpoint_dir>/corpus-cache`` (memory-mapped: any size trains). Raises DataError (a local-data run without ``--data``, unreadable text)."""
         if self.run.dataset not in ("shakespeare", "local"):  # never train on other text than the run names
-            raise DataError(f"run {self.run_id!r} names dataset {self.run.dataset!r}: the training loop reads "
-                            "shakespeare and local corpora only (shards: and hf: have readers in peerd.data.shards "
-                            "and peerd.data.hf_stream, not yet wired into the roles)")
+            raise DataError(f"run {self.run_id!r} names dataset {self.run.dataset!r}: no whole corpus to load here "
+                            "(shards: and hf: runs read their batches through "
+                            "peerd.roles.batch_sources.open_batch_source)")
         if self.run.dataset == "local" and not self.node.data:
             raise DataError(f"run {self.run_id!r} trains on local data: pass --data PATH|GLOB")
         cache = corpus_cache_dir(self.node)

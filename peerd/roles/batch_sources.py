@@ -39,6 +39,8 @@ from protocols.blobs import BlobUnavailable
 logger = logging.getLogger(__name__)
 
 STATE_KIND = "shards"
+RETRY_S = 2.0
+"""Seconds between two rounds of asking the live peers for a manifest or shard none of them delivered."""
 
 
 def shard_store(node) -> ShardStore:
@@ -53,7 +55,8 @@ def open_batch_source(ctx) -> BatchSource:
     run = ctx.run
     if parse_shards_spec(run.dataset) is not None:
         return ShardBatches(run.dataset, shard_store(ctx.node), ctx.transport, ctx.namespace, ctx.tokenizer,
-                            run.seq_len, run.batch_size, ctx.peer_id, run.seed, run.eval_batches, ctx.stop)
+                            run.seq_len, run.batch_size, ctx.peer_id, run.seed, run.eval_batches, ctx.stop,
+                            retry_s=RETRY_S)
     name = parse_hf_spec(run.dataset)
     if name is not None:
         return HfSource(name, ctx.tokenizer, run.seq_len, run.batch_size, ctx.peer_id, run.seed, run.eval_batches)

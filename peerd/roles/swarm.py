@@ -46,10 +46,10 @@ from typing import Optional
 import torch
 
 from peerd.config import ConfigError
-from peerd.data.corpus import WindowSampler
 from peerd.events import StageMoved, StageRoundDone, SwarmProgress
 from peerd.models import build_stage
 from peerd.runtime.processes import reap
+from peerd.roles.batch_sources import open_batch_source
 from peerd.roles.base import RunContext
 from peerd.roles.fragments import FragmentState, fragment
 from peerd.roles.outer_sync import OuterSync, RoundFailure, RoundOutcome, RoundResult, make_outer_sync
@@ -386,9 +386,15 @@ class SwarmRole:
         return not missing
 
     async def _train(self) -> None:
+        sampler = open_batch_source(self.ctx)  # the run's batches (peerd.data.sources); no resume: none is kept
+        try:
+            if await sampler.start():
+                await self._train_from(sampler)
+        finally:
+            await sampler.close()
+
+    async def _train_from(self, sampler) -> None:
         run, node = self.ctx.run, self.ctx.node
-        corpus = self.ctx.training_corpus()
-        sampler = WindowSampler(corpus.train, run.seq_len, run.batch_size, seed=self.ctx.peer_id)
         trainer = PipelineTrainer(self.ctx.transport.streams, lambda k: stage_service_name(self.ctx, k),
                                   self.wiring, run.swarm, d_model=self.service.stage.config.d_model,
                                   local_stage=lambda k: self.service if self.stage == k else None,
@@ -417,6 +423,8 @@ class SwarmRole:
                         await asyncio.wait_for(self.ctx.stop.wait(), 0.5)
                     continue
                 self.paths.append(path)
+            if not await sampler.ready():  # stopped while the next shard was not there yet
+                break
             x, y = sampler.next_batch()
             loss = await trainer.step(x.long(), y.long(), path=path, prefer=prefer)
             if loss is not None:
