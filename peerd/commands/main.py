@@ -12,6 +12,7 @@ import sys
 from typing import Optional, Sequence
 
 from peerd.commands.common import UsageError
+from peerd.commands.corpus import cmd_corpus
 from peerd.commands.control import cmd_health, cmd_pause_resume, cmd_snooze
 from peerd.commands.model import cmd_eval, cmd_export, cmd_generate, cmd_tokenizer
 from peerd.commands.node import cmd_config, cmd_doctor, cmd_install_service
@@ -30,7 +31,7 @@ COMMANDS = {"join": cmd_join, "bootstrap": cmd_bootstrap, "status": cmd_status, 
             "dashboard": cmd_dashboard, "pause": cmd_pause_resume, "resume": cmd_pause_resume, "health": cmd_health,
             "snooze": cmd_snooze,
             "install-service": cmd_install_service, "export": cmd_export, "generate": cmd_generate,
-            "eval": cmd_eval, "tokenizer": cmd_tokenizer, "doctor": cmd_doctor}
+            "eval": cmd_eval, "tokenizer": cmd_tokenizer, "corpus": cmd_corpus, "doctor": cmd_doctor}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
