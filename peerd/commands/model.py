@@ -118,8 +118,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     async def go():
         async with open_swarm_client(node, run_id) as (trainer, run, tokenizer):
-            if run.dataset == "local" and not args.data:
-                raise UsageError(f"peerd eval: run {run_id!r} trains on local data: pass --data PATH|GLOB")
+            if run.dataset != "shakespeare" and not args.data:  # local, shards:, hf: text is not here
+                raise UsageError(f"peerd eval: run {run_id!r} trains on {run.dataset[:30]}: pass --data PATH|GLOB "
+                                 "(its held-out text)")
             tokens = tokenize_corpus(load_corpus(args.data or "shakespeare"), tokenizer).eval
             batches = args.batches or run.eval_batches or 4
             units = eval_units(tokenizer, tokens, dataclasses.replace(run, eval_batches=batches))

@@ -112,11 +112,10 @@ class ShardBatches:
 
     async def close(self) -> None:
         """Cancel the loads ahead and stop serving."""
-        for task in self._loads.values():
+        tasks = list(self._loads.values())
+        for task in tasks:
             task.cancel()
-        for task in self._loads.values():
-            with contextlib.suppress(BaseException):
-                await task
+        await asyncio.gather(*tasks, return_exceptions=True)  # a load's own error ends with it
         self._loads.clear()
         if self._serving:
             await self.server.stop()

@@ -279,3 +279,33 @@ def test_a_spes_peer_trains_on_shards_and_hf(tmp_path, corpus_file, parquet_fold
 
     role, loss = asyncio.run(main())
     assert role.steps_since_sync == 3 and role.stats.last_loss is not None and loss is not None
+
+
+def test_a_swarm_trainer_trains_on_shards(tmp_path, corpus_file):
+    from peerd.roles.swarm import SwarmRole
+    from protocols.swarm import SwarmConfig
+
+    steps = 4
+    nodes = [NodeConfig(checkpoint_dir=str(tmp_path / f"p{i}"), threads=1, device="cpu", status_interval_s=0.5,
+                        status_ttl_s=5.0) for i in range(2)]
+    spec = split_corpus(corpus_file, shard_store(nodes[0]), SHARD).spec
+    run = RunConfig(model="tiny", seq_len=T, batch_size=4, eval_batches=0, parallelism="swarm", dataset=spec,
+                    swarm=SwarmConfig(stages=2, call_timeout_s=10.0, pending_timeout_s=30.0))
+
+    async def main():
+        hub, stop = Hub(), asyncio.Event()
+        ctxs = [RunContext.build("swarmunit", run, node, hub.transport(f"p{i}"), stop=stop)
+                for i, node in enumerate(nodes)]
+        server = SwarmRole(ctxs[1], stage=1, trainer=False)
+        serving = asyncio.ensure_future(server.run(ctxs[1]))
+        while server.service is None:
+            await asyncio.sleep(0.01)
+        await server.announce()
+        trainer = SwarmRole(ctxs[0], stage=0, trainer=True, max_steps=steps)
+        await asyncio.wait_for(trainer.run(ctxs[0]), 90)
+        stop.set()
+        await asyncio.wait_for(serving, 10)
+        return trainer
+
+    trainer = asyncio.run(main())
+    assert trainer.wiring.stats.completed == steps and len(trainer.losses) == steps
