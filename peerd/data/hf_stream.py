@@ -46,6 +46,11 @@ def open_stream(name: str, split: str = "train"):
         import datasets
     except ImportError:
         raise DataError(f"dataset hf:{name} needs Hugging Face datasets (pip install 'peerd[data]')") from None
+    # Where torch is installed, every IterableDataset (and every .shard() of one) puts its epoch counter in shared
+    # memory for DataLoader workers; with the daemon's "file_system" sharing strategy (set by hivemind) each is a
+    # file that torch_shm_manager tracks, and freeing one after the daemon stopped its helper processes aborts the
+    # interpreter ("Broken pipe"). peerd reads the stream in-process only: keep the counter a plain int.
+    datasets.config.TORCH_AVAILABLE = False
     try:
         stream = datasets.load_dataset(name, split=split, streaming=True)
     except Exception as e:  # the library raises many kinds (FileNotFoundError, DatasetNotFoundError, ValueError...)

@@ -195,8 +195,12 @@ def test_a_joiner_fetches_the_creators_shards_and_both_finish_a_diloco_round(tmp
     # what the joiner holds: the manifest, the shards it trained on or fetched ahead, the held-out one
     held = {p.name for p in shard_store(joiner.ctx.node).root.iterdir()}
     assert manifest.digest in held and len(held) < len(manifest.train)
-    # the checkpoint keeps the position in the shard order
-    assert joiner.sampler.state_dict()["drawn"] == 3 and joiner.sampler.state_dict()["position"] == 0
+    # the checkpoint keeps the position in the shard order: a restarted joiner continues there
+    state = joiner.sampler.state_dict()
+    assert state["drawn"] == 3 and state["position"] == 0
+    again = DiLoCoRole(RunContext.build("unit", run, joiner.ctx.node, Hub().transport("joiner")))
+    again.resume()
+    assert again.sampler.state_dict() == state
 
 
 def test_hf_batches_resume_exactly_from_any_batch(parquet_folder):
