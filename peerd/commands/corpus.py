@@ -24,6 +24,7 @@ def cmd_corpus(args: argparse.Namespace) -> int:
     to the run's peers) and print the run-config line ``dataset = "shards:<digest>"`` on stdout, a summary on
     stderr. Returns 0, or 1 (one line) for a corpus that cannot be read or stored; bad flags raise UsageError."""
     from pathlib import Path
+    from types import SimpleNamespace
 
     from peerd.data.corpus import DataError
     from peerd.data.corpus_store import corpus_cache_dir
@@ -33,10 +34,7 @@ def cmd_corpus(args: argparse.Namespace) -> int:
     if args.path == "shakespeare":
         raise UsageError("peerd corpus split: give the path or glob of your corpus (shakespeare needs no shards)")
 
-    class _Node:
-        checkpoint_path = str(Path(args.checkpoint_dir).expanduser())
-
-    cache = corpus_cache_dir(_Node)
+    cache = corpus_cache_dir(SimpleNamespace(checkpoint_path=str(Path(args.checkpoint_dir).expanduser())))
     store = ShardStore(cache / "shards")
     try:
         manifest = split_corpus(args.path, store, shard_bytes, cache_dir=cache)
