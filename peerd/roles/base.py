@@ -127,8 +127,10 @@ class RunContext:
 
     def training_corpus(self):
         """The node's corpus (``--data`` or Shakespeare) in the run's tokens, for ``shakespeare`` and ``local`` runs
-        (a role draws its batches through :func:`peerd.roles.batch_sources.open_batch_source`, which calls this); a local corpus's bytes and BPE ids are
-        cached per machine in ``<checkpoint_dir>/corpus-cache`` (memory-mapped: any size trains). Raises DataError (a local-data run without ``--data``, unreadable text)."""
+        (a role draws its batches through :func:`peerd.roles.batch_sources.open_batch_source`, which calls this); a
+        local corpus's bytes and BPE ids are cached per machine in ``<checkpoint_dir>/corpus-cache`` (memory-mapped:
+        any size trains). Raises DataError (a ``shards:`` or ``hf:`` run, a local-data run without ``--data``,
+        unreadable text)."""
         if self.run.dataset not in ("shakespeare", "local"):  # never train on other text than the run names
             raise DataError(f"run {self.run_id!r} names dataset {self.run.dataset!r}: no whole corpus to load here "
                             "(shards: and hf: runs read their batches through "

@@ -4,6 +4,7 @@ DiLoCo fragments, fp4 pseudo-gradients, and timeouts that hold each transfer ove
 from pathlib import Path
 
 import pytest
+
 from peerd.models.registry import get_preset
 from peerd.run_config import load_run_config
 from protocols.codecs import get_codec
