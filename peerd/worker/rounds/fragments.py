@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional
+from typing import Any, NamedTuple, Optional
+
+import torch
 
 from peerd.config import ConfigError
 from peerd.events import RoundDone
@@ -20,6 +22,22 @@ from peerd.worker.rounds.base import RoundEnd, RoundStrategy
 from protocols.streaming import strided_fragments
 
 logger = logging.getLogger(__name__)
+
+
+class FragmentStart(NamedTuple):
+    """Fragment ``j``'s round as it begins: the run's status records, the live workers' among them, its theta_local
+    ((P_j,) fp32 on the host), the step of the cycle it was taken at, its part and outer sync, and what its
+    pseudo-gradient weighs: the samples and inner steps since its last successful round."""
+
+    j: int
+    records: dict
+    live: dict
+    local: torch.Tensor
+    position: int
+    part: Fragment
+    sync: Any
+    weight: float
+    steps: int
 
 
 class FragmentRounds(RoundStrategy):
@@ -47,11 +65,10 @@ class FragmentRounds(RoundStrategy):
             raise ConfigError(f"[diloco] fragments: {e}", key="fragments", reason=str(e)) from None
         return [fragment(w.model, f"f{p}", names, w.ctx.namespace, w.name) for p, names in enumerate(groups)]
 
-    async def _begin(self, j: int):
+    async def _begin(self, j: int) -> "FragmentStart | RoundEnd":
         """The start of fragment ``j``'s round: catch up with the swarm (the whole state, or this fragment's), take
-        its theta_local ((P_j,) fp32 on the host), sit the round out if it diverged, open the cycle. Returns
-        ``(records, live, local, position)`` (the run's status records, the live workers' among them, theta_local,
-        the step of the cycle it was taken at), or the :class:`RoundEnd` that ends the round here."""
+        its theta_local, sit the round out if it diverged, open the cycle. Returns the :class:`FragmentStart`, or the
+        :class:`RoundEnd` that ends the round here."""
         w = self.worker
         records = await w.peer_records()
         live = workers(records)
@@ -64,7 +81,9 @@ class FragmentRounds(RoundStrategy):
             self.seek(position, j)  # the schedule goes on with the others
             return RoundEnd.SAT_OUT
         self._open_cycle()
-        return records, live, local, position
+        samples_at, steps_at = self.synced_at[j]
+        return FragmentStart(j, records, live, local, position, part, self.syncs[j],
+                             float(w.samples_total - samples_at), w.steps_total - steps_at)
 
     async def round(self) -> RoundEnd:
         """The round of the fragment due at this step of the cycle. Only that fragment's theta_local restarts from
@@ -73,16 +92,12 @@ class FragmentRounds(RoundStrategy):
         round is retried with more steps. The cycle's RoundDone (bytes summed over its fragment rounds) is published
         when its last fragment syncs."""
         w = self.worker
-        j = self.next_fragment
-        begun = await self._begin(j)
-        if isinstance(begun, RoundEnd):
-            return begun
-        records, live, local, position = begun
-        part, sync = self.parts[j], self.syncs[j]
+        start = await self._begin(self.next_fragment)
+        if isinstance(start, RoundEnd):
+            return start
+        j, part, position, weight, steps = start.j, start.part, start.position, start.weight, start.steps
         r = part.outer.outer_round
-        samples_at, steps_at = self.synced_at[j]
-        weight, steps = float(w.samples_total - samples_at), w.steps_total - steps_at
-        outcome = await sync.round(local, weight, live, syncing(records))
+        outcome = await start.sync.round(start.local, weight, start.live, syncing(start.records))
         if outcome is None:
             return RoundEnd.ABANDONED
         if isinstance(outcome, Refused):
