@@ -17,7 +17,7 @@ from peerd.config import ConfigError
 from peerd.events import RoundDone
 from peerd.roles.fragments import Fragment, fragment
 from peerd.roles.outer_sync import Refused, RoundFailure, RoundResult
-from peerd.worker.catch_up import syncing, workers
+from peerd.worker.catch_up import majority_holders, syncing, workers
 from peerd.worker.rounds.base import RoundEnd, RoundStrategy
 from protocols.streaming import strided_fragments
 
@@ -164,15 +164,25 @@ class FragmentRounds(RoundStrategy):
         w.round_quota = w.schedule.next_boundary(step_in_cycle)
 
     async def _catch_up_fragment(self, j: int, live: dict[str, dict]) -> bool:
-        """Download the state of a live peer whose fragment ``j`` is at a later round than ours: its round happened
-        without us. True if we adopted a state."""
+        """Download the state of a live peer whose fragment ``j`` is at a later round than ours (its round happened
+        without us), else, with methods whose members share theta_outer, that of the live peers whose fragment ``j``
+        is at our round but holds another theta_outer held by more workers than ours (a fork of that fragment:
+        :func:`peerd.worker.catch_up.majority_holders`). True if we adopted a state."""
         w = self.worker
         mine = self.parts[j].outer.outer_round
-        ahead = sorted(((s["fragment_rounds"][j], p) for p, s in live.items()
-                        if p != w.peer_id and isinstance(s.get("fragment_rounds"), list)
-                        and len(s["fragment_rounds"]) == len(self.parts) and s["fragment_rounds"][j] > mine),
+        others = {p: s for p, s in live.items() if p != w.peer_id and isinstance(s.get("fragment_rounds"), list)
+                  and len(s["fragment_rounds"]) == len(self.parts)}
+        ahead = sorted(((s["fragment_rounds"][j], p) for p, s in others.items() if s["fragment_rounds"][j] > mine),
                        reverse=True)
-        return bool(ahead) and await w.download_from([p for _, p in ahead])
+        sources = [p for _, p in ahead]
+        if not sources and w.sync.same_theta:
+            sources = majority_holders(self.parts[j].outer.digest()[:16], (
+                (p, s["fragment_digests"][j]) for p, s in others.items() if s["fragment_rounds"][j] == mine
+                and isinstance(s.get("fragment_digests"), list) and len(s["fragment_digests"]) == len(self.parts)))
+            if sources:
+                logger.warning("fragment %d forked at round %d: %d live peer(s) hold another theta_outer than ours; "
+                               "adopting theirs", j, mine, len(sources))
+        return bool(sources) and await w.download_from(sources)
 
     def restarted(self) -> None:
         w = self.worker
