@@ -1,7 +1,8 @@
 """Real peers on Streaming DiLoCo's path (2 fragments, each fragment's all-reduce overlapped with the next inner steps,
 fp4 pseudo-gradients) under the faults the plain path survives (RELIABILITY rows A3, A10, A11): a peer SIGKILLed in
 the middle of a fragment's transfer, the survivors finishing that round without it and agreeing, the dead peer
-restarted from its checkpoint, downloading the state it fell behind on and averaging with the swarm again."""
+restarted from its checkpoint, downloading the state it fell behind on and averaging with the swarm again; and a peer
+joining late (row A10) downloading the state and averaging with the swarm."""
 
 import re
 import signal
@@ -65,3 +66,30 @@ def test_streaming_peer_killed_mid_transfer_restarts_downloads_and_rejoins(swarm
         digests = {p.digests()[r] for p in (*peers, again) if r in p.digests()}
         assert len(digests) == 1, f"round {r}: {digests}"
     assert again.digests().get(last)
+
+
+def test_streaming_late_joiner_downloads_the_state_and_averages_with_the_swarm(swarm, tmp_path):
+    # RELIABILITY row A10 (late joiner) on the streaming path: a fresh peer joins two peers already past round 2,
+    # adopts their state (every fragment's round with it) and takes part in their later fragment rounds with a
+    # bit-identical theta_outer
+    config = _streaming_config(tmp_path, max_outer_rounds=200, inner_steps=20, matchmaking_timeout_s=10,
+                               min_group_size=2)
+    swarm.start_bootstrap()
+    peers = [swarm.start_peer(f"p{i}", "stream", config) for i in range(2)]
+    swarm.wait_for(lambda: all(p.digests().get(2) for p in peers), 180, "round 2 on the first two peers")
+    late = swarm.start_peer("late", "stream", config)
+    swarm.wait_for(lambda: any(e["group_size"] == 3 for e in late.of("outer_round")), 150,
+                   "the late peer averaging with the other two")
+    last = late.of("outer_round")[-1]["outer_round"]
+    swarm.wait_for(lambda: all(p.digests().get(last) for p in peers), 60, f"round {last} on the first two peers")
+    for peer in (*peers, late):
+        peer.proc.send_signal(signal.SIGTERM)
+    for peer in (*peers, late):
+        assert swarm.wait_exit(peer, 60) == 0, swarm.tails()
+    downloads = late.of("state_download")
+    assert downloads and downloads[0]["outer_round"] >= 2, swarm.tails()
+    assert not late.of("resume")  # a fresh peer: nothing to resume from
+    for r in range(downloads[0]["outer_round"], last + 1):
+        digests = {p.digests()[r] for p in (*peers, late) if r in p.digests()}
+        assert len(digests) == 1, f"round {r}: {digests}"
+    assert late.digests().get(last)
