@@ -62,8 +62,9 @@ def test_streaming_peer_killed_mid_transfer_restarts_downloads_and_rejoins(swarm
         assert all(r in peer.digests() for r in range(1, last + 1)), (peer.name, sorted(peer.digests()))
         assert any(e["outer_round"] == 2 for e in peer.of("outer_round")) or peer.of("state_download")
     # theta_outer bit-identical on every peer that finished a round, the victim's rounds after its return included
+    # (rounds completed only: with fragments a state download is taken between two fragment rounds)
     for r in range(1, last + 1):
-        digests = {p.digests()[r] for p in (*peers, again) if r in p.digests()}
+        digests = {e["digest"] for p in (*peers, again) for e in p.of("outer_round") if e["outer_round"] == r}
         assert len(digests) == 1, f"round {r}: {digests}"
     assert again.digests().get(last)
 
@@ -89,7 +90,9 @@ def test_streaming_late_joiner_downloads_the_state_and_averages_with_the_swarm(s
     downloads = late.of("state_download")
     assert downloads and downloads[0]["outer_round"] >= 2, swarm.tails()
     assert not late.of("resume")  # a fresh peer: nothing to resume from
-    for r in range(downloads[0]["outer_round"], last + 1):
-        digests = {p.digests()[r] for p in (*peers, late) if r in p.digests()}
-        assert len(digests) == 1, f"round {r}: {digests}"
-    assert late.digests().get(last)
+    # every round the late peer completed ends bit-identical to the others' (a download's own digest is not compared:
+    # with fragments it is taken between two fragment rounds, some fragments a round further than its outer round)
+    completed = {e["outer_round"]: e["digest"] for e in late.of("outer_round")}
+    assert completed and min(completed) > downloads[0]["outer_round"]
+    for r, digest in completed.items():
+        assert {e["digest"] for p in peers for e in p.of("outer_round") if e["outer_round"] == r} == {digest}, r
