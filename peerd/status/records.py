@@ -33,7 +33,9 @@ STATUS_FIELDS = ("role", "outer_round", "inner_step", "loss", "tokens_per_s", "e
 #: characters), which tells a restarted peer from its previous process; ``stage`` = the pipeline stage a SWARM server
 #: serves (a non-negative integer); ``history`` = the peer's compact recent history of losses and tokens/s
 #: (:mod:`peerd.status.history`, read by dashboards); ``fragment_rounds`` = the outer round of each Streaming DiLoCo fragment
-#: of a DiLoCo worker with ``[diloco] fragments`` > 1 (a list of at most 256 non-negative integers); ``reachable`` =
+#: of a DiLoCo worker with ``[diloco] fragments`` > 1 (a list of at most 256 non-negative integers), and
+#: ``fragment_digests`` the first 16 hex characters of each fragment's theta_outer digest (fork healing per fragment);
+#: ``reachable`` =
 #: whether other peers could dial this peer back directly (:mod:`protocols.reachability`; a boolean, None = not
 #: checked yet or nobody answered); ``relayed`` = whether the peer holds a circuit relay reservation (others reach it
 #: through a relay; a boolean, None = not checked); ``round_retries`` = a DiLoCo all-reduce worker's failed tries of
@@ -42,8 +44,8 @@ STATUS_FIELDS = ("role", "outer_round", "inner_step", "loss", "tokens_per_s", "e
 #: trains (a list of at most 4096 non-negative integers, possibly empty); ``tokens_trained`` and ``rounds_contributed``
 #: = this peer's contribution to the run so far (tokens it trained, outer rounds its update went into; non-negative
 #: integers, kept across restarts in its checkpoint; :func:`contribution` ranks them).
-OPTIONAL_STATUS_FIELDS = ("instance", "stage", "history", "fragment_rounds", "reachable", "relayed", "round_retries",
-                          "experts", "tokens_trained", "rounds_contributed")
+OPTIONAL_STATUS_FIELDS = ("instance", "stage", "history", "fragment_rounds", "fragment_digests", "reachable", "relayed",
+                          "round_retries", "experts", "tokens_trained", "rounds_contributed")
 KNOWN_STATUS_FIELDS = STATUS_FIELDS + OPTIONAL_STATUS_FIELDS
 
 _MAX_ROUND = 2**40
@@ -91,6 +93,9 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "fragment_rounds": (lambda v: v is None or (isinstance(v, (list, tuple)) and 0 < len(v) <= 256
                                                 and all(_count(x) and x is not None for x in v)),
                         "a list of 1-256 non-negative integers"),
+    "fragment_digests": (lambda v: v is None or (isinstance(v, (list, tuple)) and 0 < len(v) <= 256
+                                                 and all(isinstance(x, str) and 0 < len(x) <= 64 for x in v)),
+                         "a list of 1-256 strings of 1-64 characters"),
     "reachable": (lambda v: v is None or isinstance(v, bool), "a boolean"),
     "relayed": (lambda v: v is None or isinstance(v, bool), "a boolean"),
     "round_retries": (lambda v: v is None or (isinstance(v, dict) and 0 < len(v) <= 256 and all(

@@ -112,6 +112,10 @@ class Swarm:
         if run_config is not None:
             args += ["--run-config", str(run_config)]
         log = self.workdir / f"{name}.log"
+        if log.exists():
+            # a restart under the same name: the previous log moves aside, so that a child the killed daemon left
+            # behind (still writing to that file until it notices) cannot scramble the new process's log
+            log.rename(log.with_name(f"{name}.{len(list(self.workdir.glob(f'{name}.*.log'))) + 1}.log"))
         env = {"PEERD_LOGLEVEL": "INFO", **(env or {})}
         if self.preload:
             proc: Any = start_preloaded([*args, *extra], log, env)

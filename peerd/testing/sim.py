@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from peerd.transport.inprocess import Hub, InProcessDiscovery, InProcessStreams, InProcessTransport
+from peerd.transport.inprocess import Hub, InProcessDiscovery, InProcessStreams, InProcessTransport, PipeWriter
 from protocols.allreduce import AllReduceConfig, AllReduceFailed, ButterflyAllReduce
 from protocols.gossip import GossipAverager, GossipConfig
 from protocols.matchmaking import MatchmakingConfig, Matchmaker, MatchmakingFailed
@@ -123,15 +123,11 @@ def _gauss(name: str) -> float:
     return random.Random(hashlib.sha256(name.encode()).digest()).gauss(0.0, 1.0)
 
 
-class _LinkWriter:
+class _LinkWriter(PipeWriter):
     """One direction of a simulated stream: bytes arrive ``latency + size / bandwidth`` later, in order."""
 
     def __init__(self, target: asyncio.StreamReader, hub: "SimHub", owner: str, remote: str):
-        self._target = target
-        self._hub = hub
-        self._owner = owner
-        self._remote = remote
-        self._closed = False
+        super().__init__(target, hub, owner, remote)
         self._latency = hub.latency(owner, remote)
         self._bandwidth = min(hub.uplink(owner), hub.uplink(remote))
         self._wire_free = 0.0  # virtual time at which the last byte queued so far has left the sender
@@ -183,28 +179,10 @@ class _SimDiscovery(InProcessDiscovery):
 
 
 class _SimStreams(InProcessStreams):
-    async def open(self, peer_id: str, name: str):
-        hub: SimHub = self._hub  # type: ignore[assignment]
-        await asyncio.sleep(hub.latency(self._peer_id, peer_id))  # the stream opening costs one trip
-        handler = hub._handlers.get(peer_id, {}).get(name)
-        if handler is None or not hub.connected(self._peer_id, peer_id):
-            raise ConnectionRefusedError(f"{peer_id} does not serve {name!r}")
-        local_reader, remote_reader = asyncio.StreamReader(), asyncio.StreamReader()
-        local_writer = _LinkWriter(remote_reader, hub, self._peer_id, peer_id)
-        remote_writer = _LinkWriter(local_reader, hub, peer_id, self._peer_id)
-        for peer in (self._peer_id, peer_id):
-            hub._streams.setdefault(peer, []).append((local_writer, remote_writer))
+    writer_class = _LinkWriter
 
-        async def serve() -> None:
-            try:
-                await handler(self._peer_id, remote_reader, remote_writer)
-            finally:
-                remote_writer.close()
-
-        task = asyncio.ensure_future(serve())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return local_reader, local_writer
+    async def _opening(self, peer_id: str) -> None:
+        await asyncio.sleep(self._hub.latency(self._peer_id, peer_id))  # the stream opening costs one trip
 
 
 @dataclass

@@ -15,7 +15,7 @@ from typing import Any
 from protocols.interfaces import Record, StreamHandler
 
 
-class _PipeWriter:
+class PipeWriter:
     """Writes into the peer's reader; ``close`` ends the peer's stream."""
 
     def __init__(self, target: asyncio.StreamReader, hub: "Hub", owner: str, remote: str):
@@ -49,7 +49,7 @@ class Hub:
     _records: dict[str, dict[str, Record]] = field(default_factory=dict)
     _handlers: dict[str, dict[str, StreamHandler]] = field(default_factory=dict)
     _down: set[str] = field(default_factory=set)
-    _streams: dict[str, list[tuple[_PipeWriter, _PipeWriter]]] = field(default_factory=dict)
+    _streams: dict[str, list[tuple[PipeWriter, PipeWriter]]] = field(default_factory=dict)
 
     def transport(self, peer_id: str) -> "InProcessTransport":
         """A transport for a new peer named ``peer_id``."""
@@ -120,14 +120,21 @@ class InProcessStreams:
     async def remove_handler(self, name: str) -> None:
         self._hub._handlers.get(self._peer_id, {}).pop(name, None)
 
-    async def open(self, peer_id: str, name: str) -> tuple[asyncio.StreamReader, _PipeWriter]:
+    writer_class = PipeWriter
+    """Each direction's writer: ``writer_class(reader it feeds, hub, owner PeerID, remote PeerID)``."""
+
+    async def _opening(self, peer_id: str) -> None:
+        """What opening a stream to ``peer_id`` costs before it exists: one event-loop turn here."""
         await asyncio.sleep(0)
+
+    async def open(self, peer_id: str, name: str) -> tuple[asyncio.StreamReader, PipeWriter]:
+        await self._opening(peer_id)
         handler = self._hub._handlers.get(peer_id, {}).get(name)
         if handler is None or not self._hub.connected(self._peer_id, peer_id):
             raise ConnectionRefusedError(f"{peer_id} does not serve {name!r}")
         local_reader, remote_reader = asyncio.StreamReader(), asyncio.StreamReader()
-        local_writer = _PipeWriter(remote_reader, self._hub, self._peer_id, peer_id)
-        remote_writer = _PipeWriter(local_reader, self._hub, peer_id, self._peer_id)
+        local_writer = self.writer_class(remote_reader, self._hub, self._peer_id, peer_id)
+        remote_writer = self.writer_class(local_reader, self._hub, peer_id, self._peer_id)
         for peer in (self._peer_id, peer_id):
             self._hub._streams.setdefault(peer, []).append((local_writer, remote_writer))
 

@@ -13,6 +13,7 @@ import asyncio
 import hashlib
 import logging
 import time
+from typing import Any, Iterable
 
 import torch
 
@@ -92,15 +93,9 @@ class CatchUp:
         group again (the two reach each boundary at different times), so the fork lasted to the end of the run."""
         if not self.sync.same_theta or not self.rounds.heals_forks:
             return []
-        own = self.digest()[:16]
-        holders: dict[str, list[str]] = {}
-        for peer, status in live.items():
-            if peer != self.peer_id and status["outer_round"] == self.outer.outer_round and status.get("digest"):
-                holders.setdefault(status["digest"], []).append(peer)
-        counts = {digest: len(peers) for digest, peers in holders.items()}
-        counts[own] = counts.get(own, 0) + 1
-        best = max(counts, key=lambda digest: (counts[digest], digest))
-        return [] if best == own else holders[best]
+        return majority_holders(self.digest()[:16], ((peer, status.get("digest")) for peer, status in live.items()
+                                                     if peer != self.peer_id
+                                                     and status["outer_round"] == self.outer.outer_round))
 
     async def wait_for_round(self, outer_round: int) -> None:
         """Wait (bounded by the round's timeouts) until a live worker's status shows ``outer_round``: the group of
@@ -198,6 +193,25 @@ class CatchUp:
     def fragment_rounds(self) -> list[int]:
         """Each fragment's outer round, in fragment order."""
         return [p.outer.outer_round for p in self.parts]
+
+    def fragment_digests(self) -> list[str]:
+        """Each fragment's theta_outer digest (its first 16 hex characters, as status records carry), in fragment
+        order."""
+        return [p.outer.digest()[:16] for p in self.parts]
+
+
+def majority_holders(own: str, others: Iterable[tuple[str, Any]]) -> list[str]:
+    """The peers holding the digest most holders hold, ``own`` (this peer's) counted once, when it is not ``own``
+    (ties: the larger digest, so that every peer picks the same); [] otherwise. ``others``: (PeerID, digest) of the
+    peers at the same round; a digest that is not a string is left out."""
+    holders: dict[str, list[str]] = {}
+    for peer, digest in others:
+        if isinstance(digest, str) and digest:
+            holders.setdefault(digest, []).append(peer)
+    counts = {digest: len(peers) for digest, peers in holders.items()}
+    counts[own] = counts.get(own, 0) + 1
+    best = max(counts, key=lambda digest: (counts[digest], digest))
+    return [] if best == own else holders[best]
 
 
 def steps_done_now(record: dict, now: float, tokens_per_step: int, inner_steps: int, fresh_s: float = 0.0) -> int:

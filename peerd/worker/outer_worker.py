@@ -149,5 +149,6 @@ class OuterWorker(InnerLoop, CatchUp, OuterCheckpoint, RoundEvaluation, WorkerCo
         retries = {part.fragment.name: tries for part, sync in zip(self.parts, self.syncs)
                    if (tries := sync.retries()) is not None}
         return dict(super().status_fields(),
-                    **({"fragment_rounds": self.fragment_rounds()} if len(self.parts) > 1 else {}),
+                    **({"fragment_rounds": self.fragment_rounds(), "fragment_digests": self.fragment_digests()}
+                       if len(self.parts) > 1 else {}),
                     **({RETRIES_FIELD: retries} if retries else {}))

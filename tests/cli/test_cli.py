@@ -15,7 +15,7 @@ from peerd.testing.localswarm import LOCAL, TINY, Swarm, peerd_cmd
 pytestmark = pytest.mark.timeout(180)
 
 
-def _peerd(*args, timeout=90):
+def _peerd(*args, timeout=240):  # a safety net: a join that is refused exits in seconds on a quiet machine
     return subprocess.run(peerd_cmd(*args), capture_output=True, text=True, timeout=timeout)
 
 

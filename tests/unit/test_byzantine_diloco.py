@@ -17,7 +17,7 @@ from peerd.roles.diloco import DiLoCoRole
 from peerd.transport.inprocess import Hub
 from protocols.diloco import DiLoCoHyperparams
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
 
 ROUNDS = 3
 

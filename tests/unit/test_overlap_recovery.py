@@ -9,6 +9,7 @@ import pytest
 from peerd.config import NodeConfig
 from peerd.roles.base import RunContext
 from peerd.roles.diloco import DiLoCoRole
+from peerd.worker.rounds.base import RoundEnd
 from peerd.roles.outer_sync import RETRIES_FIELD, RoundFailure, agreed_retry, group_key
 from peerd.run_config import AveragingConfig, RunConfig
 from peerd.transport.inprocess import Hub
@@ -177,3 +178,43 @@ def test_a_forked_worker_adopts_the_majority_s_theta_outer_at_its_delayed_bounda
     assert forked != majority
     assert c.outer.digest() == majority and c.rounds.in_flight is None  # adopted, no exchange launched
     assert [w.outer.outer_round for w in (a, b, c)] == [1, 1, 1]
+
+
+@pytest.mark.parametrize("overlap", ["none", "delayed"])
+def test_a_worker_whose_fragment_forked_adopts_the_majority_s_state_at_that_fragment_s_boundary(overlap, tmp_path):
+    """Fragments (F = 2): after the first cycle peer-c's fragment 0 is made to differ at the same fragment round (a
+    fork of that fragment only; its whole-model digest differs too, but fragment rounds do not compare that): at
+    fragment 0's next boundary it sees two workers at its fragment round holding another fragment digest and adopts
+    their state, so that every later round of that fragment averages states the members share."""
+    from protocols.diloco import OuterState
+
+    async def main():
+        run = RunConfig(
+            model="tiny", seq_len=32, batch_size=4, eval_batches=0,
+            diloco=DiLoCoHyperparams(inner_steps=4, warmup_steps=2, inner_lr=1e-3, fragments=2, overlap=overlap),
+            averaging=AveragingConfig.from_flat(min_group_size=3, matchmaking_timeout_s=4.0, request_timeout_s=1.0,
+                                                sender_timeout_s=3.0, reducer_timeout_s=6.0))
+        hub = Hub()
+        workers = [DiLoCoRole(RunContext.build("unit", run, NodeConfig(checkpoint_dir=str(tmp_path / name),
+                                                                       threads=1, device="cpu"),
+                                               hub.transport(name))) for name in NAMES]
+        a, b, c = workers
+        await _start(workers)
+        for _ in range(2):  # fragment 0's round, then fragment 1's: one cycle
+            await _boundary(workers)
+        if overlap == "delayed":
+            for w in workers:
+                await w.rounds.land()
+        assert [w.fragment_rounds() for w in workers] == [[1, 1]] * 3
+        majority = a.parts[0].outer.digest()
+        forked = c.parts[0].outer
+        c.parts[0].outer = OuterState(forked.theta + 1e-3, forked.momentum.clone(), forked.outer_round)
+        await c.publish_status()
+        await c.train_until_quota()
+        ended = await c.run_round()
+        return workers, majority, c.parts[0].outer.digest(), ended
+
+    (a, b, c), majority, healed, ended = asyncio.run(main())
+    assert healed == majority  # fragment 0 holds the majority's theta_outer again
+    assert ended == RoundEnd.ADOPTED
+    assert c.fragment_rounds() == [1, 1]

@@ -27,7 +27,8 @@ class RoundStrategy:
     """One way of syncing at round boundaries. ``parts``: one :class:`FragmentState` per fragment (the whole model:
     one); ``syncs``: their outer syncs. ``local_differs``: theta_local is not theta_outer after a round (so the
     round's evaluation puts theta_outer together in a copy). ``heals_forks``: a worker at our round holding another
-    theta_outer is a fork worth adopting (with fragments, the fragments' rounds tell who is ahead instead).
+    theta_outer (the whole model's digest) is a fork worth adopting (fragment rounds compare each fragment's round and
+    digest instead, :meth:`FragmentRounds._catch_up_fragment`).
 
     The worker calls :meth:`round` at each boundary and the hooks below when its state changes under the rounds."""
 

@@ -49,22 +49,20 @@ class DelayedFragmentRounds(LandsInFlight, FragmentRounds):
             landed = await self.land()
             if landed == RoundEnd.ADOPTED or w.finished():
                 return landed
-        j = self.next_fragment
-        begun = await self._begin(j)
-        if isinstance(begun, RoundEnd):
-            return begun
-        records, live, local, position = begun
-        part, sync = self.parts[j], self.syncs[j]
-        delta = DelayedOuterStep(part.outer).boundary(local)  # every step since its theta_outer last moved
-        samples_at, steps_at = self._unsent = self.synced_at[j]
-        weight, steps = float(w.samples_total - samples_at), w.steps_total - steps_at
+        start = await self._begin(self.next_fragment)
+        if isinstance(start, RoundEnd):
+            return start
+        j, records = start.j, start.records
+        delta = DelayedOuterStep(start.part.outer).boundary(start.local)  # every step since theta_outer last moved
+        self._unsent = self.synced_at[j]
         # the last group's members without a status record now are expected too (see DelayedRounds)
-        lapsed = sync.last_members - records.keys() - {w.peer_id}
-        task = asyncio.ensure_future(self._exchange(j, delta, weight, steps, live, syncing(records) | lapsed))
+        lapsed = start.sync.last_members - records.keys() - {w.peer_id}
+        task = asyncio.ensure_future(self._exchange(j, delta, start.weight, start.steps, start.live,
+                                                    syncing(records) | lapsed))
         self.in_flight = (j, task)
         self.synced_at[j] = (w.samples_total, w.steps_total)  # back to _unsent if the round fails
         last = j == len(self.parts) - 1
-        self.seek(0 if last else position, 0 if last else j + 1)
+        self.seek(0 if last else start.position, 0 if last else j + 1)
         # the checkpoint is written once a cycle, when its last fragment lands (_fragment_done), not at each of its
         # F boundaries: each write copies the whole state while no inner step runs
         self.publish_soon()

@@ -9,17 +9,35 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional
+from typing import Any, NamedTuple, Optional
+
+import torch
 
 from peerd.config import ConfigError
 from peerd.events import RoundDone
 from peerd.roles.fragments import Fragment, fragment
 from peerd.roles.outer_sync import Refused, RoundFailure, RoundResult
-from peerd.worker.catch_up import syncing, workers
+from peerd.worker.catch_up import majority_holders, syncing, workers
 from peerd.worker.rounds.base import RoundEnd, RoundStrategy
 from protocols.streaming import strided_fragments
 
 logger = logging.getLogger(__name__)
+
+
+class FragmentStart(NamedTuple):
+    """Fragment ``j``'s round as it begins: the run's status records, the live workers' among them, its theta_local
+    ((P_j,) fp32 on the host), the step of the cycle it was taken at, its part and outer sync, and what its
+    pseudo-gradient weighs: the samples and inner steps since its last successful round."""
+
+    j: int
+    records: dict
+    live: dict
+    local: torch.Tensor
+    position: int
+    part: Fragment
+    sync: Any
+    weight: float
+    steps: int
 
 
 class FragmentRounds(RoundStrategy):
@@ -47,11 +65,10 @@ class FragmentRounds(RoundStrategy):
             raise ConfigError(f"[diloco] fragments: {e}", key="fragments", reason=str(e)) from None
         return [fragment(w.model, f"f{p}", names, w.ctx.namespace, w.name) for p, names in enumerate(groups)]
 
-    async def _begin(self, j: int):
+    async def _begin(self, j: int) -> "FragmentStart | RoundEnd":
         """The start of fragment ``j``'s round: catch up with the swarm (the whole state, or this fragment's), take
-        its theta_local ((P_j,) fp32 on the host), sit the round out if it diverged, open the cycle. Returns
-        ``(records, live, local, position)`` (the run's status records, the live workers' among them, theta_local,
-        the step of the cycle it was taken at), or the :class:`RoundEnd` that ends the round here."""
+        its theta_local, sit the round out if it diverged, open the cycle. Returns the :class:`FragmentStart`, or the
+        :class:`RoundEnd` that ends the round here."""
         w = self.worker
         records = await w.peer_records()
         live = workers(records)
@@ -64,7 +81,9 @@ class FragmentRounds(RoundStrategy):
             self.seek(position, j)  # the schedule goes on with the others
             return RoundEnd.SAT_OUT
         self._open_cycle()
-        return records, live, local, position
+        samples_at, steps_at = self.synced_at[j]
+        return FragmentStart(j, records, live, local, position, part, self.syncs[j],
+                             float(w.samples_total - samples_at), w.steps_total - steps_at)
 
     async def round(self) -> RoundEnd:
         """The round of the fragment due at this step of the cycle. Only that fragment's theta_local restarts from
@@ -73,16 +92,12 @@ class FragmentRounds(RoundStrategy):
         round is retried with more steps. The cycle's RoundDone (bytes summed over its fragment rounds) is published
         when its last fragment syncs."""
         w = self.worker
-        j = self.next_fragment
-        begun = await self._begin(j)
-        if isinstance(begun, RoundEnd):
-            return begun
-        records, live, local, position = begun
-        part, sync = self.parts[j], self.syncs[j]
+        start = await self._begin(self.next_fragment)
+        if isinstance(start, RoundEnd):
+            return start
+        j, part, position, weight, steps = start.j, start.part, start.position, start.weight, start.steps
         r = part.outer.outer_round
-        samples_at, steps_at = self.synced_at[j]
-        weight, steps = float(w.samples_total - samples_at), w.steps_total - steps_at
-        outcome = await sync.round(local, weight, live, syncing(records))
+        outcome = await start.sync.round(start.local, weight, start.live, syncing(start.records))
         if outcome is None:
             return RoundEnd.ABANDONED
         if isinstance(outcome, Refused):
@@ -149,15 +164,25 @@ class FragmentRounds(RoundStrategy):
         w.round_quota = w.schedule.next_boundary(step_in_cycle)
 
     async def _catch_up_fragment(self, j: int, live: dict[str, dict]) -> bool:
-        """Download the state of a live peer whose fragment ``j`` is at a later round than ours: its round happened
-        without us. True if we adopted a state."""
+        """Download the state of a live peer whose fragment ``j`` is at a later round than ours (its round happened
+        without us), else, with methods whose members share theta_outer, that of the live peers whose fragment ``j``
+        is at our round but holds another theta_outer held by more workers than ours (a fork of that fragment:
+        :func:`peerd.worker.catch_up.majority_holders`). True if we adopted a state."""
         w = self.worker
         mine = self.parts[j].outer.outer_round
-        ahead = sorted(((s["fragment_rounds"][j], p) for p, s in live.items()
-                        if p != w.peer_id and isinstance(s.get("fragment_rounds"), list)
-                        and len(s["fragment_rounds"]) == len(self.parts) and s["fragment_rounds"][j] > mine),
+        others = {p: s for p, s in live.items() if p != w.peer_id and isinstance(s.get("fragment_rounds"), list)
+                  and len(s["fragment_rounds"]) == len(self.parts)}
+        ahead = sorted(((s["fragment_rounds"][j], p) for p, s in others.items() if s["fragment_rounds"][j] > mine),
                        reverse=True)
-        return bool(ahead) and await w.download_from([p for _, p in ahead])
+        sources = [p for _, p in ahead]
+        if not sources and w.sync.same_theta:
+            sources = majority_holders(self.parts[j].outer.digest()[:16], (
+                (p, s["fragment_digests"][j]) for p, s in others.items() if s["fragment_rounds"][j] == mine
+                and isinstance(s.get("fragment_digests"), list) and len(s["fragment_digests"]) == len(self.parts)))
+            if sources:
+                logger.warning("fragment %d forked at round %d: %d live peer(s) hold another theta_outer than ours; "
+                               "adopting theirs", j, mine, len(sources))
+        return bool(sources) and await w.download_from(sources)
 
     def restarted(self) -> None:
         w = self.worker
