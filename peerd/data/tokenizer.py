@@ -38,6 +38,11 @@ class TokenizerError(RuntimeError):
     """A tokenizer spec is malformed, or its file is missing, unreadable or has another digest."""
 
 
+PLACEHOLDER_DIGEST = "0" * 64
+"""The digest the real-model run presets carry in place of the run's BPE (``tokenizer = "bpe:000...0"``): a daemon
+refuses to start a run with it (the creator replaces it with the line ``peerd tokenizer train`` prints)."""
+
+
 def parse_spec(spec: str) -> Optional[str]:
     """None for ``"bytes"``, the 64-hex digest for ``"bpe:<sha256>"``. Raises ValueError otherwise."""
     if spec == BYTES:

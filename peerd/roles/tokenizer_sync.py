@@ -14,10 +14,11 @@ import logging
 import random
 from typing import Optional, Union
 
+from peerd.config import ConfigError
 from peerd.data.corpus import ByteTokenizer
 from peerd.identity.namespace import RunNamespace
 from peerd.status.records import StatusFilter
-from peerd.data.tokenizer import MAX_TOKENIZER_BYTES, BpeTokenizer, TokenizerCache, parse_spec
+from peerd.data.tokenizer import MAX_TOKENIZER_BYTES, PLACEHOLDER_DIGEST, BpeTokenizer, TokenizerCache, parse_spec
 from protocols.blobs import BlobServer, BlobUnavailable, fetch_blob
 
 logger = logging.getLogger(__name__)
@@ -41,10 +42,15 @@ async def resolve_tokenizer(spec: str, cache: TokenizerCache, transport, ns: Run
                             log_every_s: float = 30.0) -> Union[type[ByteTokenizer], BpeTokenizer, None]:
     """The tokenizer of a run config's ``tokenizer`` spec: :class:`ByteTokenizer` for ``bytes``; the cached BPE,
     or one fetched from the run's live peers (then cached). Returns None if ``stop`` is set before any peer
-    delivered it. Raises ValueError for a malformed spec."""
+    delivered it. Raises ValueError for a malformed spec, ConfigError for a preset's placeholder
+    (:data:`peerd.data.tokenizer.PLACEHOLDER_DIGEST`)."""
     digest = parse_spec(spec)
     if digest is None:
         return ByteTokenizer
+    if digest == PLACEHOLDER_DIGEST:
+        reason = ("the run config's tokenizer is the preset's placeholder: train the run's BPE with `peerd tokenizer "
+                  "train --data CORPUS` and put the line it prints in the run config")
+        raise ConfigError(reason, key="tokenizer", reason=reason)
     cached = cache.get(digest)
     if cached is not None:
         return cached

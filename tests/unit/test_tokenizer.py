@@ -196,3 +196,21 @@ def test_a_diloco_peer_trains_on_bpe_tokens(tmp_path, bpe):
     hf = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")  # as a byte-level run's export loads
     assert hf.encode("To be, or not to be") == bpe.encode("To be, or not to be").tolist()
     assert json.loads(files[1].read_text())["vocab_size"] == bpe.vocab_size
+
+
+def test_a_presets_placeholder_tokenizer_is_refused_with_the_command_that_replaces_it(tmp_path):
+    # node_configs/runs/{125m,350m,1.1b}.toml ship tokenizer = "bpe:000...0" until the creator trains the run's BPE:
+    # a daemon started with it stops at once (exit 2 through the CLI) instead of waiting for a file no peer has
+    from peerd.data.tokenizer import PLACEHOLDER_DIGEST
+    from peerd.run_config import load_run_config
+
+    assert load_run_config("node_configs/runs/1.1b.toml").tokenizer == f"bpe:{PLACEHOLDER_DIGEST}"
+
+    async def main():
+        hub = Hub()
+        return await resolve_tokenizer(f"bpe:{PLACEHOLDER_DIGEST}", TokenizerCache(tmp_path / "c"),
+                                       hub.transport("creator"), RunNamespace(RunRef("unit")), asyncio.Event())
+
+    with pytest.raises(ConfigError, match="peerd tokenizer train") as refused:
+        asyncio.run(main())
+    assert refused.value.key == "tokenizer"
