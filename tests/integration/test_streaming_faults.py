@@ -27,6 +27,20 @@ def _streaming_config(tmp_path, **changes):
     return path
 
 
+def _averages_with(swarm, joiner, peers, who: str) -> int:
+    """Wait until ``joiner`` completed a round in a group with all of ``peers`` and they completed it too, then stop
+    them all (SIGTERM, clean exits); returns that round."""
+    swarm.wait_for(lambda: any(e["group_size"] == len(peers) + 1 for e in joiner.of("outer_round")), 150,
+                   f"{who} averaging with the other {len(peers)}")
+    last = joiner.of("outer_round")[-1]["outer_round"]
+    swarm.wait_for(lambda: all(p.digests().get(last) for p in peers), 60, f"round {last} on the other peers")
+    for peer in (*peers, joiner):
+        peer.proc.send_signal(signal.SIGTERM)
+    for peer in (*peers, joiner):
+        assert swarm.wait_exit(peer, 60) == 0, swarm.tails()
+    return last
+
+
 def test_streaming_peer_killed_mid_transfer_restarts_downloads_and_rejoins(swarm, tmp_path):
     # min_group_size 3: the three survivors go on without the victim; max_outer_rounds far away: the test stops the
     # swarm (SIGTERM) once the restarted victim has averaged with it again, so no timing decides what is checked
@@ -41,14 +55,7 @@ def test_streaming_peer_killed_mid_transfer_restarts_downloads_and_rejoins(swarm
     assert len(fired) == 1 and fired[0]["bytes_sent"] == 3000
     # the victim comes back with its identity and checkpoint, no faults
     again = swarm.start_peer("victim", "stream", config)
-    swarm.wait_for(lambda: any(e["group_size"] == 4 for e in again.of("outer_round")), 150,
-                   "the restarted victim averaging with the three survivors")
-    last = again.of("outer_round")[-1]["outer_round"]
-    swarm.wait_for(lambda: all(p.digests().get(last) for p in peers), 60, f"round {last} on the survivors")
-    for peer in (*peers, again):
-        peer.proc.send_signal(signal.SIGTERM)
-    for peer in (*peers, again):
-        assert swarm.wait_exit(peer, 60) == 0, swarm.tails()
+    last = _averages_with(swarm, again, peers, "the restarted victim")
     resumed, downloads = again.of("resume"), again.of("state_download")
     print(f"FIGURE streaming A3/A10/A11: victim SIGKILLed after {fired[0]['bytes_sent']} bytes of a fragment part in "
           f"round 2; restarted: resumed at round {resumed[0]['outer_round'] if resumed else None}, downloaded round "
@@ -79,14 +86,7 @@ def test_streaming_late_joiner_downloads_the_state_and_averages_with_the_swarm(s
     peers = [swarm.start_peer(f"p{i}", "stream", config) for i in range(2)]
     swarm.wait_for(lambda: all(p.digests().get(2) for p in peers), 180, "round 2 on the first two peers")
     late = swarm.start_peer("late", "stream", config)
-    swarm.wait_for(lambda: any(e["group_size"] == 3 for e in late.of("outer_round")), 150,
-                   "the late peer averaging with the other two")
-    last = late.of("outer_round")[-1]["outer_round"]
-    swarm.wait_for(lambda: all(p.digests().get(last) for p in peers), 60, f"round {last} on the first two peers")
-    for peer in (*peers, late):
-        peer.proc.send_signal(signal.SIGTERM)
-    for peer in (*peers, late):
-        assert swarm.wait_exit(peer, 60) == 0, swarm.tails()
+    last = _averages_with(swarm, late, peers, "the late peer")
     downloads = late.of("state_download")
     assert downloads and downloads[0]["outer_round"] >= 2, swarm.tails()
     assert not late.of("resume")  # a fresh peer: nothing to resume from

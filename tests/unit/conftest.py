@@ -102,3 +102,11 @@ def wait_for_order(request, monkeypatch) -> str:
             pytest.skip("asyncio.timeout (Python 3.11+) is needed to run 3.12's wait_for order")
         monkeypatch.setattr(asyncio, "wait_for", _wait_for_in_caller_task)
     return request.param
+
+
+@pytest.fixture
+def corpus_file(tmp_path) -> str:
+    """A small text corpus (1,500 lines, ~72 KB) in ``tmp_path / "corpus.txt"``; returns its path."""
+    path = tmp_path / "corpus.txt"
+    path.write_text("".join(f"Line {i}: now is the winter of our discontent.\n" for i in range(1500)))
+    return str(path)

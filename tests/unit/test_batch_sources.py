@@ -5,6 +5,8 @@ them (``hf:`` offline, on a local Parquet folder)."""
 import asyncio
 import logging
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -32,16 +34,7 @@ T, B = 32, 8
 
 
 @pytest.fixture
-def corpus_file(tmp_path):
-    path = tmp_path / "corpus.txt"
-    path.write_text("".join(f"Line {i}: now is the winter of our discontent.\n" for i in range(1500)))
-    return str(path)
-
-
-@pytest.fixture
 def parquet_folder(tmp_path, monkeypatch):
-    pytest.importorskip("datasets")
-    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))  # nothing from this machine's cache
     folder = tmp_path / "parquet"
@@ -248,8 +241,6 @@ def test_a_diloco_peer_trains_on_an_hf_folder_and_resumes_its_stream(tmp_path, p
 
 
 def test_an_hf_dataset_of_one_file_is_refused(tmp_path, monkeypatch):
-    pytest.importorskip("datasets")
-    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
     folder = tmp_path / "one"

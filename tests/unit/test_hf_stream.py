@@ -1,6 +1,8 @@
 """``dataset = "hf:NAME"``: a Hugging Face dataset streamed with ``datasets`` (offline here: a local Parquet folder),
 each peer reading the shards in its own order, documents packed into training windows."""
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from peerd.data.corpus import ByteTokenizer, DataError
@@ -12,8 +14,6 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def test_each_peer_streams_the_shards_of_a_parquet_folder_in_its_own_order(tmp_path, monkeypatch):
-    pytest.importorskip("datasets")
-    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))  # nothing from this machine's cache
     folder = tmp_path / "corpus"

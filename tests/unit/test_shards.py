@@ -25,13 +25,6 @@ PIECE = 1000
 
 
 @pytest.fixture
-def corpus_file(tmp_path):
-    path = tmp_path / "corpus.txt"
-    path.write_text("".join(f"Line {i}: now is the winter of our discontent.\n" for i in range(1500)))
-    return str(path)
-
-
-@pytest.fixture
 def creator_store(tmp_path, corpus_file):
     store = ShardStore(tmp_path / "creator")
     return store, split_corpus(corpus_file, store, SHARD)
