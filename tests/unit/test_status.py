@@ -56,6 +56,8 @@ def test_a_record_with_an_unknown_field_is_read_and_the_field_ignored():
     ("instance", 12), ("instance", "x" * 65), ("stage", -1), ("stage", "0"), ("stage", True), ("time", "now"), ("v", 1.5), ("v", True),
     ("round_retries", {"model": [1]}), ("round_retries", {"model": [1, -1]}), ("round_retries", {}),
     ("round_retries", [[1, 1]]), ("round_retries", {"x" * 65: [1, 1]}),
+    ("fragment_digests", []), ("fragment_digests", ["ab", 3]), ("fragment_digests", ["x" * 65]),
+    ("fragment_digests", "0123"),
 ])
 def test_a_record_with_a_wrong_typed_known_field_is_dropped(field, value):
     for base in (OLD, make_status(role="diloco")):

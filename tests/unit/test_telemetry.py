@@ -123,7 +123,8 @@ def test_make_status_fills_missing_fields_with_none():
 def test_make_status_with_every_field():
     values = {"role": "worker", "outer_round": 5, "inner_step": 7, "loss": 2.5, "tokens_per_s": 1000.0,
               "eval_nats_per_byte": 1.9, "digest": "0123456789abcdef", "instance": "fedcba9876543210", "stage": 1,
-              "fragment_rounds": [3, 2], "history": {"loss": [[1.0, 100, 2.5, 1000.0]], "eval": [[1.0, 100, 1.9]]},
+              "fragment_rounds": [3, 2], "fragment_digests": ["0123456789abcdef", "fedcba9876543210"],
+              "history": {"loss": [[1.0, 100, 2.5, 1000.0]], "eval": [[1.0, 100, 1.9]]},
               "reachable": True, "relayed": False, "round_retries": {"model": [5, 1]}, "experts": [1, 4],
               "tokens_trained": 12800, "rounds_contributed": 5}
     assert set(values) == set(KNOWN_STATUS_FIELDS)
