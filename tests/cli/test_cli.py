@@ -97,6 +97,7 @@ def test_config_show_prints_the_effective_config():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # three fresh interpreters and a training peer: ~40 s quiet, 180+ s beside a CPU hog
 def test_status_conflicting_config_and_missing_config(tmp_path, capsys):
     # the two status reads run the command line in-process: a fresh process spends most of its time importing torch
     # and hivemind (CPU-bound next to the training peer), and what is checked here is the command's output; the
@@ -129,7 +130,7 @@ def test_status_conflicting_config_and_missing_config(tmp_path, capsys):
 
         missing = subprocess.run(peerd_cmd("join", "--run-id", "no-such-run", "--config", str(LOCAL), "--initial-peers",
                                            maddr, "--identity", str(tmp_path / "y.key"), "--checkpoint-dir",
-                                           str(tmp_path / "y")), capture_output=True, text=True, timeout=90,
+                                           str(tmp_path / "y")), capture_output=True, text=True, timeout=240,
                                  env={**os.environ, "PEERD_CONFIG_WAIT_S": "3"})
         assert missing.returncode == 1
         assert "no configuration published yet: waiting up to 3 s" in missing.stderr, missing.stderr
