@@ -151,6 +151,13 @@ def _model_source_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", metavar="LEVEL", help=argparse.SUPPRESS)
 
 
+def _actions(command: argparse.ArgumentParser, name: str):
+    """The required ACTION subcommands of ``command`` (``peerd NAME ACTION``), parsed into ``NAME_command``."""
+    actions = command.add_subparsers(dest=f"{name}_command", metavar="ACTION", parser_class=_Parser)
+    actions.required = True
+    return actions
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="peerd",
@@ -293,8 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("tokenizer", help="train the subword tokenizer of a new run",
                        description="Tokenizers of runs (`tokenizer = \"bpe:<sha256>\"` in a run config).")
-    tsub = p.add_subparsers(dest="tokenizer_command", metavar="ACTION", parser_class=_Parser)
-    tsub.required = True
+    tsub = _actions(p, "tokenizer")
     t = tsub.add_parser("train", help="train a byte-level BPE on a corpus and print its run-config line",
                         description="Train a byte-level BPE tokenizer (Hugging Face tokenizers; deterministic) on "
                         "the training split of a corpus, store it in this node's tokenizer cache "
@@ -312,8 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("corpus", help="split a new run's corpus into shards its peers fetch from each other",
                        description="Corpora of runs (`dataset = \"shards:<sha256>\"` in a run config).")
-    csub = p.add_subparsers(dest="corpus_command", metavar="ACTION", parser_class=_Parser)
-    csub.required = True
+    csub = _actions(p, "corpus")
     c = csub.add_parser("split", help="split a corpus into content-addressed shards and print its run-config line",
                         description="Split a local corpus (the same bytes, separators and final-5% held-out cut "
                         "as --data reads) into shards named by their SHA-256, store them and their manifest in this "
@@ -330,8 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--log-level", metavar="LEVEL", help=argparse.SUPPRESS)
 
     p = sub.add_parser("config", help="inspect configuration")
-    csub = p.add_subparsers(dest="config_command", metavar="ACTION", parser_class=_Parser)
-    csub.required = True
+    csub = _actions(p, "config")
     c = csub.add_parser("show", help="print the effective node config (and a run config if given)")
     c.add_argument("--run-config", metavar="FILE", help="also validate and print this run config")
     _worker_flags(c)
