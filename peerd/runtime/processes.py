@@ -5,7 +5,9 @@ A long-running command (``join``, ``bootstrap``, ``dashboard``) stops cleanly on
 (:func:`install_stop_handlers`: it checkpoints and leaves; a start-up still waiting on the network is abandoned,
 :func:`unless_stopped`) and exits 0; a command that waits for an answer (``status``, ``doctor``, ``eval``,
 ``generate``) is cancelled (:func:`interruptible`) and exits 128 + the signal's number (130 for SIGINT, 143 for
-SIGTERM); a second signal exits at once with that code (:func:`exit_now`).
+SIGTERM); a second signal exits at once with that code (:func:`exit_now`). The same signal again within
+:data:`REPEAT_WINDOW_S` of the first is that first one delivered twice, not a second: GNU ``timeout`` signals its
+child and then its whole process group, milliseconds apart.
 
 A terminal's Ctrl-C sends SIGINT to its whole foreground process group; ``timeout``, ``kill -- -PGID`` and some
 supervisors send SIGTERM to a whole group. The daemon's helpers (hivemind's DHT process, p2pd, the py-libp2p daemon,
@@ -27,6 +29,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Any, Awaitable, Iterable, Optional, TypeVar
 
 import psutil
@@ -37,6 +40,30 @@ T = TypeVar("T")
 
 #: Signals that stop a peerd command: the first asks for a clean stop, a second one exits at once.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+#: Seconds after the first stop signal in which the same signal again is that stop delivered twice (``timeout``
+#: sends SIGTERM to its child, then to its whole group, which holds the child too), not a second request.
+REPEAT_WINDOW_S = 1.0
+
+
+class _StopSignals:
+    """The stop signals one command has received: tells the first, a repeat of it (ignored) and a second one."""
+
+    def __init__(self) -> None:
+        self._first: Optional[tuple[int, float]] = None
+
+    def classify(self, signum: int) -> str:
+        """``"first"``, ``"repeat"`` (the first signal again within :data:`REPEAT_WINDOW_S`) or ``"second"``."""
+        now = time.monotonic()
+        if self._first is None:
+            self._first = (signum, now)
+            return "first"
+        first_signum, first_at = self._first
+        if signum == first_signum and now - first_at < REPEAT_WINDOW_S:
+            logger.debug("%s again %.3f s after the first: the same stop delivered twice",
+                         signal.Signals(signum).name, now - first_at)
+            return "repeat"
+        return "second"
 
 #: Run ``argv[1:]`` in a new session (same pid: exec, no fork). ``-S``: no site import, a few ms of start-up.
 _SETSID_EXEC = "import os, sys; os.setsid(); os.execv(sys.argv[1], sys.argv[1:])"
@@ -124,9 +151,13 @@ def install_stop_handlers(stop: asyncio.Event, leaving: str = "finishing up (che
     """SIGINT/SIGTERM set ``stop`` and log ``leaving`` (what this daemon does now: a worker checkpoints, then leaves);
     a second one exits at once (:func:`exit_now`)."""
     loop = asyncio.get_running_loop()
+    signals = _StopSignals()
 
     def on_signal(signum: int) -> None:
-        if stop.is_set():
+        kind = signals.classify(signum)
+        if kind == "repeat":
+            return
+        if kind == "second" or stop.is_set():  # set without a signal: the daemon is already leaving
             exit_now(signum)
         logger.info("received %s: %s; the same signal again exits at once", signal.Signals(signum).name, leaving)
         stop.set()
@@ -169,9 +200,13 @@ async def interruptible(work: Awaitable[T]) -> T:
         return await task
     loop = asyncio.get_running_loop()
     received: list[int] = []
+    signals = _StopSignals()
 
     def on_signal(signum: int) -> None:
-        if received:
+        kind = signals.classify(signum)
+        if kind == "repeat":
+            return
+        if kind == "second":
             exit_now(signum)
         received.append(signum)
         task.cancel()

@@ -247,6 +247,8 @@ def main() -> None:
     p.add_argument("--arrival-jitter-s", type=float, default=0.0,
                    help="before each round, wait a random 0..this many seconds (seeded by index and round)")
     p.add_argument("--linger-s", type=float, default=30.0)
+    p.add_argument("--verbose-logger", action="append", default=[], metavar="NAME",
+                   help="log this logger (e.g. protocols.matchmaking) at DEBUG, not WARNING; repeatable")
     p.add_argument("--attempts", type=int, default=1,
                    help="all-reduce attempts per round; a failed one is retried among the survivors (worker: 2)")
     args = p.parse_args()
@@ -260,6 +262,8 @@ def main() -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter())
     logging.basicConfig(level=logging.WARNING, handlers=[handler])
+    for name in args.verbose_logger:
+        logging.getLogger(name).setLevel(logging.DEBUG)
     asyncio.run(run(args))
 
 

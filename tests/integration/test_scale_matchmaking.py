@@ -21,7 +21,7 @@ def test_32_light_peers_every_moshpit_round_succeeds_at_the_grid_group_size(swar
         N, str(tmp_path / "a{index}.jsonl"), "--topology", "moshpit", "--group-size", str(GROUP),
         "--rounds", str(ROUNDS), "--numel", "1000", "--compression", "fp16", "--matchmaking-timeout-s", "2",
         "--arrival-jitter-s", "4", "--max-wait-s", "60", "--timeout-s", "20", "--member-ttl-s", "20",
-        "--start-timeout-s", "120", per_process=PER_PROCESS)
+        "--start-timeout-s", "120", "--verbose-logger", "protocols.matchmaking", per_process=PER_PROCESS)
     for p in processes:
         assert swarm.wait_exit(p, 450) == 0, swarm.tails()
     records = [json.loads(line) for i in range(N) for line in (tmp_path / f"a{i}.jsonl").read_text().splitlines()]

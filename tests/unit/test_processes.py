@@ -6,7 +6,8 @@ import signal
 
 import pytest
 
-from peerd.runtime.processes import Interrupted, interruptible, unless_stopped
+from peerd.runtime import processes
+from peerd.runtime.processes import Interrupted, install_stop_handlers, interruptible, unless_stopped
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -59,6 +60,51 @@ def test_a_signal_interrupts_a_waiting_command_after_its_clean_up(sig):
     assert caught.value.signum == sig and 128 + caught.value.signum == {signal.SIGINT: 130, signal.SIGTERM: 143}[sig]
     assert waiting and cleaned == ["shutdown"]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers removed again
+
+
+def test_the_same_signal_twice_at_once_is_one_stop_and_a_later_one_exits_now(monkeypatch):
+    """GNU ``timeout`` sends SIGTERM to its child and then to its whole group: the daemon receives it twice within
+    milliseconds, which must not count as the second signal (exit at once, 143). One sent after
+    ``REPEAT_WINDOW_S`` does."""
+    exits = []
+    monkeypatch.setattr(processes, "exit_now", exits.append)
+
+    async def go():
+        stop = asyncio.Event()
+        install_stop_handlers(stop)
+        signal.raise_signal(signal.SIGTERM)
+        signal.raise_signal(signal.SIGTERM)  # timeout's second delivery
+        await stop.wait()
+        await asyncio.sleep(0)  # both wake-up bytes handled
+        assert exits == []
+        monkeypatch.setattr(processes, "REPEAT_WINDOW_S", 0.0)
+        signal.raise_signal(signal.SIGTERM)  # a second request
+        for _ in range(100):
+            if exits:
+                break
+            await asyncio.sleep(0.01)
+        return stop.is_set()
+
+    assert asyncio.run(go())
+    assert exits == [signal.SIGTERM]
+
+
+def test_another_stop_signal_right_after_the_first_is_a_second_request(monkeypatch):
+    exits = []
+    monkeypatch.setattr(processes, "exit_now", exits.append)
+
+    async def go():
+        stop = asyncio.Event()
+        install_stop_handlers(stop)
+        signal.raise_signal(signal.SIGTERM)
+        signal.raise_signal(signal.SIGINT)
+        for _ in range(100):
+            if exits:
+                break
+            await asyncio.sleep(0.01)
+
+    asyncio.run(go())
+    assert exits == [signal.SIGINT]
 
 
 # ------------------------------------------------------------------------------------ ending background tasks
