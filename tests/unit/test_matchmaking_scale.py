@@ -477,3 +477,49 @@ def test_a_join_request_with_malformed_expects_is_refused_and_the_group_forms_wi
     out, refused, bad = run_virtual(main())
     assert refused and bad == [("peer09", "join")]
     assert out == [("peer00", "peer01", "peer02")] * 3
+
+
+class _SlowDiscovery:
+    """A loaded DHT: every read of a key takes ``read_s`` (on the virtual clock); stores land at once."""
+
+    def __init__(self, inner, read_s: float):
+        self._inner, self.read_s, self.reads = inner, read_s, 0
+
+    def time(self) -> float:
+        return self._inner.time()
+
+    async def store(self, *args):
+        return await self._inner.store(*args)
+
+    async def get(self, key):
+        self.reads += 1
+        await asyncio.sleep(self.read_s)
+        return await self._inner.get(key)
+
+
+@pytest.mark.timeout(60)
+def test_late_peers_meet_through_the_sealer_when_reading_the_dht_takes_longer_than_the_idle_window():
+    """Five peers come after the key's seal, 0.3 s apart, and every DHT read takes 1.5 s (longer than the 1 s idle
+    window): found through the successor key's records, each of them led a group of its own and sealed it alone (the
+    32-peer scenario beside a CPU hog: late groups of one; on a quiet machine once a peer ran through nine successor
+    keys until max_wait_s). The sealer's refusal names the first late peer, and all five average in one group."""
+    slow: list[_SlowDiscovery] = []
+
+    def loaded(index, transport):
+        transport.discovery = _SlowDiscovery(transport.discovery, 0.0)
+        slow.append(transport.discovery)
+        return transport
+
+    async def main():
+        peers = await start_averaging_peers(Hub(), 8, "run", replace(WINDOW, max_wait_s=30.0), wrap=loaded)
+        first = await _form(peers[:3], [0, 0, 0], expected=3)
+        for discovery in slow:
+            discovery.read_s = 1.5  # the DHT is loaded from now on
+        reads_before = sum(d.reads for d in slow)
+        late = await _form(peers[3:], [0.3 * i for i in range(5)], expected=3, on_late="next")
+        return first, late, sum(d.reads for d in slow) - reads_before
+
+    first, late, reads = run_virtual(main())
+    assert {m for _, m in first} == {("peer00", "peer01", "peer02")}
+    assert reads > 0  # the injected latency was on the path
+    assert late == [("moshpit.r0.late1", ("peer03", "peer04", "peer05", "peer06", "peer07"))] * 5
