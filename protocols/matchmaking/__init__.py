@@ -20,11 +20,7 @@ slow group, the spread exceeds any fixed window), and a window counted from the 
 the rest were still on their way, failing their round. While members keep arriving the group waits (up to
 ``max_wait_s``); once they stop, it seals ``matchmaking_timeout_s`` later, so a peer that died before the seal
 still costs one timeout. A peer that nevertheless arrives after the seal can ask (``on_late="next"``) to form the
-next group of late peers under a successor key instead of failing its round. Late peers meet through the sealer, not
-through the DHT: the sealer's "late" refusal names the first peer that was late for that group (``hint``), and every
-later one asks that peer directly under the successor key. Finding each other by reading the successor key's records
-took longer than the idle window on a loaded DHT, so the late peers of one round sealed groups of one each, and one
-that kept missing the next group's seal ran through nine successor keys until ``max_wait_s`` failed its round.
+next group of late peers under a successor key instead of failing its round.
 
 The expected size comes from the peer's own view of the swarm (DiLoCo: the live workers' status records), and a
 view read from a loaded DHT lacks records: a leader counting 42 of 64 workers sealed at the 43rd arrival and left the

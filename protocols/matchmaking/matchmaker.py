@@ -75,7 +75,6 @@ class Matchmaker(Service):
         self.bans = bans if bans is not None else BanList()
         self._sessions: dict[str, _Session] = {}
         self._sealed_keys: OrderedDict[str, Optional[Group]] = OrderedDict()
-        self._first_late: OrderedDict[str, str] = OrderedDict()  # sealed key -> the first peer refused as late
         self._probers: set[asyncio.Task] = set()  # probes of missing members still in flight
 
     @property
@@ -135,26 +134,22 @@ class Matchmaker(Service):
         members = None if expected_members is None else frozenset(expected_members) | {self.peer_id}
         loop = asyncio.get_running_loop()
         give_up = loop.time() + self.config.max_wait
-        ask_first: Optional[str] = None  # under a successor key: the peer the sealer named (see the module doc)
         for generation in range(64):
             attempt = key if generation == 0 else f"{key}.late{generation}"
             try:
                 if generation == 0 and members is not None:
                     return await self._form_group(attempt, info, len(members), give_up, members, round_prefix)
                 expects = None if generation or expected_peers is None else tuple(sorted(set(expected_peers)))
-                return await self._form_group(attempt, info, expected_size, give_up, expects=expects,
-                                              ask_first=ask_first)
+                return await self._form_group(attempt, info, expected_size, give_up, expects=expects)
             except _Late as e:
                 if on_late == "fail":
                     raise SealedWithout(attempt, e.leader) from None
-                ask_first = e.next_leader
-                logger.info("%s; joining the next group of late peers%s", e,
-                            "" if ask_first is None else f" (the first late peer: {ask_first})")
+                logger.info("%s; joining the next group of late peers", e)
         raise MatchmakingFailed(f"no group formed for {key!r}: sealed 64 times before we joined")
 
     async def _form_group(self, key: str, info: dict[str, Any], expected_size: Optional[int], give_up: float,
                           expected_members: Optional[frozenset] = None, round_prefix: Optional[str] = None,
-                          expects: Optional[tuple[str, ...]] = None, ask_first: Optional[str] = None) -> Group:
+                          expects: Optional[tuple[str, ...]] = None) -> Group:
         if key in self._sessions:
             raise RuntimeError(f"already matchmaking for {key!r}")
         loop = asyncio.get_running_loop()
@@ -175,7 +170,7 @@ class Matchmaker(Service):
             await discovery.store(dkey, self.peer_id, joined, expiration)
             unreachable: set[str] = set()  # leaders we could not reach, and leaders that defer to one of those
             failures: dict[str, int] = {}  # failed attempts to reach each leader
-            redirect: Optional[str] = ask_first
+            redirect: Optional[str] = None
             while loop.time() < session.deadline:
                 if redirect is not None and redirect not in unreachable and not self.bans.is_banned(redirect):
                     leader = redirect
@@ -218,7 +213,7 @@ class Matchmaker(Service):
                 elif kind == "refused":
                     raise AdmissionRefused(leader, value)
                 elif kind == "late":
-                    raise _Late(f"the group for {key!r} was already sealed by {leader}", leader, value)
+                    raise _Late(f"the group for {key!r} was already sealed by {leader}", leader)
             raise MatchmakingFailed(f"no group formed for {key!r} within max_wait_s={cfg.max_wait:g}")
         finally:
             del self._sessions[key]
@@ -241,14 +236,6 @@ class Matchmaker(Service):
         self._sealed_keys[key] = group
         while len(self._sealed_keys) > 64:
             self._sealed_keys.popitem(last=False)
-
-    def _late_meeting_point(self, key: str, peer: str) -> str:
-        """The first peer refused as late for our sealed ``key`` (``peer`` if it is the first): where the late peers
-        meet under the successor key."""
-        first = self._first_late.setdefault(key, peer)
-        while len(self._first_late) > 64:
-            self._first_late.popitem(last=False)
-        return first
 
     def _hand_over(self, session: _Session, leader: str) -> None:
         """Redirect everyone who joined us to ``leader``."""
@@ -422,9 +409,7 @@ class Matchmaker(Service):
                 return "redirect", require(header, "leader", str)
             raise ProtocolViolation(f"unknown answer type {kind!r}")
         except Refused as e:
-            if e.code == "late":
-                return "late", e.hint  # the first peer late for that group, when the sealer names one
-            if e.code in ("refused", "gone"):
+            if e.code in ("refused", "late", "gone"):
                 return e.code, e.reason
             return "unreachable", repr(e)
         except RpcError as e:
@@ -451,7 +436,7 @@ class Matchmaker(Service):
             if sealed is not None and peer in sealed.members:
                 return _group_answer(sealed)
             if session is not None or key in self._sealed_keys:
-                raise Refused(f"{self.peer_id} already sealed {key!r}", "late", self._late_meeting_point(key, peer))
+                raise Refused(f"{self.peer_id} already sealed {key!r}", "late")
             raise Refused(f"{self.peer_id} is not matchmaking for {key!r}", "gone")
         if session.following is not None:
             return {"type": "redirect", "leader": session.following}

@@ -76,13 +76,11 @@ def _seal_at(session: _Session) -> float:
 
 
 class _Late(Exception):
-    """The group for the key was sealed (by ``leader``) before we joined it; ``next_leader``: the first peer that was
-    late for it, to ask first under the successor key (None: the sealer did not say)."""
+    """The group for the key was sealed (by ``leader``) before we joined it."""
 
-    def __init__(self, message: str, leader: str, next_leader: Optional[str] = None):
+    def __init__(self, message: str, leader: str):
         super().__init__(message)
         self.leader = leader
-        self.next_leader = next_leader
 
 
 def _group_answer(group: Group) -> dict[str, Any]:

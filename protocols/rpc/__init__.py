@@ -10,8 +10,8 @@ opens a bidirectional stream of messages. Failures are typed, so callers never p
   gone; not evidence of malice);
 - :class:`ProtocolViolation` (from :mod:`protocols.wire`): the peer sent bytes that break the protocol (oversized,
   truncated mid-message, malformed); raised on the side that read them, which excludes (bans) that peer;
-- :class:`Refused`: the remote answered with a refusal (``code`` says which kind, ``reason`` says why, an optional
-  ``hint`` says where to turn instead); a handler that raises becomes a refusal on the caller, never a hung caller.
+- :class:`Refused`: the remote answered with a refusal (``code`` says which kind, ``reason`` says why); a handler
+  that raises becomes a refusal on the caller, never a hung caller.
 
 **How a message travels.** A stream is opened to the handler name ``<service>.<method>`` (e.g. ``run.reduce``).
 A *message* is a msgpack header plus a payload of any length (up to 2**63 bytes), carried by frames of
@@ -24,11 +24,10 @@ receiving code set for that message, the first chunk against ``_total``, each co
 remains; it allocates the payload only after the checks.
 
 A call is the request message, then one reply message whose header has ``"status"``: ``"ok"`` (the handler's
-header fields sit beside it), or ``"refused"`` with ``"code"``, ``"reason"`` and optionally ``"hint"`` (a string of
-at most 256 characters; a longer or non-string one is ignored). A stream is a request whose header
+header fields sit beside it), or ``"refused"`` with ``"code"`` and ``"reason"``. A stream is a request whose header
 has ``"_stream": true``; then both sides send messages in any order; the handler's side ends with a
 ``{"status": "end"}`` message (or a refusal), the caller's side with ``{"_end": true}``. Keys ``status``, ``code``,
-``reason``, ``hint`` and every key starting with ``_`` are the envelope's: handlers and callers may not use them.
+``reason`` and every key starting with ``_`` are the envelope's: handlers and callers may not use them.
 
 Closing: the caller closes its stream once it has read the last message it expects; a handler's side returns and
 the transport closes it. (Transports on which closing first can drop the last answer, such as p2pd's yamux, keep

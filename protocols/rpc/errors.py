@@ -26,19 +26,12 @@ class Refused(RpcError):
         code: machine-readable kind, e.g. ``"refused"``, ``"busy"``, ``"unavailable"``; the dispatcher itself uses
             ``"protocol"`` (bad request), ``"timeout"`` (request not delivered in time) and ``"internal"`` (the
             handler failed).
-        hint: optional machine-readable pointer for the caller (at most :data:`MAX_HINT_CHARS` characters, e.g. the
-            PeerID to ask instead); callers that do not know it ignore it.
     """
 
-    def __init__(self, reason: str, code: str = "refused", hint: Optional[str] = None):
+    def __init__(self, reason: str, code: str = "refused"):
         super().__init__(f"{code}: {reason}")
         self.reason = reason
         self.code = code
-        self.hint = hint
-
-
-#: Longest :attr:`Refused.hint` carried on the wire; a longer one is dropped.
-MAX_HINT_CHARS = 256
 
 
 async def until(awaitable: Awaitable[Any], deadline: Optional[float]) -> Any:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Sequence, Union
 
 from protocols.interfaces import StreamReader, StreamWriter
-from protocols.rpc.errors import MAX_HINT_CHARS, Refused, Unreachable
+from protocols.rpc.errors import Refused, Unreachable
 from protocols.wire import ProtocolViolation, StreamEnded, read_header, read_payload, write_frame
 
 
@@ -20,7 +20,7 @@ CHUNK_BYTES = 64 << 20
 #: Largest total payload a message may announce (msgpack's unsigned 64-bit range is larger; this keeps it signed).
 MAX_TOTAL_BYTES = 2**63 - 1
 
-_REPLY_KEYS = frozenset({"status", "code", "reason", "hint"})
+_REPLY_KEYS = frozenset({"status", "code", "reason"})
 
 #: A payload: one bytes-like object, or several sent back to back as one payload (never joined in memory).
 Payload = Union[bytes, bytearray, memoryview, Sequence[Union[bytes, bytearray, memoryview]]]
@@ -165,9 +165,7 @@ def _reply_message(message: Message) -> Optional[Message]:
         return None
     if status == "refused":
         code, reason = message.header.get("code", "refused"), message.header.get("reason", "")
-        hint = message.header.get("hint")
-        hint = hint if isinstance(hint, str) and len(hint) <= MAX_HINT_CHARS else None
-        raise Refused(str(reason)[:1000], str(code)[:64], hint)
+        raise Refused(str(reason)[:1000], str(code)[:64])
     raise ProtocolViolation(f"reply status {status!r} is not ok, refused or end")
 
 def _head_of(header: dict[str, Any], sizes: Sequence[int]) -> dict[str, Any]:

@@ -9,7 +9,7 @@ import logging
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Sequence, Union
 
 from protocols.interfaces import StreamHandler, StreamReader, StreamWriter
-from protocols.rpc.errors import MAX_HINT_CHARS, Refused, RpcError, RpcTimeout, Unreachable, _guard, until
+from protocols.rpc.errors import Refused, RpcError, RpcTimeout, Unreachable, _guard, until
 from protocols.rpc.framing import (
     CHUNK_BYTES, Payload, _buffers, _check_framing, _check_keys, _continuation_header, _head_of, _read_body,
     _read_head, handler_name,
@@ -261,7 +261,7 @@ class Service:
             if request.is_stream:
                 await stream.end()
         except Refused as e:
-            await _try_refuse(writer, e.code, e.reason, e.hint)
+            await _try_refuse(writer, e.code, e.reason)
         except ProtocolViolation as e:
             if request is not None:  # raised by the handler while reading: head violations were reported above
                 self.on_bad_request(peer, method, e)
@@ -276,8 +276,5 @@ class Service:
             await _try_refuse(writer, "internal", f"{type(e).__name__}: {e}")
 
 
-async def _try_refuse(writer: StreamWriter, code: str, reason: str, hint: Optional[str] = None) -> None:
-    reply = {"status": "refused", "code": code, "reason": reason[:1000]}
-    if hint is not None and len(hint) <= MAX_HINT_CHARS:
-        reply["hint"] = hint
-    await try_write_frame(writer, reply)
+async def _try_refuse(writer: StreamWriter, code: str, reason: str) -> None:
+    await try_write_frame(writer, {"status": "refused", "code": code, "reason": reason[:1000]})
