@@ -8,9 +8,8 @@ import pytest
 
 from protocols.moshpit import assign
 
-# solo: the multi-process lane runs it after the others, alone (beside another scenario or a CPU hog its 2 s
-# matchmaking windows are missed and groups come out smaller than the grid's, which is what it checks)
-pytestmark = [pytest.mark.slow, pytest.mark.solo, pytest.mark.timeout(480)]  # 100-190 s on an idle 2-core machine
+# solo: the multi-process lane runs it after the others, alone: its 32 p2pd daemons would slow the scenario beside it
+pytestmark = [pytest.mark.slow, pytest.mark.solo, pytest.mark.timeout(480)]  # 118-141 s on 2 cores, quiet or hogged
 
 N, PER_PROCESS, ROUNDS, GROUP = 32, 8, 4, 4
 # the matchmaking window: with 32 p2pd daemons on 2 cores a DHT read or store takes seconds, and the previous round's
@@ -38,8 +37,8 @@ def test_32_light_peers_every_moshpit_round_succeeds_at_the_grid_group_size(swar
     failed = [(r["index"], r["round"], r.get("error")) for r in rounds if not r["ok"]]
     assert failed == []
     # the rendezvous held all 32 peers: each peer's group has the size the grid of all 32 gives it (4 x 4 x 2 for
-    # M = 4: groups of 4, 4, 2, 4 in rounds 1..4). Measured on a quiet 2-core machine: 0 or 4 of the 128 (peer,
-    # round) groups smaller (a late arrival in round 4 missing its grid group); beside a CPU hog 124 of 128
+    # M = 4: groups of 4, 4, 2, 4 in rounds 1..4). Measured with the 5 s window: all 128 (peer, round) groups at the
+    # grid's size in 3 of 3 quiet runs and 2 of 2 beside a CPU hog (with the 2 s window: up to 62 of 128 smaller)
     wrong = [(r["index"], r["round"], r["group_size"]) for r in rounds
              if r["group_size"] != assign(r["peer"], peers, r["round"] - 1, GROUP).expected_size]
-    assert len(wrong) <= N * ROUNDS // 20, wrong  # at least 95% of the groups at the grid's size
+    assert wrong == []
