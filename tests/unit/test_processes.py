@@ -62,14 +62,26 @@ def test_a_signal_interrupts_a_waiting_command_after_its_clean_up(sig):
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers removed again
 
 
+def _recording_exits(monkeypatch) -> tuple[list[int], asyncio.Event]:
+    """Replace ``exit_now`` (which would end this process) by a recorder: the signals it was called with, and an event
+    set at each call."""
+    exits, exited = [], asyncio.Event()
+
+    def record(signum: int) -> None:
+        exits.append(signum)
+        exited.set()
+
+    monkeypatch.setattr(processes, "exit_now", record)
+    return exits, exited
+
+
 def test_the_same_signal_twice_at_once_is_one_stop_and_a_later_one_exits_now(monkeypatch):
     """GNU ``timeout`` sends SIGTERM to its child and then to its whole group: the daemon receives it twice within
     milliseconds, which must not count as the second signal (exit at once, 143). One sent after
     ``REPEAT_WINDOW_S`` does."""
-    exits = []
-    monkeypatch.setattr(processes, "exit_now", exits.append)
 
     async def go():
+        exits, exited = _recording_exits(monkeypatch)
         stop = asyncio.Event()
         install_stop_handlers(stop)
         signal.raise_signal(signal.SIGTERM)
@@ -79,32 +91,22 @@ def test_the_same_signal_twice_at_once_is_one_stop_and_a_later_one_exits_now(mon
         assert exits == []
         monkeypatch.setattr(processes, "REPEAT_WINDOW_S", 0.0)
         signal.raise_signal(signal.SIGTERM)  # a second request
-        for _ in range(100):
-            if exits:
-                break
-            await asyncio.sleep(0.01)
-        return stop.is_set()
+        await asyncio.wait_for(exited.wait(), 10)
+        return exits
 
-    assert asyncio.run(go())
-    assert exits == [signal.SIGTERM]
+    assert asyncio.run(go()) == [signal.SIGTERM]
 
 
 def test_another_stop_signal_right_after_the_first_is_a_second_request(monkeypatch):
-    exits = []
-    monkeypatch.setattr(processes, "exit_now", exits.append)
-
     async def go():
-        stop = asyncio.Event()
-        install_stop_handlers(stop)
+        exits, exited = _recording_exits(monkeypatch)
+        install_stop_handlers(asyncio.Event())
         signal.raise_signal(signal.SIGTERM)
         signal.raise_signal(signal.SIGINT)
-        for _ in range(100):
-            if exits:
-                break
-            await asyncio.sleep(0.01)
+        await asyncio.wait_for(exited.wait(), 10)
+        return exits
 
-    asyncio.run(go())
-    assert exits == [signal.SIGINT]
+    assert asyncio.run(go()) == [signal.SIGINT]
 
 
 # ------------------------------------------------------------------------------------ ending background tasks
