@@ -65,6 +65,7 @@ class _StopSignals:
             return "repeat"
         return "second"
 
+
 #: Run ``argv[1:]`` in a new session (same pid: exec, no fork). ``-S``: no site import, a few ms of start-up.
 _SETSID_EXEC = "import os, sys; os.setsid(); os.execv(sys.argv[1], sys.argv[1:])"
 
@@ -149,7 +150,7 @@ class Interrupted(BaseException):
 
 def install_stop_handlers(stop: asyncio.Event, leaving: str = "finishing up (checkpoint, then leave)") -> None:
     """SIGINT/SIGTERM set ``stop`` and log ``leaving`` (what this daemon does now: a worker checkpoints, then leaves);
-    a second one exits at once (:func:`exit_now`)."""
+    a second one exits at once (:func:`exit_now`), the same signal again within :data:`REPEAT_WINDOW_S` excepted."""
     loop = asyncio.get_running_loop()
     signals = _StopSignals()
 
@@ -193,7 +194,8 @@ def _cancelling() -> bool:
 
 async def interruptible(work: Awaitable[T]) -> T:
     """``await work``; the first SIGINT/SIGTERM cancels it (its clean-up runs: finally blocks, bounded transport
-    shutdowns) and raises :class:`Interrupted`; a second one exits at once (:func:`exit_now`). Outside the main
+    shutdowns) and raises :class:`Interrupted`; a second one exits at once (:func:`exit_now`), the same signal again
+    within :data:`REPEAT_WINDOW_S` excepted. Outside the main
     thread (where signal handlers cannot be installed) it is a plain ``await``."""
     task = asyncio.ensure_future(work)
     if threading.current_thread() is not threading.main_thread():

@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.solo, pytest.mark.timeout(480)]  # 1
 N, PER_PROCESS, ROUNDS, GROUP = 32, 8, 4, 4
 # the matchmaking window: with 32 p2pd daemons on 2 cores a DHT read or store takes seconds, and the previous round's
 # end already spreads arrivals by 5-7 s; a 2 s window (the scenario's first form) sealed rendezvous before half the
-# peers had arrived in 4 of 5 quiet runs, so late groups formed in chains (one peer ran through nine successor keys
+# peers had arrived in 3 of 4 quiet runs, so late groups formed in chains (one peer ran through nine successor keys
 # until max_wait_s). Real runs use 15-120 s (node_configs/runs)
 WINDOW_S = 5
 
