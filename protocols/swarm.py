@@ -31,7 +31,8 @@ from protocols.diloco import DiLoCoHyperparams
 
 __all__ = [
     "NoServer", "StageAnnouncement", "StageBalancer", "SwarmConfig", "Wiring", "WiringStats", "bottleneck_stage", "choose_stage",
-    "STAGE_ROUND_OUTER_STEP", "rebalance_delay_s", "should_move", "stage_round_hyperparams", "stage_throughputs",
+    "MoveClaim", "STAGE_ROUND_OUTER_STEP", "move_claim_stands", "rebalance_delay_s", "should_move",
+    "stage_round_hyperparams", "stage_throughputs",
 ]
 
 logger = logging.getLogger(__name__)
@@ -382,6 +383,55 @@ def should_move(server: str, assignment: Mapping[str, int], throughput: Mapping[
         if other_target == target and (other_gain > gain or (other_gain == gain and other < server)):
             return None
     return target
+
+
+@dataclass(frozen=True)
+class MoveClaim:
+    """A server's notice that it is about to move from stage ``source`` to ``target`` (in the DHT under the run's
+    moves key, subkey = its PeerID), stored before it moves and ``withdrawn`` once it has moved or backed off.
+
+    ``claimed_at``: DHT time (seconds) when it was made. Claims make moves mutually exclusive where the one-mover-
+    per-view rule of :func:`should_move` cannot: two servers that read the announcements a moment apart (a new
+    throughput announced in between, or each using its own fresh throughput) can each see itself as the best mover.
+    """
+
+    source: int
+    target: int
+    claimed_at: float
+    withdrawn: bool = False
+
+    def to_dict(self) -> dict:
+        return {"source": self.source, "target": self.target, "claimed_at": self.claimed_at,
+                "withdrawn": self.withdrawn}
+
+    @classmethod
+    def parse(cls, value: object, num_stages: int) -> Optional["MoveClaim"]:
+        """A peer's claim, or None if it is malformed (peers' records are untrusted: a bad one is ignored)."""
+        if not isinstance(value, dict):
+            return None
+        source, target = value.get("source"), value.get("target")
+        claimed_at, withdrawn = value.get("claimed_at"), value.get("withdrawn", False)
+        for stage in (source, target):
+            if not (isinstance(stage, int) and not isinstance(stage, bool) and 0 <= stage < num_stages):
+                return None
+        if not (isinstance(claimed_at, (int, float)) and not isinstance(claimed_at, bool)
+                and 0 <= claimed_at < float("inf")) or not isinstance(withdrawn, bool):
+            return None
+        return cls(source, target, float(claimed_at), withdrawn)
+
+
+def move_claim_stands(me: str, claims: Mapping[str, MoveClaim]) -> bool:
+    """Whether ``me`` may move: no other server's claim stands (is present and not withdrawn).
+
+    Read the claims after one's own claim is stored (the store completed). Safety: of two servers whose claims
+    overlap in time, the one whose store completed last reads after both stores completed and sees the other's, so
+    two servers never both move (given that a completed DHT store is visible to later reads; the first to store may
+    miss the second's claim and move alone). Both may see each other and back off; their jittered next checks
+    (:func:`rebalance_delay_s`) then rarely collide again. Deliberately not "the earliest claim wins": the earlier
+    claimant may not have seen the later one, which then would move too. Waiting between the store and the read
+    would only make both back off more often.
+    """
+    return not any(peer != me and not claim.withdrawn for peer, claim in claims.items())
 
 
 def rebalance_delay_s(period_s: float, rng: random.Random) -> float:

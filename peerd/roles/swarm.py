@@ -9,8 +9,9 @@ every stage from those announcements and pushes micro-batches of the run's data 
 (:class:`PipelineTrainer`: stochastic wiring, retries on replicas, counts).
 
 Every ``rebalance_period_s`` (with jitter) a server checks Petals' rule (:func:`protocols.swarm.should_move`) on
-the announcements and, if told to, moves to the bottleneck stage, starting from the parameters of a live server
-there (``state`` method of the stage service).
+the announcements and, if told to and no other server of the run is moving (a move claim in the DHT,
+:mod:`peerd.roles.swarm_moves`), moves to the bottleneck stage, starting from the parameters of a live server there
+(``state`` method of the stage service).
 
 Stage rounds: the replicas of a stage average their parameters, as in SWARM (Ryabinin et al. 2023, section 3.2 and
 appendix: the peers serving one stage synchronize with all-reduce, a plain average; Petals' servers of a block serve
@@ -54,6 +55,7 @@ from peerd.roles.base import RunContext
 from peerd.roles.fragments import FragmentState, fragment
 from peerd.roles.outer_sync import OuterSync, RoundFailure, RoundOutcome, RoundResult, make_outer_sync
 from peerd.roles.outer_sync import Refused as RoundRefused
+from peerd.roles.swarm_moves import MoveClaims
 from protocols.diloco import OuterState
 from protocols.rpc import RpcError
 from protocols.skippipe import NoPath, SkipPlanner
@@ -137,6 +139,7 @@ class SwarmRole:
         self.losses: list[float] = []
         self.paths: list[tuple[int, ...]] = []  # SkipPipe: the path of every micro-batch sent
         self.moves: list[tuple[int, int]] = []
+        self.move_claims = MoveClaims(ctx)
         self._missing_logged: tuple[int, ...] = ()  # the stages without a server the last wait line named
         self._seq = 0
         self._rng = random.Random(ctx.peer_id)
@@ -210,7 +213,8 @@ class SwarmRole:
     # --- rebalancing ------------------------------------------------------------------------------------------
 
     async def rebalance_once(self) -> Optional[int]:
-        """Check Petals' rule on the current announcements; move if it says so. Returns the new stage or None."""
+        """Check Petals' rule on the current announcements; move if it says so and no other server is moving (a move
+        claim in the DHT, :mod:`peerd.roles.swarm_moves`). Returns the new stage or None."""
         view = await read_stage_servers(self.ctx)
         view[self.ctx.peer_id] = StageAnnouncement(self.stage, self.service.throughput)
         assignment = {peer: a.stage for peer, a in view.items()}
@@ -219,9 +223,15 @@ class SwarmRole:
                              self.ctx.run.swarm.balance_quality)
         if target is None:
             return None
+        claim = await self.move_claims.claim(self.stage, target, view)
+        if claim is None:  # another server is moving: the next check decides on what it then sees
+            return None
         sources = [peer for peer, a in view.items() if a.stage == target and peer != self.ctx.peer_id]
-        async with self._stage_lock:
-            return target if await self._move(target, sources) else None
+        try:
+            async with self._stage_lock:
+                return target if await self._move(target, sources) else None
+        finally:
+            await self.move_claims.withdraw(claim)
 
     async def _still_wanted(self, target: int) -> bool:
         """Re-check the rule on a fresh view: another server may have moved while this one downloaded."""

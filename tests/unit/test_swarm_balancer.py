@@ -152,3 +152,20 @@ def test_servers_reading_the_same_view_elect_one_mover():
     assert [s for s in "abc" if should_move(s, assignment, equal, 2) is not None] == ["a"]
     after = {**assignment, "a": 1}
     assert all(should_move(s, after, equal, 2) is None for s in after)
+
+
+def test_move_claims_are_validated_and_any_other_standing_claim_holds_a_move_back():
+    from protocols.swarm import MoveClaim, move_claim_stands
+
+    claim = MoveClaim(0, 1, 1000.5)
+    assert MoveClaim.parse(claim.to_dict(), 2) == claim
+    for bad in ({"source": 0, "target": 2, "claimed_at": 1.0}, {"source": True, "target": 1, "claimed_at": 1.0},
+                {"source": 0, "target": 1, "claimed_at": float("nan")}, {"source": 0, "target": 1},
+                {"source": 0, "target": 1, "claimed_at": 1.0, "withdrawn": "no"}, [0, 1], None):
+        assert MoveClaim.parse(bad, 2) is None, bad
+    later, earlier = MoveClaim(0, 1, 1001.0), MoveClaim(1, 0, 999.0)
+    assert move_claim_stands("a", {"a": claim})
+    assert move_claim_stands("a", {"a": claim, "b": MoveClaim(0, 1, 999.0, withdrawn=True)})
+    # not "the earliest wins": the earlier claimant may not have seen this claim and be moving already
+    assert not move_claim_stands("a", {"a": claim, "b": later})
+    assert not move_claim_stands("a", {"a": claim, "b": earlier})

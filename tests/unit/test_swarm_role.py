@@ -69,11 +69,11 @@ def test_servers_join_the_bottleneck_and_the_trainers_train(tmp_path):
     assert all(r.service.backwards >= 5 for r in roles[1::2])
 
 
-async def _start_servers(hub, tmp_path, run, stages, stop, prefix="p"):
+async def _start_servers(hub, tmp_path, run, stages, stop, prefix="p", status_interval_s=0.5):
     roles, tasks = [], []
     for i, stage in enumerate(stages):
         node = NodeConfig(checkpoint_dir=str(tmp_path / f"{prefix}{i}"), threads=1, device="cpu",
-                          status_interval_s=0.5, status_ttl_s=5.0)
+                          status_interval_s=status_interval_s, status_ttl_s=max(5.0, 2 * status_interval_s))
         ctx = RunContext.build("swarmunit", run, node, hub.transport(f"{prefix}{i}"), stop=stop)
         role = SwarmRole(ctx, stage=stage, trainer=False)
         roles.append(role)
@@ -119,6 +119,69 @@ def test_three_plus_one_servers_rebalance_to_two_plus_two(tmp_path):
     movers = [r for r in roles if r.moves]
     assert len(movers) == 1 and movers[0].moves == [(0, 1)], [r.moves for r in roles]
     assert torch.equal(flat_parameters(movers[0].service.stage), expected)
+
+
+def test_two_servers_that_each_see_themselves_as_the_mover_never_both_move(tmp_path, monkeypatch):
+    """Petals' rule picks one mover per view, but views differ: here each of p0 and p1 measured itself faster than
+    it announced, so each sees itself as the best mover. Their move claims let at most one of them move."""
+    import dataclasses
+
+    from peerd.roles.swarm_moves import MoveClaims
+    from protocols.stage_service import StageService
+    from protocols.swarm import should_move
+
+    claims, granted, starting = [], [], []
+    claims_done, all_starting = asyncio.Event(), asyncio.Event()
+    real_claim, real_start = MoveClaims.claim, StageService.start
+
+    async def recorded_claim(self, source, target, servers):
+        claims.append((self.ctx.peer_id, source, target))
+        granted.append(await real_claim(self, source, target, servers))
+        if len(granted) == 2:
+            claims_done.set()
+        return granted[-1]
+
+    async def start_together(service, transport):
+        """Movers start serving their new stage at the same time (as on a loaded machine, where downloading the
+        stage takes seconds): none announces its move before the others have made their last check."""
+        if claims_done.is_set():
+            starting.append(service)
+            if len(starting) == sum(g is not None for g in granted):
+                all_starting.set()
+            await all_starting.wait()
+        return await real_start(service, transport)
+
+    monkeypatch.setattr(MoveClaims, "claim", recorded_claim)
+    monkeypatch.setattr(StageService, "start", start_together)
+
+    async def main():
+        hub, stop = Hub(), asyncio.Event()
+        run = dataclasses.replace(_run(), swarm=SwarmConfig(stages=2, rebalance_period_s=3600.0, sync_interval_s=0))
+        # announcements only when the test makes them: the announced and the live throughputs stay apart
+        roles, tasks = await _start_servers(hub, tmp_path, run, [0, 0, 0, 1], stop, status_interval_s=3600.0)
+        for role, samples in zip(roles, [10, 10, 10, 5]):  # 1 sample/s each, stage 1's server 0.5
+            role.service.samples, role.service.compute_s = samples, 10.0
+            await role.announce()
+        for role in roles[:2]:
+            role.service.samples = 12  # measured since: 1.2 samples/s, not announced yet
+        view = {p: a.stage for p, a in (await read_stage_servers(roles[0].ctx)).items()}
+        own_views = [should_move(r.ctx.peer_id, view, {**{p: 1.0 for p in view}, "p3": 0.5,
+                                                       r.ctx.peer_id: 1.2}, 2) for r in roles[:2]]
+        concurrent = await asyncio.gather(roles[0].rebalance_once(), roles[1].rebalance_once())
+        after_race = sorted(r.stage for r in roles)
+        later = [await r.rebalance_once() for r in roles[:3]]  # one at a time: the claims were withdrawn
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*tasks), 10)
+        return roles, own_views, concurrent, after_race, later
+
+    roles, own_views, concurrent, after_race, later = asyncio.run(main())
+    assert own_views == [1, 1]  # each one's own view makes it the mover: the race is real
+    assert sorted(peer for peer, _, _ in claims[:2]) == ["p0", "p1"], claims  # both claimed at once
+    assert concurrent.count(1) <= 1, concurrent
+    assert after_race in ([0, 0, 0, 1], [0, 0, 1, 1]), after_race
+    assert sorted(r.stage for r in roles) == [0, 0, 1, 1]
+    assert sum(len(r.moves) for r in roles) == 1, [r.moves for r in roles]
+    assert concurrent.count(1) + later.count(1) == 1, (concurrent, later)
 
 
 def test_an_empty_stage_is_filled(tmp_path):
