@@ -15,6 +15,13 @@ import psutil
 import pytest
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``long`` first, the rest in collection order: xdist hands each worker the next tests in that
+    order and keeps two queued ahead on each, so a minutes-long scenario collected late ran at the lane's end while
+    the other worker had nothing left (the longest first is the classic makespan heuristic)."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if item.get_closest_marker("netns") is not None and os.geteuid() != 0:
         pytest.skip("netns: needs root to create network namespaces (run scripts/test as root, as CI does)")

@@ -96,6 +96,7 @@ def test_config_show_prints_the_effective_config():
     assert shown["run"]["model"] == "tiny"
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # three fresh interpreters and a training peer: ~40 s quiet, 180+ s beside a CPU hog
 def test_status_conflicting_config_and_missing_config(tmp_path, capsys):

@@ -88,6 +88,7 @@ def _incomplete(groups: dict[tuple[str, int], list]) -> int:
     return sum(len(members) < size for (_, size), members in groups.items())
 
 
+@pytest.mark.long
 def test_a8_churn_training_continues_peers_agree_and_loss_matches_a_clean_run(swarm, tmp_path):
     config = _config(tmp_path, "a8.toml", max_outer_rounds=1000)  # stopped by the test
     swarm.start_bootstrap()

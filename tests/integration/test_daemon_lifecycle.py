@@ -57,6 +57,7 @@ def _control(checkpoint_dir, *args):
     return out.returncode, (json.loads(out.stdout) if out.stdout.strip() else {}), out.stderr
 
 
+@pytest.mark.long
 def test_a12_a_sigkilled_worker_leaves_no_process_and_its_successor_serves_the_control_socket(swarm, tmp_path):
     swarm.start_bootstrap()
     endless = tmp_path / "endless.toml"  # the worker must still be running when it is killed

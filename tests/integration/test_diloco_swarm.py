@@ -53,6 +53,7 @@ def test_three_peers_hold_bit_identical_theta_outer_and_learn(swarm):
         assert rounds[-1]["eval_nats_per_byte"] < start, (start, rounds[-1])
 
 
+@pytest.mark.long
 def test_late_joiner_downloads_state_and_averages_with_the_swarm(swarm, tmp_path):
     # rounds of ~6 s (~11 s on a loaded 2-core machine) and 4 of them, so that the joiner (15-25 s from process start to
     # adopted state under load) arrives while at least one round is still to come; which round's state it downloads

@@ -15,6 +15,7 @@ from peerd.testing.localswarm import LOCAL, ROOT, TINY, ProcessSet
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 
+@pytest.mark.long
 def test_pip_install_dot_alone_gives_a_daemon_that_bootstraps_and_joins(tmp_path):
     source = tmp_path / "src"  # a copy: the build must leave the checkout alone
     source.mkdir()

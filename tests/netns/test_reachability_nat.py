@@ -276,6 +276,7 @@ def _events(log: Path, event: str) -> list[dict]:
     return out
 
 
+@pytest.mark.long
 def test_a_diloco_worker_behind_nat_trains_with_reachable_workers_and_reduces_nothing(nat, tmp_path):
     """Three ``peerd join`` workers and a bootstrap node (default relay = "auto"): ``pub0`` and ``pub1`` on the
     reachable side, ``nated`` behind the router. The NATed worker is found not reachable but relayed (``peerd

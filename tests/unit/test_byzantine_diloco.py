@@ -58,6 +58,7 @@ def _run_swarm(tmp_path, aggregation: str, attack: bool) -> tuple[float, int]:
     return asyncio.run(main())
 
 
+@pytest.mark.long
 def test_b1_centered_clip_resists_a_scaled_sign_flip_that_wrecks_the_mean(tmp_path):
     clean, _ = _run_swarm(tmp_path, "mean", attack=False)
     attacked_mean, fired_mean = _run_swarm(tmp_path, "mean", attack=True)

@@ -23,6 +23,7 @@ MICRO_BATCHES = 400
 ROUND_EVERY = 5
 
 
+@pytest.mark.long
 @pytest.mark.slow  # in-process, but minutes of CPU (400 micro-batches through 4 servers and one process)
 @pytest.mark.timeout(1200)
 def test_a_swarm_with_two_servers_per_stage_trains_like_one_process():
