@@ -20,7 +20,7 @@ import pytest
 from peerd.service import control
 from peerd.testing.localswarm import TINY, Swarm, peerd_cmd
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("dashboard"), pytest.mark.timeout(600)]  # one module swarm
 
 RUN = "dash"
 ARTIFACTS = Path(os.environ.get("PEERD_TEST_ARTIFACTS", Path(__file__).resolve().parents[2] / "test-artifacts"))

@@ -22,7 +22,9 @@ from peerd.testing.localswarm import TINY, Peer, Swarm, peerd_cmd
 from tests.dockerfile import DOCKERFILE, exec_form, image_env
 
 # generous guards: these take 10-30 s each on an idle machine, several times that on a shared, overloaded one
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+# one xdist group: the tests share the module's daemon in order (the health check and SIGTERM tests need the daemon
+# the earlier ones waited for; a worker of their own would start a fresh one and probe it before it is up)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("volunteer_daemon"), pytest.mark.timeout(420)]
 
 RUN = "volunteer"
 UPLOAD_CAP_MB_S = 2.0
