@@ -128,3 +128,11 @@ def describe_device(device: Any, torch_module: Any = None) -> str:
     if device.type == "mps":
         return "mps (Apple GPU)"
     return str(device)
+
+
+def off_the_round(setting: Optional[bool], device: Any) -> bool:
+    """Whether work that can leave a round boundary's path (node ``background_checkpoint``, ``background_eval``)
+    runs in the background: ``setting`` where the node sets it, else where a GPU trains (``device``, a
+    ``torch.device``, is not the CPU), where the boundary would idle the accelerator; on a CPU the background work
+    would take the inner steps' own cores."""
+    return bool(setting) if setting is not None else device.type != "cpu"

@@ -160,15 +160,19 @@ class MemoryEstimate:
     """Extra memory of the optimizer step (CPU foreach AdamW)."""
     reserve: int
     """Kept free on a GPU for the allocator and kernel workspaces."""
+    eval_copy: int = 0
+    """A second copy of the fp32 weights that round evaluations run on while training goes on (background
+    evaluation, Streaming fragments, the delayed overlap), 4P; 0 without one."""
 
     @property
     def forward_backward(self) -> int:
         grads = self.gradients if self.accumulating else 0
-        return self.weights + self.optimizer + grads + self.weight_copies + self.activations + self.transient
+        return (self.weights + self.optimizer + grads + self.weight_copies + self.activations + self.transient
+                + self.eval_copy)
 
     @property
     def optimizer_step(self) -> int:
-        return self.weights + self.optimizer + self.gradients + self.step_temporaries
+        return self.weights + self.optimizer + self.gradients + self.step_temporaries + self.eval_copy
 
     @property
     def peak(self) -> int:
@@ -182,10 +186,12 @@ class MemoryEstimate:
 
 
 def estimate(shape: Shape, *, seq_len: int, micro_batch_size: int, accumulation: int = 1, precision: str = "bf16",
-             checkpointing: bool = False, optimizer_8bit: bool = False, device_type: str = "cuda") -> MemoryEstimate:
+             checkpointing: bool = False, optimizer_8bit: bool = False, device_type: str = "cuda",
+             eval_copy: bool = False) -> MemoryEstimate:
     """The predicted memory of an inner step of ``accumulation`` micro-batches of ``micro_batch_size`` sequences of
     ``seq_len`` tokens. ``precision``: fp32, bf16 or fp16 (resolved, not ``auto``); ``device_type``: where it
-    trains (``cuda`` adds the reserve; ``cpu`` counts foreach AdamW's temporary copy). Raises ``ValueError`` for
+    trains (``cuda`` adds the reserve; ``cpu`` counts foreach AdamW's temporary copy); ``eval_copy``: evaluations
+    run on a copy of the weights (:attr:`MemoryEstimate.eval_copy`). Raises ``ValueError`` for
     an unknown precision or a size below 1."""
     if precision not in _COMPUTE_BYTES:
         raise ValueError(f"precision must be one of {', '.join(_COMPUTE_BYTES)}, got {precision!r}")
@@ -208,7 +214,7 @@ def estimate(shape: Shape, *, seq_len: int, micro_batch_size: int, accumulation:
     transient = tokens * (8 * shape.vocab_size + 2 * e * shape.d_model)
     temporaries = 4 * p if device_type == "cpu" and not optimizer_8bit else 0
     est = MemoryEstimate(4 * p, 4 * p, optimizer_bytes(shape, optimizer_8bit), copies, acts, transient,
-                         accumulation > 1, temporaries, 0)
+                         accumulation > 1, temporaries, 0, 4 * p if eval_copy else 0)
     if device_type != "cuda":
         return est
     reserve = CUDA_RESERVE_BYTES + int(CUDA_RESERVE_FRACTION * max(est.forward_backward, est.optimizer_step))
@@ -235,12 +241,13 @@ class Plan:
         budget = f" of {format_bytes(self.budget)} free" if self.budget is not None else ""
         return (f"predicted peak {format_bytes(self.estimate.peak)}{budget}{' on ' + where if where else ''}: "
                 f"micro-batch {self.micro_batch_size} x {seq_len} tokens, activation checkpointing "
-                f"{'on' if self.activation_checkpointing else 'off'}")
+                f"{'on' if self.activation_checkpointing else 'off'}"
+                + (", evaluations on a copy of the weights" if self.estimate.eval_copy else ""))
 
 
 def plan(shape: Shape, *, seq_len: int, batch_size: int, budget: Optional[int], precision: str = "bf16",
          micro_batch_size: int = 0, checkpointing: Optional[bool] = None, optimizer_8bit: bool = False,
-         device_type: str = "cuda") -> Plan:
+         device_type: str = "cuda", eval_copy: bool = False) -> Plan:
     """The micro-batch and checkpointing for ``batch_size`` sequences per inner step within ``budget`` bytes.
 
     A ``micro_batch_size`` > 0 or a ``checkpointing`` that is not None is the user's and is kept. Otherwise, in
@@ -257,7 +264,8 @@ def plan(shape: Shape, *, seq_len: int, batch_size: int, budget: Optional[int], 
 
     def make(m: int, ckpt: bool) -> Plan:
         est = estimate(shape, seq_len=seq_len, micro_batch_size=m, accumulation=batch_size // m, precision=precision,
-                       checkpointing=ckpt, optimizer_8bit=optimizer_8bit, device_type=device_type)
+                       checkpointing=ckpt, optimizer_8bit=optimizer_8bit, device_type=device_type,
+                       eval_copy=eval_copy)
         return Plan(m, ckpt, est, budget)
 
     if budget is None:
@@ -292,7 +300,9 @@ def device_budget(device: Any, memory_fraction: float = 0.0) -> Optional[tuple[i
 def fit_node(node: Any, run: Any, device: Any, vocab_size: int,
              budget: Optional[tuple[int, str]] = None) -> tuple[Any, Optional[str]]:
     """``node`` (a :class:`peerd.config.NodeConfig`) with the ``micro_batch_size`` and ``activation_checkpointing``
-    that fit ``run`` (a :class:`peerd.run_config.RunConfig`) on ``device`` (values the user set are kept), and the
+    that fit ``run`` (a :class:`peerd.run_config.RunConfig`) on ``device`` (values the user set are kept; where
+    ``background_eval`` is unset on a GPU, on where the evaluation's copy of the weights leaves that plan as it is,
+    off where it would need a smaller micro-batch or checkpointing or not fit), and the
     one-line prediction to print (None where there is none: another parallelism than DiLoCo, a mixture-of-experts
     model). On a CPU nothing is chosen (the whole batch, no checkpointing unless set) and the line gives the peak
     for host memory. ``budget``: ``(bytes, name)`` instead of asking the device (:func:`device_budget`).
@@ -315,10 +325,23 @@ def fit_node(node: Any, run: Any, device: Any, vocab_size: int,
         return node, None
     devices = max(1, len(node.local_devices))
     found = budget if budget is not None else device_budget(device, node.gpu_memory_fraction)
-    chosen = plan(shape, seq_len=run.seq_len, batch_size=run.batch_size // devices,
-                  budget=found[0] if found else None, precision=resolve_precision(node.precision, device).name,
-                  micro_batch_size=node.micro_batch_size, checkpointing=node.activation_checkpointing,
-                  optimizer_8bit=node.optimizer_8bit, device_type=device.type)
+
+    def plan_with(eval_copy: bool) -> Plan:
+        return plan(shape, seq_len=run.seq_len, batch_size=run.batch_size // devices,
+                    budget=found[0] if found else None, precision=resolve_precision(node.precision, device).name,
+                    micro_batch_size=node.micro_batch_size, checkpointing=node.activation_checkpointing,
+                    optimizer_8bit=node.optimizer_8bit, device_type=device.type, eval_copy=eval_copy)
+
+    chosen = plan_with(evaluates_on_a_copy(node, run, device))
+    background_eval = node.background_eval
+    if background_eval is None and chosen.estimate.eval_copy and not evaluates_on_a_copy(
+            dataclasses.replace(node, background_eval=False), run, device):
+        # background evaluation by default only where its copy leaves the inner step's plan as it is: a smaller
+        # micro-batch or activation checkpointing would cost every step more than the evaluation costs a round
+        alone = plan_with(False)
+        background_eval = (chosen.fits and (chosen.micro_batch_size, chosen.activation_checkpointing)
+                           == (alone.micro_batch_size, alone.activation_checkpointing))
+        chosen = chosen if background_eval else alone
     where = found[1] if found else str(device)
     line = f"{run.model}: {chosen.describe(run.seq_len, where)}"
     if not chosen.fits:
@@ -331,5 +354,16 @@ def fit_node(node: Any, run: Any, device: Any, vocab_size: int,
                           key="micro_batch_size", reason=f"does not fit {where}")
     if found is None:  # nothing known about free memory: the user's values, the whole batch by default
         return dataclasses.replace(node, activation_checkpointing=bool(node.activation_checkpointing)), line
-    return dataclasses.replace(node, micro_batch_size=chosen.micro_batch_size,
+    return dataclasses.replace(node, micro_batch_size=chosen.micro_batch_size, background_eval=background_eval,
                                activation_checkpointing=chosen.activation_checkpointing), line
+
+
+def evaluates_on_a_copy(node: Any, run: Any, device: Any) -> bool:
+    """Whether the worker keeps a second copy of the weights for its round evaluations: the run evaluates and either
+    evaluates in the background (:func:`peerd.hardware.devices.off_the_round`) or theta_local differs from theta_outer
+    after a round (Streaming fragments, the delayed overlap; :mod:`peerd.worker.evaluation`)."""
+    from peerd.hardware.devices import off_the_round
+
+    diloco = run.diloco
+    return bool(run.eval_batches) and (off_the_round(node.background_eval, device) or diloco.fragments > 1
+                                       or diloco.overlap == "delayed")

@@ -123,11 +123,13 @@ def check_checkpoint(path: str | os.PathLike) -> None:
 OPTIMIZER_PREFIX = "inner."
 
 
-def optimizer_tensors(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """The per-parameter state of ``optimizer`` (e.g. AdamW's ``step``, ``exp_avg``, ``exp_avg_sq``) as CPU tensors
-    named ``inner.<index>.<key>``, for :func:`save_checkpoint`."""
-    return {f"{OPTIMIZER_PREFIX}{index}.{key}": torch.as_tensor(value).detach().cpu()
-            for index, state in optimizer.state_dict()["state"].items() for key, value in state.items()}
+def optimizer_tensors(optimizer: torch.optim.Optimizer, to_cpu: bool = True) -> dict[str, torch.Tensor]:
+    """The per-parameter state of ``optimizer`` (e.g. AdamW's ``step``, ``exp_avg``, ``exp_avg_sq``) named
+    ``inner.<index>.<key>``, for :func:`save_checkpoint`: CPU tensors (copies of those on a GPU), or with ``to_cpu``
+    False the optimizer's own tensors where they live (the caller copies them before the next step changes them)."""
+    out = {f"{OPTIMIZER_PREFIX}{index}.{key}": torch.as_tensor(value).detach()
+           for index, state in optimizer.state_dict()["state"].items() for key, value in state.items()}
+    return {name: t.cpu() for name, t in out.items()} if to_cpu else out
 
 
 def load_optimizer_tensors(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor],

@@ -3,8 +3,8 @@
 The model evaluated is theta_outer (the same on every peer). Where theta_local is not theta_outer after a round
 (Streaming fragments: the fragments synced earlier in the cycle have trained on; the delayed overlap: theta_local
 never restarts from theta_outer), theta_outer is put together in a copy of the model and evaluated there; so it is
-with the node's ``background_eval``, which evaluates the copy while training goes on and publishes an ``eval``
-event when done.
+with the node's ``background_eval`` (by default where a GPU trains), which evaluates the copy while training goes
+on and publishes an ``eval`` event when done.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from peerd.events import Evaluated
+from peerd.hardware.devices import off_the_round
 from peerd.models import build_model
 from peerd.runtime.processes import reap
 from peerd.roles.base import held_out_loss
@@ -31,7 +32,8 @@ class RoundEvaluation:
         with the node's ``background_eval`` (then None here: an ``eval`` event follows)."""
         if self.outer.outer_round % self.run_cfg.eval_every and not self.finished():
             return None
-        if not self.run_cfg.eval_batches or not (self.rounds.local_differs or self.ctx.node.background_eval):
+        background = off_the_round(self.ctx.node.background_eval, torch.device(self.device))
+        if not self.run_cfg.eval_batches or not (self.rounds.local_differs or background):
             return await self.evaluate()
         if self._eval_task is not None:  # one at a time: the copy below is shared
             await reap(self._eval_task, cancel=False)  # a failed background evaluation is logged there
@@ -45,7 +47,7 @@ class RoundEvaluation:
         for part in self.parts:
             part.fragment.load_(self._eval_model, part.outer.theta)
         task = asyncio.ensure_future(self._evaluate_copy(self.outer.outer_round, self.stats.tokens))
-        if not self.ctx.node.background_eval:
+        if not background:
             return await task
         self._eval_task = task
         return None
@@ -55,10 +57,11 @@ class RoundEvaluation:
         loss = await held_out_loss(self._eval_model, self.eval_tokens, self.run_cfg)
         if loss is not None:
             self.stats.last_eval = loss
-        if self.ctx.node.background_eval:
+        if off_the_round(self.ctx.node.background_eval, torch.device(self.device)):
             self.ctx.events.publish(Evaluated(outer_round, loss, tokens, **self._units))
         return loss
 
     async def _finish_background(self) -> None:
         if self._eval_task is not None:
             await reap(self._eval_task, cancel=False)  # leaving: a failed one is logged, and the exit goes on
+

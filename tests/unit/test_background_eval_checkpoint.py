@@ -112,16 +112,46 @@ def test_a_straggler_carries_its_missed_rounds_pseudo_gradient_into_the_next_rou
     asyncio.run(main())
 
 
-def test_checkpoints_are_written_in_the_background_by_default_where_a_gpu_trains(tmp_path):
-    from peerd.worker.checkpointing import writes_in_background
+def test_checkpoints_and_evaluations_leave_the_round_by_default_where_a_gpu_trains(tmp_path):
+    from peerd.hardware.devices import off_the_round
 
-    assert NodeConfig().background_checkpoint is None
-    assert writes_in_background(None, torch.device("cuda", 0)) and writes_in_background(None, torch.device("mps"))
-    assert not writes_in_background(None, torch.device("cpu"))
-    assert not writes_in_background(False, torch.device("cuda", 0)) and writes_in_background(True, torch.device("cpu"))
+    assert NodeConfig().background_checkpoint is None and NodeConfig().background_eval is None
+    assert off_the_round(None, torch.device("cuda", 0)) and off_the_round(None, torch.device("mps"))
+    assert not off_the_round(None, torch.device("cpu"))
+    assert not off_the_round(False, torch.device("cuda", 0)) and off_the_round(True, torch.device("cpu"))
     run = _run()
     default = DiLoCoRole(RunContext.build("unit", run, NodeConfig(checkpoint_dir=str(tmp_path / "a"), threads=1,
                                                                    device="cpu"), Hub().transport("a")))
     assert default.writer is None  # a CPU peer writes in the foreground unless told otherwise
     chosen, _ = _worker(Hub(), "b", run, tmp_path, True)
     assert chosen.writer is not None
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_background_snapshot_holds_the_values_of_when_it_was_taken(device):
+    from peerd.worker.checkpointing import HostSnapshot
+
+    snapshot = HostSnapshot()
+    state = {"inner.0.exp_avg": torch.arange(6.0, device=device), "inner.0.step": torch.tensor(3.0)}
+    copies, ready = snapshot.take(state, reuse=True)
+    state["inner.0.exp_avg"].mul_(10)  # the next inner step changes the optimizer's state in place
+    state["inner.0.step"].add_(1)
+    ready()
+    assert copies["inner.0.exp_avg"].device.type == "cpu"
+    assert torch.equal(copies["inner.0.exp_avg"], torch.arange(6.0)) and copies["inner.0.step"].item() == 3.0
+    again, ready = snapshot.take(state, reuse=True)
+    ready()
+    assert torch.equal(again["inner.0.exp_avg"], torch.arange(6.0) * 10)
+    # a write still reading the last snapshot keeps it: the next one goes to fresh buffers
+    held, ready = snapshot.take(state, reuse=False)
+    ready()
+    assert held["inner.0.exp_avg"].data_ptr() != again["inner.0.exp_avg"].data_ptr()
+    assert torch.equal(again["inner.0.exp_avg"], torch.arange(6.0) * 10)
+    if device == "cuda":  # page-locked buffers kept from one snapshot to the next while their writes finished
+        assert held["inner.0.exp_avg"].is_pinned()
+        reused, ready = snapshot.take(state, reuse=True)
+        ready()
+        assert reused["inner.0.exp_avg"].data_ptr() == held["inner.0.exp_avg"].data_ptr()

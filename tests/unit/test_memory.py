@@ -234,3 +234,27 @@ def test_eight_bit_optimizer_comes_from_bitsandbytes(monkeypatch):
 
 def test_get_preset_shape_round_trip():
     assert Shape.of(get_preset("small"), 256) == Shape.of("small", 256)
+
+
+def test_a_gpu_evaluates_in_the_background_where_the_copy_leaves_the_plan_as_it_is(tmp_path):
+    node = NodeConfig(checkpoint_dir=str(tmp_path))
+    cuda = torch.device("cuda")
+    roomy, line = fit_node(node, RunConfig(model="125m", seq_len=1024, batch_size=16), cuda, 256,
+                           budget=(80 * GIB, "cuda:0 (a big card)"))
+    assert roomy.background_eval is True and line.endswith("evaluations on a copy of the weights")
+    # 1.1b on a 24 GB card: the copy (4 bytes a parameter) does not fit beside the inner steps
+    big = RunConfig(model="1.1b", seq_len=1024, batch_size=16)
+    card = (int(23.5 * GIB), "cuda:0 (a 24 GB card)")
+    tight, line = fit_node(node, big, cuda, 256, budget=card)
+    assert tight.background_eval is False and "evaluations on a copy" not in line
+    assert plan(Shape.of("1.1b", 256), seq_len=1024, batch_size=16, budget=card[0], eval_copy=True).fits is False
+    with pytest.raises(ConfigError, match="1.1b does not fit"):  # asked for, it is counted and refused
+        fit_node(dataclasses.replace(node, background_eval=True), big, cuda, 256, budget=card)
+    # asked off, no copy is counted; a run without evaluations needs none; a CPU is left as it was
+    off, line = fit_node(dataclasses.replace(node, background_eval=False), big, cuda, 256, budget=card)
+    assert off.background_eval is False and "copy" not in line
+    no_eval, _ = fit_node(node, RunConfig(model="125m", seq_len=1024, batch_size=16, eval_batches=0), cuda, 256,
+                          budget=(80 * GIB, "x"))
+    assert no_eval.background_eval is None
+    cpu, _ = fit_node(node, RunConfig(model="125m", seq_len=1024, batch_size=16), torch.device("cpu"), 256)
+    assert cpu.background_eval is None
