@@ -235,8 +235,13 @@ class Connection(asyncio.BufferedProtocol):
     # writing
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
-        if self._lost or self._transport.is_closing():  # uvloop would raise RuntimeError; callers expect this
-            raise ConnectionResetError(f"connection closed: {self._error!r}")
+        """Queue ``data``. Raises what a read raises once the connection is lost (StreamCorrupted where TLS found a
+        record altered, so that a write noticing it first does not turn an attack on the path into a peer's fault);
+        while the transport is closing and not yet lost, the data is dropped: the loss, with its cause, follows."""
+        if self._lost:
+            raise self._lost_error()
+        if self._transport.is_closing():  # uvloop would raise RuntimeError; the reads and drains fail soon
+            return
         self._transport.write(data)
 
     async def drain(self) -> None:

@@ -172,3 +172,32 @@ def test_a_frames_small_writes_share_one_mux_frame_and_its_payload_arrives_whole
         assert got["payload"] == payload and got["payload"] is to_b[1][1]
 
     asyncio.run(main())
+
+
+def test_a_write_after_tls_found_a_record_altered_raises_stream_corrupted_not_a_plain_reset():
+    """The reducer bans a sender whose stream broke (a peer's fault) but not one whose bytes were altered on the path;
+    a write that notices the loss first must say which it was (seen on a 16-core machine: the mux's window update
+    hit the lost connection before its reader did, and a flipped byte got the honest sender banned)."""
+    import ssl
+
+    from peerd.transport.connection import Connection
+    from protocols.wire import StreamCorrupted
+
+    written = []
+    closing = [False]
+    transport = types.SimpleNamespace(write=written.append, is_closing=lambda: closing[0])
+    conn = Connection()
+    conn.connection_made(transport)
+    conn.write(b"before")
+    closing[0] = True  # TLS failed: the transport closes, connection_lost follows
+    conn.write(b"dropped")  # nothing raised yet: the loss and its cause come with connection_lost
+    conn.connection_lost(ssl.SSLError(1, "[SSL: DECRYPTION_FAILED_OR_BAD_RECORD_MAC] decryption failed"))
+    with pytest.raises(StreamCorrupted):
+        conn.write(b"after")
+    assert written == [b"before"]
+    plain = Connection()
+    plain.connection_made(types.SimpleNamespace(write=written.append, is_closing=lambda: False))
+    plain.connection_lost(ConnectionResetError("peer went away"))
+    with pytest.raises(ConnectionResetError) as reset:
+        plain.write(b"x")
+    assert not isinstance(reset.value, StreamCorrupted)
