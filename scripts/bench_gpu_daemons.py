@@ -20,7 +20,7 @@ alone; the ratio is what the round boundary costs. Network hygiene: everything l
 mapping.
 
 Usage: python scripts/bench_gpu_daemons.py [--device cuda] [--model 125m] [--h 500] [--rounds 3] [--peers 2]
-       [--batch-size 16] [--seq-len 1024] [--log-every 50] [--timeout-s 600] [--json OUT.json] [--md FILE.md]
+       [--overlap none|delayed] [--fragments F] [--batch-size 16] [--seq-len 1024] [--log-every 50] [--timeout-s 600] [--json OUT.json] [--md FILE.md]
 """
 
 from __future__ import annotations
@@ -62,6 +62,8 @@ max_outer_rounds = {rounds}
 [diloco]
 inner_steps = {h}
 warmup_steps = {warmup}
+overlap = "{overlap}"
+fragments = {fragments}
 
 [averaging.matchmaking]
 min_group_size = {peers}
@@ -97,8 +99,13 @@ def analyse(events: list[dict], tokens_per_step: int) -> dict[str, Any]:
     if not windows or not rounds:
         return {"error": "no inner steps or no finished round in its log"}
     start, first, end = windows[0][0] - windows[0][1], rounds[0]["time"], rounds[-1]["time"]
-    compute = sum(s for t, s in windows if t <= end)
-    steady = sum(s for t, s in windows if first < t <= end)
+
+    def within(lo: float, hi: float) -> float:
+        """Seconds of inner steps between ``lo`` and ``hi``: a window's steps run back to back and end at its time
+        (with the delayed overlap a round's event comes in the middle of the next steps)."""
+        return sum(max(0.0, min(t, hi) - max(t - s, lo)) for t, s in windows)
+
+    compute, steady = within(start, end), within(first, end)
     gaps = []
     for r in rounds[:-1]:
         last = max(t for t, _ in windows if t <= r["time"])
@@ -125,7 +132,7 @@ def run(a: argparse.Namespace, workdir: str) -> list[dict]:
     run_toml = os.path.join(workdir, "run.toml")
     with open(run_toml, "w") as f:
         f.write(RUN_TOML.format(model=a.model, seq_len=a.seq_len, batch=a.batch_size, rounds=a.rounds, h=a.h,
-                                warmup=min(100, a.h), peers=a.peers))
+                                warmup=min(100, a.h), peers=a.peers, overlap=a.overlap, fragments=a.fragments))
     procs = []
     env = {**os.environ, "PEERD_LOGLEVEL": "INFO", "PYTHONPATH": os.pathsep.join(
         [REPO] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
@@ -176,6 +183,9 @@ def main() -> int:
     ap.add_argument("--h", type=int, default=500, help="inner steps per outer round (default 500)")
     ap.add_argument("--rounds", type=int, default=3, help="outer rounds (default 3)")
     ap.add_argument("--peers", type=int, default=2)
+    ap.add_argument("--overlap", default="none", choices=("none", "delayed"),
+                    help="[diloco] overlap: delayed = the all-reduce runs during the next inner steps (default none)")
+    ap.add_argument("--fragments", type=int, default=1, help="[diloco] fragments (Streaming DiLoCo), divides --h")
     ap.add_argument("--batch-size", type=int, default=16, help="sequences per inner step (default 16)")
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--log-every", type=int, default=50, help="inner steps per logged window (default 50)")
