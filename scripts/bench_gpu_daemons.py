@@ -207,7 +207,9 @@ def main() -> int:
                        "wall_s": time.time() - started}, f, indent=1)
     if a.md:
         command = "python scripts/bench_gpu_daemons.py " + shlex.join(result_args(sys.argv[1:]))
-        lines = [HEADING, "", f"Command: `{command.strip()}`", "", f"Machine: {machine_line()}.", "",
+        heading = HEADING if a.overlap == "none" and a.fragments == 1 else (
+            f"{HEADING[:-1]} --overlap {a.overlap} --fragments {a.fragments})")
+        lines = [heading, "", f"Command: `{command.strip()}`", "", f"Machine: {machine_line()}.", "",
                  "| peer | utilization | steady | rounds | all-reduce s | rest of round s | gap to next step s |"
                  " median window s |", "|---|---:|---:|---:|---|---|---|---:|"]
         for p in peers:
@@ -217,7 +219,7 @@ def main() -> int:
             steady = f"{p['steady_util']:.3f}" if p["steady_util"] is not None else "n/a"
             lines.append(f"| {p['peer']} | {p['util']:.3f} | {steady} | {p['rounds']} | {p['allreduce_s']} | "
                          f"{p['round_rest_s']} | {p['gap_s']} | {p['step_s']:.2f} |")
-        replace_section(a.md, HEADING, "\n".join(lines) + "\n")
+        replace_section(a.md, lines[0], "\n".join(lines) + "\n")
     return 0 if utils else 1
 
 
