@@ -47,6 +47,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from peerd.hardware.devices import off_the_round
+
 GIB = 1 << 30
 #: Bytes a CUDA run keeps free beyond the prediction: the caching allocator's 2 MiB blocks and fragmentation,
 #: cuBLAS's and the attention kernels' workspaces.
@@ -362,8 +364,6 @@ def evaluates_on_a_copy(node: Any, run: Any, device: Any) -> bool:
     """Whether the worker keeps a second copy of the weights for its round evaluations: the run evaluates and either
     evaluates in the background (:func:`peerd.hardware.devices.off_the_round`) or theta_local differs from theta_outer
     after a round (Streaming fragments, the delayed overlap; :mod:`peerd.worker.evaluation`)."""
-    from peerd.hardware.devices import off_the_round
-
     diloco = run.diloco
     return bool(run.eval_batches) and (off_the_round(node.background_eval, device) or diloco.fragments > 1
                                        or diloco.overlap == "delayed")
