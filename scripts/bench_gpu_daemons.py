@@ -38,7 +38,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchlib import REPO, machine_line, replace_section, result_args  # noqa: E402
+from benchlib import REPO, machine_line, read_events, replace_section, result_args  # noqa: E402
 from peerd.testing.localswarm import kill_tree  # noqa: E402
 
 HEADING = "## Compute utilization of daemons sharing one GPU (scripts/bench_gpu_daemons.py)"
@@ -72,19 +72,6 @@ matchmaking_timeout_s = 120
 [averaging.allreduce]
 compression = "fp16"
 """
-
-
-def read_events(path: str) -> list[dict]:
-    """The JSON events of a daemon's log (other lines skipped)."""
-    out = []
-    with open(path, errors="replace") as f:
-        for line in f:
-            if line.startswith("{"):
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError:
-                    pass
-    return out
 
 
 def analyse(events: list[dict], tokens_per_step: int) -> dict[str, Any]:

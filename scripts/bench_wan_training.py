@@ -47,7 +47,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from benchlib import load_wan_testbed, machine_line, replace_section, result_args  # noqa: E402
+from benchlib import load_wan_testbed, machine_line, read_events, replace_section, result_args  # noqa: E402
 from peerd.testing.localswarm import kill_tree  # noqa: E402
 
 SECTION = "## DiLoCo vs per-step data parallel on a virtual WAN (scripts/bench_wan_training.py)"
@@ -212,19 +212,6 @@ class Results:
     diloco: dict[str, Any] = field(default_factory=dict)
     dp: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
-
-
-def read_events(path: str) -> list[dict]:
-    out = []
-    with open(path, errors="replace") as f:
-        for line in f:
-            line = line.strip()
-            if line.startswith("{"):
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError:
-                    pass
-    return out
 
 
 def kill(procs: list[Proc]) -> None:

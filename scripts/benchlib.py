@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+import json
 import os
 import platform
 import sys
@@ -68,3 +69,17 @@ def replace_section(md_path: str, heading: str, section: str) -> None:
         new = "\n".join(lines[:start] + section.rstrip("\n").splitlines() + ([""] + tail if tail else [])) + "\n"
     with open(md_path, "w") as f:
         f.write(new)
+
+
+def read_events(path: str) -> list[dict]:
+    """The JSON events of a daemon's log written with ``--log-format json`` (other lines skipped)."""
+    out = []
+    with open(path, errors="replace") as f:
+        for line in f:
+            line = line.strip()
+            if line.startswith("{"):
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    pass
+    return out
