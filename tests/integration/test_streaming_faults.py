@@ -53,7 +53,11 @@ def test_streaming_peer_killed_mid_transfer_restarts_downloads_and_rejoins(swarm
     assert victim.proc.wait(180) == -9, swarm.tails()
     fired = [e for e in victim.of("fault") if e.get("action") == "kill"]
     assert len(fired) == 1 and fired[0]["bytes_sent"] == 3000
-    # the victim comes back with its identity and checkpoint, no faults
+    # the victim comes back with its identity and checkpoint, no faults, once the survivors finished round 2 without
+    # it: had it come back between their fragment rounds of round 2, the state it downloads (fragment 0 a round
+    # further) would carry the round number of its own checkpoint, and before their round 2's first fragment round,
+    # nothing to download at all
+    swarm.wait_for(lambda: all(p.digests().get(2) for p in peers), 150, "round 2 on the three survivors")
     again = swarm.start_peer("victim", "stream", config)
     last = _averages_with(swarm, again, peers, "the restarted victim")
     resumed, downloads = again.of("resume"), again.of("state_download")
