@@ -71,17 +71,19 @@ class CatchUp:
         Before, a joiner that started while the run's creator was in round 0 trained a whole round (40 steps) from
         theta_0 while the creator's round sealed without it, and dropped them all to adopt the creator's state.
         If they have finished their steps (they are at the rendezvous), one step: we meet them there if their group
-        is still open, else we are told the round went on (:class:`LeftOut`) and lose one step, not a round."""
+        is still open, else we are told the round went on (:class:`LeftOut`) and lose one step, not a round.
+        Called again after the join's evaluation (the peers trained on meanwhile); it never raises the quota."""
         if self.steps_since_sync or len(self.parts) > 1:
             return
         now, tokens_per_step = time.time(), self.run_cfg.batch_size * self.run_cfg.seq_len
         in_round = [steps_done_now(s, now, tokens_per_step, self.hp.inner_steps, self.ctx.node.status_interval_s)
                     for p, s in live.items() if p != self.peer_id and s["outer_round"] == self.outer.outer_round]
-        if not in_round or not max(in_round):
-            return
-        self.rounds.joined(max(in_round))
+        steps = max(in_round, default=0)
+        if not steps or max(1, self.hp.inner_steps - steps) >= self.round_quota:
+            return  # nobody is into the round, or no further than we counted before (an older record)
+        self.rounds.joined(steps)
         logger.info("joining round %d in progress: live peers are %d of %d inner steps into it; training the %d "
-                    "left", self.outer.outer_round + 1, max(in_round), self.hp.inner_steps, self.round_quota)
+                    "left", self.outer.outer_round + 1, steps, self.hp.inner_steps, self.round_quota)
 
     def fork_majority(self, live: dict[str, dict]) -> list[str]:
         """The live workers at our outer round that hold the theta_outer (status ``digest``) most workers at that

@@ -97,8 +97,13 @@ class OuterWorker(InnerLoop, CatchUp, OuterCheckpoint, RoundEvaluation, WorkerCo
 
     async def join(self) -> None:
         await self.catch_up(await self.live_peers())
-        if not self.ctx.stop.is_set():  # Ctrl-C while joining: leave now, not after a full evaluation
-            await self.evaluate_and_publish()
+        if self.ctx.stop.is_set():  # Ctrl-C while joining: leave now, not after a full evaluation
+            return
+        await self.evaluate_and_publish()
+        if not self.ctx.stop.is_set():
+            # the live peers trained on while we evaluated (seconds on a loaded CPU): count their steps again, or we
+            # come to their rendezvous that much later than they do
+            self.align_with_round(await self.live_peers())
 
     async def run_round(self) -> RoundEnd:
         """One outer round (or fragment round) with the run's round strategy (:mod:`peerd.worker.rounds`); returns

@@ -277,16 +277,20 @@ def test_a_gossip_round_counts_the_exchanges_a_peer_answered_in_its_group_size(t
 
 
 @pytest.mark.timeout(90)
-def test_a_joiner_starting_during_round_0_trains_what_is_left_of_it_and_joins_the_creators_group(tmp_path):
+@pytest.mark.parametrize("ahead_during_evaluation", [0, 2])
+def test_a_joiner_starting_during_round_0_trains_what_is_left_of_it_and_joins_the_creators_group(
+        tmp_path, ahead_during_evaluation):
     """b starts while a (the run's creator) is k of H inner steps into round 0: b trains the H - k steps left and
     both average in round 0's group. Before, b trained all H steps; a, at the rendezvous with b still k steps behind
     (longer than a's matchmaking window here: b's steps past H - k wait for a's round to end), sealed round 0 alone
-    and b dropped its steps to adopt a's state."""
+    and b dropped its steps to adopt a's state. With ``ahead_during_evaluation`` = d: a trains d more steps while b
+    runs its join's evaluation, and b trains H - k - d (before, b counted a's steps before its evaluation only, and
+    came to the rendezvous d steps late: a loaded CPU's evaluation takes seconds)."""
     import threading
 
     from peerd.events import RoundDone
 
-    H, k = 10, 7
+    H, k, d = 10, 5, ahead_during_evaluation
     run = RunConfig(
         model="tiny", seq_len=32, batch_size=4, eval_batches=0, max_outer_rounds=1,
         diloco=DiLoCoHyperparams(inner_steps=H, warmup_steps=2, inner_lr=1e-3),
@@ -297,42 +301,51 @@ def test_a_joiner_starting_during_round_0_trains_what_is_left_of_it_and_joins_th
         hub = Hub()
         a, b = (_worker(hub, name, run, tmp_path) for name in ("peer-a", "peer-b"))
         done = {a.peer_id: [], b.peer_id: []}
-        a_round_over, a_at_k, b_stepping, release_a = (threading.Event() for _ in range(4))
+        a_round_over, b_stepping = threading.Event(), threading.Event()
+        holds = {step: (threading.Event(), threading.Event()) for step in {k, k + d}}  # step -> (reached, released)
         for w in (a, b):
             w.ctx.events.subscribe(lambda e, w=w: done[w.peer_id].append(e) if isinstance(e, RoundDone) else None)
         a.ctx.events.subscribe(lambda e: a_round_over.set() if isinstance(e, RoundDone) else None)
         a_step, b_step = a._inner_step, b._inner_step
 
-        def a_steps():  # runs in the executor: a holds at step k until b trains
-            if a.steps_since_sync == k:
-                a_at_k.set()
-                assert release_a.wait(30)
+        def a_steps():  # runs in the executor: a holds at steps k and k + d until released
+            hold = holds.get(a.steps_since_sync)
+            if hold is not None:
+                hold[0].set()
+                assert hold[1].wait(30)
             return a_step()
 
         def b_steps():  # b's steps beyond what is left of a's round come after a's round: b is that far behind
             b_stepping.set()
-            if b.steps_since_sync >= H - k:
+            if b.steps_since_sync >= H - k - d:
                 a_round_over.wait(30)
             return b_step()
 
+        async def b_evaluates():  # b's join evaluation: meanwhile a trains d more steps and its record says so
+            holds[k][1].set()
+            assert await loop.run_in_executor(None, holds[k + d][0].wait, 30)
+            await a.ctx.status.publish()
+
         a._inner_step, b._inner_step = a_steps, b_steps
+        if d:
+            b.evaluate_and_publish = b_evaluates
         loop = asyncio.get_running_loop()
         a_run = asyncio.ensure_future(a.run())
-        assert await loop.run_in_executor(None, a_at_k.wait, 30)
+        assert await loop.run_in_executor(None, holds[k][0].wait, 30)
         await a.ctx.status.publish()  # a's record now says k steps into round 0
         b_run = asyncio.ensure_future(b.run())
         assert await loop.run_in_executor(None, b_stepping.wait, 30)
         while b.peer_id not in await a.live_peers():  # a counts on b at its rendezvous
             await asyncio.sleep(0.05)
-        release_a.set()
+        holds[k + d][1].set()
         await asyncio.wait_for(asyncio.gather(a_run, b_run), 60)
         return a, b, done
 
     a, b, done = asyncio.run(main())
     (ra,), (rb,) = done[a.peer_id], done[b.peer_id]
     assert (ra.outer_round, ra.group_size, ra.inner_steps) == (1, 2, H)
-    assert (rb.outer_round, rb.group_size, rb.inner_steps) == (1, 2, H - k)
-    assert rb.weight == (H - k) * run.batch_size and ra.digest == rb.digest
+    assert (rb.outer_round, rb.group_size, rb.inner_steps) == (1, 2, H - k - d)
+    assert rb.weight == (H - k - d) * run.batch_size and ra.digest == rb.digest
     assert a.stats.rounds_failed == b.stats.rounds_failed == 0
 
 
