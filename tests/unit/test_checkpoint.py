@@ -126,6 +126,22 @@ def test_overwrite_replaces_the_previous_checkpoint(tmp_path):
     assert_bit_identical(second.tensors, loaded.tensors)
 
 
+def test_loaded_tensors_are_the_callers_to_change_and_outlive_the_file_they_came_from(tmp_path):
+    """A load maps the file: its tensors must still hold the loaded values after the next checkpoint replaced the
+    file and after the file is gone, and changing one in place must neither fail nor reach the file."""
+    path = checkpoint_path(tmp_path, "demo")
+    original = sample(0)
+    save_checkpoint(path, original)
+    loaded = load_checkpoint(path)
+    save_checkpoint(path, sample(1))  # replaces the file the loaded tensors map
+    assert_bit_identical(original.tensors, loaded.tensors)
+    path.unlink()
+    loaded.tensors["theta_outer"].add_(1.0)  # the resumed state is the worker's own
+    assert torch.equal(loaded.tensors["theta_outer"], original.tensors["theta_outer"] + 1.0)
+    save_checkpoint(path, original)
+    assert_bit_identical(load_checkpoint(path).tensors, original.tensors)
+
+
 def test_no_temporary_files_are_left_after_success(tmp_path):
     path = tmp_path / "run" / FILENAME
     for seed in range(3):
