@@ -73,7 +73,11 @@ def save_checkpoint(
 
 
 def load_checkpoint(path: str | os.PathLike) -> Optional[Checkpoint]:
-    """Read a checkpoint; None if there is none. Raises CheckpointError if the file is unreadable or corrupt."""
+    """Read a checkpoint; None if there is none. Raises CheckpointError if the file is unreadable or corrupt.
+
+    The tensors map the file (``safetensors.safe_open``): their pages come in from the page cache as they are used,
+    a tensor changed in place gets its own copy of those pages (the file never changes), and they stay valid after a
+    later checkpoint replaced the file or it was deleted (the mapping holds the old file)."""
     path = Path(path)
     for stale in path.parent.glob(f".{path.name}.*.tmp"):  # left by a crash mid-write; never published
         stale.unlink(missing_ok=True)
