@@ -32,7 +32,7 @@ from peerd.roles.base import RunContext, bounded_on_stop, unless_stopped
 from peerd.roles.fragments import FragmentState
 from peerd.roles.registry import OUTER_SYNCS, resolve
 from protocols.allgather import SparseAllGather
-from protocols.allreduce import AllReduceFailed, AllReduceResult, ButterflyAllReduce
+from protocols.allreduce import AllReduceFailed, AllReduceResult, ButterflyAllReduce, RingAllReduce
 from protocols.codecs import ErrorFeedback
 from protocols.diloco import DiLoCoHyperparams, OuterState
 from protocols.group_keys import RETRIES_FIELD, RoundTries, agreed_retry, group_key  # noqa: F401 (re-exported)
@@ -130,9 +130,10 @@ class OuterSync:
                           admit=admit, bans=self.ctx.bans)
 
     def _allreduce(self) -> Union[ButterflyAllReduce, SparseAllGather]:
-        """The butterfly all-reduce, or the sparse all-gather where ``[averaging.allreduce] exchange = "gather"``."""
+        """The butterfly all-reduce; the sparse all-gather where ``[averaging.allreduce] exchange = "gather"``; the
+        ring (where the group suits it, else the butterfly) where ``exchange = "ring"``."""
         config = self.ctx.run.averaging.allreduce()
-        cls = SparseAllGather if config.exchange == "gather" else ButterflyAllReduce
+        cls = {"gather": SparseAllGather, "ring": RingAllReduce}.get(config.exchange, ButterflyAllReduce)
         return cls(self.ctx.transport, self.state.fragment.scope, config, bans=self.ctx.bans)
 
     def _set_dial_only(self) -> None:

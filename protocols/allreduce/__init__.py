@@ -33,7 +33,8 @@ The package, one concept a module: :mod:`~protocols.allreduce.butterfly` (the se
 run), :mod:`~protocols.allreduce.reducer` (the reducer's side: reading parts, sealing, answering),
 :mod:`~protocols.allreduce.session` (one group's reduction state), :mod:`~protocols.allreduce.parts` (part sizes and
 link rates), :mod:`~protocols.allreduce.chunks` (a part's chunks on the wire), :mod:`~protocols.allreduce.aggregate`
-(the fp32 aggregation of a part) and :mod:`~protocols.allreduce.config`.
+(the fp32 aggregation of a part), :mod:`~protocols.allreduce.ring` (the pipelined ring that ``exchange = "ring"``
+runs where the group suits it) and :mod:`~protocols.allreduce.config`.
 """
 
 from protocols.allreduce.aggregate import (
@@ -42,17 +43,18 @@ from protocols.allreduce.aggregate import (
 from protocols.allreduce.butterfly import ButterflyAllReduce
 from protocols.allreduce.chunks import decode_chunk, decode_chunk_into, encode_chunk, finite
 from protocols.allreduce.config import (
-    EXCHANGES, PARTITIONS, AllReduceConfig, AllReduceFailed, AllReduceResult,
+    EXCHANGES, PARTITIONS, RING_CODECS, AllReduceConfig, AllReduceFailed, AllReduceResult,
 )
 from protocols.allreduce.parts import (
     MIN_SHARE, RATE_HISTORY, RATE_MIN_BYTES, RATE_MIN_RUNS, RATE_SPREAD, PartPlanner,
 )
 from protocols.allreduce.reducer import SLOW_SENDER_GRACE_S, SLOW_SENDER_PACES
+from protocols.allreduce.ring import RING_MIN_MEMBERS, RingAllReduce
 from protocols.partition import partition_sizes
 
 __all__ = [
     "EXCHANGES", "MAX_WEIGHT", "MIN_SHARE", "PARTITIONS", "RATE_HISTORY", "RATE_MIN_BYTES", "RATE_MIN_RUNS",
-    "RATE_SPREAD", "SLOW_SENDER_GRACE_S", "SLOW_SENDER_PACES", "AllReduceConfig", "AllReduceFailed",
+    "RATE_SPREAD", "RING_CODECS", "RING_MIN_MEMBERS", "RingAllReduce", "SLOW_SENDER_GRACE_S", "SLOW_SENDER_PACES", "AllReduceConfig", "AllReduceFailed",
     "AllReduceResult", "ButterflyAllReduce", "ChunkedPartReducer", "PartPlanner", "PartReducer", "check_local_input",
     "decode_chunk", "decode_chunk_into", "encode_chunk", "finite", "partition_sizes", "validate_weight",
     "weight_problem",

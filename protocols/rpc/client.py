@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from typing import Any, AsyncIterable, Callable, Iterable, Optional, Sequence, Union
 
 from protocols.interfaces import PeerStreams, StreamReader, StreamWriter
 from protocols.rpc.errors import _guard
@@ -78,7 +78,7 @@ async def call_framed(
     service: str,
     method: str,
     header: Optional[dict[str, Any]],
-    frames: Iterable[Payload],
+    frames: Union[Iterable[Payload], AsyncIterable[Payload]],
     sizes: Sequence[int],
     reply_sizes: Sequence[int],
     on_reply_frame: Callable[[int, Union[bytes, bytearray]], None],
@@ -90,7 +90,8 @@ async def call_framed(
     soon as it has what it needs (a pipeline, e.g. a streaming all-reduce reducer).
 
     ``frames`` yields the request's frame payloads lazily (one is produced only once the previous one was handed to
-    the transport), of exactly ``sizes`` bytes; the reply must arrive framed as ``reply_sizes`` (bytes), and
+    the transport), of exactly ``sizes`` bytes; an async iterable may wait for what a frame carries (a ring member
+    relays what its other neighbour sends); the reply must arrive framed as ``reply_sizes`` (bytes), and
     ``on_reply_frame(k, payload)`` is called for each reply frame in order as it arrives. On the wire both are
     ordinary messages of :mod:`protocols.rpc` (one frame: unchunked; several: ``_total`` then continuation frames), so a
     handler may also read the request with :meth:`Request.payload` and answer with :meth:`Request.reply`.
@@ -106,12 +107,30 @@ async def call_framed(
     name = handler_name(service, method)
     counts = [0, 0]  # bytes sent, received
 
+    async def payloads() -> Any:
+        if isinstance(frames, AsyncIterable):
+            async for payload in frames:
+                yield payload
+        else:
+            for payload in frames:
+                yield payload
+
     async def send(writer: StreamWriter) -> None:
-        for i, (payload, size) in enumerate(zip(frames, sizes)):
-            views = _buffers(payload)
-            if sum(v.nbytes for v in views) != size:
-                raise ValueError(f"request frame {i} holds {sum(v.nbytes for v in views)} bytes, not {size}")
-            counts[0] += await write_frame(writer, _head_of(request, sizes) if i == 0 else {}, views)
+        i = 0
+        source = payloads()
+        try:
+            while i < len(sizes):
+                try:
+                    payload = await source.__anext__()
+                except StopAsyncIteration:
+                    break
+                views = _buffers(payload)
+                if sum(v.nbytes for v in views) != sizes[i]:
+                    raise ValueError(f"request frame {i} holds {sum(v.nbytes for v in views)} bytes, not {sizes[i]}")
+                counts[0] += await write_frame(writer, _head_of(request, sizes) if i == 0 else {}, views)
+                i += 1
+        finally:
+            await source.aclose()
 
     async def receive(reader: StreamReader) -> dict[str, Any]:
         head, total, first, nbytes = await _read_head(reader)

@@ -1,0 +1,186 @@
+"""The pipelined ring all-reduce (``exchange = "ring"``) among in-process peers: the weighted mean, bit-identical on
+every member, the bytes of a ring, the groups it leaves to the butterfly, and its failures."""
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from peerd.transport.inprocess import Hub
+from protocols.allreduce import AllReduceConfig, AllReduceFailed, RingAllReduce
+from protocols.diloco import weighted_average
+from protocols.matchmaking import Group
+
+pytestmark = pytest.mark.timeout(60)
+
+#: Small chunks so that every part travels in several frames (the pipeline), short timeouts (nothing here waits on
+#: a network).
+RING = AllReduceConfig(compression="none", sender_timeout_s=1.0, reducer_timeout_s=3.0, chunk_numel=4096,
+                       exchange="ring")
+
+
+def inputs(n: int, numel: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(numel, generator=g) for _ in range(n)]
+
+
+@pytest.mark.parametrize("n", [3, 4, 5])
+def test_every_member_gets_the_same_bits_of_the_weighted_mean_in_a_ring(n, averaging_peers):
+    async def main():
+        peers = await averaging_peers(Hub(), n, allreduce=RING, allreduce_class=RingAllReduce)
+        numel = 50_003  # parts of ~10-17k values: several 4096-value frames each, the last one short
+        xs, ws = inputs(n, numel, n), [float(i + 1) for i in range(n)]
+        results = await asyncio.gather(*[p.round("r0", x, w, expected=n) for p, x, w in zip(peers, xs, ws)])
+        reference = weighted_average(xs, ws)
+        for peer, res in zip(peers, results):
+            assert peer.allreduce.rings_run == 1
+            assert res.group_size == n and res.contributors == n and res.excluded == {}
+            assert torch.equal(res.averaged, results[0].averaged)
+            torch.testing.assert_close(res.averaged, reference, rtol=1e-5, atol=1e-6)
+            # a ring moves 2 (N-1)/N of the vector each way (plus 8 bytes of running weight per frame, headers)
+            payload = 2 * (n - 1) / n * 4 * numel
+            assert payload <= res.bytes_sent <= payload * 1.02 + 4096
+            assert payload <= res.bytes_received <= payload * 1.02 + 4096
+
+    asyncio.run(main())
+
+
+def test_fp16_ring_results_are_identical_and_close_to_the_mean(averaging_peers):
+    async def main():
+        config = AllReduceConfig(compression="fp16", sender_timeout_s=1.0, reducer_timeout_s=3.0, chunk_numel=4096,
+                                 exchange="ring")
+        peers = await averaging_peers(Hub(), 4, allreduce=config, allreduce_class=RingAllReduce)
+        xs = inputs(4, 30_000, 7)
+        results = await asyncio.gather(*[p.round("r0", x, 2.0, expected=4) for p, x in zip(peers, xs)])
+        reference = weighted_average(xs, [1, 1, 1, 1])
+        for res in results:
+            assert torch.equal(res.averaged, results[0].averaged)
+        # the running mean is rounded to fp16 at each of the 3 hops and once more as the result
+        assert ((results[0].averaged - reference).norm() / reference.norm()).item() < 2e-3
+        assert all(p.allreduce.rings_run == 1 for p in peers)
+
+    asyncio.run(main())
+
+
+def test_zero_weights_fold_in_like_the_butterflys_mean(averaging_peers):
+    async def main():
+        peers = await averaging_peers(Hub(), 3, allreduce=RING, allreduce_class=RingAllReduce)
+        xs = inputs(3, 9000, 3)
+        mixed = await asyncio.gather(*[p.round("a", x, w, expected=3) for p, x, w in zip(peers, xs, [0.0, 3.0, 0.0])])
+        for res in mixed:  # only the one weighted member counts
+            torch.testing.assert_close(res.averaged, xs[1], rtol=1e-6, atol=1e-6)
+        zero = await asyncio.gather(*[p.round("b", x, 0.0, expected=3) for p, x in zip(peers, xs)])
+        for res in zero:  # no weight at all: zeros, as PartReducer.mean
+            assert torch.equal(res.averaged, torch.zeros(9000))
+
+    asyncio.run(main())
+
+
+def _group(n: int, infos: dict) -> Group:
+    members = [f"p{i}" for i in range(n)]
+    return Group("g", "k", members[0], tuple(members), infos)
+
+
+@pytest.mark.parametrize("n, infos, numel, rings", [
+    (3, {}, 100, True),
+    (2, {}, 100, False),  # two members: the same flows either way, the butterfly keeps its validation
+    (3, {}, 2, False),  # fewer values than members
+    (3, {"p1": {"dial_only": True}}, 100, False),  # nobody can dial p1 directly
+    (3, {f"p{i}": {"rates": {"up": 1e7, "down": 1.2e7}} for i in range(3)}, 100, True),  # within RATE_SPREAD
+    (3, {"p0": {"rates": {"up": 1e7, "down": 1e7}}, "p1": {"rates": {"up": 1e7, "down": 1e7}},
+         "p2": {"rates": {"up": 2e6, "down": 1e7}}}, 100, False),  # a slow link: bandwidth-proportional parts win
+    (3, {"p0": {"rates": {"up": 1e7, "down": 1e7}}, "p2": {"rates": {"up": 2e6, "down": 1e7}}}, 100, True),
+])
+def test_the_ring_is_chosen_from_the_group_alone(n, infos, numel, rings):
+    ring = RingAllReduce(SimpleNamespace(streams=None, discovery=None), "run", RING)
+    assert ring.ring_fits(_group(n, infos), numel) is rings
+
+
+def test_groups_that_do_not_fit_a_ring_run_the_butterfly(averaging_peers):
+    async def main():
+        peers = await averaging_peers(Hub(), 3, allreduce=RING, allreduce_class=RingAllReduce)
+        xs = inputs(3, 5000, 5)
+        infos = [{"dial_only": True}, {}, {}]
+        results = await asyncio.gather(*[p.round("r0", x, 1.0, expected=3, info=i)
+                                         for p, x, i in zip(peers, xs, infos)])
+        for res in results:
+            assert torch.equal(res.averaged, results[0].averaged)
+            torch.testing.assert_close(res.averaged, weighted_average(xs, [1, 1, 1]), rtol=1e-5, atol=1e-6)
+        assert [p.allreduce.rings_run for p in peers] == [0, 0, 0]
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("bad", [{"aggregation": "centered_clip"}, {"compression": "int8"},
+                                 {"compression": "topk"}])
+def test_a_ring_needs_the_mean_and_a_float_codec(bad):
+    with pytest.raises(ValueError, match="ring"):
+        AllReduceConfig(**{"compression": "none", "exchange": "ring", **bad})
+
+
+def test_a_member_that_never_starts_fails_the_ring_for_everyone_within_the_timeout(averaging_peers):
+    async def main():
+        peers = await averaging_peers(Hub(), 4, allreduce=RING, allreduce_class=RingAllReduce)
+        xs = inputs(4, 20_000, 9)
+        groups = await asyncio.gather(*[p.matchmaker.form_group("r0", {}, expected_size=4) for p in peers])
+        absent = groups[0].members[2]
+        runs = [p.allreduce.run(g, x, 1.0) for p, g, x in zip(peers, groups, xs)
+                if p.transport.streams.peer_id != absent]
+        results = await asyncio.gather(*runs, return_exceptions=True)
+        assert len(results) == 3 and all(isinstance(r, AllReduceFailed) for r in results), results
+
+    asyncio.run(main())
+
+
+class _CorruptRingStreams:
+    """Streams whose ring calls carry 0xFF in place of every large write (a NaN in fp32): counts what it corrupted."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.corrupted = 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def open(self, peer_id, name):
+        reader, writer = await self.inner.open(peer_id, name)
+        if not name.endswith(".ring"):
+            return reader, writer
+        outer = self
+
+        class Writer:
+            def __getattr__(self, attr):
+                return getattr(writer, attr)
+
+            def write(self, data):
+                if len(data) >= 1024:
+                    outer.corrupted += 1
+                    data = b"\xff" * len(data)
+                writer.write(data)
+
+        return reader, Writer()
+
+
+def test_a_member_that_sends_garbage_is_banned_by_its_neighbour_and_nobody_uses_a_result(averaging_peers):
+    async def main():
+        hostile = []
+
+        def wrap(i, transport):
+            if i != 1:
+                return transport
+            streams = _CorruptRingStreams(transport.streams)
+            hostile.append(streams)
+            return SimpleNamespace(discovery=transport.discovery, streams=streams)
+
+        peers = await averaging_peers(Hub(), 3, allreduce=RING, allreduce_class=RingAllReduce, ban_s=60.0, wrap=wrap)
+        xs = inputs(3, 20_000, 11)
+        results = await asyncio.gather(*[p.round("r0", x, 1.0, expected=3) for p, x in zip(peers, xs)],
+                                       return_exceptions=True)
+        assert hostile[0].corrupted >= 1
+        assert all(isinstance(r, AllReduceFailed) for r in results), results
+        liar = peers[1].transport.streams.peer_id
+        victims = [p for p in peers if p.bans.is_banned(liar)]
+        assert len(victims) == 1 and "invalid ring frame" in victims[0].bans.reason(liar)
+
+    asyncio.run(main())
