@@ -47,13 +47,14 @@ class AllReduceConfig:
     """Sparse codec ``topk`` only: the fraction of each 4096-value chunk that travels (SparseLoCo's density), in
     (0, 1]; every member of a run must use the same."""
     exchange: str = "reduce"
-    """reduce | gather. reduce: the butterfly all-reduce (:mod:`protocols.allreduce`). gather: every member sends its encoded
-    vector to every other and all sum the same bytes (:class:`protocols.allgather.SparseAllGather`, SparseLoCo);
-    needs a sparse ``compression`` (topk) and ``aggregation = "mean"``. ring: a pipelined ring reduce-scatter +
-    all-gather (:class:`protocols.allreduce.RingAllReduce`: one flow per link, ~10% faster than the butterfly's
-    all-to-all on shaped home links) for groups of 3+ members with links of similar speed and no member behind a
-    NAT, the butterfly for the others; needs ``aggregation = "mean"`` and a float ``compression`` (none, fp16,
-    bf16): the ring has no per-sender validation and re-encodes its running mean at every hop."""
+    """reduce | gather | ring. reduce: the butterfly all-reduce (:mod:`protocols.allreduce`). gather: every member
+    sends its encoded vector to every other and all sum the same bytes (:class:`protocols.allgather.SparseAllGather`,
+    SparseLoCo); needs a sparse ``compression`` (topk) and ``aggregation = "mean"``. ring: a pipelined ring
+    reduce-scatter + all-gather (:class:`protocols.allreduce.RingAllReduce`: one flow per link, ~10% faster than the
+    butterfly's all-to-all on shaped home links) for groups of 3+ members whose measured link rates are alike and
+    that have no member behind a NAT, the butterfly for the others (and for a peer's first runs, which measure its
+    rates); needs ``aggregation = "mean"`` and a float ``compression`` (none, fp16, bf16): the ring has no
+    per-sender validation and re-encodes its running mean at every hop."""
 
     def __post_init__(self) -> None:
         get_codec(self.compression)

@@ -29,7 +29,8 @@ contribution, so there is no per-sender validation, exclusion or CenteredClip (`
 one failed member fails the round for all (the butterfly loses the part of a member that died, too); the running
 mean is re-encoded at each hop, so only the float codecs (none, fp16, bf16) are allowed; every member is dialed by
 its left neighbour, so a dial-only member (behind a NAT) is not placed in a ring; every link carries the same bytes,
-so links of different speeds are better served by the butterfly's bandwidth-proportional parts.
+so links of different speeds are better served by the butterfly's bandwidth-proportional parts, and only members
+whose measured rates (announced in the group info after their first butterfly runs) are alike ring.
 :meth:`RingAllReduce.ring_fits` decides, from the group alone (every member decides alike), and the butterfly runs
 otherwise.
 
@@ -134,9 +135,11 @@ class RingAllReduce(ButterflyAllReduce):
 
     def ring_fits(self, group: Group, numel: int) -> bool:
         """Whether ``group`` rings (every member decides alike, from the group alone): at least
-        :data:`RING_MIN_MEMBERS` members and ``numel`` values, no member announced ``dial_only``, and the announced
-        rates (where every member announced them) within :data:`RATE_SPREAD` of each other, the range in which the
-        butterfly itself gives equal parts."""
+        :data:`RING_MIN_MEMBERS` members and ``numel`` values, no member announced ``dial_only``, and every member
+        announced its link rates (:meth:`announce`: measured by its butterfly runs, so a peer's first runs are
+        butterflies) within :data:`RATE_SPREAD` of each other: links of one speed, where the butterfly too would cut
+        equal parts. A ring's own runs measure no rates (each of its flows runs at the pace of the ring's slowest
+        link), so the rates a member announces stay those of its last butterfly runs."""
         members = group.members
         if len(members) < RING_MIN_MEMBERS or numel < len(members):
             return False
@@ -144,16 +147,16 @@ class RingAllReduce(ButterflyAllReduce):
         rates = []
         for member in members:
             info = infos.get(member)
-            if not isinstance(info, dict):
-                continue
-            if info.get("dial_only") is True:
+            if not isinstance(info, dict) or info.get("dial_only") is True:
                 return False
             announced = info.get("rates")
-            if isinstance(announced, dict):
-                up, down = valid_rate(announced.get("up")), valid_rate(announced.get("down"))
-                if up is not None and down is not None:
-                    rates.append(min(up, down))
-        return not (len(rates) == len(members) and min(rates) > 0 and max(rates) > RATE_SPREAD * min(rates))
+            if not isinstance(announced, dict):
+                return False
+            up, down = valid_rate(announced.get("up")), valid_rate(announced.get("down"))
+            if up is None or down is None:
+                return False
+            rates.append(min(up, down))
+        return min(rates) > 0 and max(rates) <= RATE_SPREAD * min(rates)
 
     async def run(self, group: Group, tensor: torch.Tensor, weight: float) -> AllReduceResult:
         """Average ``tensor`` (P,) fp32 with the group, weighted by ``weight``: by the ring where
@@ -180,8 +183,8 @@ class RingAllReduce(ButterflyAllReduce):
         averaged = torch.empty_like(tensor)
         codec = self.codec
 
-        def values(frame: _Frame) -> torch.Tensor:
-            return tensor[offsets[frame.part] + frame.a: offsets[frame.part] + frame.b]
+        def values(frame: _Frame, of: torch.Tensor = tensor) -> torch.Tensor:
+            return of[offsets[frame.part] + frame.a: offsets[frame.part] + frame.b]
 
         def frame_size(frame: _Frame) -> int:
             return codec.encoded_size(frame.b - frame.a) + (_WEIGHT.size if frame.phase == "rs" else 0)
@@ -198,7 +201,7 @@ class RingAllReduce(ButterflyAllReduce):
             """Process frame ``frame`` from the left; returns the frame it makes for the right (None: the last
             all-gather step, forwarded nowhere). Raises ValueError on a frame that is not a valid one."""
             if frame.phase == "ag":
-                decode_chunk_into(codec, payload, averaged[offsets[frame.part] + frame.a: offsets[frame.part] + frame.b])
+                decode_chunk_into(codec, payload, values(frame, averaged))
                 return None if frame.part == (i + 2) % n else [payload]
             (before,) = _WEIGHT.unpack_from(payload, 0)
             if not (math.isfinite(before) and 0 <= before <= MAX_WEIGHT * (n - 1)):
@@ -209,8 +212,7 @@ class RingAllReduce(ButterflyAllReduce):
             folded = torch.lerp(mean.float(), mine, weight / total) if total > 0 else torch.zeros_like(mine)
             encoded = own_encoding(folded)
             if frame.part == (i + 1) % n:  # the last contribution: this part's mean, the same bytes for everyone
-                decode_chunk_into(codec, encoded, averaged[offsets[frame.part] + frame.a: offsets[frame.part] + frame.b],
-                                  trusted=True)
+                decode_chunk_into(codec, encoded, values(frame, averaged), trusted=codec.name == "none")
                 return [encoded]
             return [_WEIGHT.pack(total), encoded]
 

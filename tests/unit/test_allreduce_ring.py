@@ -18,6 +18,8 @@ pytestmark = pytest.mark.timeout(60)
 #: a network).
 RING = AllReduceConfig(compression="none", sender_timeout_s=1.0, reducer_timeout_s=3.0, chunk_numel=4096,
                        exchange="ring")
+#: What a member announces once its butterfly runs measured its link (equal links: the ring fits).
+RATES = {"rates": {"up": 1.25e7, "down": 1.25e7}}
 
 
 def inputs(n: int, numel: int, seed: int) -> list[torch.Tensor]:
@@ -31,7 +33,7 @@ def test_every_member_gets_the_same_bits_of_the_weighted_mean_in_a_ring(n, avera
         peers = await averaging_peers(Hub(), n, allreduce=RING, allreduce_class=RingAllReduce)
         numel = 50_003  # parts of ~10-17k values: several 4096-value frames each, the last one short
         xs, ws = inputs(n, numel, n), [float(i + 1) for i in range(n)]
-        results = await asyncio.gather(*[p.round("r0", x, w, expected=n) for p, x, w in zip(peers, xs, ws)])
+        results = await asyncio.gather(*[p.round("r0", x, w, expected=n, info=RATES) for p, x, w in zip(peers, xs, ws)])
         reference = weighted_average(xs, ws)
         for peer, res in zip(peers, results):
             assert peer.allreduce.rings_run == 1
@@ -52,7 +54,7 @@ def test_fp16_ring_results_are_identical_and_close_to_the_mean(averaging_peers):
                                  exchange="ring")
         peers = await averaging_peers(Hub(), 4, allreduce=config, allreduce_class=RingAllReduce)
         xs = inputs(4, 30_000, 7)
-        results = await asyncio.gather(*[p.round("r0", x, 2.0, expected=4) for p, x in zip(peers, xs)])
+        results = await asyncio.gather(*[p.round("r0", x, 2.0, expected=4, info=RATES) for p, x in zip(peers, xs)])
         reference = weighted_average(xs, [1, 1, 1, 1])
         for res in results:
             assert torch.equal(res.averaged, results[0].averaged)
@@ -67,10 +69,11 @@ def test_zero_weights_fold_in_like_the_butterflys_mean(averaging_peers):
     async def main():
         peers = await averaging_peers(Hub(), 3, allreduce=RING, allreduce_class=RingAllReduce)
         xs = inputs(3, 9000, 3)
-        mixed = await asyncio.gather(*[p.round("a", x, w, expected=3) for p, x, w in zip(peers, xs, [0.0, 3.0, 0.0])])
+        mixed = await asyncio.gather(*[p.round("a", x, w, expected=3, info=RATES)
+                                       for p, x, w in zip(peers, xs, [0.0, 3.0, 0.0])])
         for res in mixed:  # only the one weighted member counts
             torch.testing.assert_close(res.averaged, xs[1], rtol=1e-6, atol=1e-6)
-        zero = await asyncio.gather(*[p.round("b", x, 0.0, expected=3) for p, x in zip(peers, xs)])
+        zero = await asyncio.gather(*[p.round("b", x, 0.0, expected=3, info=RATES) for p, x in zip(peers, xs)])
         for res in zero:  # no weight at all: zeros, as PartReducer.mean
             assert torch.equal(res.averaged, torch.zeros(9000))
 
@@ -82,15 +85,19 @@ def _group(n: int, infos: dict) -> Group:
     return Group("g", "k", members[0], tuple(members), infos)
 
 
+def _rates(*mbit: float) -> dict:
+    return {f"p{i}": {"rates": {"up": r * 1.25e5, "down": r * 1.25e5}} for i, r in enumerate(mbit)}
+
+
 @pytest.mark.parametrize("n, infos, numel, rings", [
-    (3, {}, 100, True),
-    (2, {}, 100, False),  # two members: the same flows either way, the butterfly keeps its validation
-    (3, {}, 2, False),  # fewer values than members
-    (3, {"p1": {"dial_only": True}}, 100, False),  # nobody can dial p1 directly
-    (3, {f"p{i}": {"rates": {"up": 1e7, "down": 1.2e7}} for i in range(3)}, 100, True),  # within RATE_SPREAD
-    (3, {"p0": {"rates": {"up": 1e7, "down": 1e7}}, "p1": {"rates": {"up": 1e7, "down": 1e7}},
-         "p2": {"rates": {"up": 2e6, "down": 1e7}}}, 100, False),  # a slow link: bandwidth-proportional parts win
-    (3, {"p0": {"rates": {"up": 1e7, "down": 1e7}}, "p2": {"rates": {"up": 2e6, "down": 1e7}}}, 100, True),
+    (3, _rates(100, 100, 100), 100, True),
+    (3, _rates(100, 80, 100), 100, True),  # within RATE_SPREAD: the butterfly too would cut equal parts
+    (2, _rates(100, 100), 100, False),  # two members: the same flows either way, the butterfly keeps its checks
+    (3, _rates(100, 100, 100), 2, False),  # fewer values than members
+    (3, {**_rates(100, 100, 100), "p1": {**_rates(100)["p0"], "dial_only": True}}, 100, False),  # p1 behind a NAT
+    (3, _rates(100, 100, 20), 100, False),  # a slow link: bandwidth-proportional parts win
+    (3, {}, 100, False),  # no rates measured yet: the butterfly runs (and measures them)
+    (3, {k: v for k, v in _rates(100, 100, 100).items() if k != "p2"}, 100, False),  # p2 has not measured yet
 ])
 def test_the_ring_is_chosen_from_the_group_alone(n, infos, numel, rings):
     ring = RingAllReduce(SimpleNamespace(streams=None, discovery=None), "run", RING)
@@ -101,7 +108,7 @@ def test_groups_that_do_not_fit_a_ring_run_the_butterfly(averaging_peers):
     async def main():
         peers = await averaging_peers(Hub(), 3, allreduce=RING, allreduce_class=RingAllReduce)
         xs = inputs(3, 5000, 5)
-        infos = [{"dial_only": True}, {}, {}]
+        infos = [{**RATES, "dial_only": True}, RATES, RATES]
         results = await asyncio.gather(*[p.round("r0", x, 1.0, expected=3, info=i)
                                          for p, x, i in zip(peers, xs, infos)])
         for res in results:
@@ -123,7 +130,7 @@ def test_a_member_that_never_starts_fails_the_ring_for_everyone_within_the_timeo
     async def main():
         peers = await averaging_peers(Hub(), 4, allreduce=RING, allreduce_class=RingAllReduce)
         xs = inputs(4, 20_000, 9)
-        groups = await asyncio.gather(*[p.matchmaker.form_group("r0", {}, expected_size=4) for p in peers])
+        groups = await asyncio.gather(*[p.matchmaker.form_group("r0", RATES, expected_size=4) for p in peers])
         absent = groups[0].members[2]
         runs = [p.allreduce.run(g, x, 1.0) for p, g, x in zip(peers, groups, xs)
                 if p.transport.streams.peer_id != absent]
@@ -175,7 +182,7 @@ def test_a_member_that_sends_garbage_is_banned_by_its_neighbour_and_nobody_uses_
 
         peers = await averaging_peers(Hub(), 3, allreduce=RING, allreduce_class=RingAllReduce, ban_s=60.0, wrap=wrap)
         xs = inputs(3, 20_000, 11)
-        results = await asyncio.gather(*[p.round("r0", x, 1.0, expected=3) for p, x in zip(peers, xs)],
+        results = await asyncio.gather(*[p.round("r0", x, 1.0, expected=3, info=RATES) for p, x in zip(peers, xs)],
                                        return_exceptions=True)
         assert hostile[0].corrupted >= 1
         assert all(isinstance(r, AllReduceFailed) for r in results), results
