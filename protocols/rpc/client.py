@@ -116,13 +116,11 @@ async def call_framed(
                 yield payload
 
     async def send(writer: StreamWriter) -> None:
-        i = 0
         source = payloads()
         try:
-            while i < len(sizes):
-                try:
-                    payload = await source.__anext__()
-                except StopAsyncIteration:
+            i = 0
+            async for payload in source:  # as zip(frames, sizes): the source runs to its end after its last frame
+                if i == len(sizes):
                     break
                 views = _buffers(payload)
                 if sum(v.nbytes for v in views) != sizes[i]:

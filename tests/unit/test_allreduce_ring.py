@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from peerd.transport.inprocess import Hub
-from protocols.allreduce import AllReduceConfig, AllReduceFailed, RingAllReduce
+from protocols.allreduce import RATE_MIN_BYTES, RATE_MIN_RUNS, AllReduceConfig, AllReduceFailed, RingAllReduce
 from protocols.diloco import weighted_average
 from protocols.matchmaking import Group
 
@@ -189,5 +189,26 @@ def test_a_member_that_sends_garbage_is_banned_by_its_neighbour_and_nobody_uses_
         liar = peers[1].transport.streams.peer_id
         victims = [p for p in peers if p.bans.is_banned(liar)]
         assert len(victims) == 1 and "invalid ring frame" in victims[0].bans.reason(liar)
+
+    asyncio.run(main())
+
+
+def test_a_peers_first_runs_are_butterflies_that_measure_its_links_then_it_rings(averaging_peers):
+    async def main():
+        config = AllReduceConfig(compression="fp16", sender_timeout_s=5.0, reducer_timeout_s=10.0, exchange="ring")
+        peers = await averaging_peers(Hub(), 3, allreduce=config, allreduce_class=RingAllReduce)
+        numel = RATE_MIN_BYTES  # fp16: 2/3 of 2 bytes a value up and down per run, above RATE_MIN_BYTES
+        for r in range(RATE_MIN_RUNS + 1):
+            if r == RATE_MIN_RUNS:  # in-process "links" run at the event loop's pace: make them alike
+                assert all(p.allreduce.announce().get("rates") for p in peers)  # measured by the butterflies
+                for p in peers:
+                    p.allreduce.rates = {"up": 1.25e7, "down": 1.25e7}
+            else:  # nothing measured yet: the butterfly (which measures)
+                assert not any(p.allreduce.announce().get("rates") for p in peers)
+            xs = inputs(3, numel, r)
+            results = await asyncio.gather(*[p.round(f"r{r}", x, 1.0, expected=3, info=p.allreduce.announce())
+                                             for p, x in zip(peers, xs)])
+            assert all(torch.equal(res.averaged, results[0].averaged) for res in results)
+            assert [p.allreduce.rings_run for p in peers] == [int(r == RATE_MIN_RUNS)] * 3
 
     asyncio.run(main())
