@@ -8,8 +8,8 @@ home link TCP then reaches 0.76-0.86 of its rate, where one long flow per link (
 Protocol: an RPC method ``ring`` (handler ``<prefix>.ring``) beside the butterfly's ``reduce``. Members stand in
 group order; member i opens one call to its right neighbour i+1 and serves one from its left neighbour i-1. The
 request header is ``group_id``, ``numel``, ``codec``; the request is framed (:func:`protocols.rpc.call_framed`) as
-2 (N-1) steps of the equal parts' chunks (:func:`protocols.partition.partition_sizes`,
-:func:`protocols.partition.chunk_bounds`):
+2 (N-1) steps of the equal parts (:func:`protocols.partition.partition_sizes`) in frames of at most
+:data:`RING_FRAME_NUMEL` values (:func:`protocols.partition.chunk_bounds`):
 
 - reduce-scatter step s = 0 .. N-2: member i sends part (i - s) mod N, each chunk framed as the running weight
   W (fp64, little-endian: the sum of the weights folded in so far) followed by the running weighted mean m encoded
@@ -65,6 +65,11 @@ logger = logging.getLogger("protocols.allreduce")
 
 #: Smallest group that rings: with two members the ring and the butterfly move the same bytes in the same flows.
 RING_MIN_MEMBERS = 3
+#: Values per ring frame (at most ``chunk_numel``): a frame waits for its predecessor's whole frame at every hop, so
+#: the pipeline's fill and drain cost about a frame's time on the slowest link. 32,768 values (128 KiB of fp32, 10 ms
+#: at 100 Mbit/s) measured 0.99-1.02 of plain TCP's ring at 4 and 8 peers at 100 Mbit/s where 131,072 measured
+#: 0.91-0.99 (docs/benchmarks.md); smaller frames cost more CPU per byte.
+RING_FRAME_NUMEL = 32 * 1024
 
 _WEIGHT = struct.Struct("<d")
 
@@ -178,7 +183,7 @@ class RingAllReduce(ButterflyAllReduce):
         sizes = partition_sizes(numel, n)
         offsets = [sum(sizes[:p]) for p in range(n)]
         left, right = group.members[(i - 1) % n], group.members[(i + 1) % n]
-        chunk = self.config.chunk_numel
+        chunk = min(self.config.chunk_numel, RING_FRAME_NUMEL)
         out_plan, in_plan = ring_plan(i, n, sizes, chunk), ring_plan((i - 1) % n, n, sizes, chunk)
         averaged = torch.empty_like(tensor)
         codec = self.codec
