@@ -212,3 +212,35 @@ def test_a_peers_first_runs_are_butterflies_that_measure_its_links_then_it_rings
             assert [p.allreduce.rings_run for p in peers] == [int(r == RATE_MIN_RUNS)] * 3
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+def test_diloco_workers_ring_their_pseudo_gradients_and_stay_bit_identical(tmp_path):
+    from peerd.config import NodeConfig
+    from peerd.roles.base import RunContext
+    from peerd.roles.diloco import DiLoCoRole
+    from peerd.run_config import AveragingConfig, RunConfig
+    from protocols.diloco import DiLoCoHyperparams
+
+    run = RunConfig(
+        model="tiny", seq_len=32, batch_size=4, eval_batches=0, max_outer_rounds=2,
+        diloco=DiLoCoHyperparams(inner_steps=3, warmup_steps=2, inner_lr=1e-3),
+        averaging=AveragingConfig.from_dict({
+            "matchmaking": {"min_group_size": 3, "matchmaking_timeout_s": 4.0, "request_timeout_s": 1.0},
+            "allreduce": {"compression": "fp16", "exchange": "ring", "sender_timeout_s": 3.0,
+                          "reducer_timeout_s": 6.0}}))
+
+    async def main():
+        hub = Hub()
+        workers = [DiLoCoRole(RunContext.build("unit", run, NodeConfig(checkpoint_dir=str(tmp_path / c), threads=1,
+                                                                        device="cpu"), hub.transport(f"peer-{c}")))
+                   for c in "abc"]
+        for w in workers:  # as measured by earlier butterfly runs on links of one speed
+            w.sync.allreduce.rates = dict(RATES["rates"])
+        await asyncio.gather(*[w.run() for w in workers])
+        assert [w.outer.outer_round for w in workers] == [2, 2, 2]
+        assert len({w.outer.digest() for w in workers}) == 1
+        assert [w.sync.allreduce.rings_run for w in workers] == [2, 2, 2]
+        assert all(w.stats.rounds_failed == 0 for w in workers)
+
+    asyncio.run(main())
