@@ -246,6 +246,7 @@ def round_boundary(preset: str, args, device: torch.device, tmp: str) -> dict:
     role = DiLoCoRole(RunContext.build("bench-gpu", run, node, Hub().transport("bench")))
     _time_role(role, argparse.Namespace(**{**vars(args), "steps": 2, "warmup": 1}), device)  # optimizer state exists
     part = role.part
+    background = {"eval": False}  # whether an evaluation ran in the background
 
     async def boundary() -> dict:
         times = {}
@@ -268,13 +269,12 @@ def round_boundary(preset: str, args, device: torch.device, tmp: str) -> dict:
         times["total"] = sum(times.values())
         # what went to the background, until done (the next inner steps would run meanwhile)
         started = time.perf_counter()
-        if role.writer is not None and role._last_write is not None:
-            role._last_write.result()
-        times["checkpoint_background"] = time.perf_counter() - started if role.writer is not None else 0.0
+        written = role.wait_for_write()
+        times["checkpoint_background"] = time.perf_counter() - started if written else 0.0
         started = time.perf_counter()
-        if role._eval_task is not None:
-            await role._eval_task
-        times["eval_background"] = time.perf_counter() - started if role._eval_task is not None else 0.0
+        evaluated = await role.wait_for_evaluation()
+        times["eval_background"] = time.perf_counter() - started if evaluated else 0.0
+        background["eval"] = background["eval"] or evaluated
         return times
 
     async def both() -> list[dict]:
@@ -282,7 +282,7 @@ def round_boundary(preset: str, args, device: torch.device, tmp: str) -> dict:
 
     first, steady = asyncio.run(both())
     row = {"preset": preset, "eval_batches": run.eval_batches, "theta_outer_pinned": part.outer.theta.is_pinned(),
-           "background_checkpoint": role.writer is not None, "background_eval": role._eval_task is not None,
+           "background_checkpoint": role.writer is not None, "background_eval": background["eval"],
            **{k + "_s": v for k, v in steady.items()}, "first": {k + "_s": v for k, v in first.items()}}
     for name, times in (("first", first), ("steady", steady)):
         print(f"boundary {preset} ({name}): " + ", ".join(f"{k} {v:.3f} s" for k, v in times.items())

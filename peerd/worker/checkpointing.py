@@ -66,6 +66,14 @@ class OuterCheckpoint:
             self.writer.shutdown(wait=True)
             self.writer = None
 
+    def wait_for_write(self) -> bool:
+        """Block until the last background checkpoint write is on disk (re-raising its error); False where none
+        was written in the background (``background_checkpoint`` off, or nothing saved yet)."""
+        if self._last_write is None:
+            return False
+        self._last_write.result()
+        return True
+
     def feedbacks(self) -> list:
         """Each fragment's error feedback (a sparse codec's unsent remainder), or [] without a sparse codec."""
         feedbacks = [getattr(sync, "feedback", None) for sync in self.syncs]

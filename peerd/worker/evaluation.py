@@ -61,6 +61,15 @@ class RoundEvaluation:
             self.ctx.events.publish(Evaluated(outer_round, loss, tokens, **self._units))
         return loss
 
+    async def wait_for_evaluation(self) -> bool:
+        """Wait until the background evaluation running now is done (a failed one is logged); False where none
+        runs (``background_eval`` off, or already done and waited for)."""
+        task, self._eval_task = self._eval_task, None
+        if task is None:
+            return False
+        await reap(task, cancel=False)
+        return True
+
     async def _finish_background(self) -> None:
         if self._eval_task is not None:
             await reap(self._eval_task, cancel=False)  # leaving: a failed one is logged, and the exit goes on
