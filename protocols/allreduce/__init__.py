@@ -49,13 +49,14 @@ from protocols.allreduce.parts import (
     MIN_SHARE, RATE_HISTORY, RATE_MIN_BYTES, RATE_MIN_RUNS, RATE_SPREAD, PartPlanner,
 )
 from protocols.allreduce.reducer import SLOW_SENDER_GRACE_S, SLOW_SENDER_PACES
-from protocols.allreduce.ring import RING_FRAME_NUMEL, RING_MIN_MEMBERS, RingAllReduce
+from protocols.allreduce.ring import RING_FRAME_NUMEL, RING_MIN_MEMBERS, RING_REMEASURE_RUNS, RingAllReduce
 from protocols.partition import partition_sizes
 
 __all__ = [
     "EXCHANGES", "MAX_WEIGHT", "MIN_SHARE", "PARTITIONS", "RATE_HISTORY", "RATE_MIN_BYTES", "RATE_MIN_RUNS",
-    "RATE_SPREAD", "RING_CODECS", "RING_FRAME_NUMEL", "RING_MIN_MEMBERS", "RingAllReduce", "SLOW_SENDER_GRACE_S", "SLOW_SENDER_PACES", "AllReduceConfig", "AllReduceFailed",
-    "AllReduceResult", "ButterflyAllReduce", "ChunkedPartReducer", "PartPlanner", "PartReducer", "check_local_input",
+    "RATE_SPREAD", "RING_CODECS", "RING_FRAME_NUMEL", "RING_MIN_MEMBERS", "RING_REMEASURE_RUNS",
+    "SLOW_SENDER_GRACE_S", "SLOW_SENDER_PACES", "AllReduceConfig", "AllReduceFailed", "AllReduceResult",
+    "ButterflyAllReduce", "ChunkedPartReducer", "PartPlanner", "PartReducer", "RingAllReduce", "check_local_input",
     "decode_chunk", "decode_chunk_into", "encode_chunk", "finite", "partition_sizes", "validate_weight",
     "weight_problem",
 ]

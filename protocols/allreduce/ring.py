@@ -30,7 +30,8 @@ one failed member fails the round for all (the butterfly loses the part of a mem
 mean is re-encoded at each hop, so only the float codecs (none, fp16, bf16) are allowed; every member is dialed by
 its left neighbour, so a dial-only member (behind a NAT) is not placed in a ring; every link carries the same bytes,
 so links of different speeds are better served by the butterfly's bandwidth-proportional parts, and only members
-whose measured rates (announced in the group info after their first butterfly runs) are alike ring.
+whose measured rates (announced in the group info after their first butterfly runs) are alike ring; every
+:data:`RING_REMEASURE_RUNS` rings in a row a group runs the butterfly once, which measures the links again.
 :meth:`RingAllReduce.ring_fits` decides, from the group alone (every member decides alike), and the butterfly runs
 otherwise.
 
@@ -65,6 +66,10 @@ logger = logging.getLogger("protocols.allreduce")
 
 #: Smallest group that rings: with two members the ring and the butterfly move the same bytes in the same flows.
 RING_MIN_MEMBERS = 3
+#: A member that rang this many runs in a row announces it (``ringed`` in its group info) and its next group runs the
+#: butterfly, whose streams measure the links again (a ring's flows all run at its slowest link's pace, so its own
+#: runs measure nothing): a link that slowed down is noticed within this many runs, for one butterfly's time.
+RING_REMEASURE_RUNS = 16
 #: Values per ring frame (at most ``chunk_numel``): a frame waits for its predecessor's whole frame at every hop, so
 #: the pipeline's fill and drain cost about a frame's time on the slowest link. 32,768 values (128 KiB of fp32, 10 ms
 #: at 100 Mbit/s) measured 0.99-1.02 of plain TCP's ring at 4 and 8 peers at 100 Mbit/s where 131,072 measured
@@ -132,11 +137,18 @@ class RingAllReduce(ButterflyAllReduce):
         self._ring_ready: dict[str, asyncio.Event] = {}
         self.rings_run = 0
         """Runs that took the ring (the others took the butterfly)."""
+        self.ringed = 0
+        """Runs in a row that took the ring (announced: see :data:`RING_REMEASURE_RUNS`)."""
+        self.remeasure_runs = RING_REMEASURE_RUNS
 
     def stream_handler(self, method: str):
         if method == "ring":
             return Service.stream_handler(self, method)
         return super().stream_handler(method)
+
+    def announce(self) -> dict:
+        """The butterfly's group-info entries plus ``ringed``: this member's runs in a row that took the ring."""
+        return {**super().announce(), "ringed": self.ringed}
 
     def ring_fits(self, group: Group, numel: int) -> bool:
         """Whether ``group`` rings (every member decides alike, from the group alone): at least
@@ -144,7 +156,9 @@ class RingAllReduce(ButterflyAllReduce):
         announced its link rates (:meth:`announce`: measured by its butterfly runs, so a peer's first runs are
         butterflies) within :data:`RATE_SPREAD` of each other: links of one speed, where the butterfly too would cut
         equal parts. A ring's own runs measure no rates (each of its flows runs at the pace of the ring's slowest
-        link), so the rates a member announces stay those of its last butterfly runs."""
+        link), so the rates a member announces stay those of its last butterfly runs, and a group with a member that
+        announced :attr:`remeasure_runs` (:data:`RING_REMEASURE_RUNS`) rings in a row (``ringed``) runs the butterfly
+        once, to measure them again."""
         members = group.members
         if len(members) < RING_MIN_MEMBERS or numel < len(members):
             return False
@@ -153,6 +167,9 @@ class RingAllReduce(ButterflyAllReduce):
         for member in members:
             info = infos.get(member)
             if not isinstance(info, dict) or info.get("dial_only") is True:
+                return False
+            ringed = info.get("ringed", 0)
+            if not isinstance(ringed, int) or isinstance(ringed, bool) or not 0 <= ringed < self.remeasure_runs:
                 return False
             announced = info.get("rates")
             if not isinstance(announced, dict):
@@ -167,8 +184,12 @@ class RingAllReduce(ButterflyAllReduce):
         """Average ``tensor`` (P,) fp32 with the group, weighted by ``weight``: by the ring where
         :meth:`ring_fits`, else by the butterfly. Raises :class:`AllReduceFailed`; ValueError on bad local input."""
         if not self.ring_fits(group, tensor.numel()):
-            return await super().run(group, tensor, weight)
-        return await self._ring(group, tensor, weight)
+            result = await super().run(group, tensor, weight)
+            self.ringed = 0
+            return result
+        result = await self._ring(group, tensor, weight)
+        self.ringed += 1
+        return result
 
     async def _ring(self, group: Group, tensor: torch.Tensor, weight: float) -> AllReduceResult:
         me = self.transport.streams.peer_id

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from peerd.transport.inprocess import Hub
-from protocols.allreduce import RATE_MIN_BYTES, RATE_MIN_RUNS, AllReduceConfig, AllReduceFailed, RingAllReduce
+from protocols.allreduce import (RATE_MIN_BYTES, RATE_MIN_RUNS, RING_REMEASURE_RUNS, AllReduceConfig, AllReduceFailed,
+                                 RingAllReduce)
 from protocols.diloco import weighted_average
 from protocols.matchmaking import Group
 
@@ -98,6 +99,9 @@ def _rates(*mbit: float) -> dict:
     (3, _rates(100, 100, 20), 100, False),  # a slow link: bandwidth-proportional parts win
     (3, {}, 100, False),  # no rates measured yet: the butterfly runs (and measures them)
     (3, {k: v for k, v in _rates(100, 100, 100).items() if k != "p2"}, 100, False),  # p2 has not measured yet
+    (3, {**_rates(100, 100, 100), "p2": {**_rates(100)["p0"], "ringed": RING_REMEASURE_RUNS - 1}}, 100, True),
+    (3, {**_rates(100, 100, 100), "p2": {**_rates(100)["p0"], "ringed": RING_REMEASURE_RUNS}}, 100, False),  # due
+    (3, {**_rates(100, 100, 100), "p2": {**_rates(100)["p0"], "ringed": "many"}}, 100, False),  # malformed
 ])
 def test_the_ring_is_chosen_from_the_group_alone(n, infos, numel, rings):
     ring = RingAllReduce(SimpleNamespace(streams=None, discovery=None), "run", RING)
@@ -210,6 +214,28 @@ def test_a_peers_first_runs_are_butterflies_that_measure_its_links_then_it_rings
                                              for p, x in zip(peers, xs)])
             assert all(torch.equal(res.averaged, results[0].averaged) for res in results)
             assert [p.allreduce.rings_run for p in peers] == [int(r == RATE_MIN_RUNS)] * 3
+
+    asyncio.run(main())
+
+
+def test_after_remeasure_runs_rings_in_a_row_one_butterfly_measures_the_links_again(averaging_peers):
+    async def main():
+        peers = await averaging_peers(Hub(), 3, allreduce=RING, allreduce_class=RingAllReduce)
+        for p in peers:
+            p.allreduce.remeasure_runs = 2
+            p.allreduce.rates = dict(RATES["rates"])
+        patterns = []
+        for r in range(5):
+            xs = inputs(3, 9000, r)
+            before = [p.allreduce.rings_run for p in peers]
+            results = await asyncio.gather(*[p.round(f"r{r}", x, 1.0, expected=3, info=p.allreduce.announce())
+                                             for p, x in zip(peers, xs)])
+            assert all(torch.equal(res.averaged, results[0].averaged) for res in results)
+            ran = {p.allreduce.rings_run - b for p, b in zip(peers, before)}
+            assert len(ran) == 1  # every member took the same pattern
+            patterns.append("ring" if ran == {1} else "butterfly")
+            assert all(p.allreduce.announce()["ringed"] == p.allreduce.ringed for p in peers)
+        assert patterns == ["ring", "ring", "butterfly", "ring", "ring"]
 
     asyncio.run(main())
 
