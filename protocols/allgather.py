@@ -57,7 +57,7 @@ from typing import Optional
 
 import torch
 
-from protocols.allreduce import (AllReduceConfig, AllReduceFailed, AllReduceResult, check_local_input, finite,
+from protocols.allreduce import (AllReduceConfig, AllReduceFailed, AllReduceResult, prepare_local_input,
                                  weight_problem)
 from protocols.bans import BanList
 from protocols.interfaces import Transport
@@ -145,10 +145,7 @@ class SparseAllGather(Service):
         Raises :class:`AllReduceFailed` if a member refused our vector; ValueError on bad local input.
         """
         me = self.transport.streams.peer_id
-        weight = check_local_input(group, me, tensor, weight)
-        tensor = tensor.detach().cpu().contiguous()
-        if not finite(tensor):
-            raise ValueError("cannot encode non-finite values")
+        tensor, weight = prepare_local_input(group, me, tensor, weight)
         loop = asyncio.get_running_loop()
         start = loop.time()
         cpu_start = time.process_time()

@@ -38,7 +38,7 @@ runs where the group suits it) and :mod:`~protocols.allreduce.config`.
 """
 
 from protocols.allreduce.aggregate import (
-    MAX_WEIGHT, ChunkedPartReducer, PartReducer, check_local_input, validate_weight, weight_problem,
+    MAX_WEIGHT, ChunkedPartReducer, PartReducer, prepare_local_input, validate_weight, weight_problem,
 )
 from protocols.allreduce.butterfly import ButterflyAllReduce
 from protocols.allreduce.chunks import decode_chunk, decode_chunk_into, encode_chunk, finite
@@ -56,7 +56,7 @@ __all__ = [
     "EXCHANGES", "MAX_WEIGHT", "MIN_SHARE", "PARTITIONS", "RATE_HISTORY", "RATE_MIN_BYTES", "RATE_MIN_RUNS",
     "RATE_SPREAD", "RING_CODECS", "RING_FRAME_NUMEL", "RING_MIN_MEMBERS", "RING_REMEASURE_RUNS",
     "SLOW_SENDER_GRACE_S", "SLOW_SENDER_PACES", "AllReduceConfig", "AllReduceFailed", "AllReduceResult",
-    "ButterflyAllReduce", "ChunkedPartReducer", "PartPlanner", "PartReducer", "RingAllReduce", "check_local_input",
-    "decode_chunk", "decode_chunk_into", "encode_chunk", "finite", "partition_sizes", "validate_weight",
+    "ButterflyAllReduce", "ChunkedPartReducer", "PartPlanner", "PartReducer", "RingAllReduce", "decode_chunk",
+    "decode_chunk_into", "encode_chunk", "finite", "partition_sizes", "prepare_local_input", "validate_weight",
     "weight_problem",
 ]

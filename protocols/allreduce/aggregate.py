@@ -29,15 +29,20 @@ def validate_weight(weight: float) -> float:
     return weight
 
 
-def check_local_input(group: Group, me: str, tensor: torch.Tensor, weight: float) -> float:
+def prepare_local_input(group: Group, me: str, tensor: torch.Tensor, weight: float) -> tuple[torch.Tensor, float]:
     """Validate what this peer brings to a group's reduction: ``tensor`` (P,) fp32, ``weight`` (see
-    :func:`validate_weight`) and its own membership; returns the weight as float. Raises ValueError."""
+    :func:`validate_weight`) and its own membership. Returns ``(tensor, weight)``: the tensor detached, on the CPU,
+    contiguous and checked finite once for the whole vector (chunks are then encoded without their own check), the
+    weight as float. Raises ValueError."""
     weight = validate_weight(weight)
     if tensor.dtype != torch.float32 or tensor.dim() != 1:
         raise ValueError(f"tensor must be 1-D float32, got {tensor.dtype} {tuple(tensor.shape)}")
     if me not in group.members:
         raise ValueError("this peer is not a member of the group")
-    return weight
+    tensor = tensor.detach().cpu().contiguous()
+    if not finite(tensor):
+        raise ValueError("cannot encode non-finite values")
+    return tensor, weight
 
 
 def weight_problem(weight: object) -> Optional[str]:

@@ -12,8 +12,8 @@ from typing import Optional, Union
 
 import torch
 
-from protocols.allreduce.aggregate import ChunkedPartReducer, check_local_input
-from protocols.allreduce.chunks import decode_chunk_into, encode_chunk, finite
+from protocols.allreduce.aggregate import ChunkedPartReducer, prepare_local_input
+from protocols.allreduce.chunks import decode_chunk_into, encode_chunk
 from protocols.allreduce.config import AllReduceConfig, AllReduceFailed, AllReduceResult
 from protocols.allreduce.parts import PartPlanner
 from protocols.allreduce.reducer import ReducerSide
@@ -80,14 +80,13 @@ class ButterflyAllReduce(PartPlanner, ReducerSide, Service):
         mean could not be obtained within ``reducer_timeout_s``; ValueError on bad local input.
         """
         me = self.transport.streams.peer_id
-        weight = check_local_input(group, me, tensor, weight)
+        tensor, weight = prepare_local_input(group, me, tensor, weight)
         loop = asyncio.get_running_loop()
         start = loop.time()
         cpu_start = time.process_time()
         sizes = self.part_sizes(group, tensor.numel())
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
         my_index = group.members.index(me)
-        tensor = tensor.detach().cpu().contiguous()
 
         bounds = chunk_bounds(sizes[my_index], self.config.chunk_numel)
         session = _ReduceSession(
@@ -98,8 +97,6 @@ class ButterflyAllReduce(PartPlanner, ReducerSide, Service):
         for member in group.members:  # do not wait for parts we would refuse anyway
             if member != me and self.bans.is_banned(member):
                 session.excluded[member] = f"banned: {self.bans.reason(member)}"
-        if not finite(tensor):  # once for the whole vector: chunks are then encoded without their own check
-            raise ValueError("cannot encode non-finite values")
         own = tensor[offsets[my_index] : offsets[my_index] + sizes[my_index]]
         own_sent = self._round_trip(own)
         for k, (a, b) in enumerate(bounds):

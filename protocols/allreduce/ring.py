@@ -52,9 +52,9 @@ from typing import Any, AsyncIterator, Callable, Optional, Union
 
 import torch
 
-from protocols.allreduce.aggregate import MAX_WEIGHT, check_local_input
+from protocols.allreduce.aggregate import MAX_WEIGHT, prepare_local_input
 from protocols.allreduce.butterfly import ButterflyAllReduce
-from protocols.allreduce.chunks import decode_chunk, decode_chunk_into, encode_chunk, finite
+from protocols.allreduce.chunks import decode_chunk, decode_chunk_into, encode_chunk
 from protocols.allreduce.config import RING_CODECS, AllReduceFailed, AllReduceResult
 from protocols.allreduce.parts import RATE_SPREAD
 from protocols.matchmaking import Group
@@ -193,10 +193,7 @@ class RingAllReduce(ButterflyAllReduce):
 
     async def _ring(self, group: Group, tensor: torch.Tensor, weight: float) -> AllReduceResult:
         me = self.transport.streams.peer_id
-        weight = check_local_input(group, me, tensor, weight)
-        tensor = tensor.detach().cpu().contiguous()
-        if not finite(tensor):
-            raise ValueError("cannot encode non-finite values")
+        tensor, weight = prepare_local_input(group, me, tensor, weight)
         loop = asyncio.get_running_loop()
         start, cpu_start = loop.time(), time.process_time()
         deadline = start + self.config.reducer_timeout_s
