@@ -8,8 +8,8 @@ home link TCP then reaches 0.76-0.86 of its rate, where one long flow per link (
 Protocol: an RPC method ``ring`` (handler ``<prefix>.ring``) beside the butterfly's ``reduce``. Members stand in
 group order; member i opens one call to its right neighbour i+1 and serves one from its left neighbour i-1. The
 request header is ``group_id``, ``numel``, ``codec``; the request is framed (:func:`protocols.rpc.call_framed`) as
-2 (N-1) steps of the equal parts (:func:`protocols.partition.partition_sizes`) in frames of at most
-:data:`RING_FRAME_NUMEL` values (:func:`protocols.partition.chunk_bounds`):
+2 (N-1) steps of the equal parts (:func:`protocols.partition.partition_sizes`) in frames sized to the group's
+slowest announced link (:meth:`RingAllReduce.frame_numel`, :func:`protocols.partition.chunk_bounds`):
 
 - reduce-scatter step s = 0 .. N-2: member i sends part (i - s) mod N, each chunk framed as the running weight
   W (fp64, little-endian: the sum of the weights folded in so far) followed by the running weighted mean m encoded
@@ -58,7 +58,7 @@ from protocols.allreduce.chunks import decode_chunk, decode_chunk_into, encode_c
 from protocols.allreduce.config import RING_CODECS, AllReduceFailed, AllReduceResult
 from protocols.allreduce.parts import RATE_SPREAD
 from protocols.matchmaking import Group
-from protocols.partition import chunk_bounds, partition_sizes, valid_rate
+from protocols.partition import CHUNK_ALIGN, chunk_bounds, partition_sizes, valid_rate
 from protocols.rpc import Refused, Request, RpcError, RpcTimeout, Service, call_framed
 from protocols.wire import ProtocolViolation, require
 
@@ -70,11 +70,13 @@ RING_MIN_MEMBERS = 3
 #: butterfly, whose streams measure the links again (a ring's flows all run at its slowest link's pace, so its own
 #: runs measure nothing): a link that slowed down is noticed within this many runs, for one butterfly's time.
 RING_REMEASURE_RUNS = 16
-#: Values per ring frame (at most ``chunk_numel``): a frame waits for its predecessor's whole frame at every hop, so
-#: the pipeline's fill and drain cost about a frame's time on the slowest link. 32,768 values (128 KiB of fp32, 10 ms
-#: at 100 Mbit/s) measured 0.99-1.02 of plain TCP's ring at 4 and 8 peers at 100 Mbit/s where 131,072 measured
-#: 0.91-0.99 (docs/benchmarks.md); smaller frames cost more CPU per byte.
-RING_FRAME_NUMEL = 32 * 1024
+#: A ring frame holds what the group's slowest announced link moves in this many seconds (in the run's codec), at
+#: most ``chunk_numel`` values: a frame waits for its predecessor's whole frame at every hop, so the pipeline's fill
+#: and drain cost about a frame's time on the slowest link, while every frame costs the same CPU whatever its size.
+#: At 100 Mbit/s, frames of ~10 ms (32,768 fp32 values) measured 0.99-1.02 of plain TCP's ring where 131,072
+#: values measured 0.91-0.99; on loopback, frames of 32,768 values cost 1.5x the butterfly's CPU
+#: (docs/benchmarks.md).
+RING_FRAME_S = 0.01
 
 _WEIGHT = struct.Struct("<d")
 
@@ -117,6 +119,23 @@ class _RingSession:
     """Set once every frame from the left was processed (result None) or the ring failed here (its exception)."""
     served: bool = False
     bytes_received: int = 0
+
+
+def announced_rates(group: Group) -> Optional[list[float]]:
+    """``min(up, down)`` (bytes/s) that every member of ``group`` announced in its group info, in member order; None
+    where one did not announce valid rates."""
+    infos = group.infos if isinstance(group.infos, dict) else {}
+    rates = []
+    for member in group.members:
+        info = infos.get(member)
+        announced = info.get("rates") if isinstance(info, dict) else None
+        if not isinstance(announced, dict):
+            return None
+        up, down = valid_rate(announced.get("up")), valid_rate(announced.get("down"))
+        if up is None or down is None:
+            return None
+        rates.append(min(up, down))
+    return rates
 
 
 class RingAllReduce(ButterflyAllReduce):
@@ -163,7 +182,6 @@ class RingAllReduce(ButterflyAllReduce):
         if len(members) < RING_MIN_MEMBERS or numel < len(members):
             return False
         infos = group.infos if isinstance(group.infos, dict) else {}
-        rates = []
         for member in members:
             info = infos.get(member)
             if not isinstance(info, dict) or info.get("dial_only") is True:
@@ -171,14 +189,17 @@ class RingAllReduce(ButterflyAllReduce):
             ringed = info.get("ringed", 0)
             if not isinstance(ringed, int) or isinstance(ringed, bool) or not 0 <= ringed < self.remeasure_runs:
                 return False
-            announced = info.get("rates")
-            if not isinstance(announced, dict):
-                return False
-            up, down = valid_rate(announced.get("up")), valid_rate(announced.get("down"))
-            if up is None or down is None:
-                return False
-            rates.append(min(up, down))
-        return min(rates) > 0 and max(rates) <= RATE_SPREAD * min(rates)
+        rates = announced_rates(group)
+        return rates is not None and min(rates) > 0 and max(rates) <= RATE_SPREAD * min(rates)
+
+    def frame_numel(self, group: Group) -> int:
+        """Values per frame of ``group``'s ring (every member computes the same): what its slowest announced link
+        moves in :data:`RING_FRAME_S`, rounded down to a multiple of 4096, in ``[4096, chunk_numel]``; call only for a
+        group that :meth:`ring_fits`."""
+        rates = announced_rates(group) or [0.0]
+        per_value = self.codec.encoded_size(CHUNK_ALIGN) / CHUNK_ALIGN
+        numel = int(min(rates) * RING_FRAME_S / per_value) // CHUNK_ALIGN * CHUNK_ALIGN
+        return max(CHUNK_ALIGN, min(self.config.chunk_numel, numel))
 
     async def run(self, group: Group, tensor: torch.Tensor, weight: float) -> AllReduceResult:
         """Average ``tensor`` (P,) fp32 with the group, weighted by ``weight``: by the ring where
@@ -201,7 +222,7 @@ class RingAllReduce(ButterflyAllReduce):
         sizes = partition_sizes(numel, n)
         offsets = [sum(sizes[:p]) for p in range(n)]
         left, right = group.members[(i - 1) % n], group.members[(i + 1) % n]
-        chunk = min(self.config.chunk_numel, RING_FRAME_NUMEL)
+        chunk = self.frame_numel(group)
         out_plan, in_plan = ring_plan(i, n, sizes, chunk), ring_plan((i - 1) % n, n, sizes, chunk)
         averaged = torch.empty_like(tensor)
         codec = self.codec

@@ -108,6 +108,20 @@ def test_the_ring_is_chosen_from_the_group_alone(n, infos, numel, rings):
     assert ring.ring_fits(_group(n, infos), numel) is rings
 
 
+@pytest.mark.parametrize("compression, mbit, frame", [
+    ("none", 100, 28_672),  # 10 ms at 100 Mbit/s: 31,250 fp32 values, down to a multiple of 4096
+    ("fp16", 100, 61_440),
+    ("none", 10_000, 131_072),  # a fast link: the all-reduce's chunk_numel
+    ("fp16", 0.1, 4096),  # a crawl: one block
+])
+def test_a_rings_frames_take_about_ten_ms_on_its_slowest_link(compression, mbit, frame):
+    config = AllReduceConfig(compression=compression, exchange="ring")
+    ring = RingAllReduce(SimpleNamespace(streams=None, discovery=None), "run", config)
+    rates = _rates(mbit, mbit * 1.2, mbit * 1.4)
+    assert ring.ring_fits(_group(3, rates), 10**6)
+    assert ring.frame_numel(_group(3, rates)) == frame
+
+
 def test_groups_that_do_not_fit_a_ring_run_the_butterfly(averaging_peers):
     async def main():
         peers = await averaging_peers(Hub(), 3, allreduce=RING, allreduce_class=RingAllReduce)
