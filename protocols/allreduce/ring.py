@@ -74,8 +74,8 @@ RING_REMEASURE_RUNS = 16
 #: most ``chunk_numel`` values: a frame waits for its predecessor's whole frame at every hop, so the pipeline's fill
 #: and drain cost about a frame's time on the slowest link, while every frame costs the same CPU whatever its size.
 #: At 100 Mbit/s, frames of ~10 ms (32,768 fp32 values) measured 0.99-1.02 of plain TCP's ring where 131,072
-#: values measured 0.91-0.99; on loopback, frames of 32,768 values cost 1.5x the butterfly's CPU
-#: (docs/benchmarks.md).
+#: values measured 0.91-0.99; on loopback, fixed frames of 32,768 values cost 1.5x the butterfly's CPU, frames
+#: sized by this rule the same as the butterfly (docs/benchmarks.md).
 RING_FRAME_S = 0.01
 
 _WEIGHT = struct.Struct("<d")
