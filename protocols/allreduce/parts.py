@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import deque
 from statistics import median
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from protocols.allreduce.config import AllReduceConfig
 from protocols.matchmaking import Group
@@ -24,6 +24,24 @@ RATE_MIN_BYTES = 4 << 20
 #: With bandwidth-proportional parts, every member within partition.FLOOR_SPREAD of the fastest reduces at least
 #: MIN_SHARE of an equal part, so that every honest reducer validates (and can exclude) every sender.
 MIN_SHARE = 0.25
+
+
+def announced_rates(members: Sequence[str], infos: Any) -> Optional[list[float]]:
+    """``min(up, down)`` (bytes/s) that each of ``members`` announced under ``rates`` in its group info (``infos``:
+    member -> info dict, untrusted), in the order of ``members``; None where one did not announce valid rates
+    (:func:`protocols.partition.valid_rate`)."""
+    infos = infos if isinstance(infos, dict) else {}
+    rates = []
+    for member in members:
+        info = infos.get(member)
+        announced = info.get("rates") if isinstance(info, dict) else None
+        if not isinstance(announced, dict):
+            return None
+        up, down = valid_rate(announced.get("up")), valid_rate(announced.get("down"))
+        if up is None or down is None:
+            return None
+        rates.append(min(up, down))
+    return rates
 
 
 class PartPlanner:
@@ -70,19 +88,10 @@ class PartPlanner:
 
     def _reducer_sizes(self, members: Sequence[str], infos: dict, numel: int) -> list[int]:
         if self.config.partition == "bandwidth" and len(members) > 1:
-            rates = []
-            for member in members:
-                info = infos.get(member)
-                announced = info.get("rates") if isinstance(info, dict) else None
-                up = valid_rate(announced.get("up")) if isinstance(announced, dict) else None
-                down = valid_rate(announced.get("down")) if isinstance(announced, dict) else None
-                if up is None or down is None:
-                    break
-                rates.append(min(up, down))
-            else:
-                # rates within RATE_SPREAD of each other are measurement noise: equal parts are as good, and stable
-                if sum(rates) > 0 and max(rates) > RATE_SPREAD * min(rates):
-                    return proportional_sizes(numel, rates, MIN_SHARE)
+            rates = announced_rates(members, infos)
+            # rates within RATE_SPREAD of each other are measurement noise: equal parts are as good, and stable
+            if rates is not None and sum(rates) > 0 and max(rates) > RATE_SPREAD * min(rates):
+                return proportional_sizes(numel, rates, MIN_SHARE)
         return partition_sizes(numel, len(members))
 
     def _measure(self, uploads: list[tuple[int, float]], downloads: list[tuple[int, float]]) -> None:

@@ -56,9 +56,9 @@ from protocols.allreduce.aggregate import MAX_WEIGHT, prepare_local_input
 from protocols.allreduce.butterfly import ButterflyAllReduce
 from protocols.allreduce.chunks import decode_chunk, decode_chunk_into, encode_chunk
 from protocols.allreduce.config import RING_CODECS, AllReduceFailed, AllReduceResult
-from protocols.allreduce.parts import RATE_SPREAD
+from protocols.allreduce.parts import RATE_SPREAD, announced_rates
 from protocols.matchmaking import Group
-from protocols.partition import CHUNK_ALIGN, chunk_bounds, partition_sizes, valid_rate
+from protocols.partition import CHUNK_ALIGN, chunk_bounds, partition_sizes
 from protocols.rpc import Refused, Request, RpcError, RpcTimeout, Service, call_framed
 from protocols.wire import ProtocolViolation, require
 
@@ -106,7 +106,6 @@ def ring_plan(sender: int, n: int, sizes: list[int], chunk_numel: int) -> list[_
 class _RingSession:
     """One group's ring as this member runs it."""
 
-    group: Group
     left: str
     numel: int
     in_plan: list[_Frame]
@@ -119,23 +118,6 @@ class _RingSession:
     """Set once every frame from the left was processed (result None) or the ring failed here (its exception)."""
     served: bool = False
     bytes_received: int = 0
-
-
-def announced_rates(group: Group) -> Optional[list[float]]:
-    """``min(up, down)`` (bytes/s) that every member of ``group`` announced in its group info, in member order; None
-    where one did not announce valid rates."""
-    infos = group.infos if isinstance(group.infos, dict) else {}
-    rates = []
-    for member in group.members:
-        info = infos.get(member)
-        announced = info.get("rates") if isinstance(info, dict) else None
-        if not isinstance(announced, dict):
-            return None
-        up, down = valid_rate(announced.get("up")), valid_rate(announced.get("down"))
-        if up is None or down is None:
-            return None
-        rates.append(min(up, down))
-    return rates
 
 
 class RingAllReduce(ButterflyAllReduce):
@@ -189,14 +171,14 @@ class RingAllReduce(ButterflyAllReduce):
             ringed = info.get("ringed", 0)
             if not isinstance(ringed, int) or isinstance(ringed, bool) or not 0 <= ringed < self.remeasure_runs:
                 return False
-        rates = announced_rates(group)
+        rates = announced_rates(group.members, infos)
         return rates is not None and min(rates) > 0 and max(rates) <= RATE_SPREAD * min(rates)
 
     def frame_numel(self, group: Group) -> int:
         """Values per frame of ``group``'s ring (every member computes the same): what its slowest announced link
         moves in :data:`RING_FRAME_S`, rounded down to a multiple of 4096, in ``[4096, chunk_numel]``; call only for a
         group that :meth:`ring_fits`."""
-        rates = announced_rates(group) or [0.0]
+        rates = announced_rates(group.members, group.infos) or [0.0]
         per_value = self.codec.encoded_size(CHUNK_ALIGN) / CHUNK_ALIGN
         numel = int(min(rates) * RING_FRAME_S / per_value) // CHUNK_ALIGN * CHUNK_ALIGN
         return max(CHUNK_ALIGN, min(self.config.chunk_numel, numel))
@@ -260,7 +242,7 @@ class RingAllReduce(ButterflyAllReduce):
                 return [encoded]
             return [_WEIGHT.pack(total), encoded]
 
-        session = _RingSession(group, left, numel, in_plan, [frame_size(f) for f in in_plan], fold)
+        session = _RingSession(left, numel, in_plan, [frame_size(f) for f in in_plan], fold)
         self._rings[group.group_id] = session
         self._ring_ready.setdefault(group.group_id, asyncio.Event()).set()
 
