@@ -203,9 +203,15 @@ def test_sigterm_sends_stopping_and_leaves_cleanly(volunteer):
     ready = v.listener.times("READY=1")[0]
     stopping = v.listener.times("STOPPING=1")
     assert stopping and stopping[0] > ready
-    assert v.a.of("leave")
-    bandwidth = v.a.of("bandwidth")[-1]
-    assert bandwidth["upload"]["bytes"] > 0 and bandwidth["upload"]["limit_bytes_per_s"] == UPLOAD_CAP_MB_S * 1e6
+    leave = v.a.of("leave")
+    assert leave
+    # the daemon's last line: every byte of its streams, at least the averaged tensors its leave line counts
+    reports = v.a.of("bandwidth")
+    assert len(reports) == 1, reports
+    bandwidth = reports[0]
+    why = f"{bandwidth} after {leave}; log tail:\n{v.a.log.read_text()[-6000:]}"
+    assert bandwidth["upload"]["bytes"] >= leave[-1]["bytes_sent"] > 0, why
+    assert bandwidth["upload"]["limit_bytes_per_s"] == UPLOAD_CAP_MB_S * 1e6, why
     assert bandwidth["upload"]["achieved_bytes_per_s"] <= 1.1 * UPLOAD_CAP_MB_S * 1e6
     assert not (v.data / "checkpoints" / "peerd.sock").exists()
     gone = _client(v, "health")
