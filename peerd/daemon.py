@@ -193,6 +193,7 @@ async def join(run_id: RunRef | str, node: NodeConfig, local_run: Optional[RunCo
     from peerd.hardware.devices import describe_device
     # torch-heavy: keep --help fast
     from peerd.roles.base import RunContext, parallelism, pick_device, role_class, wrap_context
+    from peerd.hardware.host_memory import fit_host
     from peerd.hardware.memory import fit_node
     from peerd.roles.tokenizer_sync import resolve_tokenizer, serve_tokenizers
     from peerd.data.tokenizer import TokenizerCache, tokenizer_dir
@@ -255,6 +256,14 @@ async def join(run_id: RunRef | str, node: NodeConfig, local_run: Optional[RunCo
             ctx.node, memory = fit_node(ctx.node, run, ctx.device, ctx.tokenizer.vocab_size)  # refuses what can't fit
             if memory:
                 logger.info("memory: %s", memory)
+            host = fit_host(ctx.node, run, ctx.device, ctx.tokenizer.vocab_size)  # refuses what can't fit
+            if host:
+                line, short = host
+                if short:
+                    logger.warning("memory: %s; more than is available now: close other programs or expect swapping",
+                                   line)
+                else:
+                    logger.info("memory: %s", line)
             role = role_class(parallelism(run))(ctx)
             services.set_role(role.name)
             services.watch_peers(role_transport.discovery, ctx.namespace.status_key)

@@ -5,7 +5,7 @@ peers answer (a short-lived node of ours joins the DHT through them, with a thro
 keeps its own); the run's configuration is published; other peers can dial this machine back (the dial-back check
 of :mod:`protocols.reachability`, on the node config's listen addresses); this clock agrees with the peers' status
 records; the run's predicted peak memory fits the training device (with the micro-batch and checkpointing
-``peerd join`` will choose); the training device is usable. A check that cannot run because an earlier one failed
+``peerd join`` will choose) and the host memory; the training device is usable. A check that cannot run because an earlier one failed
 says so.
 """
 
@@ -77,12 +77,15 @@ def check_device(node: NodeConfig) -> Check:
     return Check("device", True, f"training on {describe_device(device)}")
 
 
-def check_memory(node: NodeConfig, run: Any, budget: Optional[tuple[int, str]] = None) -> Optional[Check]:
-    """The run's predicted peak memory on this machine's training device (:func:`peerd.hardware.memory.fit_node`): FAIL
-    when it cannot fit. ``run``: a :class:`peerd.run_config.RunConfig`; ``budget``: ``(bytes, name)`` instead of
-    asking the device (tests). None where there is no prediction (another parallelism, a mixture-of-experts model,
-    a BPE vocabulary whose file is not here yet)."""
+def check_memory(node: NodeConfig, run: Any, budget: Optional[tuple[int, str]] = None,
+                 host: Optional[tuple[int, int, int]] = None) -> list[Check]:
+    """The run's predicted peak memory on this machine's training device (:func:`peerd.hardware.memory.fit_node`)
+    and in its host memory (:func:`peerd.hardware.host_memory.fit_host`), one check each: FAIL when it cannot fit.
+    ``run``: a :class:`peerd.run_config.RunConfig`; ``budget``: ``(bytes, name)`` instead of asking the device,
+    ``host``: ``(physical, swap, available)`` instead of asking the machine (tests). Empty where there is no
+    prediction (another parallelism, a mixture-of-experts model, a BPE vocabulary whose file is not here yet)."""
     from peerd.config import ConfigError
+    from peerd.hardware.host_memory import fit_host
     from peerd.hardware.memory import fit_node
     from peerd.roles.base import pick_device
     from peerd.service.rules import effective_device
@@ -94,17 +97,30 @@ def check_memory(node: NodeConfig, run: Any, budget: Optional[tuple[int, str]] =
     else:
         tokenizer = TokenizerCache(tokenizer_dir(node)).get(digest)
         if tokenizer is None:
-            return None
+            return []
         vocab = tokenizer.vocab_size
     try:
         device = pick_device(effective_device(node.local_devices[0] if node.local_devices else node.device, node.gpu))
-        _, line = fit_node(node, run, device, vocab, budget)
-    except ConfigError as e:
-        detail, _, fix = str(e).partition("; ")
-        return Check("memory", False, detail, fix)
     except RuntimeError as e:  # no device (DeviceUnavailable, torch's GPU errors): the device check says why
-        return Check("memory", False, f"no prediction: {e}", "see the device line")
-    return Check("memory", True, line) if line else None
+        return [Check("memory", False, f"no prediction: {e}", "see the device line")]
+    checks = []
+    for name in ("memory", "host memory"):
+        try:
+            if name == "memory":
+                node, line = fit_node(node, run, device, vocab, budget)
+                found = (line, False) if line else None
+            else:
+                found = fit_host(node, run, device, vocab, host)
+        except ConfigError as e:
+            detail, _, fix = str(e).partition("; ")
+            return [*checks, Check(name, False, detail, fix)]
+        except RuntimeError as e:  # torch's GPU errors while measuring free memory
+            return [*checks, Check(name, False, f"no prediction: {e}", "see the device line")]
+        if found is not None:
+            line, short = found
+            checks.append(Check(name, True, line + ("; more than is available now: close other programs first"
+                                                    if short else "")))
+    return checks
 
 
 def clock_check(record_times: list[float], now: float, skew_s: float = CLOCK_SKEW_S) -> Check:
@@ -170,9 +186,7 @@ async def network_checks(node: NodeConfig, run_id: "RunRef | str", identity_dir:
                                     f"by {config['creator'][:16]}..., {len(live)} live peer(s)"))
                 from peerd.run_config import RunConfig
 
-                memory = check_memory(node, RunConfig.from_dict(config["config"]))
-                if memory is not None:
-                    checks.append(memory)
+                checks.extend(check_memory(node, RunConfig.from_dict(config["config"])))
             helpers = await helpers_for(node, dialable_peers(transport.discovery, RunNamespace(ref).status_key))
             verdict = await check_transport(transport, helpers, node.announce_maddrs, node.relay)
             checks.append(reachability_check(verdict, note))

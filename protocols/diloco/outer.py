@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
@@ -31,6 +31,21 @@ def _check_vector(name: str, t: Any, numel: int | None = None) -> None:
         raise ValueError(f"{name} must have {numel} elements, got {t.numel()}")
     if not all_finite(t):  # a sum's pass, no boolean copy: ~10x cheaper than isfinite().all() on 10^8 values
         raise ValueError(f"{name} contains non-finite values")
+
+
+#: Values per chunk of an outer step computed over its own gradient's buffer (:meth:`OuterState.apply`, ``out``):
+#: 4 MiB of fp32 scratch.
+_STEP_CHUNK = 1 << 20
+
+
+def _writable_vector(t: torch.Tensor) -> bool:
+    """A contiguous fp32 1-D CPU tensor (a buffer an outer step may write its result into)."""
+    return t.dim() == 1 and t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+
+
+def _partly_shared(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` and ``b`` live in one storage without being the same vector."""
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.data_ptr() != b.data_ptr()
 
 
 def _host_empty(numel: int, pinned: bool) -> torch.Tensor:
@@ -76,24 +91,37 @@ class OuterState:
         """P, the number of parameters."""
         return self.theta.numel()
 
-    def pseudo_gradient(self, theta_local: torch.Tensor) -> torch.Tensor:
+    def pseudo_gradient(self, theta_local: torch.Tensor, in_place: bool = False) -> torch.Tensor:
         """DiLoCo's delta = theta_outer - theta_local, fp32 (P,); a descent direction like a gradient.
 
-        ``theta_local`` (P,) may be of any float dtype or device (it is converted to fp32 CPU). Raises
-        ``ValueError`` if it is not a 1-D tensor of P elements.
+        ``theta_local`` (P,) may be of any float dtype or device (it is converted to fp32 CPU). ``in_place``: the
+        caller hands ``theta_local`` over (an fp32 CPU vector of its own, e.g. a fresh
+        :meth:`peerd.roles.fragments.Fragment.flatten`): delta is written into its buffer instead of a new one,
+        4P bytes of host memory less at the round boundary. Raises ``ValueError`` if it is not a 1-D tensor of P
+        elements, or ``in_place`` is asked of a tensor that is no contiguous fp32 CPU vector.
         """
         if not isinstance(theta_local, torch.Tensor) or theta_local.dim() != 1 or theta_local.numel() != self.numel:
             shape = tuple(theta_local.shape) if isinstance(theta_local, torch.Tensor) else type(theta_local).__name__
             raise ValueError(f"theta_local must have shape ({self.numel},), got {shape}")
-        return self.theta - theta_local.detach().to("cpu", torch.float32)
+        if not in_place:
+            return self.theta - theta_local.detach().to("cpu", torch.float32)
+        if not _writable_vector(theta_local):
+            raise ValueError(f"in_place needs a contiguous fp32 CPU vector, got {theta_local.dtype} on "
+                             f"{theta_local.device}")
+        return torch.sub(self.theta, theta_local.detach(), out=theta_local.detach())
 
-    def apply(self, avg_pseudo_gradient: torch.Tensor, hp: DiLoCoHyperparams) -> "OuterState":
+    def apply(self, avg_pseudo_gradient: torch.Tensor, hp: DiLoCoHyperparams,
+              out: Optional[torch.Tensor] = None) -> "OuterState":
         """One outer step: a NEW state with SGD(lr=hp.outer_lr, momentum=hp.outer_momentum,
         nesterov=hp.outer_nesterov, dampening=0) applied to theta with gradient ``avg_pseudo_gradient``; round + 1.
 
         Same math as ``torch.optim.SGD``: ``buf = mu * buf + g``; ``step = g + mu * buf`` (Nesterov) else ``buf``;
-        ``theta = theta - lr * step``. ``self`` is never modified, so rollback is keeping ``self``. Raises
-        ``ValueError`` (and changes nothing) if ``avg_pseudo_gradient`` is not a finite fp32 (P,) CPU tensor.
+        ``theta = theta - lr * step``. ``self`` is never modified, so rollback is keeping ``self``. ``out``: a
+        contiguous fp32 (P,) CPU buffer the caller hands over (its pseudo-gradient, dead once averaged; it may be
+        ``avg_pseudo_gradient`` itself) that becomes the new theta, instead of a fresh one: 4P bytes of host memory
+        less at the round boundary. Used only where it is page-locked exactly when theta is (a GPU trains: the new
+        theta goes to the device from page-locked memory); otherwise a fresh buffer is taken. Raises ``ValueError``
+        (and changes nothing) if ``avg_pseudo_gradient`` is not a finite fp32 (P,) CPU tensor.
         """
         g = avg_pseudo_gradient
         _check_vector("avg_pseudo_gradient", g, numel=self.numel)
@@ -106,12 +134,22 @@ class OuterState:
         # device at the round's end then runs at the bus's speed, not through a staging buffer. The momentum never
         # goes to the device and stays in ordinary (swappable) memory. The step is computed in theta's buffer (no
         # third vector of P values: each fresh one costs its page faults, ~0.1 s per 500 MB).
-        step = _host_empty(self.numel, self.theta.is_pinned())
-        if hp.outer_nesterov:
+        pinned = self.theta.is_pinned()
+        reuse = (out is not None and _writable_vector(out) and out.numel() == self.numel
+                 and out.is_pinned() == pinned and not _partly_shared(out, g))
+        step = out if reuse else _host_empty(self.numel, pinned)
+        if not hp.outer_nesterov:
+            step.copy_(buf)
+        elif step.data_ptr() != g.data_ptr():
             torch.mul(buf, mu, out=step)
             step.add_(g)
-        else:
-            step.copy_(buf)
+        else:  # step = mu * buf + g over g's own buffer: chunk by chunk, each read of g before its overwrite
+            scratch = torch.empty(min(self.numel, _STEP_CHUNK), dtype=torch.float32)
+            for start in range(0, self.numel, _STEP_CHUNK):
+                chunk = step[start:start + _STEP_CHUNK]
+                part = scratch[:chunk.numel()]
+                torch.mul(buf[start:start + _STEP_CHUNK], mu, out=part)
+                chunk.copy_(part.add_(chunk))
         step.mul_(lr)
         theta = torch.sub(self.theta, step, out=step)
         return OuterState(theta, buf, self.outer_round + 1)

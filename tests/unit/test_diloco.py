@@ -100,6 +100,52 @@ def test_apply_rejects_bad_input_without_touching_state(bad):
     assert s0.digest() == before
 
 
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("into", ["gradient", "other"])
+def test_an_outer_step_into_a_handed_over_buffer_is_bit_identical_and_leaves_the_old_state(nesterov, into,
+                                                                                           monkeypatch):
+    # the round hands its pseudo-gradient's buffer over: the new theta is written there (4P bytes less); with the
+    # averaged gradient itself as that buffer, the step runs chunk by chunk (3 chunks and a partial one here)
+    import protocols.diloco.outer as outer
+
+    monkeypatch.setattr(outer, "_STEP_CHUNK", 1000)
+    hp = DiLoCoHyperparams(outer_lr=0.7, outer_momentum=0.9, outer_nesterov=nesterov)
+    gen = torch.Generator().manual_seed(3)
+    s0 = OuterState.initial(torch.randn(3500, generator=gen)).apply(torch.randn(3500, generator=gen), hp)
+    g = torch.randn(3500, generator=gen)
+    before = (s0.digest(), s0.theta.clone(), s0.momentum.clone())
+    fresh = s0.apply(g.clone(), hp)
+    handed = g.clone()
+    out = handed if into == "gradient" else torch.empty(3500)
+    reused = s0.apply(handed, hp, out=out)
+    assert reused.theta.data_ptr() == out.data_ptr()  # no fresh buffer
+    assert reused.digest() == fresh.digest()
+    assert torch.equal(reused.theta, fresh.theta) and torch.equal(reused.momentum, fresh.momentum)
+    assert s0.digest() == before[0] and torch.equal(s0.theta, before[1]) and torch.equal(s0.momentum, before[2])
+
+
+def test_an_unfit_buffer_is_not_reused():
+    s0 = OuterState.initial(vec(THETA0))
+    g = vec(G1)
+    for out in (torch.empty(3), torch.empty(2, dtype=torch.float64), torch.empty(4)[::2]):
+        stepped = s0.apply(g, HP, out=out)
+        assert stepped.theta.data_ptr() != out.data_ptr()
+        assert torch.equal(stepped.theta, s0.apply(g, HP).theta)
+    shared = torch.zeros(4)  # the gradient and the buffer overlap without being one vector
+    shared[:2] = g
+    stepped = s0.apply(shared[:2], HP, out=shared[1:3])
+    assert torch.equal(stepped.theta, s0.apply(g, HP).theta) and torch.equal(shared[:2], g)
+
+
+def test_an_in_place_pseudo_gradient_overwrites_the_handed_over_theta_local():
+    s = OuterState.initial(vec(THETA0))
+    local = vec([0.5, -1.0])
+    delta = s.pseudo_gradient(local, in_place=True)
+    assert delta.data_ptr() == local.data_ptr() and torch.equal(delta, vec([0.5, -1.0]))
+    with pytest.raises(ValueError, match="contiguous fp32 CPU"):
+        s.pseudo_gradient(torch.tensor([0.5, -1.0], dtype=torch.float64), in_place=True)
+
+
 def test_pseudo_gradient_sign():
     s = OuterState.initial(vec(THETA0))
     local = vec([0.5, -1.0])  # the inner steps moved theta down by [0.5, -1.0]

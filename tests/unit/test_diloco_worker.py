@@ -144,10 +144,10 @@ def test_peer_ahead_waits_for_a_syncing_peer_instead_of_outrunning_it(tmp_path):
             sizes.append(len(group.members))
             return await real_run(group, tensor, weight)
 
-        async def recording_round(local, weight, live, syncing):
+        async def recording_round(local, weight, live, syncing, owned=False):
             waited_for.append(set(syncing))
             a_matchmaking.set()
-            return await real_round(local, weight, live, syncing)
+            return await real_round(local, weight, live, syncing, owned)
 
         syncing_published = asyncio.Event()
 

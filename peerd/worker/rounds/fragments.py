@@ -97,7 +97,7 @@ class FragmentRounds(RoundStrategy):
             return start
         j, part, position, weight, steps = start.j, start.part, start.position, start.weight, start.steps
         r = part.outer.outer_round
-        outcome = await start.sync.round(start.local, weight, start.live, syncing(start.records))
+        outcome = await start.sync.round(start.local, weight, start.live, syncing(start.records), owned=True)
         if outcome is None:
             return RoundEnd.ABANDONED
         if isinstance(outcome, Refused):

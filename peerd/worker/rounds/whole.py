@@ -55,7 +55,8 @@ class WholeModelRounds(RoundStrategy):
             return RoundEnd.SAT_OUT
         weight = float(w.samples_since_sync)
         steps = w.steps_since_sync
-        outcome = await sync.round(local, weight, live, syncing(records))
+        outcome = await sync.round(local, weight, live, syncing(records), owned=True)  # a fresh copy: reused
+        del local
         if outcome is None:
             return RoundEnd.ABANDONED
         if isinstance(outcome, Refused):
