@@ -22,8 +22,9 @@ at once) or of a ring (every peer to its right neighbour), no computation, no wa
 itself gets out of the same links, in the same run. No implementation can beat them by much: a 1,514-byte frame
 carries 1,448 bytes of payload (0.956), and the ACKs of the download share the upload.
 
-Results replace the section ``SECTION`` of docs/benchmarks.md (other sections are kept; the date is in its text)
-unless --no-md.
+Results replace what the last run wrote into the section ``SECTION`` of docs/benchmarks.md (up to
+``benchlib.GENERATED_END``; the notes and dated subsections written by hand after it, and other sections, are kept;
+the date is in its text) unless --no-md.
 Network hygiene: peers listen only on their namespace's own 10.88.0.x address (or 127.0.0.1 inside a namespace of
 ours); hivemind with nat_port_map=False, use_ipfs=False, no relays.
 """

@@ -55,18 +55,31 @@ def machine_line() -> str:
             "(the machine is shared with other work)")
 
 
+#: Ends what a benchmark writes into its section of docs/benchmarks.md: the notes and dated subsections written by
+#: hand after this line stay where they are when the benchmark writes its section again.
+GENERATED_END = "<!-- end of the benchmark's own output: what follows is written by hand and kept on re-runs -->"
+
+
 def replace_section(md_path: str, heading: str, section: str) -> None:
-    """Replace the section that starts with the line ``heading`` (up to the next ``## `` heading) or append it."""
+    """Write ``section`` (starting with the line ``heading``) into ``md_path``, followed by :data:`GENERATED_END`.
+    It replaces what the last run wrote there: from ``heading`` to that marker where the section has one, else up to
+    the next ``## `` heading; text after the marker is kept. Appended at the end where ``heading`` is not there."""
     text = open(md_path).read() if os.path.exists(md_path) else "# Benchmarks\n"
     lines = text.splitlines()
+    written = section.rstrip("\n").splitlines() + ["", GENERATED_END]
     try:
         start = lines.index(heading)
     except ValueError:
-        new = text.rstrip("\n") + "\n\n" + section.rstrip("\n") + "\n"
+        new = text.rstrip("\n") + "\n\n" + "\n".join(written) + "\n"
     else:
         end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-        tail = lines[end:]
-        new = "\n".join(lines[:start] + section.rstrip("\n").splitlines() + ([""] + tail if tail else [])) + "\n"
+        marker = next((i for i in range(start + 1, end) if lines[i] == GENERATED_END), None)
+        if marker is not None:
+            new_lines = lines[:start] + written + lines[marker + 1:]
+        else:
+            tail = lines[end:]
+            new_lines = lines[:start] + written + ([""] + tail if tail else [])
+        new = "\n".join(new_lines) + "\n"
     with open(md_path, "w") as f:
         f.write(new)
 
