@@ -67,18 +67,20 @@ class HostEstimate:
 
 def host_estimate(parameters: int, *, device_type: str, codec: str = "fp16", fragments: int = 1,
                   delayed: bool = False, background_checkpoint: bool = False, optimizer_state: int = 0,
-                  inner_step: int = 0) -> HostEstimate:
+                  inner_step: int = 0, group_size: int = 1) -> HostEstimate:
     """The predicted host memory of a DiLoCo peer of ``parameters`` (P) on ``device_type`` (``cpu``, ``cuda``,
     ``mps``): ``codec`` the all-reduce's compression, ``fragments`` Streaming DiLoCo's F, ``delayed`` the delayed
     overlap, ``background_checkpoint`` checkpoints written by a thread from a page-locked snapshot,
     ``optimizer_state`` the inner optimizer's bytes (its snapshot's size), ``inner_step`` the inner step's peak where
-    the model trains on the CPU. Raises ``ValueError`` for P < 1 or F < 1."""
-    if parameters < 1 or fragments < 1:
-        raise ValueError(f"parameters and fragments must be >= 1, got {parameters}, {fragments}")
+    the model trains on the CPU, ``group_size`` the all-reduce group's n (1, a peer averaging alone, holds the
+    most). Raises ``ValueError`` for P, F or n below 1."""
+    if min(parameters, fragments, group_size) < 1:
+        raise ValueError(f"parameters, fragments and group_size must be >= 1, got {parameters}, {fragments}, "
+                         f"{group_size}")
     p, b = parameters, CODEC_BYTES.get(codec, 2)
     share = -(-p // fragments)  # the largest fragment
     gpu = device_type == "cuda"
-    round_bytes = 3 * 4 * share + (8 + 2 * b) * share + (4 * share if delayed else 0)
+    round_bytes = 3 * 4 * share + (8 + 2 * b) * share // group_size + (4 * share if delayed else 0)
     checkpoint = 4 * p + (8 * p if fragments > 1 else 0)
     return HostEstimate(
         process=PROCESS_BYTES + (CUDA_CONTEXT_BYTES if gpu else 0), outer_state=8 * p,

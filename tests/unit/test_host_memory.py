@@ -32,10 +32,12 @@ def test_the_codec_fragments_and_the_delayed_overlap_change_the_round():
     fragmented = host_estimate(P, device_type="cuda", codec="none", fragments=4)
     assert fragmented.round == 28 * P // 4 and fragmented.checkpoint == 12 * P  # concatenated outer state
     assert host_estimate(P, device_type="cuda", codec="none", delayed=True).round == fp32 + 4 * P
+    assert host_estimate(P, device_type="cuda", codec="none", group_size=4).round == 12 * P + 16 * P // 4
     # no snapshot where checkpoints are written in the foreground, no model where a GPU trains
     assert host_estimate(P, device_type="cuda", optimizer_state=8 * P).snapshot == 0
-    with pytest.raises(ValueError):
-        host_estimate(0, device_type="cpu")
+    for bad in ({"parameters": 0}, {"fragments": 0}, {"group_size": 0}):
+        with pytest.raises(ValueError):
+            host_estimate(**{"parameters": P, "device_type": "cpu", **bad})
 
 
 def _cpu_node(tmp_path):
