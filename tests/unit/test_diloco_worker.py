@@ -376,3 +376,41 @@ def test_a_worker_reports_its_contribution_and_keeps_counting_after_a_restart(tm
                                                      "rounds_contributed": 5}, "swarm": {"role": "swarm"}})
     assert [(r["rank"], r["peer"], r["rounds"]) for r in ranked] == [(1, "other", 5), (2, "solo", 2)]
     assert [r["share"] for r in ranked] == [0.75, 0.25]
+
+
+def test_a_round_writes_its_pseudo_gradient_and_new_theta_outer_into_theta_locals_copy(tmp_path, monkeypatch):
+    # the handover that saves 8 bytes a parameter at the boundary: the fresh copy of theta_local the round takes
+    # becomes the pseudo-gradient the all-reduce sends, then the new theta_outer; both peers stay bit-identical
+    from peerd.roles.fragments import Fragment
+
+    copies = []
+    real_flatten = Fragment.flatten
+
+    def recording_flatten(self, model):
+        flat = real_flatten(self, model)
+        copies.append(flat.data_ptr())
+        return flat
+
+    monkeypatch.setattr(Fragment, "flatten", recording_flatten)
+
+    async def main():
+        hub = Hub()
+        a, b = (_worker(hub, name, _run(min_group_size=2, matchmaking_timeout_s=30.0), tmp_path) for name in "ab")
+        sent = []
+        for w in (a, b):
+            await _start(w)
+            real_run = w.sync.allreduce.run
+
+            async def recording_run(group, tensor, weight, real_run=real_run):
+                sent.append(tensor.data_ptr())
+                return await real_run(group, tensor, weight)
+
+            w.sync.allreduce.run = recording_run
+            await w.train_until_quota()
+        copies.clear()
+        assert await asyncio.gather(a.run_round(), b.run_round()) == [RoundEnd.DONE] * 2
+        assert sorted(sent) == sorted(copies[:2])  # the pseudo-gradients went out of the copies, no fresh vector
+        assert {a.outer.theta.data_ptr(), b.outer.theta.data_ptr()} == set(copies[:2])
+        assert a.outer.outer_round == b.outer.outer_round == 1 and a.outer.digest() == b.outer.digest()
+
+    asyncio.run(main())
