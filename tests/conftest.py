@@ -26,8 +26,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     # --dist loadgroup keeps an xdist_group's tests on one worker (a module's shared daemon, the netns tests' link
     # rates) only through the @group suffix pytest-xdist appends to their node ids on the worker; pytest 9.2 drops
     # it (pytest-dev/pytest-xdist#1386) and the groups were spread over the workers without a word
-    if (hasattr(item.config, "workerinput") and getattr(item.config.option, "dist", "") == "loadgroup"
-            and item.get_closest_marker("xdist_group") is not None and "@" not in item.nodeid):
+    if (getattr(item.config.option, "loadgroup", False) and item.get_closest_marker("xdist_group") is not None
+            and "@" not in item.nodeid):
         pytest.fail("--dist loadgroup cannot keep this test's xdist_group on one worker with this pytest (no @group "
                     "suffix in its node id, pytest-dev/pytest-xdist#1386): install pytest<9.2 (scripts/setup)",
                     pytrace=False)
