@@ -258,12 +258,7 @@ async def join(run_id: RunRef | str, node: NodeConfig, local_run: Optional[RunCo
                 logger.info("memory: %s", memory)
             host = fit_host(ctx.node, run, ctx.device, ctx.tokenizer.vocab_size)  # refuses what can't fit
             if host:
-                line, short = host
-                if short:
-                    logger.warning("memory: %s; more than is available now: close other programs or expect swapping",
-                                   line)
-                else:
-                    logger.info("memory: %s", line)
+                logger.log(logging.WARNING if host[1] else logging.INFO, "memory: %s", host[0])
             role = role_class(parallelism(run))(ctx)
             services.set_role(role.name)
             services.watch_peers(role_transport.discovery, ctx.namespace.status_key)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from peerd.config import NodeConfig
+from peerd.config import ConfigError, NodeConfig
 from peerd.runtime.processes import interruptible
 
 if TYPE_CHECKING:
@@ -84,7 +84,6 @@ def check_memory(node: NodeConfig, run: Any, budget: Optional[tuple[int, str]] =
     ``run``: a :class:`peerd.run_config.RunConfig`; ``budget``: ``(bytes, name)`` instead of asking the device,
     ``host``: ``(physical, swap, available)`` instead of asking the machine (tests). Empty where there is no
     prediction (another parallelism, a mixture-of-experts model, a BPE vocabulary whose file is not here yet)."""
-    from peerd.config import ConfigError
     from peerd.hardware.host_memory import fit_host
     from peerd.hardware.memory import fit_node
     from peerd.roles.base import pick_device
@@ -101,26 +100,23 @@ def check_memory(node: NodeConfig, run: Any, budget: Optional[tuple[int, str]] =
         vocab = tokenizer.vocab_size
     try:
         device = pick_device(effective_device(node.local_devices[0] if node.local_devices else node.device, node.gpu))
-    except RuntimeError as e:  # no device (DeviceUnavailable, torch's GPU errors): the device check says why
-        return [Check("memory", False, f"no prediction: {e}", "see the device line")]
-    checks = []
-    for name in ("memory", "host memory"):
-        try:
-            if name == "memory":
-                node, line = fit_node(node, run, device, vocab, budget)
-                found = (line, False) if line else None
-            else:
-                found = fit_host(node, run, device, vocab, host)
-        except ConfigError as e:
-            detail, _, fix = str(e).partition("; ")
-            return [*checks, Check(name, False, detail, fix)]
-        except RuntimeError as e:  # torch's GPU errors while measuring free memory
-            return [*checks, Check(name, False, f"no prediction: {e}", "see the device line")]
-        if found is not None:
-            line, short = found
-            checks.append(Check(name, True, line + ("; more than is available now: close other programs first"
-                                                    if short else "")))
-    return checks
+        node, line = fit_node(node, run, device, vocab, budget)
+    except (ConfigError, RuntimeError) as e:  # RuntimeError: no device (DeviceUnavailable, torch's GPU errors)
+        return [_memory_failure("memory", e)]
+    checks = [Check("memory", True, line)] if line else []
+    try:
+        found = fit_host(node, run, device, vocab, budget=host)
+    except ConfigError as e:
+        return [*checks, _memory_failure("host memory", e)]
+    return [*checks, Check("host memory", True, found[0])] if found else checks
+
+
+def _memory_failure(name: str, error: Exception) -> Check:
+    """A FAIL line for a prediction that refused (ConfigError: its fix after the "; ") or could not be made."""
+    if isinstance(error, ConfigError):
+        detail, _, fix = str(error).partition("; ")
+        return Check(name, False, detail, fix)
+    return Check(name, False, f"no prediction: {error}", "see the device line")
 
 
 def clock_check(record_times: list[float], now: float, skew_s: float = CLOCK_SKEW_S) -> Check:

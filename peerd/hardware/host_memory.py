@@ -30,15 +30,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from peerd.hardware.memory import GIB, Shape, estimate, format_bytes, optimizer_bytes
+from peerd.hardware.memory import GIB, dense_shape, evaluates_on_a_copy, format_bytes, node_plan, optimizer_bytes
+from protocols.codecs import get_codec
+from protocols.partition import CHUNK_ALIGN
 
 #: Resident memory of a daemon's process before the model: the interpreter, torch, the daemon's modules (measured
 #: ~0.6 GiB on the CPU; the DHT process and p2pd are separate processes, ~0.2 GiB together).
 PROCESS_BYTES = 1 * GIB
 #: Host memory of a CUDA context and its libraries (cuBLAS, cuDNN) mapped into the process.
 CUDA_CONTEXT_BYTES = 2 * GIB
-#: Bytes a value in the all-reduce's encoding (the codecs not listed: 2, an upper bound for 8-bit and sparse ones).
-CODEC_BYTES = {"none": 4, "fp16": 2, "bf16": 2}
 
 
 @dataclass(frozen=True)
@@ -77,10 +77,10 @@ def host_estimate(parameters: int, *, device_type: str, codec: str = "fp16", fra
     if min(parameters, fragments, group_size) < 1:
         raise ValueError(f"parameters, fragments and group_size must be >= 1, got {parameters}, {fragments}, "
                          f"{group_size}")
-    p, b = parameters, CODEC_BYTES.get(codec, 2)
+    p, b = parameters, get_codec(codec).encoded_size(CHUNK_ALIGN) / CHUNK_ALIGN  # bytes a value on the wire
     share = -(-p // fragments)  # the largest fragment
     gpu = device_type == "cuda"
-    round_bytes = 3 * 4 * share + (8 + 2 * b) * share // group_size + (4 * share if delayed else 0)
+    round_bytes = 3 * 4 * share + int((8 + 2 * b) * share) // group_size + (4 * share if delayed else 0)
     checkpoint = 4 * p + (8 * p if fragments > 1 else 0)
     return HostEstimate(
         process=PROCESS_BYTES + (CUDA_CONTEXT_BYTES if gpu else 0), outer_state=8 * p,
@@ -101,27 +101,19 @@ def fit_host(node: Any, run: Any, device: Any, vocab_size: int,
     """``(one line to print, whether it is a warning)`` for ``run`` (a :class:`peerd.run_config.RunConfig`) on this
     peer (``node`` a :class:`peerd.config.NodeConfig` already fitted by :func:`peerd.hardware.memory.fit_node`,
     training on ``device``), or None where there is no prediction (another parallelism than DiLoCo, a
-    mixture-of-experts model). ``budget``: ``(physical, swap, available)`` instead of asking the machine.
+    mixture-of-experts model). ``budget``: ``(physical, swap, available)`` in bytes instead of asking the machine.
+    A warning is a peak above what is available now; the line then says what to do.
 
     Raises :class:`peerd.config.ConfigError` with one line when the peak exceeds physical memory and swap."""
     from peerd.config import ConfigError
     from peerd.hardware.devices import off_the_round
-    from peerd.worker.inner_step import resolve_precision
 
-    if getattr(run, "parallelism", "diloco") != "diloco":
+    shape = dense_shape(run, vocab_size)
+    if shape is None:
         return None
-    try:
-        shape = Shape.of(run.model, vocab_size)
-    except ValueError:
-        return None
-    devices = max(1, len(node.local_devices))
-    batch = run.batch_size // devices
     inner = 0
-    if device.type == "cpu":
-        micro = node.micro_batch_size or batch
-        inner = estimate(shape, seq_len=run.seq_len, micro_batch_size=micro, accumulation=max(1, batch // micro),
-                         precision=resolve_precision(node.precision, device).name,
-                         checkpointing=bool(node.activation_checkpointing), device_type="cpu").peak
+    if device.type == "cpu":  # the model trains in host memory: the inner step's plan (fit_node's, unbudgeted)
+        inner = node_plan(node, run, shape, device, None, evaluates_on_a_copy(node, run, device)).estimate.peak
     est = host_estimate(shape.parameters, device_type=device.type, codec=run.averaging.allreduce().compression,
                         fragments=run.diloco.fragments, delayed=run.diloco.overlap == "delayed",
                         background_checkpoint=off_the_round(node.background_checkpoint, device),
@@ -134,4 +126,7 @@ def fit_host(node: Any, run: Any, device: Any, vocab_size: int,
         raise ConfigError(f"{run.model} does not fit this machine's memory: {reason} "
                           f"(+{format_bytes(swap)} swap); join a run of a smaller model or use a machine with more "
                           "memory", reason=reason)
-    return line, est.peak > available
+    short = est.peak > available
+    if short:
+        line += "; more than is available now: close other programs, or expect swapping at the round boundary"
+    return line, short

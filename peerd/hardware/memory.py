@@ -314,25 +314,17 @@ def fit_node(node: Any, run: Any, device: Any, vocab_size: int,
     import dataclasses
 
     from peerd.config import ConfigError
-    from peerd.worker.inner_step import resolve_precision
 
     if node.optimizer_8bit and device.type != "cuda":
         reason = f"bitsandbytes' 8-bit AdamW needs a CUDA GPU, this peer trains on {device}"
         raise ConfigError(f"optimizer_8bit: {reason}", key="optimizer_8bit", reason=reason)
-    if getattr(run, "parallelism", "diloco") != "diloco":
+    shape = dense_shape(run, vocab_size)
+    if shape is None:
         return node, None
-    try:
-        shape = Shape.of(run.model, vocab_size)
-    except ValueError:
-        return node, None
-    devices = max(1, len(node.local_devices))
     found = budget if budget is not None else device_budget(device, node.gpu_memory_fraction)
 
     def plan_with(eval_copy: bool) -> Plan:
-        return plan(shape, seq_len=run.seq_len, batch_size=run.batch_size // devices,
-                    budget=found[0] if found else None, precision=resolve_precision(node.precision, device).name,
-                    micro_batch_size=node.micro_batch_size, checkpointing=node.activation_checkpointing,
-                    optimizer_8bit=node.optimizer_8bit, device_type=device.type, eval_copy=eval_copy)
+        return node_plan(node, run, shape, device, found[0] if found else None, eval_copy)
 
     chosen = plan_with(evaluates_on_a_copy(node, run, device))
     background_eval = node.background_eval
@@ -358,6 +350,28 @@ def fit_node(node: Any, run: Any, device: Any, vocab_size: int,
         return dataclasses.replace(node, activation_checkpointing=bool(node.activation_checkpointing)), line
     return dataclasses.replace(node, micro_batch_size=chosen.micro_batch_size, background_eval=background_eval,
                                activation_checkpointing=chosen.activation_checkpointing), line
+
+
+def dense_shape(run: Any, vocab_size: int) -> Optional[Shape]:
+    """The shape of ``run``'s model (a :class:`peerd.run_config.RunConfig`) over ``vocab_size`` tokens where its
+    memory is predicted (a dense model trained with DiLoCo); None otherwise (SWARM, SPES, a mixture of experts)."""
+    if getattr(run, "parallelism", "diloco") != "diloco":
+        return None
+    try:
+        return Shape.of(run.model, vocab_size)
+    except ValueError:
+        return None
+
+
+def node_plan(node: Any, run: Any, shape: Shape, device: Any, budget: Optional[int], eval_copy: bool) -> Plan:
+    """:func:`plan` for ``run``'s batch split over ``node``'s local devices, with ``node``'s precision, micro-batch,
+    checkpointing and 8-bit choices on ``device`` (a ``torch.device``) within ``budget`` bytes (None: unknown)."""
+    from peerd.worker.inner_step import resolve_precision
+
+    return plan(shape, seq_len=run.seq_len, batch_size=run.batch_size // max(1, len(node.local_devices)),
+                budget=budget, precision=resolve_precision(node.precision, device).name,
+                micro_batch_size=node.micro_batch_size, checkpointing=node.activation_checkpointing,
+                optimizer_8bit=node.optimizer_8bit, device_type=device.type, eval_copy=eval_copy)
 
 
 def evaluates_on_a_copy(node: Any, run: Any, device: Any) -> bool:

@@ -192,7 +192,6 @@ class AllReduceSync(OuterSync):
     async def round(self, local, weight, live, syncing, owned=False):
         outer = self.state.outer
         delta = outer.pseudo_gradient(local, in_place=owned)
-        del local
         exchanged = await self.exchange(delta, weight, live, syncing)
         if not isinstance(exchanged, tuple):
             return exchanged

@@ -56,7 +56,6 @@ class WholeModelRounds(RoundStrategy):
         weight = float(w.samples_since_sync)
         steps = w.steps_since_sync
         outcome = await sync.round(local, weight, live, syncing(records), owned=True)  # a fresh copy: reused
-        del local
         if outcome is None:
             return RoundEnd.ABANDONED
         if isinstance(outcome, Refused):
