@@ -280,6 +280,11 @@ class RunConfig:
             # method would be accepted and silently replaced
             raise ConfigError(f"parallelism 'spes' needs averaging.method = 'allreduce', got "
                               f"{self.averaging.method!r}")
+        if self.parallelism == "spes" and (exchange := self.averaging.allreduce().exchange) != "reduce":
+            # the sparse sync (peerd/roles/spes_sync.py) averages each fragment among its holders with the butterfly:
+            # the ring or the gather would be accepted and silently replaced
+            raise ConfigError(f"parallelism 'spes' averages by the butterfly: [averaging.allreduce] exchange must be "
+                              f"'reduce', got {exchange!r}")
         try:
             from peerd.data.tokenizer import parse_spec
 

@@ -140,12 +140,15 @@ class SparseAllGather(Service):
     async def run(self, group: Group, tensor: torch.Tensor, weight: float) -> AllReduceResult:
         """Gather ``tensor`` ((P,) fp32, encoded top-k) from every member, weighted by ``weight`` (samples), and
         return the weighted mean of the agreed contributions: ``averaged`` (P,) fp32, bit-identical on every member
-        that heard every answer; ``sent`` (P,) fp32 is our own vector as decoded if it counted, else zeros.
+        that heard every answer; ``sent`` (P,) fp32 is our own vector as decoded if it counted, else zeros. A group of
+        one returns ``tensor`` itself, whole, as both (:meth:`AllReduceResult.alone`).
 
         Raises :class:`AllReduceFailed` if a member refused our vector; ValueError on bad local input.
         """
         me = self.transport.streams.peer_id
         tensor, weight = prepare_local_input(group, me, tensor, weight)
+        if len(group.members) == 1:
+            return AllReduceResult.alone(group, tensor, sparse=True)
         loop = asyncio.get_running_loop()
         start = loop.time()
         cpu_start = time.process_time()

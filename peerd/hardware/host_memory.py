@@ -13,8 +13,9 @@ whole-model all-reduce round, :meth:`peerd.roles.outer_sync.AllReduceSync.round`
 - **the round** (the largest fragment's share f of P with Streaming DiLoCo's fragments): theta_local's copy, which
   becomes the pseudo-gradient and then the new theta_outer, 4fP; the averaged pseudo-gradient 4fP; the new momentum
   4fP; the butterfly's own part in a group of n (4 + b + 4 + b) fP / n with a codec of b bytes a value (the part
-  round-tripped through the codec, its encoding, the reducer's sum, the sealed mean), counted for n = 1, a peer
-  that averages alone; the delayed overlap holds the average in flight a round longer, 4fP more;
+  round-tripped through the codec, its encoding, the reducer's sum, the sealed mean), counted for n = 2, the
+  smallest group that averages (a peer alone averages nothing: its result is its pseudo-gradient's own buffer, 8fP
+  in all); the delayed overlap holds the average in flight a round longer, 4fP more;
 - **the checkpoint** after the round: a fresh copy of theta_local, 4P (page-locked, held until the background write
   is done), plus theta_outer and the momentum concatenated across fragments, 8P, when there are several;
 - a fixed part for the interpreter with torch and the daemon loaded (:data:`PROCESS_BYTES`; a CUDA context adds
@@ -67,20 +68,21 @@ class HostEstimate:
 
 def host_estimate(parameters: int, *, device_type: str, codec: str = "fp16", fragments: int = 1,
                   delayed: bool = False, background_checkpoint: bool = False, optimizer_state: int = 0,
-                  inner_step: int = 0, group_size: int = 1) -> HostEstimate:
+                  inner_step: int = 0, group_size: int = 2) -> HostEstimate:
     """The predicted host memory of a DiLoCo peer of ``parameters`` (P) on ``device_type`` (``cpu``, ``cuda``,
     ``mps``): ``codec`` the all-reduce's compression, ``fragments`` Streaming DiLoCo's F, ``delayed`` the delayed
     overlap, ``background_checkpoint`` checkpoints written by a thread from a page-locked snapshot,
     ``optimizer_state`` the inner optimizer's bytes (its snapshot's size), ``inner_step`` the inner step's peak where
-    the model trains on the CPU, ``group_size`` the all-reduce group's n (1, a peer averaging alone, holds the
-    most). Raises ``ValueError`` for P, F or n below 1."""
+    the model trains on the CPU, ``group_size`` the all-reduce group's n (2 holds the most; 1, a peer averaging
+    alone, the least). Raises ``ValueError`` for P, F or n below 1."""
     if min(parameters, fragments, group_size) < 1:
         raise ValueError(f"parameters, fragments and group_size must be >= 1, got {parameters}, {fragments}, "
                          f"{group_size}")
     p, b = parameters, get_codec(codec).encoded_size(CHUNK_ALIGN) / CHUNK_ALIGN  # bytes a value on the wire
     share = -(-p // fragments)  # the largest fragment
     gpu = device_type == "cuda"
-    round_bytes = 3 * 4 * share + int((8 + 2 * b) * share) // group_size + (4 * share if delayed else 0)
+    averaged = 4 * share + int((8 + 2 * b) * share) // group_size if group_size > 1 else 0  # alone: in place
+    round_bytes = 2 * 4 * share + averaged + (4 * share if delayed else 0)
     checkpoint = 4 * p + (8 * p if fragments > 1 else 0)
     return HostEstimate(
         process=PROCESS_BYTES + (CUDA_CONTEXT_BYTES if gpu else 0), outer_state=8 * p,

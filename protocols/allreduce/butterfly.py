@@ -77,10 +77,13 @@ class ButterflyAllReduce(PartPlanner, ReducerSide, Service):
         """Average ``tensor`` (P,) fp32 with the group, weighted by ``weight`` (e.g. samples processed).
 
         Every member must call this with the same group and the same P. Raises :class:`AllReduceFailed` if any part's
-        mean could not be obtained within ``reducer_timeout_s``; ValueError on bad local input.
+        mean could not be obtained within ``reducer_timeout_s``; ValueError on bad local input. A group of one
+        returns ``tensor`` itself (:meth:`AllReduceResult.alone`).
         """
         me = self.transport.streams.peer_id
         tensor, weight = prepare_local_input(group, me, tensor, weight)
+        if len(group.members) == 1:
+            return AllReduceResult.alone(group, tensor, self.codec.sparse)
         loop = asyncio.get_running_loop()
         start = loop.time()
         cpu_start = time.process_time()

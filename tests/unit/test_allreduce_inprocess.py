@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from peerd.transport.inprocess import Hub
-from protocols.allreduce import AllReduceConfig, AllReduceFailed, PartReducer, partition_sizes
+from protocols.allgather import SparseAllGather
+from protocols.allreduce import (AllReduceConfig, AllReduceFailed, ButterflyAllReduce, PartReducer, RingAllReduce,
+                                 partition_sizes)
 from protocols.diloco import weighted_average
 from protocols.matchmaking import AdmissionRefused, MatchmakingConfig, Matchmaker, MatchmakingFailed
 
@@ -196,5 +198,24 @@ def test_bytes_sent_count_both_directions_of_the_butterfly(averaging_peers):
         for r in results:
             assert payload <= r.bytes_sent <= payload * 1.1, (r.bytes_sent, payload)
             assert payload <= r.bytes_received <= payload * 1.1
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("compression, exchange", [("fp16", "reduce"), ("topk", "reduce"), ("topk", "gather"),
+                                                   ("fp16", "ring")])
+def test_a_group_of_one_returns_its_own_vector_exactly_without_a_copy(compression, exchange, averaging_peers):
+    """Alone there is nothing to average and nothing travels: the result is the input itself (the same buffer, no
+    codec round trip), ``sent`` is it too for a sparse codec (the error feedback records no error), no bytes."""
+    async def main():
+        config = AllReduceConfig(compression=compression, exchange=exchange, sender_timeout_s=1.0,
+                                 reducer_timeout_s=2.0)
+        cls = {"gather": SparseAllGather, "ring": RingAllReduce}.get(exchange, ButterflyAllReduce)
+        [peer] = await averaging_peers(Hub(), 1, allreduce=config, allreduce_class=cls)
+        x = torch.randn(10_007, generator=torch.Generator().manual_seed(1)) * 1e-3  # fp16 would round these
+        res = await peer.round("alone", x, 3.0, expected=1)
+        assert res.group_size == 1 and res.averaged.data_ptr() == x.data_ptr() and torch.equal(res.averaged, x)
+        assert (res.bytes_sent, res.bytes_received, res.part_sizes) == (0, 0, (x.numel(),))
+        assert res.sent.data_ptr() == x.data_ptr() if compression == "topk" else res.sent is None
 
     asyncio.run(main())

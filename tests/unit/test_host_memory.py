@@ -20,19 +20,21 @@ def test_the_terms_of_a_gpu_peer_with_background_checkpoints():
     est = host_estimate(P, device_type="cuda", codec="fp16", background_checkpoint=True, optimizer_state=8 * P)
     assert est.process == PROCESS_BYTES + CUDA_CONTEXT_BYTES and est.outer_state == 8 * P and est.model == 0
     assert est.snapshot == 8 * P
-    # theta_local's copy (-> pseudo-gradient -> new theta), the average, the new momentum; a group of one's part
-    assert est.round == 12 * P + (4 + 2 + 4 + 2) * P
+    # theta_local's copy (-> pseudo-gradient -> new theta), the average, the new momentum; a group of two's part
+    assert est.round == 12 * P + (4 + 2 + 4 + 2) * P // 2
     assert est.checkpoint == 4 * P
-    assert est.peak == est.process + 16 * P + 24 * P
+    assert est.peak == est.process + 16 * P + 18 * P
 
 
 def test_the_codec_fragments_and_the_delayed_overlap_change_the_round():
     fp32 = host_estimate(P, device_type="cuda", codec="none").round
-    assert fp32 == 12 * P + 16 * P
+    assert fp32 == 12 * P + 16 * P // 2
     fragmented = host_estimate(P, device_type="cuda", codec="none", fragments=4)
-    assert fragmented.round == 28 * P // 4 and fragmented.checkpoint == 12 * P  # concatenated outer state
+    assert fragmented.round == 20 * P // 4 and fragmented.checkpoint == 12 * P  # concatenated outer state
     assert host_estimate(P, device_type="cuda", codec="none", delayed=True).round == fp32 + 4 * P
     assert host_estimate(P, device_type="cuda", codec="none", group_size=4).round == 12 * P + 16 * P // 4
+    # alone: the result is the pseudo-gradient's own buffer; theta_local's copy and the new momentum remain
+    assert host_estimate(P, device_type="cuda", codec="fp16", group_size=1).round == 8 * P
     # no snapshot where checkpoints are written in the foreground, no model where a GPU trains
     assert host_estimate(P, device_type="cuda", optimizer_state=8 * P).snapshot == 0
     for bad in ({"parameters": 0}, {"fragments": 0}, {"group_size": 0}):

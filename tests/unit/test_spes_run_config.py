@@ -27,6 +27,10 @@ def test_spes_run_config_round_trips_and_validates(tmp_path):
     for method in ("gossip", "moshpit"):  # SPES averages by all-reduce: no other method is silently replaced
         with pytest.raises(ConfigError, match="spes.*allreduce"):
             RunConfig.from_dict({"model": "tiny-moe", "parallelism": "spes", "averaging": {"method": method}})
+    for exchange, compression in (("ring", "fp16"), ("gather", "topk")):  # nor the butterfly by another exchange
+        with pytest.raises(ConfigError, match=f"spes.*exchange must be 'reduce', got '{exchange}'"):
+            RunConfig.from_dict({"model": "tiny-moe", "parallelism": "spes", "averaging": {
+                "allreduce": {"exchange": exchange, "compression": compression}}})
     with pytest.raises(ConfigError, match=r"\[spes\].*sync_steps"):
         RunConfig.from_dict({"model": "tiny-moe", "parallelism": "spes", "spes": {"sync_steps": 0}})
     with pytest.raises(ConfigError, match="no_such_key"):
