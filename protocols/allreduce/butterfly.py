@@ -178,6 +178,16 @@ class ButterflyAllReduce(PartPlanner, ReducerSide, Service):
                 self.config.reducer_timeout_s, self._forget, group.group_id
             )
 
+    @staticmethod
+    def call_failed(who: str, error: RpcError) -> AllReduceFailed:
+        """What a member's failed call to ``who`` (e.g. "reducer <PeerID>") means for its round: the failure, with
+        the reason (the call timed out past ``reducer_timeout_s``, was refused, or broke)."""
+        if isinstance(error, RpcTimeout):
+            return AllReduceFailed(f"{who} did not finish within reducer_timeout_s")
+        if isinstance(error, Refused):
+            return AllReduceFailed(f"{who} refused: {error.reason}")
+        return AllReduceFailed(f"{who} failed: {error!r}")
+
     async def _wait_answers_written(self, session: _ReduceSession, grace_s: float = 2.0) -> None:
         """Let our answers to the other contributors finish (briefly), so the byte counts are complete."""
         loop = asyncio.get_running_loop()
@@ -235,12 +245,8 @@ class ButterflyAllReduce(PartPlanner, ReducerSide, Service):
                 self.transport.streams, peer, self.prefix, "reduce", header, frames(), sizes,
                 [self.result_codec.encoded_size(b - a) for a, b in bounds], on_frame,
                 timeout_s=max(timeout, 0.0))
-        except RpcTimeout:
-            raise AllReduceFailed(f"reducer {peer} did not answer within reducer_timeout_s") from None
-        except Refused as e:
-            raise AllReduceFailed(f"reducer {peer} refused our part: {e.reason}") from e
         except RpcError as e:
-            raise AllReduceFailed(f"reducer {peer} failed: {e!r}") from e
+            raise self.call_failed(f"reducer {peer}", e) from e
         except _InvalidMean as e:  # wrong size or non-finite values: a faulty or hostile reducer
             self.bans.ban(peer, f"sent an invalid mean: {e}")
             raise AllReduceFailed(f"reducer {peer} failed: sent an invalid mean: {e}") from None

@@ -59,7 +59,7 @@ from protocols.allreduce.config import RING_CODECS, AllReduceFailed, AllReduceRe
 from protocols.allreduce.parts import RATE_SPREAD, announced_rates
 from protocols.matchmaking import Group
 from protocols.partition import CHUNK_ALIGN, chunk_bounds, partition_sizes
-from protocols.rpc import Refused, Request, RpcError, RpcTimeout, Service, call_framed
+from protocols.rpc import Refused, Request, RpcError, Service, call_framed
 from protocols.wire import ProtocolViolation, require
 
 logger = logging.getLogger("protocols.allreduce")
@@ -274,12 +274,8 @@ class RingAllReduce(ButterflyAllReduce):
                                       f"{'called' if session.served else 'never called'})")
             try:
                 _, sent, received = sender.result()
-            except RpcTimeout:
-                raise AllReduceFailed(f"right neighbour {right} did not finish within reducer_timeout_s") from None
-            except Refused as e:
-                raise AllReduceFailed(f"right neighbour {right} refused: {e.reason}") from e
             except RpcError as e:
-                raise AllReduceFailed(f"right neighbour {right} failed: {e!r}") from e
+                raise self.call_failed(f"right neighbour {right}", e) from e
         finally:
             sender.cancel()
             if not session.done.done():
