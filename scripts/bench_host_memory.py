@@ -7,10 +7,12 @@ a group of two, the all-reduce's default fp16 codec) train ``--rounds`` outer ro
 thread samples the process's resident memory every 2 ms. Per round: the peak during the two workers' round boundary
 (from the start of the first ``run_round`` to the end of the last) above the resident memory just before it, halved
 (per worker). Variants: ``peerd`` (the round writes the pseudo-gradient and the new theta_outer into theta_local's
-copy: ``owned=True``) and ``baseline`` (the same round with ``owned=False``: a fresh pseudo-gradient and a fresh
-theta_outer, as before the handover). The prediction is the round term of
-:func:`peerd.hardware.host_memory.host_estimate` for a group of two (theta_local's copy, the average, the new
-momentum, the butterfly's own part); the checkpoint's copy comes after the outer step and is smaller.
+copy: ``owned=True``), ``baseline`` (the same round with ``owned=False``: a fresh pseudo-gradient and a fresh
+theta_outer, as before the handover) and ``alone`` (one worker, ``min_group_size = 1``, ``owned=True``: its group of
+one returns the pseudo-gradient itself). The prediction is the round term of
+:func:`peerd.hardware.host_memory.host_estimate` for the variant's group (theta_local's copy, the average, the new
+momentum, the butterfly's own part; alone, the copy and the new momentum); the checkpoint's copy comes after the
+outer step and is smaller.
 
 ``.venv/bin/python scripts/bench_host_memory.py --preset 125m --rounds 4 --md docs/benchmarks.md``
 """
@@ -35,12 +37,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchlib import machine_line, replace_section, result_args  # noqa: E402
 
 HEADING = "## An outer round's host memory (scripts/bench_host_memory.py)"
-VARIANTS = ("baseline", "peerd")
+VARIANTS = ("baseline", "peerd", "alone")
 CODEC = "fp16"
 
 
-def measure(preset: str, rounds: int, handover: bool) -> dict:
-    """Run two workers in this process; per round, the per-worker rise of the resident memory in bytes."""
+def measure(preset: str, rounds: int, handover: bool, workers_n: int = 2) -> dict:
+    """Run ``workers_n`` workers (a group of that size) in this process; per round, the per-worker rise of the
+    resident memory in bytes."""
     import psutil
     import torch
 
@@ -54,13 +57,13 @@ def measure(preset: str, rounds: int, handover: bool) -> dict:
     torch.set_num_threads(1)
     run = RunConfig(model=preset, seq_len=32, batch_size=2, eval_batches=0, max_outer_rounds=rounds,
                     diloco=DiLoCoHyperparams(inner_steps=2, warmup_steps=1, inner_lr=1e-3),
-                    averaging=AveragingConfig.from_flat(compression=CODEC, min_group_size=2,
+                    averaging=AveragingConfig.from_flat(compression=CODEC, min_group_size=workers_n,
                                                         matchmaking_timeout_s=60.0))
     hub = Hub()
     tmp = tempfile.mkdtemp(prefix="bench-host-memory-")
     workers = [DiLoCoRole(RunContext.build("bench-host-memory", run, NodeConfig(
         checkpoint_dir=os.path.join(tmp, f"w{i}"), threads=1, device="cpu"), hub.transport(f"w{i}")))
-        for i in range(2)]
+        for i in range(workers_n)]
     proc, samples, done, marks = psutil.Process(), [], threading.Event(), []
 
     def sample() -> None:
@@ -90,11 +93,11 @@ def measure(preset: str, rounds: int, handover: bool) -> dict:
     starts = [t for kind, t in marks if kind == "start"]
     ends = [t for kind, t in marks if kind == "end"]
     rises = []
-    for r in range(0, min(len(starts), len(ends)) - 1, 2):
-        begin, end = min(starts[r:r + 2]), max(ends[r:r + 2])
+    for r in range(0, min(len(starts), len(ends)) - workers_n + 1, workers_n):
+        begin, end = min(starts[r:r + workers_n]), max(ends[r:r + workers_n])
         before = max([v for t, v in samples if begin - 0.3 <= t <= begin] or [0])
         peak = max(v for t, v in samples if begin <= t <= end)
-        rises.append((peak - before) / 2)
+        rises.append((peak - before) / workers_n)
     return {"parameters": workers[0].part.outer.numel, "rises": rises}
 
 
@@ -113,7 +116,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.child:
         preset, rounds, variant = args.child
-        print(json.dumps(measure(preset, int(rounds), variant == "peerd")))
+        print(json.dumps(measure(preset, int(rounds), variant != "baseline", 1 if variant == "alone" else 2)))
         return 0
     if args.rounds < 2:
         ap.error("--rounds must be >= 2 (the first round is left out)")
@@ -128,20 +131,23 @@ def main() -> int:
                                                                          for r in result["rises"])
               + " bytes a parameter (rounds 1..n)", flush=True)
     p = rows["peerd"][0]
-    predicted = host_estimate(p, device_type="cpu", codec=CODEC, group_size=2).round
+    predicted = {variant: host_estimate(p, device_type="cpu", codec=CODEC, group_size=1 if variant == "alone" else 2)
+                 .round for variant in VARIANTS}
     lines = [HEADING, "",
              f"{datetime.date.today().isoformat()}, {machine_line()}.", "",
              f"`{' '.join(['.venv/bin/python', 'scripts/bench_host_memory.py', *result_args(sys.argv[1:])])}`", "",
-             f"Two `{args.preset}` workers (P = {p:,}) on the CPU in one process, a group of two, {CODEC} all-reduce; "
-             "the peak resident memory of each worker's round boundary above the memory just before it, rounds 2 "
-             f"to {args.rounds}. Predicted: the round term of `peerd/hardware/host_memory.py` for a group of two.", "",
+             f"Two `{args.preset}` workers (P = {p:,}) on the CPU in one process, a group of two, {CODEC} all-reduce "
+             "(`alone`: one worker, a group of one); the peak resident memory of each worker's round boundary above "
+             f"the memory just before it, rounds 2 to {args.rounds}. Predicted: the round term of "
+             "`peerd/hardware/host_memory.py` for the variant's group.", "",
              "| variant | per-worker rise, bytes a parameter (median, range) | GiB | predicted |", "|---|---|---|---|"]
     for variant in VARIANTS:
         _, steady = rows[variant]
         per = [r / p for r in steady]
         lines.append(f"| {variant} | {statistics.median(per):.1f} ({min(per):.1f}-{max(per):.1f}) | "
                      f"{statistics.median(steady) / (1 << 30):.2f} | "
-                     f"{predicted / p:.1f}" + (" + 8.0 (no handover)" if variant == "baseline" else "") + " |")
+                     f"{predicted[variant] / p:.1f}" + (" + 8.0 (no handover)" if variant == "baseline" else "")
+                     + " |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.md:
