@@ -33,8 +33,10 @@ def test_pip_install_dot_alone_gives_a_daemon_that_bootstraps_and_joins(tmp_path
     assert wheelhouse.is_dir(), f"{wheelhouse} is missing: run scripts/test (it downloads the wheels this test uses)"
     constraints = tmp_path / "constraints.txt"
     constraints.write_text(f"torch=={torch.__version__.split('+')[0]}\n")
-    install = subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--no-compile", "--no-index", "--find-links",
-                              str(wheelhouse), "-c", str(constraints), str(source)],
+    # --no-compile: byte-compiling every installed module (torch's thousands) took a third of the test; the modules
+    # the daemon imports compile on first use
+    install = subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--no-compile", "--no-index",
+                              "--find-links", str(wheelhouse), "-c", str(constraints), str(source)],
                              capture_output=True, text=True, timeout=1000)
     assert install.returncode == 0, install.stderr[-3000:]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
