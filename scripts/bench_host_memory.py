@@ -37,7 +37,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchlib import machine_line, replace_section, result_args  # noqa: E402
 
 HEADING = "## An outer round's host memory (scripts/bench_host_memory.py)"
-VARIANTS = ("baseline", "peerd", "alone")
+#: variant -> (the round hands theta_local's copy on: ``owned``, workers = the group's size)
+VARIANTS = {"baseline": (False, 2), "peerd": (True, 2), "alone": (True, 1)}
 CODEC = "fp16"
 
 
@@ -116,7 +117,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.child:
         preset, rounds, variant = args.child
-        print(json.dumps(measure(preset, int(rounds), variant != "baseline", 1 if variant == "alone" else 2)))
+        print(json.dumps(measure(preset, int(rounds), *VARIANTS[variant])))
         return 0
     if args.rounds < 2:
         ap.error("--rounds must be >= 2 (the first round is left out)")
@@ -131,8 +132,8 @@ def main() -> int:
                                                                          for r in result["rises"])
               + " bytes a parameter (rounds 1..n)", flush=True)
     p = rows["peerd"][0]
-    predicted = {variant: host_estimate(p, device_type="cpu", codec=CODEC, group_size=1 if variant == "alone" else 2)
-                 .round for variant in VARIANTS}
+    predicted = {variant: host_estimate(p, device_type="cpu", codec=CODEC, group_size=workers).round
+                 for variant, (_, workers) in VARIANTS.items()}
     lines = [HEADING, "",
              f"{datetime.date.today().isoformat()}, {machine_line()}.", "",
              f"`{' '.join(['.venv/bin/python', 'scripts/bench_host_memory.py', *result_args(sys.argv[1:])])}`", "",
