@@ -160,6 +160,7 @@ async def worker_peerd(a: argparse.Namespace) -> None:
 
     import torch
 
+    from peerd.runtime.heap import freeze_heap
     from peerd.transport.hivemind_backend import HivemindTransport
     from protocols.allreduce import AllReduceConfig, AllReduceFailed, ButterflyAllReduce, RingAllReduce
     from protocols.matchmaking import Matchmaker, MatchmakingConfig, MatchmakingFailed
@@ -185,6 +186,11 @@ async def worker_peerd(a: argparse.Namespace) -> None:
                                multiplex=a.impl in ("peerd-mux", "peerd-ring"))
         await direct.start()
         transport = types.SimpleNamespace(discovery=network.discovery, streams=direct)
+    profiler = None
+    if a.profile_to:
+        import cProfile
+
+        profiler = cProfile.Profile(time.thread_time)  # the event loop thread's CPU time: the peers share the cores
     try:
         runners = {}
         for codec in a.codecs:
@@ -199,6 +205,7 @@ async def worker_peerd(a: argparse.Namespace) -> None:
             await ar.start()
             runners[codec] = (mm, ar)
         cpu_tree()
+        freeze_heap()  # as a training peer does once set up (PEERD_FREEZE_HEAP=0: not)
         emit({"ready": _my_maddr(network.visible_maddrs(), a.host)})
         async for cmd in _stdin_lines():
             if cmd[0] == "quit":
@@ -213,7 +220,13 @@ async def worker_peerd(a: argparse.Namespace) -> None:
                 cpu0 = cpu_tree()
                 t_start = time.time()
                 rings = getattr(ar, "rings_run", 0)
-                result = await ar.run(group, x, float(a.rank + 1))
+                if profiler is not None and rep >= a.profile_from:
+                    profiler.enable()
+                try:
+                    result = await ar.run(group, x, float(a.rank + 1))
+                finally:
+                    if profiler is not None:
+                        profiler.disable()
                 t_end = time.time()
                 cpu1 = cpu_tree()
             except (AllReduceFailed, MatchmakingFailed) as e:  # a failed round: report it, go on with the next
@@ -228,6 +241,8 @@ async def worker_peerd(a: argparse.Namespace) -> None:
             if direct is not None:  # which path the streams took, in the worker's log
                 print(f"direct data plane, rep {rep}: {dict(direct.stats)}; announced {ar.announce()}", file=sys.stderr, flush=True)
     finally:
+        if profiler is not None:  # every measured run of this worker, all codecs together
+            profiler.dump_stats(f"{a.profile_to}-rank{a.rank}.prof")
         if direct is not None:
             await direct.stop()
         await network.shutdown()
@@ -522,6 +537,10 @@ def run_impl(tb, sc: Scenario, impl: str, args, workdir: str) -> list[Row]:
         started: list[Worker] = []
         base = [sys.executable, os.path.abspath(__file__), "--worker", impl, "--world", str(sc.world),
                 "--numel", str(args.numel), "--codecs", *codecs]
+        if args.profile and impl in PEERD:
+            os.makedirs(args.profile, exist_ok=True)
+            base += ["--profile-to", os.path.join(os.path.abspath(args.profile), f"{sc.key}-{impl}"),
+                     "--profile-from", str(warmups)]
         port = 29500 + (os.getpid() + generation) % 1000
         first_maddr = None
         try:
@@ -777,6 +796,8 @@ def main() -> int:
     p.add_argument("--ifname", help=argparse.SUPPRESS)
     p.add_argument("--peer-hosts", nargs="*", default=[], help=argparse.SUPPRESS)
     p.add_argument("--initial-peers", nargs="*", default=[], help=argparse.SUPPRESS)
+    p.add_argument("--profile-to", help=argparse.SUPPRESS)
+    p.add_argument("--profile-from", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--codecs", nargs="+", default=list(CODECS), choices=CODECS, help="codecs to measure")
     p.add_argument("--numel", type=int, default=25_000_000 // 4, help="fp32 values per peer (default 25 MB)")
     p.add_argument("--reps", type=int, default=3, help="measured repetitions per configuration (plus one warm-up)")
@@ -787,6 +808,9 @@ def main() -> int:
     p.add_argument("--scenarios", nargs="+", default=["wan", "loopback", "hetero"],
                    choices=("wan", "loopback", "hetero"))
     p.add_argument("--impls", nargs="+", default=["peerd", "hivemind", "gloo"], choices=IMPLS)
+    p.add_argument("--profile", metavar="DIR",
+                   help="profile (cProfile, CPU time) each peerd worker's measured all-reduces, with the rest of its "
+                        "event loop's work while they run, into DIR/SCENARIO-IMPL-rankR.prof (python -m pstats)")
     p.add_argument("--no-md", action="store_true", help="do not write the section into docs/benchmarks.md")
     p.add_argument("--md", default=os.path.join(REPO, "docs", "benchmarks.md"))
     args = p.parse_args()

@@ -7,6 +7,7 @@ is a test failure.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -46,6 +47,15 @@ def restore_root_logging():
         if handler not in handlers:
             root.removeHandler(handler)
     root.setLevel(level)
+
+
+@pytest.fixture(autouse=True)
+def unfreeze_heap():
+    """A role run in-process freezes the test process's heap (peerd.runtime.heap.freeze_heap); give it back to the
+    collector afterwards, or a test's reference cycles that outlive it would never be collected."""
+    yield
+    if gc.get_freeze_count():
+        gc.unfreeze()
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -49,6 +49,7 @@ import torch
 from peerd.config import ConfigError
 from peerd.events import StageMoved, StageRoundDone, SwarmProgress
 from peerd.models import build_stage
+from peerd.runtime.heap import freeze_heap
 from peerd.runtime.processes import reap
 from peerd.roles.batch_sources import open_batch_source
 from peerd.roles.base import RunContext
@@ -474,6 +475,7 @@ class SwarmRole:
         announcer = asyncio.ensure_future(self._announce_loop())
         rebalancer = asyncio.ensure_future(self._rebalance_loop())
         syncer = asyncio.ensure_future(self._sync_loop())
+        freeze_heap()  # the stage's model and every module exist now: later full collections skip them
         try:
             trains = self.trainer_wanted if self.trainer_wanted is not None else self.stage == 0
             if trains:

@@ -4,7 +4,8 @@
 
 1. open: resume from the local checkpoint (:meth:`resume`), start the role's services (``components``), publish
    status records in the background;
-2. join (:meth:`join`): catch up with the live peers, evaluate;
+2. join (:meth:`join`): catch up with the live peers, evaluate; then move the long-lived heap out of the garbage
+   collector's way (:func:`peerd.runtime.heap.freeze_heap`);
 3. loop until stopped or ``max_outer_rounds``: wait while the pause gate is closed (:meth:`wait_while_paused`),
    train to the next round boundary (:meth:`train_until_quota`), run one round (:meth:`run_round`);
 4. leave: finish what is in flight, a last checkpoint, the status record ``role = "left"``, stop the services,
@@ -25,7 +26,7 @@ import torch
 from peerd.worker.checkpoint_file import Checkpoint, CheckpointError
 from peerd.config import ConfigError
 from peerd.events import Evaluated, Left, Paused, Resumed
-from peerd.runtime.heap import trim_heap
+from peerd.runtime.heap import freeze_heap, trim_heap
 from peerd.runtime.processes import reap, stop_all
 from peerd.worker.inner_step import enable_tf32, micro_batch_count, resolve_precision
 from peerd.roles.base import RunContext, eval_units, held_out_loss
@@ -96,6 +97,7 @@ class WorkerCore:
             started = await self.sampler.start()
             if started:
                 await self.join()
+                freeze_heap()  # the model, the state and every module exist now: later full collections skip them
             while started and not self.ctx.stop.is_set() and not self.finished():
                 await self.wait_while_paused()
                 await self.train_until_quota()

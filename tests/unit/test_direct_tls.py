@@ -328,3 +328,55 @@ def test_a_flipped_byte_in_an_all_reduce_is_never_averaged_and_bans_nobody():
                 await streams.stop()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_large_read_over_tls_asks_the_kernel_for_most_of_its_bytes_per_wakeup_and_completes_on_a_trickle(loop):
+    """While a large ``readexactly`` waits, the socket's SO_RCVLOWAT holds the reader's wakeup until most of the
+    missing bytes are queued (capped, and less what one TLS record may hold undelivered): the writer trickles 10 KB
+    pieces, the read completes with every byte, the option is back at 1 afterwards, and a 5-byte read that follows
+    needs no more than its 5 bytes."""
+    import socket
+
+    import uvloop
+
+    from peerd.transport import connection
+
+    payload = os.urandom(600_000)
+    client_tls, server_tls = PeerTLS(new_signer()), PeerTLS(new_signer())
+
+    async def main():
+        accepted: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        async def on_connection(conn):
+            accepted.set_result(conn)
+
+        server = await serve_raw(on_connection)
+        client = await open_connection("127.0.0.1", server.sockets[0].getsockname()[1])
+        conn = await accepted
+        await asyncio.gather(client.start_tls(client_tls.client_context, server_side=False),
+                             conn.start_tls(server_tls.server_context(client_tls.certificate), server_side=True))
+        sock = conn.get_extra_info("socket")
+
+        def lowat() -> int:
+            return sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT)
+
+        reading = asyncio.ensure_future(conn.readexactly(len(payload)))
+        assert await eventually(lambda: lowat() > 1)
+        assert lowat() == min(connection.RCVLOWAT_MAX_BYTES, len(payload) - connection._LOWAT_SLACK_BYTES)
+        for start in range(0, len(payload), 10_000):
+            client.write(payload[start:start + 10_000])
+            await asyncio.sleep(0.002)
+        assert await asyncio.wait_for(reading, 30) == payload
+        assert lowat() == 1
+        client.write(b"tail!")
+        assert await asyncio.wait_for(conn.readexactly(5), 10) == b"tail!"
+        client.close()
+        conn.close()
+        server.close()
+
+    try:
+        (uvloop.run if loop == "uvloop" else asyncio.run)(main())
+    finally:
+        client_tls.close()
+        server_tls.close()

@@ -1,4 +1,8 @@
-"""Returning freed heap memory to the OS between outer rounds (peerd.runtime.heap)."""
+"""The process heap (peerd.runtime.heap): freed memory back to the OS between outer rounds, the long-lived heap out
+of the garbage collector's walk."""
+
+import gc
+import weakref
 
 import psutil
 import pytest
@@ -29,3 +33,30 @@ def test_trim_heap_gives_the_holes_freed_blocks_leave_back_to_the_os(monkeypatch
     assert heap.trim_heap() is True
     assert before - _rss_mb() > 20, (before, _rss_mb())
     assert len(blocks) == 2000
+
+
+class _Node:
+    def __init__(self):
+        self.other = self  # a reference cycle: only the cyclic collector frees it
+
+
+def test_freeze_heap_collects_the_garbage_there_is_then_freezes_what_lives(monkeypatch):
+    """Garbage in a reference cycle is collected first (frozen, it would never be); a live object lands in the
+    collector's permanent generation, out of every later collection's walk; PEERD_FREEZE_HEAP=0 does nothing."""
+    gc.disable()  # no automatic collection between the steps below
+    live, dead = _Node(), _Node()
+    gone = weakref.ref(dead)
+    del dead
+    try:
+        monkeypatch.setenv(heap.FREEZE_ENV, "0")
+        assert heap.freeze_heap() == 0
+        assert gone() is not None and gc.get_freeze_count() == 0
+        monkeypatch.delenv(heap.FREEZE_ENV)
+        frozen = heap.freeze_heap()
+        assert gone() is None
+        assert frozen == gc.get_freeze_count() > 0
+        assert not any(o is live for o in gc.get_objects())  # tracked objects outside the permanent generation
+    finally:
+        gc.unfreeze()
+        gc.enable()
+    assert any(o is live for o in gc.get_objects())

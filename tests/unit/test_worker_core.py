@@ -60,3 +60,33 @@ def test_the_round_strategy_is_chosen_once_from_the_run_config(tmp_path, overlap
     assert len(worker.parts) == len(worker.syncs) == fragments
     assert worker.outer is worker.parts[-1].outer and worker.sync is worker.syncs[-1]
     assert worker.rounds.local_differs == (overlap == "delayed" or fragments > 1)
+
+
+def test_a_training_role_freezes_the_heap_once_after_joining_before_its_first_inner_step(tmp_path, monkeypatch):
+    """The long-lived heap (modules, model, state) leaves the garbage collector's walk once it exists: after the
+    join (catch-up, evaluation), before the first inner step, and not again per round."""
+    import asyncio
+
+    import peerd.worker.core as core
+
+    order: list[str] = []
+    monkeypatch.setattr(core, "freeze_heap", lambda: order.append("freeze") or 1)
+    run = RunConfig(model="tiny", seq_len=32, batch_size=4, eval_batches=0, max_outer_rounds=2,
+                    diloco=DiLoCoHyperparams(inner_steps=2, warmup_steps=1),
+                    averaging=AveragingConfig.from_flat(compression="none", min_group_size=1))
+    node = NodeConfig(checkpoint_dir=str(tmp_path), threads=1, device="cpu")
+    worker = DiLoCoRole(RunContext.build("unit", run, node, Hub().transport("peer-a")))
+    join, step = worker.join, worker._inner_step
+
+    async def joined():
+        await join()
+        order.append("join")
+
+    def stepped():
+        order.append("step")
+        return step()
+
+    worker.join, worker._inner_step = joined, stepped
+    asyncio.run(worker.run())
+    assert worker.outer_round == 2
+    assert order[:3] == ["join", "freeze", "step"] and order.count("freeze") == 1, order
