@@ -72,11 +72,13 @@ RING_MIN_MEMBERS = 3
 RING_REMEASURE_RUNS = 16
 #: A ring frame holds what the group's slowest announced link moves in this many seconds (in the run's codec), at
 #: most ``chunk_numel`` values: a frame waits for its predecessor's whole frame at every hop, so the pipeline's fill
-#: and drain cost about a frame's time on the slowest link, while every frame costs the same CPU whatever its size.
-#: At 100 Mbit/s, frames of ~10 ms (32,768 fp32 values) measured 0.99-1.02 of plain TCP's ring where 131,072
-#: values measured 0.91-0.99; on loopback, fixed frames of 32,768 values cost 1.5x the butterfly's CPU, frames
-#: sized by this rule the same as the butterfly (docs/benchmarks.md).
-RING_FRAME_S = 0.01
+#: and drain cost about a frame's time on the slowest link (once per run: the members send in step, so the wait
+#: does not add up over the steps), while every frame costs the same CPU whatever its size. Measured at 100 Mbit/s
+#: (docs/benchmarks.md, "The ring's CPU on a shaped link"): 10, 20 and 40 ms frames took the same time within the
+#: run's noise (0.97-1.05 of plain TCP's ring at 4 peers), at 3.0, 2.2 and 1.4 CPU seconds for 4 peers' 25 MB fp32
+#: (7.7, 4.3 and 3.5 for 8 peers, which at 10 ms kept both cores busy); announced rates are what a member measured
+#: in a butterfly, below its link's, so 40 ms of them is ~30 ms on the link.
+RING_FRAME_S = 0.04
 
 _WEIGHT = struct.Struct("<d")
 

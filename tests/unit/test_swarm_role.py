@@ -34,7 +34,14 @@ def test_announcements_from_peers_are_validated():
         assert StageAnnouncement.parse(bad, 2) is None, bad
 
 
-def test_servers_join_the_bottleneck_and_the_trainers_train(tmp_path):
+def test_servers_join_the_bottleneck_and_the_trainers_train(tmp_path, monkeypatch):
+    """Joining servers fill the bottleneck stage and the trainers train through them; each peer moves its long-lived
+    heap out of the garbage collector's walk once, when its stage serves."""
+    import peerd.roles.swarm as swarm_role
+
+    frozen = []
+    monkeypatch.setattr(swarm_role, "freeze_heap", lambda: frozen.append(1) or 1)
+
     async def main():
         hub = Hub()
         run = _run()
@@ -67,6 +74,7 @@ def test_servers_join_the_bottleneck_and_the_trainers_train(tmp_path):
         assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.3, losses
     # both servers of the last stage took micro-batches from the trainers
     assert all(r.service.backwards >= 5 for r in roles[1::2])
+    assert len(frozen) == 4
 
 
 async def _start_servers(hub, tmp_path, run, stages, stop, prefix="p", status_interval_s=0.5):
