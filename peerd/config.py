@@ -25,6 +25,8 @@ MAX_UNIX_SOCKET_PATH = 107
 
 #: Values of ``NodeConfig.precision``.
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+#: Values of ``NodeConfig.host_memory_check``.
+HOST_MEMORY_CHECKS = ("refuse", "warn")
 
 
 #: Identity file, inside ``checkpoint_dir``, of each kind of daemon when ``identity`` is not set: a bootstrap node
@@ -155,6 +157,12 @@ class NodeConfig:
     optimizer_8bit: bool = False
     """Keep the inner AdamW's moments in 8 bits (bitsandbytes' ``AdamW8bit``: ~2 bytes per parameter instead of 8)
     on a CUDA GPU. Needs the ``bitsandbytes`` package (``pip install bitsandbytes``)."""
+    host_memory_check: str = "refuse"
+    """What ``peerd join`` does when the run's predicted host-memory peak (:mod:`peerd.hardware.host_memory`: the
+    outer state, the round boundary's buffers, the checkpoint copy) exceeds this machine's memory and swap:
+    ``refuse`` (exit with one line) or ``warn`` (log it and train anyway: for a prediction you know to be pessimistic
+    here, e.g. compressed swap the machine does not report; the kernel's out-of-memory killer ends the peer if it was
+    right)."""
     background_eval: Optional[bool] = None
     """Evaluate after outer rounds on a copy of the model in a background thread while the next inner steps run;
     the loss comes as an ``eval`` event instead of in the round's event. False: each round waits for its eval. None
@@ -300,6 +308,9 @@ class NodeConfig:
             raise ConfigError(f"micro_batch_size must be >= 0 (0 = the run's batch_size), got {self.micro_batch_size}")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.host_memory_check not in HOST_MEMORY_CHECKS:
+            raise ConfigError(f"host_memory_check must be one of {', '.join(HOST_MEMORY_CHECKS)}, got "
+                              f"{self.host_memory_check!r}", key="host_memory_check")
         if self.optimizer_8bit and not bitsandbytes_installed():
             reason = "needs the bitsandbytes package (pip install bitsandbytes), or set optimizer_8bit = false"
             raise ConfigError(f"optimizer_8bit: {reason}", key="optimizer_8bit", reason=reason)

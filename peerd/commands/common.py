@@ -33,7 +33,7 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
 NODE_FLAGS = ("device", "threads", "checkpoint_dir", "data", "gpu_memory_fraction", "upload_limit_mb_s",
               "download_limit_mb_s", "active_hours", "metrics_port", "control_socket", "stage", "swarm_role",
               "micro_batch_size", "precision", "compile", "activation_checkpointing", "optimizer_8bit",
-              "local_devices",
+              "local_devices", "host_memory_check",
               "dashboard_port", "dashboard_host", "dashboard_token")
 
 

@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 from peerd import __version__
 from peerd.commands.common import UsageError
-from peerd.config import DHT_MODES, PRECISIONS, RELAY_MODES, SWARM_ROLES, TRANSPORTS
+from peerd.config import DHT_MODES, HOST_MEMORY_CHECKS, PRECISIONS, RELAY_MODES, SWARM_ROLES, TRANSPORTS
 from peerd.runtime.telemetry import LOG_FORMATS
 
 EXAMPLE_PEER = "/ip4/203.0.113.7/tcp/31337/p2p/12D3KooW..."
@@ -96,6 +96,9 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
                    help="DiLoCo runs: train as one peer on several devices of this machine, e.g. cuda:0,cuda:1 "
                    "(inner steps data-parallel across them; default: one device)")
     g = p.add_argument_group("volunteer limits and services")
+    g.add_argument("--host-memory-check", choices=HOST_MEMORY_CHECKS,
+                   help="when the run's predicted host-memory peak exceeds this machine's memory and swap: refuse "
+                   "(default) or warn and train anyway")
     g.add_argument("--gpu-memory-fraction", type=float, metavar="F",
                    help="let this process allocate at most this share (0-1] of the GPU's memory (default no limit)")
     g.add_argument("--upload-limit", type=float, metavar="MB_S", dest="upload_limit_mb_s",

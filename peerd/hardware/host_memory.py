@@ -106,7 +106,8 @@ def fit_host(node: Any, run: Any, device: Any, vocab_size: int,
     mixture-of-experts model). ``budget``: ``(physical, swap, available)`` in bytes instead of asking the machine.
     A warning is a peak above what is available now; the line then says what to do.
 
-    Raises :class:`peerd.config.ConfigError` with one line when the peak exceeds physical memory and swap."""
+    Raises :class:`peerd.config.ConfigError` with one line when the peak exceeds physical memory and swap, unless
+    ``node.host_memory_check`` is ``"warn"`` (then that is a warning line too)."""
     from peerd.config import ConfigError
     from peerd.hardware.devices import off_the_round
 
@@ -125,9 +126,13 @@ def fit_host(node: Any, run: Any, device: Any, vocab_size: int,
             f"({format_bytes(available)} available now): {est.describe()}")
     if est.peak > total + swap:
         reason = f"needs ~{format_bytes(est.peak)} of host memory, this machine has {format_bytes(total)}"
+        if getattr(node, "host_memory_check", "refuse") == "warn":
+            return (f"{line}; more than this machine's memory and swap ({format_bytes(swap)}): training anyway "
+                    "(host_memory_check = warn), the kernel may stop this peer at a round boundary"), True
         raise ConfigError(f"{run.model} does not fit this machine's memory: {reason} "
-                          f"(+{format_bytes(swap)} swap); join a run of a smaller model or use a machine with more "
-                          "memory", reason=reason)
+                          f"(+{format_bytes(swap)} swap); join a run of a smaller model, use a machine with more "
+                          "memory, or set host_memory_check = \"warn\" to train anyway", reason=reason,
+                          key="host_memory_check")
     short = est.peak > available
     if short:
         line += "; more than is available now: close other programs, or expect swapping at the round boundary"

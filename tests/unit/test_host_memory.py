@@ -1,6 +1,8 @@
 """The host-memory prediction of a DiLoCo peer: its terms, the line `peerd join` and `peerd doctor` print, and the
 refusal of a run whose round boundary cannot fit the machine."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -59,6 +61,8 @@ def test_a_cpu_peer_counts_its_model_and_prints_one_line(tmp_path):
 
 
 def test_a_billion_parameters_is_refused_on_a_small_machine_and_warned_where_memory_is_taken(tmp_path):
+    """Refused with one line naming the override; with host_memory_check = "warn" a warning line instead; a bad
+    value of that key is refused when the node config is read."""
     run = RunConfig(model="1.1b", seq_len=1024, batch_size=16,
                     averaging=AveragingConfig.from_flat(compression="fp16"))
     node = NodeConfig(checkpoint_dir=str(tmp_path))
@@ -68,6 +72,14 @@ def test_a_billion_parameters_is_refused_on_a_small_machine_and_warned_where_mem
     message = str(refused.value)
     assert "\n" not in message and message.startswith("1.1b does not fit this machine's memory: needs ~")
     assert "this machine has 32.0 GiB (+4.0 GiB swap)" in message
+    assert 'or set host_memory_check = "warn" to train anyway' in message
+    line, short = fit_host(dataclasses.replace(node, host_memory_check="warn"), run, gpu, 256,
+                           budget=(32 * GIB, 4 * GIB, 30 * GIB))
+    assert short and "\n" not in line and line.startswith("1.1b: host memory predicted peak ")
+    assert line.endswith("more than this machine's memory and swap (4.0 GiB): training anyway (host_memory_check = "
+                         "warn), the kernel may stop this peer at a round boundary")
+    with pytest.raises(ConfigError, match="host_memory_check must be one of refuse, warn"):
+        NodeConfig(checkpoint_dir=str(tmp_path), host_memory_check="ignore")
     line, short = fit_host(node, run, gpu, 256, budget=(128 * GIB, 0, 16 * GIB))
     assert short and "of 128.0 GiB (16.0 GiB available now)" in line and "checkpoint snapshot" in line
 
@@ -82,3 +94,17 @@ def test_doctor_prints_both_predictions_and_fails_the_host_memory(tmp_path):
     assert [c.ok for c in bad] == [True, False]
     assert bad[1].line().startswith("FAIL  host memory  small does not fit this machine's memory")
     assert "; fix: join a run of a smaller model" in bad[1].line() and "\n" not in bad[1].line()
+
+
+def test_the_host_memory_check_is_a_join_flag(tmp_path, capsys):
+    """``--host-memory-check warn`` reaches the node config; a value it does not know exits 2 with one line."""
+    from peerd.commands.common import node_config
+    from peerd.commands.main import main
+    from peerd.commands.parser import build_parser
+
+    args = build_parser().parse_args(["join", "--run-id", "x", "--checkpoint-dir", str(tmp_path),
+                                      "--host-memory-check", "warn"])
+    assert node_config(args).host_memory_check == "warn"
+    code = main(["join", "--run-id", "x", "--checkpoint-dir", str(tmp_path), "--host-memory-check", "ignore"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "--host-memory-check" in err[0] and "'ignore'" in err[0]
