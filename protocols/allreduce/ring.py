@@ -75,7 +75,7 @@ RING_REMEASURE_RUNS = 16
 #: and drain cost about a frame's time on the slowest link (once per run: the members send in step, so the wait
 #: does not add up over the steps), while every frame costs the same CPU whatever its size. Measured at 100 Mbit/s
 #: (docs/benchmarks.md, "The ring's CPU on a shaped link"): 10, 20 and 40 ms frames took the same time within the
-#: run's noise (0.97-1.05 of plain TCP's ring at 4 peers), at 3.0, 2.2 and 1.4 CPU seconds for 4 peers' 25 MB fp32
+#: run's noise (0.96-1.06 of plain TCP's ring at 4 peers), at 3.0, 2.2 and 1.4 CPU seconds for 4 peers' 25 MB fp32
 #: (7.7, 4.3 and 3.5 for 8 peers, which at 10 ms kept both cores busy); announced rates are what a member measured
 #: in a butterfly, below its link's, so 40 ms of them is ~30 ms on the link.
 RING_FRAME_S = 0.04

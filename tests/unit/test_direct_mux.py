@@ -185,7 +185,8 @@ def test_a_write_after_tls_found_a_record_altered_raises_stream_corrupted_not_a_
 
     written = []
     closing = [False]
-    transport = types.SimpleNamespace(write=written.append, is_closing=lambda: closing[0])
+    no_extra = lambda name, default=None: default  # noqa: E731 - no socket: nothing to tune
+    transport = types.SimpleNamespace(write=written.append, is_closing=lambda: closing[0], get_extra_info=no_extra)
     conn = Connection()
     conn.connection_made(transport)
     conn.write(b"before")
@@ -196,7 +197,8 @@ def test_a_write_after_tls_found_a_record_altered_raises_stream_corrupted_not_a_
         conn.write(b"after")
     assert written == [b"before"]
     plain = Connection()
-    plain.connection_made(types.SimpleNamespace(write=written.append, is_closing=lambda: False))
+    plain.connection_made(types.SimpleNamespace(write=written.append, is_closing=lambda: False,
+                                                get_extra_info=no_extra))
     plain.connection_lost(ConnectionResetError("peer went away"))
     with pytest.raises(ConnectionResetError) as reset:
         plain.write(b"x")
