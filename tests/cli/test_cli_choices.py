@@ -21,6 +21,7 @@ REGISTRIES = {
     "relay": config.RELAY_MODES,
     "swarm_role": config.SWARM_ROLES,
     "precision": config.PRECISIONS,
+    "host_memory_check": config.HOST_MEMORY_CHECKS,
     "log_format": LOG_FORMATS,
     "weights": WEIGHTS,
 }
