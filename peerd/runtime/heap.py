@@ -1,10 +1,11 @@
 """The process heap of a training peer: freed memory back to the operating system between outer rounds, and Python's
 cyclic garbage collector kept off the long-lived objects.
 
-**Trimming.** A DiLoCo worker allocates and frees tens of MB per outer round (the checkpoint's tensors, the state snapshot served to
-joiners, the all-reduce's part buffers and encoded chunks). glibc keeps freed blocks in its arenas, and the holes
-between blocks still in use are never given back: the resident memory of a tiny-model worker grew from 500 to 750 MB
-over 60 outer rounds (``docs/benchmarks.md``). ``malloc_trim(0)`` releases the free pages of every arena.
+**Trimming.** A DiLoCo worker allocates and frees tens of MB per outer round (the checkpoint's tensors, the state
+snapshot served to joiners, the all-reduce's part buffers and encoded chunks). glibc keeps freed blocks in its arenas,
+and the holes between blocks still in use are never given back: the resident memory of a tiny-model worker grew from
+500 to 750 MB over 60 outer rounds (``docs/benchmarks.md``). ``malloc_trim(0)`` releases the free pages of every
+arena.
 ``PEERD_TRIM_HEAP=0`` in the environment turns it off (``scripts/bench_worker_rss.py`` measures both).
 
 **Freezing.** A daemon holds ~220,000 objects the collector tracks (the modules of torch, hivemind and peerd, the

@@ -76,8 +76,9 @@ def test_a_billion_parameters_is_refused_on_a_small_machine_and_warned_where_mem
     line, short = fit_host(dataclasses.replace(node, host_memory_check="warn"), run, gpu, 256,
                            budget=(32 * GIB, 4 * GIB, 30 * GIB))
     assert short and "\n" not in line and line.startswith("1.1b: host memory predicted peak ")
-    assert line.endswith("more than this machine's memory and swap (4.0 GiB): training anyway (host_memory_check = "
-                         "warn), the kernel may stop this peer at a round boundary")
+    assert "of 32.0 GiB (30.0 GiB available now)" in line
+    assert line.endswith("more than its memory and 4.0 GiB of swap: training anyway (host_memory_check = warn), the "
+                         "kernel may stop this peer at a round boundary")
     with pytest.raises(ConfigError, match="host_memory_check must be one of refuse, warn"):
         NodeConfig(checkpoint_dir=str(tmp_path), host_memory_check="ignore")
     line, short = fit_host(node, run, gpu, 256, budget=(128 * GIB, 0, 16 * GIB))
