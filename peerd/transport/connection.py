@@ -29,8 +29,8 @@ _DIRECT_READ_BYTES = 64 * 1024
 #: socket (``SO_RCVLOWAT``), or the missing bytes less :data:`_LOWAT_SLACK_BYTES` where fewer are missing; 0: never
 #: set. On a shaped link bytes arrive a few packets at a time, and every wakeup costs the event loop and TLS a pass
 #: (~6 KB a wakeup at 100 Mbit/s): measured in ``scripts/bench_allreduce.py`` (4-peer ring, 100 Mbit/s), 18,500 ->
-#: 10,000 reads and 3.8 -> 3.1 CPU seconds an all-reduce (docs/benchmarks.md). Linux only (elsewhere the option
-#: means something else, or nothing); ``PEERD_RCVLOWAT=0`` in the environment turns it off.
+#: 10,000 wakeups that read (one peer, 3 runs) and 3.8 -> 3.0 CPU seconds an all-reduce (docs/benchmarks.md). Linux
+#: only (elsewhere the option means something else, or nothing); ``PEERD_RCVLOWAT=0`` in the environment turns it off.
 RCVLOWAT_MAX_BYTES = (256 * 1024) if sys.platform.startswith("linux") and os.environ.get("PEERD_RCVLOWAT") != "0" \
     else 0
 #: What may sit undelivered in the TLS layer (one partial record: at most 16,384 bytes of plaintext), so never asked
