@@ -126,7 +126,7 @@ def fit_host(node: Any, run: Any, device: Any, vocab_size: int,
             f"({format_bytes(available)} available now): {est.describe()}")
     if est.peak > total + swap:
         reason = f"needs ~{format_bytes(est.peak)} of host memory, this machine has {format_bytes(total)}"
-        if getattr(node, "host_memory_check", "refuse") == "warn":
+        if node.host_memory_check == "warn":
             return (f"{line}; more than its memory and {format_bytes(swap)} of swap: training anyway "
                     "(host_memory_check = warn), the kernel may stop this peer at a round boundary"), True
         raise ConfigError(f"{run.model} does not fit this machine's memory: {reason} "

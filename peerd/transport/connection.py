@@ -33,8 +33,9 @@ _DIRECT_READ_BYTES = 64 * 1024
 #: only (elsewhere the option means something else, or nothing); ``PEERD_RCVLOWAT=0`` in the environment turns it off.
 RCVLOWAT_MAX_BYTES = (256 * 1024) if sys.platform.startswith("linux") and os.environ.get("PEERD_RCVLOWAT") != "0" \
     else 0
-#: What may sit undelivered in the TLS layer (one partial record: at most 16,384 bytes of plaintext), so never asked
-#: of the socket: a wakeup threshold above what is left to arrive would leave the reader waiting for ever.
+#: What may sit undelivered in the TLS layer (bytes: one partial record, at most 2^14 = 16,384 bytes of plaintext,
+#: RFC 8446 sec. 5.1), so never asked of the socket: a wakeup threshold above what is left to arrive would leave the
+#: reader waiting for ever.
 _LOWAT_SLACK_BYTES = 17 * 1024
 #: Fixed kernel socket buffers (bytes), or 0 for Linux's autotuning (the default). A fixed size turns autotuning off
 #: and is capped by net.core.{r,w}mem_max (208 KB on a stock kernel), so it is applied only where those caps allow
