@@ -99,6 +99,18 @@ def reference_mean(world: int, rep: int, numel: int):
     return total / sum(r + 1 for r in range(world))
 
 
+def check_result(averaged, reference) -> tuple[float, str]:
+    """(max |averaged - reference|, a digest of the averaged bytes) for one peer's result (P,) fp32.
+
+    The reference is computed before the repetition, and this check runs off a peerd worker's event loop: a peer
+    done early still has answers for the slower members in its transport's buffers, which only its event loop moves
+    to the kernel. Computed on the loop after the run (the world's tensors regenerated: ~1 CPU s for 8 peers of
+    25 MB), the check held those answers back ~3 s on the 2-core machine whenever a peer finished ahead of another's
+    last part: the 8-peer butterfly's outlier repetitions of earlier runs (7.4-8.6 s against 4.4-4.9)."""
+    err = float((averaged.double() - reference).abs().max())
+    return err, hashlib.sha256(averaged.numpy().tobytes()).hexdigest()[:16]
+
+
 _CPU_PROCS: list = []
 
 
@@ -213,6 +225,7 @@ async def worker_peerd(a: argparse.Namespace) -> None:
             codec, rep = cmd[1], int(cmd[2])
             mm, ar = runners[codec]
             x = make_tensor(a.rank, rep, a.numel)
+            reference = reference_mean(a.world, rep, a.numel)  # before the repetition: see check_result
             t_go = time.time()
             try:
                 # the rates measured in earlier repetitions (the warm-up's included) size the parts
@@ -232,11 +245,12 @@ async def worker_peerd(a: argparse.Namespace) -> None:
             except (AllReduceFailed, MatchmakingFailed) as e:  # a failed round: report it, go on with the next
                 emit({"failed": f"{type(e).__name__}: {_root_cause(e)}"})
                 continue
-            out = result.averaged
-            err = float((out.double() - reference_mean(a.world, rep, a.numel)).abs().max())
+            # off the event loop: our answers to slower members may still be leaving through it
+            err, digest = await asyncio.get_running_loop().run_in_executor(None, check_result, result.averaged,
+                                                                           reference)
             emit({"go": t_go, "start": t_start, "end": t_end, "group_size": result.group_size,
                   "sent": result.bytes_sent, "received": result.bytes_received, "max_err": err,
-                  "digest": hashlib.sha256(out.numpy().tobytes()).hexdigest()[:16], "cpu": cpu_delta(cpu0, cpu1),
+                  "digest": digest, "cpu": cpu_delta(cpu0, cpu1),
                   "pattern": "ring" if getattr(ar, "rings_run", 0) > rings else "butterfly"})
             if direct is not None:  # which path the streams took, in the worker's log
                 print(f"direct data plane, rep {rep}: {dict(direct.stats)}; announced {ar.announce()}", file=sys.stderr, flush=True)
@@ -274,6 +288,7 @@ def worker_hivemind(a: argparse.Namespace) -> None:
             codec, rep = cmd[1], int(cmd[2])
             averager = averagers[codec]
             x = make_tensor(a.rank, rep, a.numel)
+            reference = reference_mean(a.world, rep, a.numel)  # before the repetition: see check_result
             with averager.get_tensors() as tensors:
                 tensors[0].copy_(x)
             t_go = time.time()
@@ -295,9 +310,9 @@ def worker_hivemind(a: argparse.Namespace) -> None:
                 continue
             with averager.get_tensors() as tensors:
                 out = tensors[0].clone()
-            err = float((out.double() - reference_mean(a.world, rep, a.numel)).abs().max())
+            err, digest = check_result(out, reference)
             emit({"go": t_go, "start": t_start, "end": t_end, "group_size": len(gathered) if gathered else 0,
-                  "max_err": err, "digest": hashlib.sha256(out.numpy().tobytes()).hexdigest()[:16],
+                  "max_err": err, "digest": digest,
                   "cpu": cpu_delta(cpu0, cpu1)})
     finally:
         for averager in averagers.values():
