@@ -26,8 +26,9 @@ whether it ran, and its tokens/s. Without a GPU the plans and predictions are pr
 average of one pseudo-gradient is itself, so the all-reduce is left out), with the node's defaults: the
 pseudo-gradient (theta_local to the host, minus theta_outer), the outer Nesterov step, theta_outer back into the
 model, what the round waits for of the checkpoint and of the held-out evaluation of the run's default
-``eval_batches`` (on a GPU both go to the background by default; how long they then take is reported beside), at a
-first boundary and a second, steady one (the table's).
+``eval_batches`` (on a GPU both go to the background by default; how long they then take is reported beside, as is
+the new state's SHA-256 digest, which a peer computes in a worker thread while training goes on), at a first
+boundary and a second, steady one (the table's).
 
 Usage: python scripts/bench_gpu.py [--device cuda] [--presets small 125m ...] [--steps 30] [--batch-size 16]
        [--seq-len 1024] [--precision auto] [--compile] [--micro-batch-size M] [--local-devices cuda:0,cuda:1]
@@ -274,6 +275,9 @@ def round_boundary(preset: str, args, device: torch.device, tmp: str) -> dict:
         started = time.perf_counter()
         evaluated = await role.wait_for_evaluation()
         times["eval_background"] = time.perf_counter() - started if evaluated else 0.0
+        started = time.perf_counter()  # hashed in a worker thread while the inner steps go on (WholeModelRounds)
+        new.digest()
+        times["digest_background"] = time.perf_counter() - started
         background["eval"] = background["eval"] or evaluated
         return times
 
@@ -411,7 +415,7 @@ def main() -> int:
         replace_section(args.md, FIT_HEADING, "\n".join(lines) + "\n")
     if args.md and boundaries:
         keys = ("pseudo_gradient", "outer_step", "load_theta", "checkpoint", "eval", "total", "checkpoint_background",
-                "eval_background")
+                "eval_background", "digest_background")
         lines = [BOUNDARY_HEADING, "", command, "", f"Machine: {machine_line()}; device {where}.", "",
                  "| preset | " + " | ".join(f"{k} s" for k in keys) + " |", "|---|" + "---:|" * len(keys)]
         lines += [f"| {r['preset']} | " + " | ".join(f"{r[k + '_s']:.3f}" for k in keys) + " |" for r in boundaries]

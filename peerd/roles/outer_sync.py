@@ -144,11 +144,12 @@ class OuterSync:
         self.allreduce.dial_only = self.ctx.status.reachable is False
 
     async def round(self, local: torch.Tensor, weight: float, live: dict[str, dict],
-                    syncing: frozenset[str], owned: bool = False) -> RoundOutcome:
+                    syncing: frozenset[str], owned: bool = False, digest: bool = True) -> RoundOutcome:
         """The round after ``state.outer`` with theta_local ``local`` ((P,) fp32 CPU) of ``weight`` samples.
         ``owned``: the caller hands ``local`` over (a fresh copy it never reads again): the round may reuse its
         buffer (the all-reduce writes the pseudo-gradient and then the new theta_outer there, 8P bytes of host
-        memory less at the boundary)."""
+        memory less at the boundary). ``digest``: the new state's digest is computed (in a worker thread) before
+        the round returns; False leaves it to the caller (:meth:`protocols.diloco.OuterState.digest`)."""
         raise NotImplementedError
 
 
@@ -189,7 +190,7 @@ class AllReduceSync(OuterSync):
     def retries(self) -> Optional[list[int]]:
         return self.tries.record(self.state.outer.outer_round)
 
-    async def round(self, local, weight, live, syncing, owned=False):
+    async def round(self, local, weight, live, syncing, owned=False, digest=True):
         outer = self.state.outer
         delta = outer.pseudo_gradient(local, in_place=owned)
         exchanged = await self.exchange(delta, weight, live, syncing)
@@ -197,7 +198,8 @@ class AllReduceSync(OuterSync):
             return exchanged
         result, attempt = exchanged
         # delta is dead once averaged (the error feedback recorded what it needs): its buffer takes the new theta
-        self.state.outer = await stepped_off_loop(outer, result.averaged, self.hp, out=delta if owned else None)
+        self.state.outer = await stepped_off_loop(outer, result.averaged, self.hp, out=delta if owned else None,
+                                                  digest=digest)
         return RoundResult(result.group_size, result.bytes_sent, result.bytes_received, round(result.seconds, 3),
                            result.excluded, attempt)
 
@@ -271,7 +273,7 @@ class _MixingSync(OuterSync):
         records)."""
         raise NotImplementedError
 
-    async def round(self, local, weight, live, syncing, owned=False):
+    async def round(self, local, weight, live, syncing, owned=False, digest=True):
         r = self._round_to_join(live)
         delta = self.state.round_start_theta - local  # own pseudo-gradient (P,)
         stepped = self.state.outer.apply(delta, self.hp)
@@ -376,16 +378,17 @@ def unpack(packed: torch.Tensor, outer_round: int) -> OuterState:
 
 
 async def stepped_off_loop(outer: OuterState, averaged: torch.Tensor, hp: DiLoCoHyperparams,
-                           out: Optional[torch.Tensor] = None) -> OuterState:
-    """``outer.apply(averaged, hp, out)`` with the new state's digest (kept by the state), computed in a worker
-    thread.
+                           out: Optional[torch.Tensor] = None, digest: bool = True) -> OuterState:
+    """``outer.apply(averaged, hp, out)`` with the new state's digest (kept by the state; only if ``digest``),
+    computed in a worker thread.
     On the event loop they held every other task of the peer (its DHT node, state downloads it serves, its status
     record) for the time of two passes over P values and a SHA-256 of 8P bytes: seconds for a billion parameters.
     Raises ValueError as :meth:`protocols.diloco.OuterState.apply`."""
 
     def step() -> OuterState:
         stepped = outer.apply(averaged, hp, out)
-        stepped.digest()
+        if digest:
+            stepped.digest()
         return stepped
 
     return await asyncio.get_running_loop().run_in_executor(None, step)

@@ -354,9 +354,9 @@ class FaultyOuterSync:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    async def round(self, local, weight, live, syncing, owned=False):
+    async def round(self, local, weight, live, syncing, owned=False, digest=True):
         self.faults.round = self.inner.state.outer.outer_round + 1
-        return await self.inner.round(local, weight, live, syncing, owned)
+        return await self.inner.round(local, weight, live, syncing, owned, digest)
 
     async def exchange(self, pseudo_gradient, weight, live, syncing, also_expect=()):
         # the delayed overlap calls exchange() directly (the outer step is applied a round later)

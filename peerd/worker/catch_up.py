@@ -13,7 +13,7 @@ import asyncio
 import hashlib
 import logging
 import time
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 import torch
 
@@ -191,6 +191,14 @@ class CatchUp:
         if len(self.parts) == 1:
             return self.outer.digest()
         return hashlib.sha256("|".join(p.outer.digest() for p in self.parts).encode()).hexdigest()
+
+    def known_digest(self) -> Optional[str]:
+        """:meth:`digest` if every fragment's is computed already (a round's new state is hashed in a worker thread
+        while training goes on), else None; never computes one on the event loop."""
+        known = [p.outer.known_digest for p in self.parts]
+        if any(d is None for d in known):
+            return None
+        return known[0] if len(known) == 1 else hashlib.sha256("|".join(known).encode()).hexdigest()
 
     def fragment_rounds(self) -> list[int]:
         """Each fragment's outer round, in fragment order."""

@@ -105,7 +105,7 @@ class WorkerCore:
                     break
                 if self.ctx.gate.paused:
                     continue
-                await self.run_round()
+                await self.boundary_round()
                 trim_heap()  # the round's freed buffers back to the OS: without it the worker's RSS kept growing
         finally:
             await self._finish_in_flight()
@@ -137,6 +137,11 @@ class WorkerCore:
         """One round with the swarm at a boundary."""
         raise NotImplementedError
 
+    async def boundary_round(self) -> None:
+        """The round the training loop runs at a boundary: :meth:`run_round`, or less of it where a role lets the
+        round finish publishing while training goes on."""
+        await self.run_round()
+
     def resume(self) -> None:
         """Continue from the local checkpoint if there is one (:meth:`load_checkpoint`)."""
         raise NotImplementedError
@@ -144,6 +149,11 @@ class WorkerCore:
     def digest(self) -> str:
         """SHA-256 (hex) of the state the peers agree on."""
         raise NotImplementedError
+
+    def known_digest(self) -> Optional[str]:
+        """:meth:`digest` where it costs nothing now (the status record's), else None: a worker whose digest is
+        computed in a worker thread after a round says None until it is known."""
+        return self.digest()
 
     async def _status_loop(self) -> None:
         """Publish this worker's status record every ``status_interval_s`` until cancelled."""
@@ -216,7 +226,7 @@ class WorkerCore:
         """This worker's status record (:class:`peerd.roles.status_board.StatusBoard` adds time and version)."""
         return dict(role=self.status_role(), outer_round=self.outer_round, inner_step=self.steps_since_sync,
                     loss=self.stats.last_loss, tokens_per_s=self.stats.tokens_per_s,
-                    eval_nats_per_byte=self.stats.last_eval, digest=self.digest()[:16],
+                    eval_nats_per_byte=self.stats.last_eval, digest=_first16(self.known_digest()),
                     tokens_trained=self.stats.tokens, rounds_contributed=self.stats.rounds_ok)
 
     async def publish_status(self, role: Optional[str] = None) -> None:
@@ -242,3 +252,7 @@ class WorkerCore:
     def _checkpoint_is_mine(self, metadata: dict) -> bool:
         """Whether a checkpoint of this run's configuration was written by this role."""
         return True
+
+
+def _first16(digest: Optional[str]) -> Optional[str]:
+    return digest[:16] if digest is not None else None

@@ -107,7 +107,14 @@ class OuterWorker(InnerLoop, CatchUp, OuterCheckpoint, RoundEvaluation, WorkerCo
 
     async def run_round(self) -> RoundEnd:
         """One outer round (or fragment round) with the run's round strategy (:mod:`peerd.worker.rounds`); returns
-        how it ended."""
+        how it ended, once the round's status record and events went out."""
+        end = await self.rounds.round()
+        await self.rounds.settled()
+        return end
+
+    async def boundary_round(self) -> RoundEnd:
+        """:meth:`run_round` as the training loop runs it: returns as soon as training may go on (what the round
+        publishes after that, :meth:`peerd.worker.rounds.RoundStrategy.settled`, goes out meanwhile)."""
         return await self.rounds.round()
 
     async def _finish_in_flight(self) -> None:

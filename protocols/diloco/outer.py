@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
@@ -65,7 +66,7 @@ class OuterState:
     1-D CPU tensors of the same shape, or ``outer_round`` is not an int >= 0.
     """
 
-    __slots__ = ("theta", "momentum", "outer_round", "_digest")
+    __slots__ = ("theta", "momentum", "outer_round", "_digest", "_digest_lock")
 
     def __init__(self, theta: torch.Tensor, momentum: torch.Tensor, outer_round: int) -> None:
         _check_vector("theta", theta)
@@ -76,6 +77,7 @@ class OuterState:
         self.momentum = momentum.detach().contiguous()  # (P,)
         self.outer_round = int(outer_round)
         self._digest: str | None = None  # computed once: the state never changes
+        self._digest_lock = threading.Lock()
 
     @classmethod
     def initial(cls, theta: torch.Tensor) -> "OuterState":
@@ -157,15 +159,23 @@ class OuterState:
     def digest(self) -> str:
         """Hex sha256 of (outer_round as 8-byte little-endian, P as 8-byte LE, theta bytes, momentum bytes),
         tensors as little-endian fp32. Equal digests mean bit-identical states. Computed on the first call (8P bytes
-        hashed: seconds for a billion parameters) and kept: the state is immutable."""
+        hashed: ~1.2 GB/s on one core, seconds for a billion parameters) and kept: the state is immutable. Thread
+        safe: a call while another thread computes it waits for that result instead of hashing again."""
         if self._digest is not None:
             return self._digest
-        h = hashlib.sha256()
-        h.update(self.outer_round.to_bytes(8, "little"))
-        h.update(self.numel.to_bytes(8, "little"))
-        for t in (self.theta, self.momentum):
-            h.update(memoryview(t.numpy().astype("<f4", copy=False)).cast("B"))
-        self._digest = h.hexdigest()
+        with self._digest_lock:
+            if self._digest is None:
+                h = hashlib.sha256()
+                h.update(self.outer_round.to_bytes(8, "little"))
+                h.update(self.numel.to_bytes(8, "little"))
+                for t in (self.theta, self.momentum):
+                    h.update(memoryview(t.numpy().astype("<f4", copy=False)).cast("B"))
+                self._digest = h.hexdigest()
+        return self._digest
+
+    @property
+    def known_digest(self) -> Optional[str]:
+        """:meth:`digest` if it was computed already, else None (never computes it)."""
         return self._digest
 
     def state_dict(self) -> dict[str, Any]:

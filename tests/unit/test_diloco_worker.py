@@ -1,6 +1,7 @@
 """The DiLoCo role's round logic on the in-process transport: failed rounds roll back, then recover."""
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -52,6 +53,42 @@ def test_round_without_enough_peers_keeps_theta_outer_and_local_progress(tmp_pat
         assert worker.steps_since_sync == 3 and worker.round_quota == 6  # next pseudo-gradient covers both
         await worker.train_until_quota()
         assert worker.steps_since_sync == 6 and worker.samples_since_sync == 24
+
+    asyncio.run(main())
+
+
+def test_the_training_loop_goes_on_while_the_new_theta_outer_is_hashed(tmp_path, monkeypatch):
+    """The round's new state is hashed (SHA-256 of 8P bytes: seconds for a billion parameters) in a worker thread
+    after the boundary: the training loop's round returns and the inner steps go on; the status record says no
+    digest until it is known, and RoundDone, with it, follows."""
+    hashing, release = threading.Event(), threading.Event()
+    real_digest = OuterState.digest
+
+    def slow_digest(self):
+        if self.outer_round >= 1 and self.known_digest is None:
+            hashing.set()
+            assert release.wait(60)  # held until the test has seen the inner steps go on
+        return real_digest(self)
+
+    monkeypatch.setattr(OuterState, "digest", slow_digest)
+
+    async def main():
+        worker = _worker(Hub(), "alone", _run(min_group_size=1), tmp_path)
+        done = []
+        worker.ctx.events.subscribe(lambda e: done.append(e) if e.name == "outer_round" else None)
+        await _start(worker)
+        await worker.train_until_quota()
+        assert await worker.boundary_round() == RoundEnd.DONE
+        assert worker.outer.outer_round == 1 and done == []
+        assert worker.status_fields()["digest"] is None  # not known yet: never computed on the event loop
+        await worker.train_until_quota()  # the next round's inner steps, while the digest is held
+        assert worker.steps_since_sync == 3
+        assert hashing.is_set() and done == []
+        release.set()
+        await worker.rounds.settled()
+        assert [e.outer_round for e in done] == [1]
+        assert done[0].digest == worker.outer.digest()
+        assert worker.status_fields()["digest"] == worker.outer.digest()[:16]
 
     asyncio.run(main())
 
@@ -144,10 +181,10 @@ def test_peer_ahead_waits_for_a_syncing_peer_instead_of_outrunning_it(tmp_path):
             sizes.append(len(group.members))
             return await real_run(group, tensor, weight)
 
-        async def recording_round(local, weight, live, syncing, owned=False):
+        async def recording_round(local, weight, live, syncing, owned=False, digest=True):
             waited_for.append(set(syncing))
             a_matchmaking.set()
-            return await real_round(local, weight, live, syncing, owned)
+            return await real_round(local, weight, live, syncing, owned, digest)
 
         syncing_published = asyncio.Event()
 

@@ -69,6 +69,10 @@ class RoundStrategy:
     def drop(self) -> None:
         """Another peer's state is being adopted: anything in flight belongs to the old state."""
 
+    async def settled(self) -> None:
+        """Wait until what the last :meth:`round` publishes after returning (its status record, its events) went
+        out; at once for strategies that publish before returning."""
+
     async def publish_status(self) -> None:
         """Publish the worker's status record after a change peers count on (a new round, a fragment synced)."""
         await self.worker.ctx.status.publish()
