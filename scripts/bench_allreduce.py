@@ -17,6 +17,10 @@ mean.
 Bound: 2 (N-1)/N * S_wire / B (B = the slowest peer's rate; S_wire = S after compression), the traffic each peer of
 a butterfly or ring all-reduce must upload and download. Link utilization = bound / measured.
 
+Scenarios with slower peers, where parts proportional to bandwidth should win: ``hetero`` (2 of 4 peers at
+``--slow-mbit`` both ways) and ``asym`` (all 4 at ``--rate-mbit`` down, 2 of them at ``--slow-up-mbit`` up: the
+common home link, whose upload is the bottleneck).
+
 Ceilings (``--impls tcp tcp-ring``): plain sockets moving exactly the bytes of a butterfly (every peer to every other
 at once) or of a ring (every peer to its right neighbour), no computation, no waiting between peers: what TCP
 itself gets out of the same links, in the same run. No implementation can beat them by much: a 1,514-byte frame
@@ -451,6 +455,13 @@ class Scenario:
     rates_mbit: list[Optional[float]]
     """Per-peer rate (both directions); None = unshaped. Empty for loopback."""
     codecs: tuple[str, ...]
+    up_mbit: list[Optional[float]] = field(default_factory=list)
+    """Per-peer upload rate where it differs from ``rates_mbit`` (an asymmetric home link); empty: none does."""
+
+    def link_mbit(self, peer: int) -> tuple[Optional[float], Optional[float]]:
+        """(up, down) of ``peer`` in Mbit/s."""
+        down = self.rates_mbit[peer]
+        return (self.up_mbit[peer] if self.up_mbit else down), down
 
     @property
     def loopback(self) -> bool:
@@ -458,7 +469,7 @@ class Scenario:
 
     @property
     def slowest_bps(self) -> Optional[float]:
-        rates = [r for r in self.rates_mbit if r]
+        rates = [r for r in [*self.rates_mbit, *self.up_mbit] if r]
         return min(rates) * 1e6 if rates else None
 
 
@@ -737,6 +748,12 @@ def render(rows: list[Row], scenarios: dict[str, Scenario], args, meta: dict) ->
         out.append("")
         if notes:
             out += [n.replace("|", "/") + "  " for n in notes] + [""]
+        if sc.key.startswith("asy"):
+            out.append(f"Bound here = equal parts: the peers with a {sc.slowest_bps / 1e6:g} Mbit/s upload send "
+                       f"2(N-1)/N of the vector (their slices and their part's answers). With parts proportional to "
+                       f"each peer's slower direction (those peers reduce nothing and upload their vector once) the "
+                       f"bound is S / B_up = {fmt(args.numel * 4 * 8 / sc.slowest_bps)} s for fp32.")
+            out.append("")
         if sc.key.startswith("het"):
             fast = max(r for r in sc.rates_mbit if r)
             out.append(f"Bound here = equal parts (what peerd, hivemind without `bandwidth` and gloo's ring do): the "
@@ -783,7 +800,7 @@ def verdicts(rows: list[Row], scenarios: dict[str, Scenario], args) -> list[str]
                     if gt:
                         lines.append(f"- {sc.title}, {codec}: {impl} {t / gt:.1f}x gloo (target <= 2.0x): "
                                      f"**{'met' if t / gt <= 2.0 else 'MISSED'}**")
-                elif sc.key.startswith("het"):
+                elif sc.key.startswith(("het", "asy")):
                     # parts follow measured rates only from the RATE_MIN_RUNS-th run on (the warm-up is run 1)
                     rated = by[(sc.key, impl, codec, sc.world)].times[
                         0 if impl == "peerd-ring" else RATE_MIN_RUNS - 1:]
@@ -820,8 +837,10 @@ def main() -> int:
     p.add_argument("--peers", type=int, nargs="+", default=[4, 8], help="swarm sizes at 100 Mbit/s")
     p.add_argument("--rate-mbit", type=float, default=100.0)
     p.add_argument("--slow-mbit", type=float, default=20.0, help="rate of the two slow peers (heterogeneous)")
+    p.add_argument("--slow-up-mbit", type=float, default=20.0,
+                   help="upload rate of the two asymmetric peers (asym: download at --rate-mbit)")
     p.add_argument("--scenarios", nargs="+", default=["wan", "loopback", "hetero"],
-                   choices=("wan", "loopback", "hetero"))
+                   choices=("wan", "loopback", "hetero", "asym"))
     p.add_argument("--impls", nargs="+", default=["peerd", "hivemind", "gloo"], choices=IMPLS)
     p.add_argument("--profile", metavar="DIR",
                    help="profile (cProfile, CPU time) each peerd worker's measured all-reduces, with the rest of its "
@@ -851,6 +870,10 @@ def main() -> int:
         rates = [args.rate_mbit, args.rate_mbit, args.slow_mbit, args.slow_mbit]
         scenarios["het4"] = Scenario("het4", f"4 peers, heterogeneous: 2 at {args.rate_mbit:g} and 2 at "
                                      f"{args.slow_mbit:g} Mbit/s", 4, rates, codecs)
+    if "asym" in args.scenarios:
+        scenarios["asy4"] = Scenario("asy4", f"4 peers, asymmetric: all at {args.rate_mbit:g} Mbit/s down, 2 at "
+                                     f"{args.slow_up_mbit:g} Mbit/s up", 4, [args.rate_mbit] * 4, codecs,
+                                     [args.rate_mbit, args.rate_mbit, args.slow_up_mbit, args.slow_up_mbit])
 
     def on_term(signum, frame):
         raise SystemExit(128 + signum)
@@ -867,7 +890,7 @@ def main() -> int:
         if sc.loopback:
             links = [wt.Link(None, None)]
         else:
-            links = [wt.Link(r * 1e6 if r else None, r * 1e6 if r else None) for r in sc.rates_mbit]
+            links = [wt.Link(*(r * 1e6 if r else None for r in sc.link_mbit(i))) for i in range(sc.world)]
         print(f"== {sc.title}", flush=True)
         with wt.Testbed(links, name=name) as tb:
             for impl in args.impls:
