@@ -13,7 +13,7 @@ import asyncio
 import hashlib
 import logging
 import time
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
@@ -160,8 +160,7 @@ class CatchUp:
         meta = snapshot.metadata
         rounds = meta.get("fragment_rounds") if len(self.parts) > 1 else [int(meta.get("outer_round", -1))]
         outers = self._outer_states(tensors["theta"], tensors["momentum"], rounds)
-        digest = outers[0].digest() if len(outers) == 1 else hashlib.sha256(
-            "|".join(o.digest() for o in outers).encode()).hexdigest()
+        digest = state_digest([o.digest() for o in outers])
         if meta.get("digest") != digest:
             raise ProtocolViolation("state digest does not match its tensors")
         return outers
@@ -188,17 +187,13 @@ class CatchUp:
 
     def digest(self) -> str:
         """theta_outer's digest: the whole model's (one fragment), else the SHA-256 of the fragments' digests."""
-        if len(self.parts) == 1:
-            return self.outer.digest()
-        return hashlib.sha256("|".join(p.outer.digest() for p in self.parts).encode()).hexdigest()
+        return state_digest([p.outer.digest() for p in self.parts])
 
     def known_digest(self) -> Optional[str]:
         """:meth:`digest` if every fragment's is computed already (a round's new state is hashed in a worker thread
         while training goes on), else None; never computes one on the event loop."""
         known = [p.outer.known_digest for p in self.parts]
-        if any(d is None for d in known):
-            return None
-        return known[0] if len(known) == 1 else hashlib.sha256("|".join(known).encode()).hexdigest()
+        return None if None in known else state_digest(known)
 
     def fragment_rounds(self) -> list[int]:
         """Each fragment's outer round, in fragment order."""
@@ -208,6 +203,14 @@ class CatchUp:
         """Each fragment's theta_outer digest (its first 16 hex characters, as status records carry), in fragment
         order."""
         return [p.outer.digest()[:16] for p in self.parts]
+
+
+def state_digest(fragment_digests: Sequence[str]) -> str:
+    """The digest of a worker's whole outer state from its fragments' :meth:`OuterState.digest` (hex), in fragment
+    order: the one fragment's own, else the SHA-256 (hex) of them joined by ``|``."""
+    if len(fragment_digests) == 1:
+        return fragment_digests[0]
+    return hashlib.sha256("|".join(fragment_digests).encode()).hexdigest()
 
 
 def majority_holders(own: str, others: Iterable[tuple[str, Any]]) -> list[str]:

@@ -107,6 +107,7 @@ class WholeModelRounds(RoundStrategy):
         return RoundEnd.DONE
 
     async def _publish_status_after(self, digest: asyncio.Future) -> None:
+        """The status record of the new round, once theta_outer's digest (which it carries) is known."""
         await digest
         await self.worker.ctx.status.publish()
 
