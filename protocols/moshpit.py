@@ -40,7 +40,7 @@ import functools
 import hashlib
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -225,15 +225,24 @@ class MoshpitAverager:
         self.rendezvous = rendezvous
 
     async def average(
-        self, outer_round: int, tensor: torch.Tensor, weight: float, live_peers: Sequence[str]
+        self, outer_round: int, tensor: torch.Tensor, weight: float, live_peers: Sequence[str],
+        coming: Optional[Sequence[str]] = None,
     ) -> AllReduceResult:
         """Average ``tensor`` (P,) fp32 with this round's grid group.
 
         With ``rendezvous="round"``, ``live_peers`` (this peer's view of who is training) only tells the rendezvous
         how many peers to wait for before sealing early; the grid itself comes from the sealed rendezvous. With
-        ``rendezvous="group"`` the grid is built from ``live_peers``. Raises MatchmakingFailed (no rendezvous within
-        the matchmaking timeout, or a grid group below ``min_group_size``) or AllReduceFailed (the group's
-        all-reduce failed).
+        ``rendezvous="group"`` the grid is built from ``live_peers``.
+
+        ``coming`` (``rendezvous="round"`` only): the PeerIDs known to be heading for this round's rendezvous. The
+        rendezvous then waits for exactly them (up to ``max_wait_s``) instead of sealing after an idle window: when
+        the previous round ended at times spread wider than the window (a loaded DHT, rounds of different lengths)
+        an idle-window seal splits the round into a main grid and groups of late peers. A listed peer that died is
+        left out after two unanswered probes (:meth:`protocols.matchmaking.Matchmaker.form_group`,
+        ``expected_members``). None: seal once ``len(live_peers)`` peers joined or after the idle window.
+
+        Raises MatchmakingFailed (no rendezvous within the matchmaking timeout, or a grid group below
+        ``min_group_size``) or AllReduceFailed (the group's all-reduce failed).
         """
         me = self.matchmaker.peer_id
         if self.rendezvous == "group":
@@ -242,7 +251,8 @@ class MoshpitAverager:
         # a peer that comes after the seal averages with the other late peers rather than failing its round
         # the all-reduce's announcement (measured rates, dial-only) reaches every member through the group infos
         rendezvous = await self.matchmaker.form_group(round_key(outer_round), self.allreduce.announce(),
-                                                      expected_size=expected, on_late="next")
+                                                      expected_size=expected, on_late="next",
+                                                      expected_members=None if coming is None else tuple(coming))
         group = grid_group(me, rendezvous, outer_round, self.target_group_size)
         if len(group.members) < self.matchmaker.config.min_group_size:
             raise MatchmakingFailed(f"grid group {group.key} of {len(group.members)} peer(s) is smaller than "

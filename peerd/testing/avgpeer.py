@@ -153,7 +153,8 @@ async def run_peer(args: argparse.Namespace, index: int, path: str, network) -> 
                                   bytes_sent=res.bytes_sent, bytes_received=res.bytes_received, ok=res.exchanges > 0)
                 else:
                     if args.topology == "moshpit":
-                        res = await moshpit.average(r, state["x"], state["w"], live)
+                        res = await moshpit.average(r, state["x"], state["w"], live,
+                                                    coming=live if args.wait_for_view else None)
                     else:
                         res = await _allreduce(mm, ar, r, state, live, args.attempts, record)
                     state["x"] = res.averaged
@@ -236,6 +237,9 @@ def main() -> None:
     p.add_argument("--rendezvous", choices=("round", "group"), default="round",
                    help="moshpit: one rendezvous of all peers per round (round), or each peer meets only its grid "
                         "groupmates (group: the sharded rendezvous, for large swarms whose views agree)")
+    p.add_argument("--wait-for-view", action="store_true",
+                   help="moshpit, round rendezvous: wait for exactly the peers of this peer's view (dead ones are "
+                        "probed out) instead of sealing after an idle window (MoshpitAverager.average's coming)")
     p.add_argument("--partners", type=int, default=2, help="gossip partners per round k")
     p.add_argument("--timeout-s", type=float, default=10.0)
     p.add_argument("--matchmaking-timeout-s", type=float, default=10.0)

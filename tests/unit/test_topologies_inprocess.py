@@ -116,6 +116,64 @@ def test_moshpit_groups_come_from_the_rendezvous_not_from_each_peers_view(averag
     asyncio.run(main())
 
 
+def _count_probes(peers):
+    """Record every probe a peer's matchmaker makes as (probed peer, answer) in the returned list."""
+    probes = []
+    for p in peers:
+        probe = p.matchmaker._probe
+
+        async def counted(peer, probe=probe):
+            answer = await probe(peer)
+            probes.append((peer, answer))
+            return answer
+
+        p.matchmaker._probe = counted
+    return probes
+
+
+def test_a_rendezvous_told_who_is_coming_waits_past_its_idle_window_for_them(averaging_peers):
+    """With ``coming``, the round's rendezvous waits for the listed peers instead of sealing after its idle window:
+    a peer that arrives only after the others were idle long enough to probe it still lands in the round's 2 x 2
+    grid (sealed on the window, the three would have averaged as one group of 3 and left it to a late group)."""
+
+    async def main():
+        hub = Hub()
+        mm_cfg = MatchmakingConfig(matchmaking_timeout_s=1.0, request_timeout_s=0.5, poll_interval_s=0.05,
+                                   max_wait_s=30.0)
+        peers = await averaging_peers(hub, 4, "m", mm_cfg, AllReduceConfig("none", 5.0, 10.0))
+        probes = _count_probes(peers)
+        averagers = [MoshpitAverager(p.matchmaker, p.allreduce, 2) for p in peers]
+        names = [f"peer{i:02d}" for i in range(4)]
+        xs = [torch.full((100,), float(i)) for i in range(4)]
+        early = [asyncio.ensure_future(a.average(0, x, 1.0, names, coming=names))
+                 for a, x in zip(averagers[:3], xs[:3])]
+        while not any(peer == "peer03" and answer is not None for peer, answer in probes):
+            await asyncio.sleep(0.02)  # the rendezvous outlived its idle window and found peer03 alive
+        assert not any(task.done() for task in early)
+        results = await asyncio.gather(*early, averagers[3].average(0, xs[3], 1.0, names, coming=names))
+        assert [res.group_size for res in results] == [2, 2, 2, 2]
+
+    asyncio.run(main())
+
+
+def test_a_coming_peer_that_is_dead_is_left_out_after_two_unanswered_probes(averaging_peers):
+    async def main():
+        hub = Hub()
+        mm_cfg = MatchmakingConfig(matchmaking_timeout_s=1.0, request_timeout_s=0.5, poll_interval_s=0.05,
+                                   max_wait_s=30.0)
+        peers = await averaging_peers(hub, 4, "m", mm_cfg, AllReduceConfig("none", 5.0, 10.0))
+        probes = _count_probes(peers)
+        averagers = [MoshpitAverager(p.matchmaker, p.allreduce, 2) for p in peers]
+        names = [f"peer{i:02d}" for i in range(4)]
+        coming = [*names, "peer99-dead"]
+        xs = [torch.full((100,), float(i)) for i in range(4)]
+        results = await asyncio.gather(*[a.average(0, x, 1.0, coming, coming=coming) for a, x in zip(averagers, xs)])
+        assert [res.group_size for res in results] == [2, 2, 2, 2]  # the grid of the 4 who came, not of 5
+        assert probes == [("peer99-dead", None)] * 2
+
+    asyncio.run(main())
+
+
 def test_moshpit_lone_grid_peer_fails_its_round_under_min_group_size(averaging_peers):
     """5 peers on a 2 x 2 x 2 grid leave some peer alone along some dimension; with min_group_size = 2 that peer's
     round fails (MatchmakingFailed) while the others average in their groups."""
