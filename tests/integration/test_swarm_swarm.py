@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 RUN = Path(__file__).resolve().parents[2] / "node_configs" / "runs" / "swarm-tiny.toml"
 
@@ -54,7 +54,8 @@ def test_three_plus_one_servers_rebalance_train_agree_and_survive_a_sigkill(swar
                 return name, first["outer_round"]
         return None
 
-    swarm.wait_for(lambda: mover_agrees() and trainer.of("swarm_progress"), 200,
+    # alone ~80 s; beside the multi-process lane's other scenario on 2 cores it once needed more than 200
+    swarm.wait_for(lambda: mover_agrees() and trainer.of("swarm_progress"), 320,
                    "a move to stage 1, then a stage-1 round of the mover with s1, and the trainer's first counts")
     assert sorted(stages().values()) == [0, 0, 1, 1], stages()
     mover, _ = mover_agrees()
