@@ -6,10 +6,11 @@ Each variant runs in a fresh interpreter: two DiLoCo workers of one preset in on
 a group of two, the all-reduce's default fp16 codec) train ``--rounds`` outer rounds of 2 inner steps on the CPU; a
 thread samples the process's resident memory every 2 ms. Per round: the peak during the two workers' round boundary
 (from the start of the first ``run_round`` to the end of the last) above the resident memory just before it, halved
-(per worker). Variants: ``peerd`` (the round writes the pseudo-gradient and the new theta_outer into theta_local's
-copy: ``owned=True``), ``baseline`` (the same round with ``owned=False``: a fresh pseudo-gradient and a fresh
-theta_outer, as before the handover) and ``alone`` (one worker, ``min_group_size = 1``, ``owned=True``: its group of
-one returns the pseudo-gradient itself). The prediction is the round term of
+(per worker). Variants: ``peerd`` (the round writes the pseudo-gradient, the all-reduce's average and the new
+theta_outer into theta_local's copy: ``owned=True`` with ``retake_local``), ``handover`` (the same without
+``retake_local``: the average in a buffer of its own, as before 2026-11-27), ``baseline`` (``owned=False``: a fresh
+pseudo-gradient, average and theta_outer, as before the handover) and ``alone`` (one worker, ``min_group_size = 1``:
+its group of one returns the pseudo-gradient itself). The prediction is the round term of
 :func:`peerd.hardware.host_memory.host_estimate` for the variant's group (theta_local's copy, the average, the new
 momentum, the butterfly's own part; alone, the copy and the new momentum); the checkpoint's copy comes after the
 outer step and is smaller.
@@ -37,12 +38,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchlib import machine_line, replace_section, result_args  # noqa: E402
 
 HEADING = "## An outer round's host memory (scripts/bench_host_memory.py)"
-#: variant -> (the round hands theta_local's copy on: ``owned``, workers = the group's size)
-VARIANTS = {"baseline": (False, 2), "peerd": (True, 2), "alone": (True, 1)}
+#: variant -> (the round hands theta_local's copy on: ``owned``, and can take it again: ``retake_local``,
+#: workers = the group's size)
+VARIANTS = {"baseline": (False, False, 2), "handover": (True, False, 2), "peerd": (True, True, 2),
+            "alone": (True, True, 1)}
 CODEC = "fp16"
 
 
-def measure(preset: str, rounds: int, handover: bool, workers_n: int = 2) -> dict:
+def measure(preset: str, rounds: int, handover: bool, retake: bool, workers_n: int = 2) -> dict:
     """Run ``workers_n`` workers (a group of that size) in this process; per round, the per-worker rise of the
     resident memory in bytes."""
     import psutil
@@ -75,8 +78,10 @@ def measure(preset: str, rounds: int, handover: bool, workers_n: int = 2) -> dic
     for w in workers:
         inner_round, run_round = w.sync.round, w.run_round
 
-        async def sync_round(local, weight, live, syncing, owned=False, inner_round=inner_round):
-            return await inner_round(local, weight, live, syncing, owned and handover)
+        async def sync_round(local, weight, live, syncing, owned=False, digest=True, retake_local=None,
+                             inner_round=inner_round):
+            return await inner_round(local, weight, live, syncing, owned and handover, digest,
+                                     retake_local if retake else None)
 
         async def timed_round(run_round=run_round) -> None:
             marks.append(("start", time.perf_counter()))
@@ -133,7 +138,9 @@ def main() -> int:
               + " bytes a parameter (rounds 1..n)", flush=True)
     p = rows["peerd"][0]
     predicted = {variant: host_estimate(p, device_type="cpu", codec=CODEC, group_size=workers).round
-                 for variant, (_, workers) in VARIANTS.items()}
+                 for variant, (_, _, workers) in VARIANTS.items()}
+    unpredicted = {"baseline": " + 8.0 (no handover) + 4.0 (the average's own buffer)",
+                   "handover": " + 4.0 (the average's own buffer)"}
     lines = [HEADING, "",
              f"{datetime.date.today().isoformat()}, {machine_line()}.", "",
              f"`{' '.join(['.venv/bin/python', 'scripts/bench_host_memory.py', *result_args(sys.argv[1:])])}`", "",
@@ -147,8 +154,7 @@ def main() -> int:
         per = [r / p for r in steady]
         lines.append(f"| {variant} | {statistics.median(per):.1f} ({min(per):.1f}-{max(per):.1f}) | "
                      f"{statistics.median(steady) / (1 << 30):.2f} | "
-                     f"{predicted[variant] / p:.1f}" + (" + 8.0 (no handover)" if variant == "baseline" else "")
-                     + " |")
+                     f"{predicted[variant] / p:.1f}" + unpredicted.get(variant, "") + " |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.md:

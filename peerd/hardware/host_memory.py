@@ -11,11 +11,14 @@ whole-model all-reduce round, :meth:`peerd.roles.outer_sync.AllReduceSync.round`
   where a GPU trains with checkpoints written in the background, the page-locked snapshot of the inner optimizer's
   state kept between checkpoints (8P, or the 8-bit state's size);
 - **the round** (the largest fragment's share f of P with Streaming DiLoCo's fragments): theta_local's copy, which
-  becomes the pseudo-gradient and then the new theta_outer, 4fP; the averaged pseudo-gradient 4fP; the new momentum
-  4fP; the butterfly's own part in a group of n (4 + b + 4 + b) fP / n with a codec of b bytes a value (the part
-  round-tripped through the codec, its encoding, the reducer's sum, the sealed mean), counted for n = 2, the
-  smallest group that averages (a peer alone averages nothing: its result is its pseudo-gradient's own buffer, 8fP
-  in all); the delayed overlap holds the average in flight a round longer, 4fP more;
+  becomes the pseudo-gradient, then (whole-model rounds with a dense codec) the average and then the new
+  theta_outer, 4fP; the averaged pseudo-gradient in a buffer of its own, 4fP, where the round cannot take
+  theta_local again after a failed attempt (fragments: the model trains on meanwhile; the delayed overlap) or the
+  error feedback of a sparse codec reads the sent vector afterwards; the new momentum 4fP; the butterfly's own part
+  in a group of n (4 + b + 4 + b) fP / n with a codec of b bytes a value (the part round-tripped through the codec,
+  its encoding, the reducer's sum, the sealed mean), counted for n = 2, the smallest group that averages (a peer
+  alone averages nothing: its result is its pseudo-gradient's own buffer, 8fP in all); the delayed overlap holds
+  the average in flight a round longer, 4fP more;
 - **the checkpoint** after the round: a fresh copy of theta_local, 4P (page-locked, held until the background write
   is done), plus theta_outer and the momentum concatenated across fragments, 8P, when there are several;
 - a fixed part for the interpreter with torch and the daemon loaded (:data:`PROCESS_BYTES`; a CUDA context adds
@@ -81,7 +84,10 @@ def host_estimate(parameters: int, *, device_type: str, codec: str = "fp16", fra
     p, b = parameters, get_codec(codec).encoded_size(CHUNK_ALIGN) / CHUNK_ALIGN  # bytes a value on the wire
     share = -(-p // fragments)  # the largest fragment
     gpu = device_type == "cuda"
-    averaged = 4 * share + int((8 + 2 * b) * share) // group_size if group_size > 1 else 0  # alone: in place
+    # the average over the pseudo-gradient's buffer: whole-model rounds (theta_local can be taken again after a
+    # failed attempt) without the error feedback (it reads the sent vector after the exchange)
+    over = fragments == 1 and not delayed and not get_codec(codec).sparse
+    averaged = (0 if over else 4 * share) + int((8 + 2 * b) * share) // group_size if group_size > 1 else 0
     round_bytes = 2 * 4 * share + averaged + (4 * share if delayed else 0)
     checkpoint = 4 * p + (8 * p if fragments > 1 else 0)
     return HostEstimate(

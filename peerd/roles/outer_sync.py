@@ -23,7 +23,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import ClassVar, Optional, Union
+from typing import Callable, ClassVar, Optional, Union
 
 import torch
 
@@ -144,12 +144,16 @@ class OuterSync:
         self.allreduce.dial_only = self.ctx.status.reachable is False
 
     async def round(self, local: torch.Tensor, weight: float, live: dict[str, dict],
-                    syncing: frozenset[str], owned: bool = False, digest: bool = True) -> RoundOutcome:
+                    syncing: frozenset[str], owned: bool = False, digest: bool = True,
+                    retake_local: Optional[Callable[[], torch.Tensor]] = None) -> RoundOutcome:
         """The round after ``state.outer`` with theta_local ``local`` ((P,) fp32 CPU) of ``weight`` samples.
         ``owned``: the caller hands ``local`` over (a fresh copy it never reads again): the round may reuse its
-        buffer (the all-reduce writes the pseudo-gradient and then the new theta_outer there, 8P bytes of host
-        memory less at the boundary). ``digest``: the new state's digest is computed (in a worker thread) before
-        the round returns; False leaves it to the caller (:meth:`protocols.diloco.OuterState.digest`)."""
+        buffer (the pseudo-gradient and then the new theta_outer are written there, 8P bytes of host memory less
+        at the boundary). ``retake_local`` (with ``owned``): gives a fresh copy of theta_local again (the model has
+        not moved since ``local`` was taken); with it the all-reduce writes the average over that buffer too (4P
+        bytes less again) and an attempt that fails mid-way takes theta_local anew for the next. ``digest``: the
+        new state's digest is computed (in a worker thread) before the round returns; False leaves it to the caller
+        (:meth:`protocols.diloco.OuterState.digest`)."""
         raise NotImplementedError
 
 
@@ -190,26 +194,34 @@ class AllReduceSync(OuterSync):
     def retries(self) -> Optional[list[int]]:
         return self.tries.record(self.state.outer.outer_round)
 
-    async def round(self, local, weight, live, syncing, owned=False, digest=True):
+    async def round(self, local, weight, live, syncing, owned=False, digest=True, retake_local=None):
         outer = self.state.outer
         delta = outer.pseudo_gradient(local, in_place=owned)
-        exchanged = await self.exchange(delta, weight, live, syncing)
+        retake = None
+        if owned and retake_local is not None and self.feedback is None:
+            def retake() -> torch.Tensor:
+                return outer.pseudo_gradient(retake_local(), in_place=True)
+        exchanged = await self.exchange(delta, weight, live, syncing, retake=retake)
         if not isinstance(exchanged, tuple):
             return exchanged
         result, attempt = exchanged
         # delta is dead once averaged (the error feedback recorded what it needs): its buffer takes the new theta
-        self.state.outer = await stepped_off_loop(outer, result.averaged, self.hp, out=delta if owned else None,
-                                                  digest=digest)
+        # (with ``retake`` it holds the average itself, the last attempt's buffer: apply() steps over it in place)
+        out = result.averaged if retake is not None else delta if owned else None
+        self.state.outer = await stepped_off_loop(outer, result.averaged, self.hp, out=out, digest=digest)
         return RoundResult(result.group_size, result.bytes_sent, result.bytes_received, round(result.seconds, 3),
                            result.excluded, attempt)
 
     async def exchange(self, pseudo_gradient: torch.Tensor, weight: float, live: dict[str, dict],
-                       syncing: frozenset[str], also_expect: tuple[int, ...] = ()
+                       syncing: frozenset[str], also_expect: tuple[int, ...] = (),
+                       retake: Optional[Callable[[], torch.Tensor]] = None,
                        ) -> Union[tuple[AllReduceResult, int], RoundOutcome]:
         """All-reduce ``pseudo_gradient`` ((P,) fp32) for the round after ``state.outer`` without applying it:
         ``(result, attempts)``, or the :data:`RoundOutcome` that ended it (failure, refusal, None on stop).
         ``also_expect``: other outer rounds whose live peers will join this one (the delayed overlap counts the
-        peers that have not reached the round boundary yet)."""
+        peers that have not reached the round boundary yet). ``retake`` (not with the error feedback): gives the
+        pseudo-gradient anew; with it the average is written over ``pseudo_gradient``'s buffer (the result's
+        ``averaged`` is that buffer, or the retaken one after a failed attempt)."""
         outer = self.state.outer
         r = outer.outer_round
         me = self.ctx.peer_id
@@ -218,8 +230,10 @@ class AllReduceSync(OuterSync):
         coming -= {me}
         if self.feedback is not None:
             compensated = pseudo_gradient = self.feedback.compensate(pseudo_gradient)
+        if retake is not None and self.feedback is not None:
+            raise ValueError("retake is not supported with the error feedback (it reads the sent vector afterwards)")
         retry = self.tries.retry(r, {p: s for p, s in live.items() if p != me})
-        outcome = await self._tries(r, retry, pseudo_gradient, weight, coming)
+        outcome = await self._tries(r, retry, pseudo_gradient, weight, coming, retake)
         if isinstance(outcome, RoundFailure) and not isinstance(outcome, LeftOut):
             # left out, the round went on: its result is ours to adopt, and a fresh key would only gather the
             # other latecomers into a rival group that forks theta_outer
@@ -229,7 +243,8 @@ class AllReduceSync(OuterSync):
         return outcome
 
     async def _tries(self, r: int, retry: int, pseudo_gradient: torch.Tensor, weight: float,
-                     coming: frozenset[str]) -> Union[tuple[AllReduceResult, int], RoundOutcome]:
+                     coming: frozenset[str], retake: Optional[Callable[[], torch.Tensor]] = None,
+                     ) -> Union[tuple[AllReduceResult, int], RoundOutcome]:
         outer = self.state.outer
         result = None
         expected, expected_peers = 1 + len(coming), coming
@@ -242,7 +257,9 @@ class AllReduceSync(OuterSync):
                                                          expected_size=expected, expected_peers=expected_peers))
                 if group is None:
                     return None
-                result = await bounded_on_stop(self.ctx, self.allreduce.run(group, pseudo_gradient, weight))
+                run = (self.allreduce.run(group, pseudo_gradient, weight) if retake is None else
+                       self.allreduce.run(group, pseudo_gradient, weight, out=pseudo_gradient))
+                result = await bounded_on_stop(self.ctx, run)
                 if result is not None:
                     self.last_members = frozenset(group.members) - set(result.excluded)
                 break
@@ -254,6 +271,8 @@ class AllReduceSync(OuterSync):
                 if attempt < MAX_ROUND_ATTEMPTS and not self.ctx.stop.is_set():
                     logger.warning("round %d all-reduce failed (%s); retrying among the survivors", r + 1, e)
                     expected, expected_peers = max(1, len(group.members) - 1), None  # who died is not known
+                    if retake is not None:  # the failed attempt wrote some parts' averages over it
+                        pseudo_gradient = retake()
                     continue
                 return RoundFailure(str(e))
             except (MatchmakingFailed, asyncio.TimeoutError) as e:
@@ -273,7 +292,7 @@ class _MixingSync(OuterSync):
         records)."""
         raise NotImplementedError
 
-    async def round(self, local, weight, live, syncing, owned=False, digest=True):
+    async def round(self, local, weight, live, syncing, owned=False, digest=True, retake_local=None):
         r = self._round_to_join(live)
         delta = self.state.round_start_theta - local  # own pseudo-gradient (P,)
         stepped = self.state.outer.apply(delta, self.hp)

@@ -333,12 +333,12 @@ class FaultyAllReduce:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    async def run(self, group, tensor, weight):
+    async def run(self, group, tensor, weight, out=None):
         from protocols.allreduce import AllReduceFailed
 
         if self.faults.fail_now():
             raise AllReduceFailed("injected failure")
-        return await self.inner.run(group, self.faults.transform_pseudo_gradient(tensor), weight)
+        return await self.inner.run(group, self.faults.transform_pseudo_gradient(tensor), weight, out)
 
 
 class FaultyOuterSync:
@@ -354,9 +354,9 @@ class FaultyOuterSync:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    async def round(self, local, weight, live, syncing, owned=False, digest=True):
+    async def round(self, local, weight, live, syncing, owned=False, digest=True, retake_local=None):
         self.faults.round = self.inner.state.outer.outer_round + 1
-        return await self.inner.round(local, weight, live, syncing, owned, digest)
+        return await self.inner.round(local, weight, live, syncing, owned, digest, retake_local)
 
     async def exchange(self, pseudo_gradient, weight, live, syncing, also_expect=()):
         # the delayed overlap calls exchange() directly (the outer step is applied a round later)

@@ -45,6 +45,24 @@ def prepare_local_input(group: Group, me: str, tensor: torch.Tensor, weight: flo
     return tensor, weight
 
 
+def prepare_out(out: Optional[torch.Tensor], tensor: torch.Tensor, sparse: bool) -> Optional[torch.Tensor]:
+    """Check the buffer a caller hands an all-reduce for the average (``run(..., out=)``): None, or a contiguous
+    fp32 CPU vector of ``tensor``'s length, which may be ``tensor`` itself (the average is then written over the
+    input as the answers arrive: a part's values are read before its average can exist, since that average needs
+    them). Not with a sparse codec: its sent parts are read back from the input after the exchange. Raises
+    ValueError."""
+    if out is None:
+        return None
+    if sparse:
+        raise ValueError("out is not supported with a sparse codec (its sent parts are read from the input after "
+                         "the exchange)")
+    if (not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or out.dim() != 1 or out.device.type != "cpu"
+            or not out.is_contiguous() or out.numel() != tensor.numel()):
+        shape = (out.dtype, tuple(out.shape), str(out.device)) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"out must be a contiguous fp32 CPU vector of {tensor.numel()} values, got {shape}")
+    return out
+
+
 def weight_problem(weight: object) -> Optional[str]:
     """None if a weight from a peer's header is acceptable (a number that passes :func:`validate_weight`), else the
     reason to exclude that peer."""

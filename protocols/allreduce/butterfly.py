@@ -12,7 +12,7 @@ from typing import Optional, Union
 
 import torch
 
-from protocols.allreduce.aggregate import ChunkedPartReducer, prepare_local_input
+from protocols.allreduce.aggregate import ChunkedPartReducer, prepare_local_input, prepare_out
 from protocols.allreduce.chunks import decode_chunk_into, encode_chunk
 from protocols.allreduce.config import AllReduceConfig, AllReduceFailed, AllReduceResult
 from protocols.allreduce.parts import PartPlanner
@@ -73,16 +73,23 @@ class ButterflyAllReduce(PartPlanner, ReducerSide, Service):
             return part
         return self.codec.decode(encode_chunk(self.codec, part, checked=True), part.numel())
 
-    async def run(self, group: Group, tensor: torch.Tensor, weight: float) -> AllReduceResult:
+    async def run(self, group: Group, tensor: torch.Tensor, weight: float,
+                  out: Optional[torch.Tensor] = None) -> AllReduceResult:
         """Average ``tensor`` (P,) fp32 with the group, weighted by ``weight`` (e.g. samples processed).
 
-        Every member must call this with the same group and the same P. Raises :class:`AllReduceFailed` if any part's
-        mean could not be obtained within ``reducer_timeout_s``; ValueError on bad local input. A group of one
-        returns ``tensor`` itself (:meth:`AllReduceResult.alone`).
+        Every member must call this with the same group and the same P. ``out``: the (P,) fp32 CPU buffer the
+        average is written into (it may be ``tensor`` itself: 4P bytes of memory less; after a failure it holds
+        some parts' averages and some of the input); None: a fresh one (see :func:`prepare_out`). Raises
+        :class:`AllReduceFailed` if any part's mean could not be obtained within ``reducer_timeout_s``; ValueError
+        on bad local input. A group of one returns ``tensor`` itself (:meth:`AllReduceResult.alone`), copied into
+        ``out`` where that is another buffer.
         """
         me = self.transport.streams.peer_id
         tensor, weight = prepare_local_input(group, me, tensor, weight)
+        out = prepare_out(out, tensor, self.codec.sparse)
         if len(group.members) == 1:
+            if out is not None and out.data_ptr() != tensor.data_ptr():
+                tensor = out.copy_(tensor)
             return AllReduceResult.alone(group, tensor, self.codec.sparse)
         loop = asyncio.get_running_loop()
         start = loop.time()
@@ -107,7 +114,7 @@ class ButterflyAllReduce(PartPlanner, ReducerSide, Service):
         self._sessions[group.group_id] = session
         self._session_ready.setdefault(group.group_id, asyncio.Event()).set()
         sealer = asyncio.ensure_future(self._seal_chunks(session))
-        averaged = torch.empty_like(tensor)
+        averaged = torch.empty_like(tensor) if out is None else out
         uploaded: list[tuple[int, float]] = []
 
         async def exchange(i: int, peer: str) -> tuple[torch.Tensor, int, int]:

@@ -52,7 +52,7 @@ from typing import Any, AsyncIterator, Callable, Optional, Union
 
 import torch
 
-from protocols.allreduce.aggregate import MAX_WEIGHT, prepare_local_input
+from protocols.allreduce.aggregate import MAX_WEIGHT, prepare_local_input, prepare_out
 from protocols.allreduce.butterfly import ButterflyAllReduce
 from protocols.allreduce.chunks import decode_chunk, decode_chunk_into, encode_chunk
 from protocols.allreduce.config import RING_CODECS, AllReduceFailed, AllReduceResult
@@ -185,20 +185,25 @@ class RingAllReduce(ButterflyAllReduce):
         numel = int(min(rates) * RING_FRAME_S / per_value) // CHUNK_ALIGN * CHUNK_ALIGN
         return max(CHUNK_ALIGN, min(self.config.chunk_numel, numel))
 
-    async def run(self, group: Group, tensor: torch.Tensor, weight: float) -> AllReduceResult:
+    async def run(self, group: Group, tensor: torch.Tensor, weight: float,
+                  out: Optional[torch.Tensor] = None) -> AllReduceResult:
         """Average ``tensor`` (P,) fp32 with the group, weighted by ``weight``: by the ring where
-        :meth:`ring_fits`, else by the butterfly. Raises :class:`AllReduceFailed`; ValueError on bad local input."""
+        :meth:`ring_fits`, else by the butterfly. ``out`` as :meth:`ButterflyAllReduce.run` (in the ring too a
+        region's own values are folded in before its mean can come back). Raises :class:`AllReduceFailed`;
+        ValueError on bad local input."""
         if not self.ring_fits(group, tensor.numel()):
-            result = await super().run(group, tensor, weight)
+            result = await super().run(group, tensor, weight, out)
             self.ringed = 0
             return result
-        result = await self._ring(group, tensor, weight)
+        result = await self._ring(group, tensor, weight, out)
         self.ringed += 1
         return result
 
-    async def _ring(self, group: Group, tensor: torch.Tensor, weight: float) -> AllReduceResult:
+    async def _ring(self, group: Group, tensor: torch.Tensor, weight: float,
+                    out: Optional[torch.Tensor] = None) -> AllReduceResult:
         me = self.transport.streams.peer_id
         tensor, weight = prepare_local_input(group, me, tensor, weight)
+        out = prepare_out(out, tensor, self.codec.sparse)
         loop = asyncio.get_running_loop()
         start, cpu_start = loop.time(), time.process_time()
         deadline = start + self.config.reducer_timeout_s
@@ -208,7 +213,7 @@ class RingAllReduce(ButterflyAllReduce):
         left, right = group.members[(i - 1) % n], group.members[(i + 1) % n]
         chunk = self.frame_numel(group)
         out_plan, in_plan = ring_plan(i, n, sizes, chunk), ring_plan((i - 1) % n, n, sizes, chunk)
-        averaged = torch.empty_like(tensor)
+        averaged = torch.empty_like(tensor) if out is None else out
         codec = self.codec
 
         def values(frame: _Frame, of: torch.Tensor = tensor) -> torch.Tensor:

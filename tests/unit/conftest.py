@@ -32,10 +32,12 @@ class AveragingPeer:
     def __iter__(self):
         return iter((self.matchmaker, self.allreduce))
 
-    async def round(self, key: str, x, weight: float, expected: Optional[int] = None, info: Optional[dict] = None):
-        """Form the group of ``key`` and all-reduce ``x`` with ``weight`` in it."""
+    async def round(self, key: str, x, weight: float, expected: Optional[int] = None, info: Optional[dict] = None,
+                    **run: Any):
+        """Form the group of ``key`` and all-reduce ``x`` with ``weight`` in it (``run``: more arguments of the
+        all-reduce's ``run``, e.g. ``out``)."""
         group = await self.matchmaker.form_group(key, info or {}, expected_size=expected)
-        return await self.allreduce.run(group, x, weight)
+        return await self.allreduce.run(group, x, weight, **run)
 
 
 async def start_averaging_peers(

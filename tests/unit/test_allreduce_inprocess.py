@@ -9,6 +9,7 @@ from peerd.transport.inprocess import Hub
 from protocols.allgather import SparseAllGather
 from protocols.allreduce import (AllReduceConfig, AllReduceFailed, ButterflyAllReduce, PartReducer, RingAllReduce,
                                  partition_sizes)
+from protocols.allreduce.aggregate import prepare_out
 from protocols.diloco import weighted_average
 from protocols.matchmaking import AdmissionRefused, MatchmakingConfig, Matchmaker, MatchmakingFailed
 
@@ -36,6 +37,37 @@ def test_part_reducer_rejects_bad_parts_without_changing_the_sum():
     r.add("c", torch.full((3,), 4.0), 1.0)
     assert torch.equal(r.mean(), torch.full((3,), 2.0))
     assert r.contributors == ["a", "c"]
+
+
+@pytest.mark.parametrize("compression", ["none", "fp16"])
+def test_the_average_written_over_the_input_has_the_bits_of_a_fresh_one(compression, averaging_peers):
+    """``run(..., out=tensor)``: every part's average lands in the input's own buffer (4P bytes less), bit for bit
+    what a fresh buffer gets; several chunks a part, so answers arrive while the same part's later chunks are
+    still being sent."""
+
+    async def main():
+        config = AllReduceConfig(compression=compression, sender_timeout_s=2.0, reducer_timeout_s=4.0,
+                                 chunk_numel=4096)
+        peers = await averaging_peers(Hub(), 4, allreduce=config)
+        g = torch.Generator().manual_seed(7)
+        xs, ws = [torch.randn(50_003, generator=g) for _ in range(4)], [1.0, 2.0, 3.0, 4.0]
+        fresh = await asyncio.gather(*[p.round("r0", x.clone(), w, expected=4) for p, x, w in zip(peers, xs, ws)])
+        ins = [x.clone() for x in xs]
+        over = await asyncio.gather(*[p.round("r1", y, w, expected=4, out=y) for p, y, w in zip(peers, ins, ws)])
+        for y, a, b in zip(ins, over, fresh):
+            assert a.averaged.data_ptr() == y.data_ptr()
+            assert torch.equal(a.averaged, b.averaged)
+
+    asyncio.run(main())
+
+
+def test_an_out_buffer_is_refused_with_a_sparse_codec_or_of_the_wrong_shape():
+    x = torch.zeros(8)
+    assert prepare_out(None, x, sparse=True) is None and prepare_out(x, x, sparse=False) is x
+    for bad, sparse in ((x, True), (torch.zeros(7), False), (torch.zeros(8, dtype=torch.float64), False),
+                        (torch.zeros(16)[::2], False)):
+        with pytest.raises(ValueError):
+            prepare_out(bad, x, sparse=sparse)
 
 
 @pytest.mark.parametrize("n", [1, 2, 4, 5])

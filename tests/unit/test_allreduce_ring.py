@@ -49,6 +49,23 @@ def test_every_member_gets_the_same_bits_of_the_weighted_mean_in_a_ring(n, avera
     asyncio.run(main())
 
 
+def test_a_ring_writes_the_average_over_the_input_bit_for_bit(averaging_peers):
+    async def main():
+        n, numel = 4, 50_003
+        peers = await averaging_peers(Hub(), n, allreduce=RING, allreduce_class=RingAllReduce)
+        xs, ws = inputs(n, numel, 11), [float(i + 1) for i in range(n)]
+        fresh = await asyncio.gather(*[p.round("r0", x.clone(), w, expected=n, info=RATES)
+                                       for p, x, w in zip(peers, xs, ws)])
+        ins = [x.clone() for x in xs]
+        over = await asyncio.gather(*[p.round("r1", y, w, expected=n, info=RATES, out=y)
+                                      for p, y, w in zip(peers, ins, ws)])
+        for peer, y, a, b in zip(peers, ins, over, fresh):
+            assert peer.allreduce.rings_run == 2
+            assert a.averaged.data_ptr() == y.data_ptr() and torch.equal(a.averaged, b.averaged)
+
+    asyncio.run(main())
+
+
 def test_fp16_ring_results_are_identical_and_close_to_the_mean(averaging_peers):
     async def main():
         config = AllReduceConfig(compression="fp16", sender_timeout_s=1.0, reducer_timeout_s=3.0, chunk_numel=4096,

@@ -101,11 +101,11 @@ def test_a_failed_background_fragment_round_keeps_theta_outer_and_counts_its_sam
         fired = []
         real_run = b.syncs[0].allreduce.run
 
-        async def failing_run(group, tensor, weight):
+        async def failing_run(group, tensor, weight, out=None):
             if len(fired) < 2:  # both attempts of fragment 0's first round: the retry among the survivors would work
                 fired.append(group.group_id)
                 raise AllReduceFailed("injected")
-            return await real_run(group, tensor, weight)
+            return await real_run(group, tensor, weight, out)
 
         b.syncs[0].allreduce.run = failing_run
         start = [p.outer.digest() for p in a.parts]

@@ -105,11 +105,11 @@ def test_injected_allreduce_failure_rolls_back_everyone_then_the_next_round_succ
         fired = []
         real_run = b.sync.allreduce.run
 
-        async def failing_run(group, tensor, weight):
+        async def failing_run(group, tensor, weight, out=None):
             if len(fired) < 2:  # both attempts of round 1: the retry among the survivors would succeed
                 fired.append(group.group_id)
                 raise AllReduceFailed("injected")
-            return await real_run(group, tensor, weight)
+            return await real_run(group, tensor, weight, out)
 
         b.sync.allreduce.run = failing_run
         start = a.outer.digest()
@@ -177,14 +177,14 @@ def test_peer_ahead_waits_for_a_syncing_peer_instead_of_outrunning_it(tmp_path):
         real_run, real_round, real_download = a.sync.allreduce.run, a.sync.round, b.download_first
         a_matchmaking = asyncio.Event()
 
-        async def recording_run(group, tensor, weight):
+        async def recording_run(group, tensor, weight, out=None):
             sizes.append(len(group.members))
-            return await real_run(group, tensor, weight)
+            return await real_run(group, tensor, weight, out)
 
-        async def recording_round(local, weight, live, syncing, owned=False, digest=True):
+        async def recording_round(local, weight, live, syncing, owned=False, digest=True, retake_local=None):
             waited_for.append(set(syncing))
             a_matchmaking.set()
-            return await real_round(local, weight, live, syncing, owned, digest)
+            return await real_round(local, weight, live, syncing, owned, digest, retake_local)
 
         syncing_published = asyncio.Event()
 
@@ -433,21 +433,59 @@ def test_a_round_writes_its_pseudo_gradient_and_new_theta_outer_into_theta_local
     async def main():
         hub = Hub()
         a, b = (_worker(hub, name, _run(min_group_size=2, matchmaking_timeout_s=30.0), tmp_path) for name in "ab")
-        sent = []
+        sent, averaged = [], []
         for w in (a, b):
             await _start(w)
             real_run = w.sync.allreduce.run
 
-            async def recording_run(group, tensor, weight, real_run=real_run):
+            async def recording_run(group, tensor, weight, out=None, real_run=real_run):
                 sent.append(tensor.data_ptr())
-                return await real_run(group, tensor, weight)
+                averaged.append(out.data_ptr())
+                return await real_run(group, tensor, weight, out)
 
             w.sync.allreduce.run = recording_run
             await w.train_until_quota()
         copies.clear()
         assert await asyncio.gather(a.run_round(), b.run_round()) == [RoundEnd.DONE] * 2
         assert sorted(sent) == sorted(copies[:2])  # the pseudo-gradients went out of the copies, no fresh vector
+        assert averaged == sent  # and the averages came back into them
         assert {a.outer.theta.data_ptr(), b.outer.theta.data_ptr()} == set(copies[:2])
         assert a.outer.outer_round == b.outer.outer_round == 1 and a.outer.digest() == b.outer.digest()
+
+    asyncio.run(main())
+
+
+def test_an_attempt_that_failed_after_writing_averages_over_the_pseudo_gradient_retries_with_it_taken_anew(tmp_path):
+    """The average is written over the pseudo-gradient as its parts come back; an attempt that fails mid-way leaves
+    that buffer part average, part input. The retry among the survivors must send the true pseudo-gradient (taken
+    again from theta_local, which the model still holds), or theta_outer would step along garbage."""
+
+    async def main():
+        hub = Hub()
+        run = _run(min_group_size=2, matchmaking_timeout_s=30.0)
+        a, b = (_worker(hub, name, run, tmp_path) for name in ("peer-a", "peer-b"))
+        calls = {}
+        for w in (a, b):
+            await _start(w)
+            real_run = w.sync.allreduce.run
+
+            async def failing_once(group, tensor, weight, out=None, real_run=real_run, mine=calls.setdefault(w, [])):
+                mine.append((tensor.clone(), tensor.data_ptr(), out is not None and out.data_ptr()))
+                if len(mine) == 1:  # attempt 1: half the parts' "averages" arrived, then a reducer died
+                    out[: out.numel() // 2] = 1e3
+                    raise AllReduceFailed("injected after writing half the averages")
+                return await real_run(group, tensor, weight, out)
+
+            w.sync.allreduce.run = failing_once
+            await w.train_until_quota()
+        start = a.outer
+        assert await asyncio.gather(a.run_round(), b.run_round()) == [RoundEnd.DONE] * 2
+        for w in (a, b):
+            (first, first_ptr, first_out), (second, second_ptr, second_out) = calls[w]
+            assert first_out == first_ptr and second_out == second_ptr  # written over the input, both attempts
+            assert second_ptr != first_ptr and torch.equal(second, first)  # taken anew: the true pseudo-gradient
+        assert a.outer.outer_round == b.outer.outer_round == 1 and a.outer.digest() == b.outer.digest()
+        mean = (calls[a][0][0] + calls[b][0][0]) / 2  # both trained the same number of samples
+        torch.testing.assert_close(a.outer.theta, start.apply(mean, a.hp).theta, rtol=1e-6, atol=1e-7)
 
     asyncio.run(main())

@@ -57,9 +57,9 @@ def test_a_peer_left_out_by_an_early_seal_adopts_the_round_and_trains_the_next_o
         for w in (b, c):  # their all-reduce outlasts peer-a's lateness, so their records still show round 0
             real_run = w.sync.allreduce.run
 
-            async def slow_run(group, tensor, weight, real_run=real_run):
+            async def slow_run(group, tensor, weight, out=None, real_run=real_run):
                 await asyncio.sleep(1.0)
-                return await real_run(group, tensor, weight)
+                return await real_run(group, tensor, weight, out)
 
             w.sync.allreduce.run = slow_run
         for w in workers:

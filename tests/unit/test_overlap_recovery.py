@@ -102,11 +102,11 @@ def test_a_failed_round_is_tried_again_under_a_fresh_key_while_its_former_leader
         for w in workers:
             real_run = w.sync.allreduce.run
 
-            async def failing_run(group, tensor, weight, real_run=real_run, peer=w.peer_id):
+            async def failing_run(group, tensor, weight, out=None, real_run=real_run, peer=w.peer_id):
                 if group.key in (group_key(1), group_key(1, attempt=2)) and injected[peer] < 2:
                     injected[peer] += 1
                     raise AllReduceFailed("injected")
-                return await real_run(group, tensor, weight)
+                return await real_run(group, tensor, weight, out)
 
             w.sync.allreduce.run = failing_run
         await _boundary(workers)  # launches round 0

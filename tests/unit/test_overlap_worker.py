@@ -109,11 +109,11 @@ def test_a_failed_background_round_keeps_theta_outer_and_carries_its_steps(tmp_p
             real_run = w.sync.allreduce.run
             fired = []
 
-            async def failing_run(group, tensor, weight, real_run=real_run, fired=fired):
+            async def failing_run(group, tensor, weight, out=None, real_run=real_run, fired=fired):
                 if len(fired) < 2:  # both fail both attempts of round 0: the round fails
                     fired.append(1)
                     raise AllReduceFailed("injected")
-                return await real_run(group, tensor, weight)
+                return await real_run(group, tensor, weight, out)
 
             w.sync.allreduce.run = failing_run
         await _boundary([a, b])  # launch round 0 (it will fail)

@@ -100,10 +100,10 @@ def test_a_peer_left_out_adopts_the_rounds_state_though_its_view_lacks_the_leade
         for w in (a, b):          # could still be in time): an all-reduce that takes a while (64 workers: ~20 s)
             real_run = w.sync.allreduce.run
 
-            async def slow_run(group, tensor, weight, real_run=real_run):
+            async def slow_run(group, tensor, weight, out=None, real_run=real_run):
                 sealed.set()
                 await asyncio.sleep(1.0)
-                return await real_run(group, tensor, weight)
+                return await real_run(group, tensor, weight, out)
 
             w.sync.allreduce.run = slow_run
         await _round(workers, late=c, delay_s=0.3, after=sealed)

@@ -67,8 +67,10 @@ class WholeModelRounds(RoundStrategy):
             return RoundEnd.SAT_OUT
         weight = float(w.samples_since_sync)
         steps = w.steps_since_sync
-        outcome = await sync.round(local, weight, live, syncing(records), owned=True,  # a fresh copy: reused
-                                   digest=False)
+        # a fresh copy: reused for the pseudo-gradient, the average and the new theta_outer; the model stands
+        # still until the round returns, so a failed attempt can take theta_local from it again
+        outcome = await sync.round(local, weight, live, syncing(records), owned=True, digest=False,
+                                   retake_local=lambda: w.part.fragment.flatten(w.model))
         if outcome is None:
             return RoundEnd.ABANDONED
         if isinstance(outcome, Refused):
