@@ -5,8 +5,8 @@
 Each variant runs in a fresh interpreter: two DiLoCo workers of one preset in one process (the in-process transport,
 a group of two, the all-reduce's default fp16 codec) train ``--rounds`` outer rounds of 2 inner steps on the CPU; a
 thread samples the process's resident memory every 2 ms. Per round: the peak during the two workers' round boundary
-(from the start of the first ``run_round`` to the end of the last) above the resident memory just before it, halved
-(per worker). Variants: ``peerd`` (the round writes the pseudo-gradient, the all-reduce's average and the new
+(from the start of the first ``boundary_round`` to the end of the last: what the training loop waits for) above the
+resident memory just before it, halved (per worker). Variants: ``peerd`` (the round writes the pseudo-gradient, the all-reduce's average and the new
 theta_outer into theta_local's copy: ``owned=True`` with ``retake_local``), ``handover`` (the same without
 ``retake_local``: the average in a buffer of its own, as before 2026-11-27), ``baseline`` (``owned=False``: a fresh
 pseudo-gradient, average and theta_outer, as before the handover) and ``alone`` (one worker, ``min_group_size = 1``:
@@ -76,7 +76,7 @@ def measure(preset: str, rounds: int, handover: bool, retake: bool, workers_n: i
             time.sleep(0.002)
 
     for w in workers:
-        inner_round, run_round = w.sync.round, w.run_round
+        inner_round, run_round = w.sync.round, w.boundary_round  # what the training loop awaits
 
         async def sync_round(local, weight, live, syncing, owned=False, digest=True, retake_local=None,
                              inner_round=inner_round):
@@ -88,7 +88,7 @@ def measure(preset: str, rounds: int, handover: bool, retake: bool, workers_n: i
             await run_round()
             marks.append(("end", time.perf_counter()))
 
-        w.sync.round, w.run_round = sync_round, timed_round
+        w.sync.round, w.boundary_round = sync_round, timed_round
     threading.Thread(target=sample, daemon=True).start()
 
     async def main() -> None:

@@ -228,10 +228,10 @@ class AllReduceSync(OuterSync):
         rounds = (r, *also_expect)
         coming = frozenset(syncing) | {p for p, s in live.items() if s.get("outer_round") in rounds}
         coming -= {me}
-        if self.feedback is not None:
-            compensated = pseudo_gradient = self.feedback.compensate(pseudo_gradient)
         if retake is not None and self.feedback is not None:
             raise ValueError("retake is not supported with the error feedback (it reads the sent vector afterwards)")
+        if self.feedback is not None:
+            compensated = pseudo_gradient = self.feedback.compensate(pseudo_gradient)
         retry = self.tries.retry(r, {p: s for p, s in live.items() if p != me})
         outcome = await self._tries(r, retry, pseudo_gradient, weight, coming, retake)
         if isinstance(outcome, RoundFailure) and not isinstance(outcome, LeftOut):
