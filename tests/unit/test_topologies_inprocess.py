@@ -131,20 +131,24 @@ def _count_probes(peers):
     return probes
 
 
+async def _probed_moshpit_peers(averaging_peers):
+    """4 moshpit peers (M = 2) with a 1 s idle window and 30 s ``max_wait_s``, their probes counted: (averagers,
+    probes, names, one (100,) vector each)."""
+    mm_cfg = MatchmakingConfig(matchmaking_timeout_s=1.0, request_timeout_s=0.5, poll_interval_s=0.05, max_wait_s=30.0)
+    peers = await averaging_peers(Hub(), 4, "m", mm_cfg, AllReduceConfig("none", 5.0, 10.0))
+    probes = _count_probes(peers)
+    names = [f"peer{i:02d}" for i in range(4)]
+    xs = [torch.full((100,), float(i)) for i in range(4)]
+    return [MoshpitAverager(p.matchmaker, p.allreduce, 2) for p in peers], probes, names, xs
+
+
 def test_a_rendezvous_told_who_is_coming_waits_past_its_idle_window_for_them(averaging_peers):
     """With ``coming``, the round's rendezvous waits for the listed peers instead of sealing after its idle window:
     a peer that arrives only after the others were idle long enough to probe it still lands in the round's 2 x 2
     grid (sealed on the window, the three would have averaged as one group of 3 and left it to a late group)."""
 
     async def main():
-        hub = Hub()
-        mm_cfg = MatchmakingConfig(matchmaking_timeout_s=1.0, request_timeout_s=0.5, poll_interval_s=0.05,
-                                   max_wait_s=30.0)
-        peers = await averaging_peers(hub, 4, "m", mm_cfg, AllReduceConfig("none", 5.0, 10.0))
-        probes = _count_probes(peers)
-        averagers = [MoshpitAverager(p.matchmaker, p.allreduce, 2) for p in peers]
-        names = [f"peer{i:02d}" for i in range(4)]
-        xs = [torch.full((100,), float(i)) for i in range(4)]
+        averagers, probes, names, xs = await _probed_moshpit_peers(averaging_peers)
         early = [asyncio.ensure_future(a.average(0, x, 1.0, names, coming=names))
                  for a, x in zip(averagers[:3], xs[:3])]
         while not any(peer == "peer03" and answer is not None for peer, answer in probes):
@@ -158,15 +162,8 @@ def test_a_rendezvous_told_who_is_coming_waits_past_its_idle_window_for_them(ave
 
 def test_a_coming_peer_that_is_dead_is_left_out_after_two_unanswered_probes(averaging_peers):
     async def main():
-        hub = Hub()
-        mm_cfg = MatchmakingConfig(matchmaking_timeout_s=1.0, request_timeout_s=0.5, poll_interval_s=0.05,
-                                   max_wait_s=30.0)
-        peers = await averaging_peers(hub, 4, "m", mm_cfg, AllReduceConfig("none", 5.0, 10.0))
-        probes = _count_probes(peers)
-        averagers = [MoshpitAverager(p.matchmaker, p.allreduce, 2) for p in peers]
-        names = [f"peer{i:02d}" for i in range(4)]
+        averagers, probes, names, xs = await _probed_moshpit_peers(averaging_peers)
         coming = [*names, "peer99-dead"]
-        xs = [torch.full((100,), float(i)) for i in range(4)]
         results = await asyncio.gather(*[a.average(0, x, 1.0, coming, coming=coming) for a, x in zip(averagers, xs)])
         assert [res.group_size for res in results] == [2, 2, 2, 2]  # the grid of the 4 who came, not of 5
         assert probes == [("peer99-dead", None)] * 2
