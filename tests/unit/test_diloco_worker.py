@@ -489,3 +489,41 @@ def test_an_attempt_that_failed_after_writing_averages_over_the_pseudo_gradient_
         torch.testing.assert_close(a.outer.theta, start.apply(mean, a.hp).theta, rtol=1e-6, atol=1e-7)
 
     asyncio.run(main())
+
+
+def test_theta_outer_goes_back_into_the_model_off_the_event_loop(tmp_path, monkeypatch):
+    """Right after a round the event loop still moves the round's last answers to the other members (they can sit
+    in a transport's buffers); the copy of the new theta_outer into the model (~1 s for a billion parameters on a
+    CPU host) runs in a worker thread meanwhile: here each copy is held until a task on the loop has run."""
+    from peerd.roles.fragments import FragmentState
+
+    real = FragmentState.reset_to_outer
+    loop_ran, off_loop = threading.Event(), []
+
+    def held(self, model, outer=None):
+        if threading.current_thread() is not threading.main_thread():
+            off_loop.append(self)
+            assert loop_ran.wait(60)  # set only by a task on the event loop: a copy on the loop never returns
+        return real(self, model, outer)
+
+    monkeypatch.setattr(FragmentState, "reset_to_outer", held)
+
+    async def main():
+        hub = Hub()
+        a, b = (_worker(hub, name, _run(min_group_size=2, matchmaking_timeout_s=30.0), tmp_path) for name in "ab")
+        for w in (a, b):
+            await _start(w)
+            await w.train_until_quota()
+
+        async def on_the_loop():
+            while len(off_loop) < 2:
+                await asyncio.sleep(0.01)
+            loop_ran.set()
+
+        ticker = asyncio.ensure_future(on_the_loop())
+        assert await asyncio.gather(a.run_round(), b.run_round()) == [RoundEnd.DONE] * 2
+        await ticker
+        assert len(off_loop) == 2 and a.steps_since_sync == b.steps_since_sync == 0
+        assert torch.equal(flatten_parameters(a.model), a.outer.theta)
+
+    asyncio.run(main())

@@ -86,7 +86,7 @@ class WholeModelRounds(RoundStrategy):
         assert isinstance(outcome, RoundResult)
         if outcome.failure is not None:
             w.round_failed(r, outcome.failure, "keeping our own outer step")
-        w.restart_local()
+        await w.restart_local_off_loop()
         w.stats.rounds_ok += 1
         w.stats.bytes_sent += outcome.bytes_sent
         w.stats.bytes_received += outcome.bytes_received
