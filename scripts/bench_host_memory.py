@@ -6,14 +6,14 @@ Each variant runs in a fresh interpreter: two DiLoCo workers of one preset in on
 a group of two, the all-reduce's default fp16 codec) train ``--rounds`` outer rounds of 2 inner steps on the CPU; a
 thread samples the process's resident memory every 2 ms. Per round: the peak during the two workers' round boundary
 (from the start of the first ``boundary_round`` to the end of the last: what the training loop waits for) above the
-resident memory just before it, halved (per worker). Variants: ``peerd`` (the round writes the pseudo-gradient, the all-reduce's average and the new
-theta_outer into theta_local's copy: ``owned=True`` with ``retake_local``), ``handover`` (the same without
-``retake_local``: the average in a buffer of its own, as before 2026-11-27), ``baseline`` (``owned=False``: a fresh
-pseudo-gradient, average and theta_outer, as before the handover) and ``alone`` (one worker, ``min_group_size = 1``:
-its group of one returns the pseudo-gradient itself). The prediction is the round term of
-:func:`peerd.hardware.host_memory.host_estimate` for the variant's group (theta_local's copy, the average, the new
-momentum, the butterfly's own part; alone, the copy and the new momentum); the checkpoint's copy comes after the
-outer step and is smaller.
+resident memory just before it, halved (per worker). Variants: ``peerd`` (the round writes the pseudo-gradient, the
+all-reduce's average and the new theta_outer into theta_local's copy: ``owned=True`` with ``retake_local``),
+``handover`` (the same without ``retake_local``: the average in a buffer of its own, as before 2026-11-27),
+``baseline`` (``owned=False``: a fresh pseudo-gradient, average and theta_outer, as before the handover) and
+``alone`` (one worker, ``min_group_size = 1``: its group of one returns the pseudo-gradient itself). The prediction
+is the round term of :func:`peerd.hardware.host_memory.host_estimate` for the variant's group (theta_local's copy,
+which takes the average too, the new momentum, the butterfly's own part; alone, the copy and the new momentum); the checkpoint's
+copy comes after the outer step and is smaller.
 
 ``.venv/bin/python scripts/bench_host_memory.py --preset 125m --rounds 4 --md docs/benchmarks.md``
 """
@@ -76,16 +76,16 @@ def measure(preset: str, rounds: int, handover: bool, retake: bool, workers_n: i
             time.sleep(0.002)
 
     for w in workers:
-        inner_round, run_round = w.sync.round, w.boundary_round  # what the training loop awaits
+        inner_round, boundary_round = w.sync.round, w.boundary_round  # what the training loop awaits
 
         async def sync_round(local, weight, live, syncing, owned=False, digest=True, retake_local=None,
                              inner_round=inner_round):
             return await inner_round(local, weight, live, syncing, owned and handover, digest,
                                      retake_local if retake else None)
 
-        async def timed_round(run_round=run_round) -> None:
+        async def timed_round(boundary_round=boundary_round) -> None:
             marks.append(("start", time.perf_counter()))
-            await run_round()
+            await boundary_round()
             marks.append(("end", time.perf_counter()))
 
         w.sync.round, w.boundary_round = sync_round, timed_round

@@ -86,8 +86,8 @@ def host_estimate(parameters: int, *, device_type: str, codec: str = "fp16", fra
     gpu = device_type == "cuda"
     # the average over the pseudo-gradient's buffer: whole-model rounds (theta_local can be taken again after a
     # failed attempt) without the error feedback (it reads the sent vector after the exchange)
-    over = fragments == 1 and not delayed and not get_codec(codec).sparse
-    averaged = (0 if over else 4 * share) + int((8 + 2 * b) * share) // group_size if group_size > 1 else 0
+    in_place = fragments == 1 and not delayed and not get_codec(codec).sparse
+    averaged = (0 if in_place else 4 * share) + int((8 + 2 * b) * share) // group_size if group_size > 1 else 0
     round_bytes = 2 * 4 * share + averaged + (4 * share if delayed else 0)
     checkpoint = 4 * p + (8 * p if fragments > 1 else 0)
     return HostEstimate(

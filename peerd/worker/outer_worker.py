@@ -130,8 +130,7 @@ class OuterWorker(InnerLoop, CatchUp, OuterCheckpoint, RoundEvaluation, WorkerCo
     def restart_local(self, outers: Optional[list[OuterState]] = None) -> None:
         """theta_local := theta_outer for every fragment (adopting ``outers`` first if given, one per fragment); the
         next round (cycle) starts from zero steps."""
-        for i, part in enumerate(self.parts):
-            part.reset_to_outer(self.model, outers[i] if outers is not None else None)
+        self._reset_to_outer(outers)
         self._restarted()
 
     async def restart_local_off_loop(self) -> None:
@@ -139,9 +138,12 @@ class OuterWorker(InnerLoop, CatchUp, OuterCheckpoint, RoundEvaluation, WorkerCo
         waits for it): right after a round this peer's last answers may still sit in its transport's buffers
         (TLS takes ~0.6 MB a connection ahead of the wire), and only the event loop moves them on to the members
         that wait for them; the copy takes ~1 s for a billion parameters on a CPU host."""
-        parts = list(self.parts)
-        await asyncio.get_running_loop().run_in_executor(None, lambda: [p.reset_to_outer(self.model) for p in parts])
+        await asyncio.get_running_loop().run_in_executor(None, self._reset_to_outer)
         self._restarted()
+
+    def _reset_to_outer(self, outers: Optional[list[OuterState]] = None) -> None:
+        for i, part in enumerate(self.parts):
+            part.reset_to_outer(self.model, outers[i] if outers is not None else None)
 
     def _restarted(self) -> None:
         self.steps_since_sync, self.samples_since_sync = 0, 0
