@@ -124,6 +124,35 @@ def test_an_outer_step_into_a_handed_over_buffer_is_bit_identical_and_leaves_the
     assert s0.digest() == before[0] and torch.equal(s0.theta, before[1]) and torch.equal(s0.momentum, before[2])
 
 
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("into", [None, "gradient", "other"])
+def test_the_chunked_outer_step_has_the_bits_of_one_pass_per_operation(nesterov, into, monkeypatch):
+    # peers of other versions computed each operation over the whole vector; a chunk's operations are the same per
+    # value, so the states (and their digests) agree bit for bit: 4 chunks and a partial one here
+    import protocols.diloco.outer as outer
+
+    monkeypatch.setattr(outer, "_STEP_CHUNK", 1000)
+    hp = DiLoCoHyperparams(outer_lr=0.7, outer_momentum=0.9, outer_nesterov=nesterov)
+    gen = torch.Generator().manual_seed(5)
+    theta, momentum, g = (torch.randn(4500, generator=gen) for _ in range(3))
+    buf = momentum * 0.9
+    buf.add_(g)
+    step = torch.mul(buf, 0.9).add_(g) if nesterov else buf.clone()
+    expected = torch.sub(theta, step.mul_(0.7))
+    handed = g.clone()
+    out = {None: None, "gradient": handed, "other": torch.empty(4500)}[into]
+    stepped = OuterState(theta, momentum, 1).apply(handed, hp, out=out)
+    assert torch.equal(stepped.momentum, buf) and torch.equal(stepped.theta, expected)
+
+
+def test_an_outer_step_that_overflows_is_refused_and_huge_finite_values_are_not():
+    s0 = OuterState(vec([3e38, 3e38, -3e38]), vec([0.0, 0.0, 0.0]), 1)
+    with pytest.raises(ValueError, match="theta contains non-finite"):
+        s0.apply(vec([-1e38, 0.0, 0.0]), DiLoCoHyperparams(outer_lr=1.0))  # 3e38 + 1.9e38 overflows
+    stepped = s0.apply(vec([0.0, 0.0, 0.0]), HP)  # the sum of theta overflows, every value is finite
+    assert stepped.outer_round == 2 and torch.equal(stepped.theta, s0.theta)
+
+
 def test_an_unfit_buffer_is_not_reused():
     s0 = OuterState.initial(vec(THETA0))
     g = vec(G1)
