@@ -1,8 +1,7 @@
 #!/usr/bin/env python3
 """Wall time of DiLoCo's outer step on the host (:meth:`protocols.diloco.outer.OuterState.apply`, Nesterov SGD over
 P fp32 values), against the same step computed one operation over the whole vector at a time (what
-``OuterState.apply`` did before its chunked form, and what ``torch.optim.SGD``'s single-tensor path does), in the same
-run, with the same bits.
+``OuterState.apply`` did before its chunked form), in the same run, with the same bits.
 
 The outer step sits on every round's path between the all-reduce and the next inner step (node defaults): its time is
 part of the round boundary's fixed cost (docs/benchmarks.md, the GPU boundary rows). Both forms check the averaged

@@ -35,7 +35,8 @@ def _check_vector(name: str, t: Any, numel: int | None = None) -> None:
 
 
 #: Values per chunk of an outer step (:meth:`OuterState.apply`): 1 MiB of fp32 per vector, so a chunk's vectors stay
-#: in the cache between its operations (on 125M values, 2 cores: 0.47 s, against 0.58 s at 4 MiB, 0.64 at 256 KiB).
+#: in the cache between its operations (a step over 125M values on 2 cores: 0.43 s, against 0.45 s at 4 MiB and 0.61 s
+#: at 256 KiB).
 _STEP_CHUNK = 1 << 18
 
 
@@ -140,10 +141,10 @@ class OuterState:
         scratch = torch.empty(min(self.numel, _STEP_CHUNK), dtype=torch.float32)
         finite = True
         # Chunk by chunk, every operation of a chunk while it is in the cache: one pass over memory instead of one per
-        # operation (measured 2x faster on 125M values). The same operations on every value as one pass each, so the
-        # same bits: one multiply and one add per kernel, in this order, never a fused add(alpha=...), which rounds
-        # once and whose use depends on the CPU's vector width (bit-identity across peers). With ``step`` over ``g``,
-        # each chunk of ``g`` is read before it is overwritten.
+        # operation (1.35x faster on 125M-350M values, scripts/bench_outer_step.py). The same operations on every
+        # value as one pass each, so the same bits: one multiply and one add per kernel, in this order, never a fused
+        # add(alpha=...), which rounds once and whose use depends on the CPU's vector width (bit-identity across
+        # peers). With ``step`` over ``g``, each chunk of ``g`` is read before it is overwritten.
         for start in range(0, self.numel, _STEP_CHUNK):
             chunk = slice(start, start + _STEP_CHUNK)
             g_c, buf_c, step_c = g[chunk], buf[chunk], step[chunk]
