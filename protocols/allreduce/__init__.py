@@ -41,7 +41,7 @@ from protocols.allreduce.aggregate import (
     MAX_WEIGHT, ChunkedPartReducer, PartReducer, prepare_local_input, validate_weight, weight_problem,
 )
 from protocols.allreduce.butterfly import ButterflyAllReduce
-from protocols.allreduce.chunks import decode_chunk, decode_chunk_into, encode_chunk, finite
+from protocols.allreduce.chunks import decode_chunk, decode_chunk_into, encode_chunk
 from protocols.allreduce.config import (
     EXCHANGES, PARTITIONS, RING_CODECS, AllReduceConfig, AllReduceFailed, AllReduceResult,
 )
@@ -57,6 +57,6 @@ __all__ = [
     "RATE_SPREAD", "RING_CODECS", "RING_FRAME_S", "RING_MIN_MEMBERS", "RING_REMEASURE_RUNS",
     "SLOW_SENDER_GRACE_S", "SLOW_SENDER_PACES", "AllReduceConfig", "AllReduceFailed", "AllReduceResult",
     "ButterflyAllReduce", "ChunkedPartReducer", "PartPlanner", "PartReducer", "RingAllReduce", "decode_chunk",
-    "decode_chunk_into", "encode_chunk", "finite", "partition_sizes", "prepare_local_input", "validate_weight",
+    "decode_chunk_into", "encode_chunk", "partition_sizes", "prepare_local_input", "validate_weight",
     "weight_problem",
 ]

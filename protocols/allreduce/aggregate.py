@@ -8,7 +8,6 @@ from typing import Optional, Sequence
 
 import torch
 
-from protocols.allreduce.chunks import finite
 from protocols.codecs import all_finite
 from protocols.matchmaking import Group
 from protocols.robust import AGGREGATIONS, centered_clip
@@ -40,7 +39,7 @@ def prepare_local_input(group: Group, me: str, tensor: torch.Tensor, weight: flo
     if me not in group.members:
         raise ValueError("this peer is not a member of the group")
     tensor = tensor.detach().cpu().contiguous()
-    if not finite(tensor):
+    if not all_finite(tensor):
         raise ValueError("cannot encode non-finite values")
     return tensor, weight
 
@@ -176,7 +175,7 @@ class ChunkedPartReducer:
             raise ValueError(f"chunk {k} was already aggregated")
         if self._weights.setdefault(sender, weight) != weight:
             raise ValueError(f"{sender} changed its weight mid-part")
-        if not finite_checked and not finite(chunk):
+        if not finite_checked and not all_finite(chunk):
             raise ValueError("chunk has non-finite values")
         if self.aggregation == "mean":
             self._sum[start:stop].add_(chunk, alpha=weight)  # fp16 is widened exactly inside the add

@@ -3,23 +3,13 @@ paths for the raw codecs ``none`` and ``fp16`` (views, no copy). No I/O."""
 
 from __future__ import annotations
 
-import math
 import warnings
 from typing import Union
 
 import numpy as np
 import torch
 
-from protocols.codecs import Codec
-
-
-def finite(x: torch.Tensor) -> bool:
-    """True if every value of the CPU float tensor ``x`` is finite: one fp32 sum (a finite sum proves every term
-    finite), then a value-by-value check only if the sum is not. Per chunk this is much cheaper than
-    :func:`protocols.codecs.all_finite`, whose numpy error-state guard costs ~0.1-0.5 ms a call."""
-    if x.numel() == 0:
-        return True
-    return math.isfinite(float(torch.sum(x, dtype=torch.float32))) or bool(torch.isfinite(x).all())
+from protocols.codecs import Codec, all_finite
 
 
 def _readonly_view(buf: Union[bytes, bytearray, memoryview], dtype: str) -> torch.Tensor:
@@ -43,7 +33,7 @@ def decode_chunk(codec: Codec, buf: Union[bytes, bytearray, memoryview], numel: 
     if len(memoryview(buf).cast("B")) != codec.encoded_size(numel):
         raise ValueError(f"{codec.name}: expected {codec.encoded_size(numel)} bytes for {numel} values, got {len(buf)}")
     values = _readonly_view(buf, raw)
-    if not finite(values):
+    if not all_finite(values):
         raise ValueError(f"{codec.name}: decoded values are not all finite")
     return values
 
@@ -60,7 +50,7 @@ def decode_chunk_into(codec: Codec, buf: Union[bytes, bytearray, memoryview], ou
     if len(memoryview(buf).cast("B")) != codec.encoded_size(out.numel()):
         raise ValueError(f"{codec.name}: expected {codec.encoded_size(out.numel())} bytes, got {len(buf)}")
     out.copy_(_readonly_view(buf, raw))
-    if not trusted and not finite(out):
+    if not trusted and not all_finite(out):
         raise ValueError(f"{codec.name}: decoded values are not all finite")
 
 

@@ -9,11 +9,11 @@ import logging
 from typing import Optional
 
 from protocols.allreduce.aggregate import weight_problem
-from protocols.allreduce.chunks import decode_chunk, encode_chunk, finite
+from protocols.allreduce.chunks import decode_chunk, encode_chunk
 from protocols.allreduce.config import AllReduceConfig
 from protocols.allreduce.session import _ReduceSession
 from protocols.bans import BanList
-from protocols.codecs import Codec
+from protocols.codecs import Codec, all_finite
 from protocols.interfaces import StreamReader, StreamWriter
 from protocols.rpc import Refused, Request, RpcError, RpcTimeout, Unreachable, until
 from protocols.wire import ProtocolViolation, StreamCorrupted, require
@@ -48,7 +48,7 @@ class ReducerSide:
         finite (an overflow)."""
         k = len(session.sealed)
         aggregate = session.reducer.chunk_aggregate(k)
-        if not finite(aggregate):
+        if not all_finite(aggregate):
             raise ValueError(f"the aggregate of chunk {k} is not finite (an overflow)")
         session.sealed.append(encode_chunk(self.result_codec, aggregate, checked=True))
         woken, session.sealed_event = session.sealed_event, asyncio.Event()

@@ -37,20 +37,22 @@ Buffer = Union[bytes, bytearray, memoryview]
 
 
 def all_finite(x: torch.Tensor | np.ndarray) -> bool:
-    """True if every value of ``x`` (a CPU tensor or array of floats, any shape; bf16 included) is finite.
+    """True if every value of ``x`` (a CPU tensor or array of floats, any shape; bf16 and fp16 included) is finite.
 
-    Fast path: a sum that is finite proves every term finite (NaN and inf propagate); only when the sum is not
-    (NaN/inf present, or finite values overflowing) are the values checked one by one. About 10x cheaper than
-    ``torch.isfinite(x).all()``, which materializes a boolean tensor.
+    Fast path: one sum, accumulated in fp32 (a finite sum proves every term finite: NaN and inf propagate); only when
+    it is not (NaN/inf present, or finite values overflowing) are the values checked one by one. A tensor is summed
+    by torch (its threads; fp16 and bf16 without a conversion pass): ~2x faster than numpy's fp32 sum on 2 cores and
+    20x its fp16 sum; both ~10x cheaper than ``torch.isfinite(x).all()``, which materializes a boolean tensor.
     """
-    if isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16:
-        bits = x.detach().contiguous().view(torch.int16).numpy()
-        return bool(((bits & 0x7F80) != 0x7F80).all())  # exponent all ones: inf or NaN
-    arr = x.detach().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+    if isinstance(x, torch.Tensor):
+        if x.numel() == 0:
+            return True
+        return math.isfinite(float(torch.sum(x.detach(), dtype=torch.float32))) or bool(torch.isfinite(x).all())
+    arr = np.asarray(x)
     if arr.size == 0:
         return True
     with np.errstate(over="ignore", invalid="ignore"):
-        if np.isfinite(arr.sum()):
+        if np.isfinite(arr.sum(dtype=np.float32 if arr.dtype == np.float16 else None)):
             return True
     return bool(np.isfinite(arr).all())
 

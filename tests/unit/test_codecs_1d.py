@@ -140,3 +140,10 @@ def test_all_finite_fast_path_and_exact_fallback():
     y = big.clone()
     y[0] = float("inf")
     assert not all_finite(y)
+    # half precisions are summed in fp32: 60,000 (near fp16's max) a thousand times over is finite, one inf is not
+    for dtype in (torch.float16, torch.bfloat16):
+        half = torch.full((1000,), 60_000.0, dtype=dtype)
+        assert all_finite(half) and all_finite(half[::3])
+        half[999] = float("inf")
+        assert not all_finite(half)
+    assert all_finite(torch.full((1000,), 60_000.0, dtype=torch.float16).numpy())
