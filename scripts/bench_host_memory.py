@@ -12,8 +12,8 @@ all-reduce's average and the new theta_outer into theta_local's copy: ``owned=Tr
 ``baseline`` (``owned=False``: a fresh pseudo-gradient, average and theta_outer, as before the handover) and
 ``alone`` (one worker, ``min_group_size = 1``: its group of one returns the pseudo-gradient itself). The prediction
 is the round term of :func:`peerd.hardware.host_memory.host_estimate` for the variant's group (theta_local's copy,
-which takes the average too, the new momentum, the butterfly's own part; alone, the copy and the new momentum); the checkpoint's
-copy comes after the outer step and is smaller.
+which takes the average too, the new momentum, the butterfly's own part; alone, the copy and the new momentum); the
+checkpoint's copy comes after the outer step and is smaller.
 
 ``.venv/bin/python scripts/bench_host_memory.py --preset 125m --rounds 4 --md docs/benchmarks.md``
 """

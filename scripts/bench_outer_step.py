@@ -57,7 +57,7 @@ def one_pass_per_operation(state: OuterState, g: torch.Tensor, hp: DiLoCoHyperpa
     theta = torch.sub(state.theta, g, out=g)
     if not (numpy_finite(theta) and numpy_finite(buf)):
         raise ValueError("the outer step overflowed")
-    return OuterState._of_checked(theta, buf, state.outer_round + 1)  # checked above, as the constructor did
+    return OuterState(theta, buf, state.outer_round + 1, checked=True)  # checked above, as the constructor did
 
 
 def measure(params: int, reps: int) -> dict:

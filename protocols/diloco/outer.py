@@ -19,7 +19,7 @@ from protocols.diloco.hyperparams import DiLoCoHyperparams, _is_int, _is_real
 # Outer state
 
 
-def _check_vector(name: str, t: Any, numel: int | None = None) -> None:
+def _check_vector(name: str, t: Any, numel: int | None = None, finite: bool = True) -> None:
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype != torch.float32:
@@ -30,7 +30,7 @@ def _check_vector(name: str, t: Any, numel: int | None = None) -> None:
         raise ValueError(f"{name} must be on CPU, got {t.device}")
     if numel is not None and t.numel() != numel:
         raise ValueError(f"{name} must have {numel} elements, got {t.numel()}")
-    if not all_finite(t):  # a sum's pass, no boolean copy: ~10x cheaper than isfinite().all() on 10^8 values
+    if finite and not all_finite(t):  # a sum's pass, no boolean copy: ~10x cheaper than isfinite().all()
         raise ValueError(f"{name} contains non-finite values")
 
 
@@ -64,14 +64,16 @@ class OuterState:
         outer_round: number of completed outer rounds (>= 0).
 
     The constructor takes ownership of the tensors (no copy). Raises ``ValueError`` if they are not finite fp32
-    1-D CPU tensors of the same shape, or ``outer_round`` is not an int >= 0.
+    1-D CPU tensors of the same shape, or ``outer_round`` is not an int >= 0. ``checked``: the caller has already
+    proved every value finite (e.g. :meth:`apply`, on its chunks), so the two passes over 8P bytes are skipped.
     """
 
     __slots__ = ("theta", "momentum", "outer_round", "_digest", "_digest_lock")
 
-    def __init__(self, theta: torch.Tensor, momentum: torch.Tensor, outer_round: int) -> None:
-        _check_vector("theta", theta)
-        _check_vector("momentum", momentum, numel=theta.numel())
+    def __init__(self, theta: torch.Tensor, momentum: torch.Tensor, outer_round: int, *,
+                 checked: bool = False) -> None:
+        _check_vector("theta", theta, finite=not checked)
+        _check_vector("momentum", momentum, numel=theta.numel(), finite=not checked)
         if not _is_int(outer_round) or outer_round < 0:
             raise ValueError(f"outer_round must be an int >= 0, got {outer_round!r}")
         self.theta = theta.detach().contiguous()  # (P,)
@@ -124,7 +126,8 @@ class OuterState:
         ``avg_pseudo_gradient`` itself) that becomes the new theta, instead of a fresh one: 4P bytes of host memory
         less at the round boundary. Used only where it is page-locked exactly when theta is (a GPU trains: the new
         theta goes to the device from page-locked memory); otherwise a fresh buffer is taken. Raises ``ValueError``
-        (and changes nothing) if ``avg_pseudo_gradient`` is not a finite fp32 (P,) CPU tensor.
+        (and changes nothing) if ``avg_pseudo_gradient`` is not a finite fp32 (P,) CPU tensor, and if the step
+        overflows fp32 (``self`` unchanged; a handed-over ``out`` then holds part of the step).
         """
         g = avg_pseudo_gradient
         _check_vector("avg_pseudo_gradient", g, numel=self.numel)
@@ -139,12 +142,11 @@ class OuterState:
         step = out if reuse else _host_empty(self.numel, pinned)
         buf = torch.empty(self.numel, dtype=torch.float32)
         scratch = torch.empty(min(self.numel, _STEP_CHUNK), dtype=torch.float32)
-        finite = True
         # Chunk by chunk, every operation of a chunk while it is in the cache: one pass over memory instead of one per
-        # operation (1.35x faster on 125M-350M values, scripts/bench_outer_step.py). The same operations on every
-        # value as one pass each, so the same bits: one multiply and one add per kernel, in this order, never a fused
-        # add(alpha=...), which rounds once and whose use depends on the CPU's vector width (bit-identity across
-        # peers). With ``step`` over ``g``, each chunk of ``g`` is read before it is overwritten.
+        # operation (with all_finite's torch sum, 1.38x faster on 125M-350M values: scripts/bench_outer_step.py). The
+        # same operations on every value as one pass each, so the same bits: one multiply and one add per kernel, in
+        # this order, never a fused add(alpha=...), which rounds once and whose use depends on the CPU's vector width
+        # (bit-identity across peers). With ``step`` over ``g``, each chunk of ``g`` is read before it is overwritten.
         for start in range(0, self.numel, _STEP_CHUNK):
             chunk = slice(start, start + _STEP_CHUNK)
             g_c, buf_c, step_c = g[chunk], buf[chunk], step[chunk]
@@ -159,21 +161,11 @@ class OuterState:
                 torch.mul(buf_c, mu, out=step_c).add_(g_c)
             step_c.mul_(lr)
             torch.sub(self.theta[chunk], step_c, out=step_c)
-            # a finite sum proves every value finite (as all_finite); a non-finite momentum value makes its theta
-            # value non-finite too (mu * inf + g, times lr >= 0, from theta), so theta's sum covers both
-            finite = finite and math.isfinite(step_c.sum().item())
-        if not finite:  # overflowed somewhere (or finite values whose sum overflows): name it, or go on
-            _check_vector("momentum", buf)
-            _check_vector("theta", step)
-        return OuterState._of_checked(step, buf, self.outer_round + 1)
-
-    @classmethod
-    def _of_checked(cls, theta: torch.Tensor, momentum: torch.Tensor, outer_round: int) -> "OuterState":
-        """A state of tensors already known to be finite fp32 contiguous (P,) CPU vectors (no second pass)."""
-        state = cls.__new__(cls)
-        state.theta, state.momentum, state.outer_round = theta, momentum, outer_round
-        state._digest, state._digest_lock = None, threading.Lock()
-        return state
+            # checked while in the cache: a non-finite momentum value makes its theta value non-finite too (mu * inf
+            # + g, times lr > 0, from theta), so theta's check covers both; the momentum is named where it overflowed
+            if not all_finite(step_c):
+                raise ValueError(f"{'theta' if all_finite(buf_c) else 'momentum'} contains non-finite values")
+        return OuterState(step, buf, self.outer_round + 1, checked=True)
 
     def digest(self) -> str:
         """Hex sha256 of (outer_round as 8-byte little-endian, P as 8-byte LE, theta bytes, momentum bytes),
