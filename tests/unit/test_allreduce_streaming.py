@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from peerd.transport.inprocess import Hub
-from protocols.allreduce import AllReduceConfig, AllReduceFailed, ButterflyAllReduce, ChunkedPartReducer
+from protocols.allreduce import AllReduceConfig, AllReduceFailed, ButterflyAllReduce, ChunkedPartReducer, MIN_SHARE
 from protocols.matchmaking import MatchmakingConfig
 from protocols.rpc import ProtocolViolation, Refused, RpcError, RpcTimeout, Service, call_framed
 from tests.streams import StreamsWrapper
@@ -660,5 +660,6 @@ def test_noisy_rates_within_the_floor_spread_leave_every_member_a_part():
                                            for m, r in zip(members, (300, 300, 250, 100))})
     assert 3 < FLOOR_SPREAD
     sizes = ar.part_sizes(noisy, 4096)
-    assert sum(sizes) == 4096 and min(sizes) >= 4096 // 4 // 4 - 1  # MIN_SHARE of an equal part (float rounding)
+    assert sum(sizes) == 4096 and min(sizes) >= 4096 * MIN_SHARE // 4 - 1  # MIN_SHARE of an equal part (rounding)
+    assert min(sizes) > 0
     assert sizes[0] > sizes[3]  # still proportional above the floor

@@ -99,3 +99,18 @@ def test_min_share_floors_members_within_the_spread_and_nobody_else(rates):
     assert sum(sizes) == 1000 and all(s >= 0 for s in sizes)
     with pytest.raises(ValueError):
         proportional_fractions(rates, min_share=1.5)
+
+
+@pytest.mark.parametrize("n", [3, 4, 8, 16, 64])
+def test_the_validation_floor_costs_the_slowest_member_under_a_sixteenth(n):
+    # two slow members 3.3x below the others: within FLOOR_SPREAD, so they keep the floor (a fast link's download is
+    # measured below its line rate, paced by the senders' uplinks); the optimum gives them nothing
+    from protocols.allreduce import MIN_SHARE
+
+    rates = [9.8] * (n - 2) + [3.0, 3.0]
+    optimal = proportional_fractions(rates)
+    floored = proportional_fractions(rates, min_share=MIN_SHARE)
+    assert optimal[-1] == 0 and floored[-1] == pytest.approx(MIN_SHARE / n)
+    cost = _slowest(floored, rates) / _slowest(optimal, rates)
+    assert cost == pytest.approx(1 + (n - 2) / n * MIN_SHARE)
+    assert cost < 1 + 1 / 16
