@@ -46,7 +46,7 @@ from protocols.allreduce.config import (
     EXCHANGES, PARTITIONS, RING_CODECS, AllReduceConfig, AllReduceFailed, AllReduceResult,
 )
 from protocols.allreduce.parts import (
-    MIN_SHARE, RATE_HISTORY, RATE_MIN_BYTES, RATE_MIN_RUNS, RATE_SPREAD, PartPlanner,
+    MIN_SHARE, RATE_HISTORY, RATE_MIN_BYTES, RATE_MIN_RUNS, RATE_MIN_STREAM_BYTES, RATE_SPREAD, PartPlanner,
 )
 from protocols.allreduce.reducer import SLOW_SENDER_GRACE_S, SLOW_SENDER_PACES
 from protocols.allreduce.ring import RING_FRAME_S, RING_MIN_MEMBERS, RING_REMEASURE_RUNS, RingAllReduce
@@ -54,7 +54,7 @@ from protocols.partition import partition_sizes
 
 __all__ = [
     "EXCHANGES", "MAX_WEIGHT", "MIN_SHARE", "PARTITIONS", "RATE_HISTORY", "RATE_MIN_BYTES", "RATE_MIN_RUNS",
-    "RATE_SPREAD", "RING_CODECS", "RING_FRAME_S", "RING_MIN_MEMBERS", "RING_REMEASURE_RUNS",
+    "RATE_MIN_STREAM_BYTES", "RATE_SPREAD", "RING_CODECS", "RING_FRAME_S", "RING_MIN_MEMBERS", "RING_REMEASURE_RUNS",
     "SLOW_SENDER_GRACE_S", "SLOW_SENDER_PACES", "AllReduceConfig", "AllReduceFailed", "AllReduceResult",
     "ButterflyAllReduce", "ChunkedPartReducer", "PartPlanner", "PartReducer", "RingAllReduce", "decode_chunk",
     "decode_chunk_into", "encode_chunk", "partition_sizes", "prepare_local_input", "validate_weight",

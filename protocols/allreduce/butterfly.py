@@ -115,14 +115,15 @@ class ButterflyAllReduce(PartPlanner, ReducerSide, Service):
         self._session_ready.setdefault(group.group_id, asyncio.Event()).set()
         sealer = asyncio.ensure_future(self._seal_chunks(session))
         averaged = torch.empty_like(tensor) if out is None else out
-        uploaded: list[tuple[int, float]] = []
+        uploaded: list[tuple[int, float]] = []  # (bytes, seconds since start) of each stream, as a sender
+        downloaded: list[tuple[int, float]] = []
 
         async def exchange(i: int, peer: str) -> tuple[torch.Tensor, int, int]:
             if not sizes[i]:  # it reduces nothing: no stream (a dial-only member is dialed by nobody)
                 return averaged[offsets[i]:offsets[i]], 0, 0
             try:
                 return await self._exchange(peer, group, tensor[offsets[i] : offsets[i] + sizes[i]], weight, start,
-                                            averaged[offsets[i] : offsets[i] + sizes[i]], uploaded)
+                                            averaged[offsets[i] : offsets[i] + sizes[i]], uploaded, downloaded)
             except AllReduceFailed:
                 self._give_up_on(session, peer)
                 raise
@@ -155,7 +156,7 @@ class ButterflyAllReduce(PartPlanner, ReducerSide, Service):
                                         for i, peer in enumerate(group.members)])
             await self._wait_answers_written(session)
             seconds = loop.time() - start
-            self._measure(uploaded, session.downloads)
+            self._measure(uploaded, downloaded + session.downloads)
             logger.info("all-reduce of group %s (%s) done: %d members", group.group_id, group.key, len(group.members),
                         extra={"event": "allreduce", "group_id": group.group_id, "key": group.key,
                                "group_size": len(group.members), "part_numel": sizes[my_index],
@@ -221,11 +222,12 @@ class ButterflyAllReduce(PartPlanner, ReducerSide, Service):
 
     async def _exchange(
         self, peer: str, group: Group, part: torch.Tensor, weight: float, start: float,
-        out: Optional[torch.Tensor] = None, uploaded: Optional[list] = None,
+        out: Optional[torch.Tensor] = None, uploaded: Optional[list] = None, downloaded: Optional[list] = None,
     ) -> tuple[torch.Tensor, int, int]:
         """Send our slice of ``peer``'s part, chunk by chunk, while its aggregate streams back into ``out`` (fp32,
         the part's length; allocated if None). Returns ``(out, bytes sent, bytes received)``; appends ``(bytes, seconds
-        since start)`` to ``uploaded`` once our last chunk was handed to the transport."""
+        since start)`` to ``uploaded`` once our last chunk was handed to the transport, and to ``downloaded`` once
+        the last chunk of the aggregate arrived."""
         loop = asyncio.get_running_loop()
         timeout = start + self.config.reducer_timeout_s - loop.time()
         header = {"group_id": group.group_id, "numel": part.numel(), "weight": weight, "codec": self.codec.name}
@@ -233,6 +235,7 @@ class ButterflyAllReduce(PartPlanner, ReducerSide, Service):
         out = torch.empty(part.numel(), dtype=torch.float32) if out is None else out
 
         sizes = [self.codec.encoded_size(b - a) for a, b in bounds]
+        reply_sizes = [self.result_codec.encoded_size(b - a) for a, b in bounds]
 
         def frames():
             for a, b in bounds:
@@ -249,14 +252,15 @@ class ButterflyAllReduce(PartPlanner, ReducerSide, Service):
 
         try:
             _, sent, received = await call_framed(
-                self.transport.streams, peer, self.prefix, "reduce", header, frames(), sizes,
-                [self.result_codec.encoded_size(b - a) for a, b in bounds], on_frame,
+                self.transport.streams, peer, self.prefix, "reduce", header, frames(), sizes, reply_sizes, on_frame,
                 timeout_s=max(timeout, 0.0))
         except RpcError as e:
             raise self.call_failed(f"reducer {peer}", e) from e
         except _InvalidMean as e:  # wrong size or non-finite values: a faulty or hostile reducer
             self.bans.ban(peer, f"sent an invalid mean: {e}")
             raise AllReduceFailed(f"reducer {peer} failed: sent an invalid mean: {e}") from None
+        if downloaded is not None:
+            downloaded.append((sum(reply_sizes), loop.time() - start))
         return out, sent, received
 
     def _encode_part(self, part: torch.Tensor) -> Union[bytes, memoryview]:

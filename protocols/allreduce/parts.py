@@ -21,6 +21,10 @@ RATE_MIN_RUNS = 3
 #: A run's measurement counts only if it moved at least this many bytes each way: short transfers measure latency
 #: and the event loop, not the link.
 RATE_MIN_BYTES = 4 << 20
+#: ...and only its streams of at least this many bytes count: a shorter one is "done" once it sits in the buffers
+#: (the socket's unsent bytes, the path's in-flight ones), so its bytes over its duration measure them, not the link
+#: (a floor part of a 12.5 MB vector, 195 KB, read a 20 Mbit/s uplink as 12-67 MB/s).
+RATE_MIN_STREAM_BYTES = 1 << 20
 #: With bandwidth-proportional parts, every member within partition.FLOOR_SPREAD of the fastest reduces at least
 #: MIN_SHARE of an equal part, so that every honest reducer validates (and can exclude) every sender. Validating
 #: needs a part, not a large one; the floor costs the slowest member at most a factor 1 + (N - 2) / N * MIN_SHARE
@@ -59,10 +63,15 @@ class PartPlanner:
         self.rates: Optional[dict[str, float]] = None
         """This peer's rates in bytes/s, ``{"up", "down"}``: set by the operator, or measured from the all-reduce's
         own transfers: the median of the last :data:`RATE_HISTORY` runs that moved at least :data:`RATE_MIN_BYTES`
-        each way, once there are :data:`RATE_MIN_RUNS` of them (a median: one run slowed or sped up by other load
-        on the host does not move it). A run's estimate is the sum over its concurrent streams of each stream's
-        bytes over that stream's own duration: a stream slowed by the other end's link counts at its own pace, so
-        the sum approaches this peer's link rate when it is the bottleneck."""
+        each way in streams of :data:`RATE_MIN_STREAM_BYTES` or more, once there are :data:`RATE_MIN_RUNS` of them
+        (a median: one run slowed or sped up by other load on the host does not move it). A run's estimate is the
+        sum over its concurrent streams of each stream's bytes over that stream's own duration: a stream slowed by
+        the other end's link counts at its own pace, so the sum approaches this peer's link rate when it is the
+        bottleneck. Up: our slices of the others' parts,
+        each until its last chunk was handed to the transport. Down: the members' slices of our part and the
+        answers of their parts, each until its last byte arrived (a member that reduces nothing still measures
+        both). Our answers as a reducer do not count up: they are handed to the transport as they are sealed, far
+        ahead of the link, so their times say nothing about it."""
         self._rate_history: deque = deque(maxlen=RATE_HISTORY)
 
     def announce(self) -> dict:
@@ -98,6 +107,8 @@ class PartPlanner:
 
     def _measure(self, uploads: list[tuple[int, float]], downloads: list[tuple[int, float]]) -> None:
         """Fold one run's streams, ``(bytes, seconds)`` each, into :attr:`rates` (bytes/s): see there."""
+        uploads = [(b, t) for b, t in uploads if b >= RATE_MIN_STREAM_BYTES]
+        downloads = [(b, t) for b, t in downloads if b >= RATE_MIN_STREAM_BYTES]
         up = sum(b / t for b, t in uploads if t > 0)
         down = sum(b / t for b, t in downloads if t > 0)
         if up <= 0 or down <= 0:

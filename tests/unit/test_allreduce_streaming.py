@@ -663,3 +663,16 @@ def test_noisy_rates_within_the_floor_spread_leave_every_member_a_part():
     assert sum(sizes) == 4096 and min(sizes) >= 4096 * MIN_SHARE // 4 - 1  # MIN_SHARE of an equal part (rounding)
     assert min(sizes) > 0
     assert sizes[0] > sizes[3]  # still proportional above the floor
+
+
+def test_a_short_stream_does_not_inflate_the_measured_rate():
+    """A stream of a few hundred KB (a floor part of a small vector) is "done" once it sits in the buffers: its
+    bytes over its duration measure the buffers, not the link. Streams under RATE_MIN_STREAM_BYTES do not count."""
+    from protocols.allreduce import RATE_MIN_BYTES, RATE_MIN_RUNS, RATE_MIN_STREAM_BYTES
+
+    ar = ButterflyAllReduce(Hub().transport("a"), "run", _cfg())
+    big, small = RATE_MIN_BYTES, RATE_MIN_STREAM_BYTES - 1
+    for _ in range(RATE_MIN_RUNS):
+        # two long streams at 100 B/s each (the link: 200 B/s), one short stream handed over at once
+        ar._measure([(big, big / 100.0), (big, big / 100.0), (small, 0.001)], [(big, big / 150.0), (small, 0.001)])
+    assert ar.rates == {"up": pytest.approx(200.0), "down": pytest.approx(150.0)}

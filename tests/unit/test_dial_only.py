@@ -174,3 +174,29 @@ def test_diloco_workers_average_with_a_worker_found_unreachable_without_dialing_
     else:
         assert len({w.outer.digest() for w in workers}) == 1
         assert all(w.stats.rounds_ok == 1 and w.stats.rounds_failed == 0 for w in workers)
+
+
+def test_a_member_that_reduces_nothing_still_measures_its_link_from_the_answers(averaging_peers):
+    """A dial-only member reduces no part: its download is the answers of the others' parts. Counted, its rates are
+    measured and announced like anyone's (uncounted, they stayed unmeasured: a peer that once got no part never
+    measured its link again)."""
+    from protocols.allreduce import RATE_MIN_BYTES, RATE_MIN_RUNS
+
+    async def main():
+        cfg = AllReduceConfig(compression="none", sender_timeout_s=30.0, reducer_timeout_s=60.0, chunk_numel=65536)
+        peers = await averaging_peers(Hub(), 3, "run", MM, cfg)
+        peers[0].allreduce.dial_only = True
+        numel = RATE_MIN_BYTES // 2  # a reducer's slice of the other reducer's part is RATE_MIN_BYTES
+        for rnd in range(RATE_MIN_RUNS):
+            groups = await asyncio.gather(*[p.matchmaker.form_group(f"r{rnd}", p.allreduce.announce(), expected_size=3)
+                                            for p in peers])
+            group, by_id = groups[0], {p.matchmaker.peer_id: p for p in peers}
+            out = await asyncio.gather(*[by_id[m].allreduce.run(group, torch.full((numel,), float(i)), 1.0)
+                                         for i, m in enumerate(group.members)])
+            assert out[0].part_sizes[group.members.index(peers[0].matchmaker.peer_id)] == 0
+            assert all(torch.equal(r.averaged, torch.full((numel,), 1.0)) for r in out)
+        for p in peers:
+            assert p.allreduce.rates is not None and min(p.allreduce.rates.values()) > 0
+        assert peers[0].allreduce.announce() == {"rates": peers[0].allreduce.rates, "dial_only": True}
+
+    asyncio.run(main())
