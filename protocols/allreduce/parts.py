@@ -67,11 +67,10 @@ class PartPlanner:
         (a median: one run slowed or sped up by other load on the host does not move it). A run's estimate is the
         sum over its concurrent streams of each stream's bytes over that stream's own duration: a stream slowed by
         the other end's link counts at its own pace, so the sum approaches this peer's link rate when it is the
-        bottleneck. Up: our slices of the others' parts,
-        each until its last chunk was handed to the transport. Down: the members' slices of our part and the
-        answers of their parts, each until its last byte arrived (a member that reduces nothing still measures
-        both). Our answers as a reducer do not count up: they are handed to the transport as they are sealed, far
-        ahead of the link, so their times say nothing about it."""
+        bottleneck. Up: our slices of the others' parts, each until its last chunk was handed to the transport.
+        Down: the members' slices of our part and the answers of their parts, each until its last byte arrived (a
+        member that reduces nothing still measures both). Our answers as a reducer do not count up: they are
+        handed to the transport as they are sealed, far ahead of the link, so their times say nothing about it."""
         self._rate_history: deque = deque(maxlen=RATE_HISTORY)
 
     def announce(self) -> dict:

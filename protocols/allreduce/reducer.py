@@ -227,7 +227,8 @@ class ReducerSide:
             logger.info("%s sent %d of %d chunks of group %s after sender_timeout_s=%s: left out of those, not "
                         "banned (slow, not stalled)", peer, dropped, len(sizes), session.group.group_id,
                         self.config.sender_timeout_s, extra={"event": "late_sender", "peer": peer})
-        session.downloads.append((request.stream.bytes_received, self._since_start(session)))
+        started = session.deadline - self.config.sender_timeout_s
+        session.downloads.append((request.stream.bytes_received, asyncio.get_running_loop().time() - started))
         return None
 
     async def _answer(self, request: Request, session: _ReduceSession, reply_sizes: list[int]) -> None:
@@ -250,10 +251,6 @@ class ReducerSide:
         session.bytes_sent += written
         session.answers += 1
         session.answered.set()
-
-    def _since_start(self, session: _ReduceSession) -> float:
-        """Seconds since our all-reduce of ``session`` started (its sender deadline less ``sender_timeout_s``)."""
-        return asyncio.get_running_loop().time() - (session.deadline - self.config.sender_timeout_s)
 
     @staticmethod
     def _check_header(session: _ReduceSession, peer: str, header: dict, payload_length: int,
