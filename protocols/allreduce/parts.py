@@ -23,7 +23,7 @@ RATE_MIN_RUNS = 3
 RATE_MIN_BYTES = 4 << 20
 #: ...and only its streams of at least this many bytes count: a shorter one is "done" once it sits in the buffers
 #: (the socket's unsent bytes, the path's in-flight ones), so its bytes over its duration measure them, not the link
-#: (a floor part of a 12.5 MB vector, 195 KB, read a 20 Mbit/s uplink as 12-67 MB/s).
+#: (a floor part of a 12.5 MB vector, 195 KB, read a 20 Mbit/s uplink as 9-68 MB/s).
 RATE_MIN_STREAM_BYTES = 1 << 20
 #: With bandwidth-proportional parts, every member within partition.FLOOR_SPREAD of the fastest reduces at least
 #: MIN_SHARE of an equal part, so that every honest reducer validates (and can exclude) every sender. Validating
