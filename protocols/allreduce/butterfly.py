@@ -115,7 +115,8 @@ class ButterflyAllReduce(PartPlanner, ReducerSide, Service):
         self._session_ready.setdefault(group.group_id, asyncio.Event()).set()
         sealer = asyncio.ensure_future(self._seal_chunks(session))
         averaged = torch.empty_like(tensor) if out is None else out
-        uploaded: list[tuple[int, float]] = []  # (bytes, seconds since start) of each stream, as a sender
+        # (bytes, seconds since start) of each of our streams as a sender: our slices up, the reducers' answers down
+        uploaded: list[tuple[int, float]] = []
         downloaded: list[tuple[int, float]] = []
 
         async def exchange(i: int, peer: str) -> tuple[torch.Tensor, int, int]:

@@ -69,8 +69,8 @@ class PartPlanner:
         the other end's link counts at its own pace, so the sum approaches this peer's link rate when it is the
         bottleneck. Up: our slices of the others' parts, each until its last chunk was handed to the transport.
         Down: the members' slices of our part and the answers of their parts, each until its last byte arrived (a
-        member that reduces nothing still measures both). Our answers as a reducer do not count up: they are
-        handed to the transport as they are sealed, far ahead of the link, so their times say nothing about it."""
+        member that reduces nothing still measures both). Our answers as a reducer do not count up: they leave at
+        the pace of the slowest sender, not of our link, and a floor part's answers are short streams."""
         self._rate_history: deque = deque(maxlen=RATE_HISTORY)
 
     def announce(self) -> dict:
