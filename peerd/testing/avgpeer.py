@@ -29,6 +29,7 @@ import torch
 from peerd.roles.registry import OUTER_SYNCS
 from peerd.testing.faults import Faults, FaultyTransport
 from peerd.runtime.telemetry import JsonFormatter
+from peerd.transport.factory import retry_unreachable
 from peerd.transport.hivemind_backend import HivemindTransport
 from peerd.transport.light import LightTransport
 from protocols.allreduce import AllReduceConfig, AllReduceFailed, ButterflyAllReduce
@@ -60,18 +61,24 @@ async def run(args: argparse.Namespace) -> None:
     light = args.light or args.peers > 1
     indices = range(args.index, args.index + args.peers)
     if not light:
-        network = await HivemindTransport.create(
+        network = await retry_unreachable(lambda: HivemindTransport.create(
             initial_peers=args.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False
-        )
+        ))
         await run_peer(args, args.index, out_path(args.out, args.index), network)
         return
-    # p2pd start-up is mostly waiting on the daemon: start the peers' daemons a few at a time
-    networks: list = []
+    # p2pd start-up is mostly waiting on the daemon: start the peers' daemons a few at a time; with tens of them
+    # starting on a loaded box the bootstrap node can answer one too late (p2pd exits): that one tries again
+    networks: list[LightTransport] = []
     for start in range(0, len(indices), 8):
         batch = indices[start:start + 8]
-        networks += await asyncio.gather(*(LightTransport.create(
+        started = await asyncio.gather(*(retry_unreachable(lambda: LightTransport.create(
             initial_peers=args.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False,
-        ) for _ in batch))
+        )) for _ in batch), return_exceptions=True)
+        networks += [n for n in started if not isinstance(n, BaseException)]
+        failed = [e for e in started if isinstance(e, BaseException)]
+        if failed:  # the daemons that did start are stopped, not left to the closing loop
+            await asyncio.gather(*(n.shutdown() for n in networks))
+            raise failed[0]
     await asyncio.gather(*(run_peer(args, i, out_path(args.out, i), n) for i, n in zip(indices, networks)))
 
 

@@ -14,7 +14,7 @@ import asyncio
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Optional
+from typing import Awaitable, Callable, Optional, Sequence, TypeVar
 
 from peerd.config import NodeConfig
 from peerd.identity.key import IdentityHold, hold_identity, load_or_create_identity
@@ -30,6 +30,22 @@ BOOTSTRAP_RETRY_S = (5.0, 15.0)
 
 #: Where every daemon kept its identity before it moved into the checkpoint dir.
 LEGACY_IDENTITY = "~/.peerd/identity.key"
+
+T = TypeVar("T")
+
+
+async def retry_unreachable(create: Callable[[], Awaitable[T]],
+                            retry_s: Sequence[float] = BOOTSTRAP_RETRY_S) -> T:
+    """``await create()``; when it raises :class:`BootstrapUnreachable` (no initial peer answered), again after each
+    of ``retry_s`` (seconds), warning each time. Raises the last attempt's BootstrapUnreachable, and any other error
+    of an attempt at once (not worth another try: a port in use, a bad identity)."""
+    for attempt, wait_s in enumerate(retry_s, start=1):
+        try:
+            return await create()
+        except BootstrapUnreachable as e:
+            logger.warning("%s; trying again in %g s (attempt %d of %d)", e, wait_s, attempt + 1, len(retry_s) + 1)
+            await asyncio.sleep(wait_s)
+    return await create()
 
 
 def transport_class(node: NodeConfig, quiet: bool = False) -> type[HivemindTransport]:
@@ -68,26 +84,17 @@ async def open_transport(node: NodeConfig, role: str = "worker", client_mode: bo
             logger.warning("%s, the identity of earlier peerd versions, is no longer the default; pass --identity %s "
                            "to keep its PeerID", LEGACY_IDENTITY, LEGACY_IDENTITY)
         cls = transport_class(node, quiet=client_mode)
-        for attempt, wait_s in enumerate((*bootstrap_retry_s, None), start=1):
-            try:
-                transport = await cls.create(
-                    initial_peers=node.initial_peers,
-                    host_maddrs=node.host_maddrs,
-                    announce_maddrs=node.announce_maddrs,
-                    identity_path=identity,
-                    nat_port_map=node.nat_port_map,
-                    client_mode=client_mode,
-                    record_validators=[OwnerRecordValidator()],
-                    relay=node.relay,
-                    dht=node.dht,
-                )
-                break
-            except BootstrapUnreachable as e:
-                if wait_s is None:
-                    raise
-                logger.warning("%s; trying again in %g s (attempt %d of %d)", e, wait_s, attempt + 1,
-                               len(bootstrap_retry_s) + 1)
-                await asyncio.sleep(wait_s)
+        transport = await retry_unreachable(lambda: cls.create(
+            initial_peers=node.initial_peers,
+            host_maddrs=node.host_maddrs,
+            announce_maddrs=node.announce_maddrs,
+            identity_path=identity,
+            nat_port_map=node.nat_port_map,
+            client_mode=client_mode,
+            record_validators=[OwnerRecordValidator()],
+            relay=node.relay,
+            dht=node.dht,
+        ), bootstrap_retry_s)
     except BaseException:
         hold.release()
         raise

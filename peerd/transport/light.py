@@ -52,16 +52,17 @@ class LightTransport:
         """Start a p2pd for this peer and a DHT node on it, in the running event loop.
 
         ``num_workers`` bounds the node's concurrent DHT requests (hivemind's default of 4 per query keeps a
-        process with many peers from flooding its own loop). Raises ConnectionError if the daemon does not start
-        or none of ``initial_peers`` can be reached.
+        process with many peers from flooding its own loop). Raises ConnectionError if the daemon does not start,
+        :class:`BootstrapUnreachable` (a ConnectionError) if none of ``initial_peers`` answered: worth another try
+        (:func:`peerd.transport.factory.retry_unreachable`).
         """
         try:
             p2p = await P2P.create(
                 initial_peers=list(initial_peers), host_maddrs=list(host_maddrs), nat_port_map=nat_port_map,
                 use_relay=False, use_auto_relay=False, use_ipfs=False, startup_timeout=startup_timeout_s,
             )
-        except P2PD_ERRORS as e:
-            raise ConnectionError(f"could not start p2pd: {e}") from e
+        except P2PD_ERRORS as e:  # p2pd says "failed to connect to bootstrap peers" when none answered in time
+            raise dht_start_error(e, initial_peers) from e
         try:
             node = await start_dht_node(p2p, initial_peers, startup_timeout_s, num_workers=num_workers)
         except Exception as e:  # boundary: hivemind's node start-up, any failure: p2pd stopped, the cause named
