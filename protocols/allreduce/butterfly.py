@@ -15,7 +15,7 @@ import torch
 from protocols.allreduce.aggregate import ChunkedPartReducer, prepare_local_input, prepare_out
 from protocols.allreduce.chunks import decode_chunk_into, encode_chunk
 from protocols.allreduce.config import AllReduceConfig, AllReduceFailed, AllReduceResult
-from protocols.allreduce.parts import PartPlanner
+from protocols.allreduce.parts import PartPlanner, Stream
 from protocols.allreduce.reducer import ReducerSide
 from protocols.allreduce.session import _ReduceSession
 from protocols.bans import BanList
@@ -115,9 +115,9 @@ class ButterflyAllReduce(PartPlanner, ReducerSide, Service):
         self._session_ready.setdefault(group.group_id, asyncio.Event()).set()
         sealer = asyncio.ensure_future(self._seal_chunks(session))
         averaged = torch.empty_like(tensor) if out is None else out
-        # (bytes, seconds since start) of each of our streams as a sender: our slices up, the reducers' answers down
-        uploaded: list[tuple[int, float]] = []
-        downloaded: list[tuple[int, float]] = []
+        # each of our streams as a sender (parts.Stream: its chunks' times and bytes): our slices up, the answers down
+        uploaded: list[Stream] = []
+        downloaded: list[Stream] = []
 
         async def exchange(i: int, peer: str) -> tuple[torch.Tensor, int, int]:
             if not sizes[i]:  # it reduces nothing: no stream (a dial-only member is dialed by nobody)
@@ -226,9 +226,10 @@ class ButterflyAllReduce(PartPlanner, ReducerSide, Service):
         out: Optional[torch.Tensor] = None, uploaded: Optional[list] = None, downloaded: Optional[list] = None,
     ) -> tuple[torch.Tensor, int, int]:
         """Send our slice of ``peer``'s part, chunk by chunk, while its aggregate streams back into ``out`` (fp32,
-        the part's length; allocated if None). Returns ``(out, bytes sent, bytes received)``; appends ``(bytes, seconds
-        since start)`` to ``uploaded`` once our last chunk was handed to the transport, and to ``downloaded`` once
-        the last chunk of the aggregate arrived."""
+        the part's length; allocated if None). Returns ``(out, bytes sent, bytes received)``; appends the stream
+        up (each chunk's seconds since ``start`` once handed to the transport, and bytes: a :data:`parts.Stream`) to
+        ``uploaded`` once our last chunk was handed over, and the stream down to ``downloaded`` once the last chunk
+        of the aggregate arrived."""
         loop = asyncio.get_running_loop()
         timeout = start + self.config.reducer_timeout_s - loop.time()
         header = {"group_id": group.group_id, "numel": part.numel(), "weight": weight, "codec": self.codec.name}
@@ -238,13 +239,18 @@ class ButterflyAllReduce(PartPlanner, ReducerSide, Service):
         sizes = [self.codec.encoded_size(b - a) for a, b in bounds]
         reply_sizes = [self.result_codec.encoded_size(b - a) for a, b in bounds]
 
+        handed: list[tuple[float, int]] = []
+        arrived: list[tuple[float, int]] = []
+
         def frames():
-            for a, b in bounds:
+            for k, (a, b) in enumerate(bounds):
                 yield self._encode_part(part[a:b])
+                handed.append((loop.time() - start, sizes[k]))  # asked for the next one: chunk k was handed over
             if uploaded is not None:
-                uploaded.append((sum(sizes), loop.time() - start))
+                uploaded.append(handed)
 
         def on_frame(k: int, payload) -> None:
+            arrived.append((loop.time() - start, reply_sizes[k]))
             a, b = bounds[k]
             try:
                 decode_chunk_into(self.result_codec, payload, out[a:b])
@@ -261,7 +267,7 @@ class ButterflyAllReduce(PartPlanner, ReducerSide, Service):
             self.bans.ban(peer, f"sent an invalid mean: {e}")
             raise AllReduceFailed(f"reducer {peer} failed: sent an invalid mean: {e}") from None
         if downloaded is not None:
-            downloaded.append((sum(reply_sizes), loop.time() - start))
+            downloaded.append(arrived)
         return out, sent, received
 
     def _encode_part(self, part: torch.Tensor) -> Union[bytes, memoryview]:

@@ -178,11 +178,14 @@ class ReducerSide:
         peer, k = request.peer, 0
         loop = asyncio.get_running_loop()
         opened = loop.time()
+        started = session.deadline - self.config.sender_timeout_s  # our run's start
         dropped = 0
+        arrived: list[tuple[float, int]] = []  # parts.Stream: each chunk's seconds since our start, bytes
 
         def on_frame(index: int, payload) -> None:
             nonlocal k, dropped
             k = index
+            arrived.append((loop.time() - started, sizes[index]))
             if not late and len(session.sealed) <= index:  # a late sender's chunks are only read
                 a, b = session.bounds[index]
                 session.reducer.add(peer, index, decode_chunk(session.codec, payload, b - a), weight,
@@ -227,8 +230,7 @@ class ReducerSide:
             logger.info("%s sent %d of %d chunks of group %s after sender_timeout_s=%s: left out of those, not "
                         "banned (slow, not stalled)", peer, dropped, len(sizes), session.group.group_id,
                         self.config.sender_timeout_s, extra={"event": "late_sender", "peer": peer})
-        started = session.deadline - self.config.sender_timeout_s
-        session.downloads.append((request.stream.bytes_received, asyncio.get_running_loop().time() - started))
+        session.downloads.append(arrived)
         return None
 
     async def _answer(self, request: Request, session: _ReduceSession, reply_sizes: list[int]) -> None:

@@ -632,20 +632,20 @@ def test_measured_rates_are_the_median_of_recent_long_runs_and_announced_only_af
 
     ar = ButterflyAllReduce(Hub().transport("a"), "run", _cfg())
     big = RATE_MIN_BYTES
-    ar._measure([(big, 1.0)], [(big // 10, 1.0)])  # too few bytes down: latency, not the link
+    ar._measure([[(1.0, big)]], [[(1.0, big // 10)]])  # too few bytes down: latency, not the link
     ar._measure([], [])  # nothing measured
     assert ar.rates is None and ar.announce() == {}
     for up in (100.0, 300.0, 200.0)[:RATE_MIN_RUNS - 1]:
-        ar._measure([(big, big / up)], [(big, big / (up / 2))])
+        ar._measure([[(big / up, big)]], [[(big / (up / 2), big)]])
         assert ar.rates is None and ar.announce() == {}  # not enough runs yet: equal parts
-    ar._measure([(big, big / 200.0)], [(big, big / 100.0)])
+    ar._measure([[(big / 200.0, big)]], [[(big / 100.0, big)]])
     assert ar.rates == {"up": pytest.approx(200.0), "down": pytest.approx(100.0)}
     assert ar.announce() == {"rates": ar.rates}
-    ar._measure([(big, big / 200.0)], [(big, big / 100.0)])
-    ar._measure([(big, big / 10_000.0)], [(big, big / 1.0)])  # one outlier run (host load) moves nothing
+    ar._measure([[(big / 200.0, big)]], [[(big / 100.0, big)]])
+    ar._measure([[(big / 10_000.0, big)]], [[(big / 1.0, big)]])  # one outlier run (host load) moves nothing
     assert ar.rates == {"up": pytest.approx(200.0), "down": pytest.approx(100.0)}
     for _ in range(RATE_HISTORY):  # a link that really changed takes over once most recent runs say so
-        ar._measure([(big, big / 50.0)], [(big, big / 50.0)])
+        ar._measure([[(big / 50.0, big)]], [[(big / 50.0, big)]])
     assert ar.rates == {"up": pytest.approx(50.0), "down": pytest.approx(50.0)}
 
 
@@ -674,5 +674,40 @@ def test_a_short_stream_does_not_inflate_the_measured_rate():
     big, small = RATE_MIN_BYTES, RATE_MIN_STREAM_BYTES - 1
     for _ in range(RATE_MIN_RUNS):
         # two long streams at 100 B/s each (the link: 200 B/s), one short stream handed over at once
-        ar._measure([(big, big / 100.0), (big, big / 100.0), (small, 0.001)], [(big, big / 150.0), (small, 0.001)])
+        ar._measure([[(big / 100.0, big)], [(big / 100.0, big)], [(0.001, small)]],
+                    [[(big / 150.0, big)], [(0.001, small)]])
     assert ar.rates == {"up": pytest.approx(200.0), "down": pytest.approx(150.0)}
+
+
+def _steady(rate: float, nbytes: int, chunks: int = 16, start_s: float = 0.0) -> list[tuple[float, int]]:
+    """A stream of ``nbytes`` in ``chunks`` equal chunks moving at ``rate`` bytes/s from ``start_s`` on."""
+    size = nbytes // chunks
+    return [(start_s + (k + 1) * size / rate, size) for k in range(chunks)]
+
+
+def test_streams_that_end_at_different_times_read_the_link_not_more():
+    """A 2.5 MB/s uplink shared unevenly by two 12 MB streams: one at 1.6 MB/s ends at 7.5 s, the other gets the
+    rest (0.9 MB/s) and then the whole link. Each stream's own average pace summed read 2.9 MB/s; the link is 2.5."""
+    from protocols.allreduce.parts import link_rate
+
+    mb = 1_000_000
+    first = _steady(1.6 * mb, 12 * mb)  # ends at 7.5 s
+    second = _steady(0.9 * mb, int(0.9 * 7.5 * mb), 8)
+    second += _steady(2.5 * mb, 12 * mb - sum(b for _, b in second), 8, start_s=second[-1][0])
+    each_own_pace = sum(sum(b for _, b in s) / s[-1][0] for s in (first, second))  # the estimate before
+    assert each_own_pace > 2.8 * mb
+    rate, counted = link_rate([first, second])
+    assert rate == pytest.approx(2.5 * mb, rel=0.03) and counted == sum(b for _, b in first + second)
+
+
+def test_a_stream_slowed_by_the_other_end_does_not_pull_a_fast_link_down():
+    """A fast uplink (12 MB/s) sends 10 MB to a fast peer in 1 s while 12 MB to a slow peer (its 2 MB/s download)
+    take 6 s: the link reads as that first second says (11.5 MB/s), not as everything over the last end (3.7)."""
+    from protocols.allreduce.parts import link_rate
+
+    mb = 1_000_000
+    fast = _steady(10 * mb, 10 * mb)  # 1 s
+    slow = _steady(2 * mb, 12 * mb)  # 6 s
+    rate, _ = link_rate([fast, slow])
+    assert rate == pytest.approx(11.5 * mb, rel=0.01)
+    assert link_rate([fast[:1], slow[:1]]) == (0.0, 0)  # streams under RATE_MIN_STREAM_BYTES: nothing counted
