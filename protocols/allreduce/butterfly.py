@@ -15,7 +15,7 @@ import torch
 from protocols.allreduce.aggregate import ChunkedPartReducer, prepare_local_input, prepare_out
 from protocols.allreduce.chunks import decode_chunk_into, encode_chunk
 from protocols.allreduce.config import AllReduceConfig, AllReduceFailed, AllReduceResult
-from protocols.allreduce.parts import PartPlanner, Stream
+from protocols.allreduce.parts import PartPlanner, TimedStream
 from protocols.allreduce.reducer import ReducerSide
 from protocols.allreduce.session import _ReduceSession
 from protocols.bans import BanList
@@ -115,9 +115,10 @@ class ButterflyAllReduce(PartPlanner, ReducerSide, Service):
         self._session_ready.setdefault(group.group_id, asyncio.Event()).set()
         sealer = asyncio.ensure_future(self._seal_chunks(session))
         averaged = torch.empty_like(tensor) if out is None else out
-        # each of our streams as a sender (parts.Stream: its chunks' times and bytes): our slices up, the answers down
-        uploaded: list[Stream] = []
-        downloaded: list[Stream] = []
+        # each of our streams as a sender (a parts.TimedStream: its chunks' times and bytes): our slices up, the
+        # answers down
+        uploaded: list[TimedStream] = []
+        downloaded: list[TimedStream] = []
 
         async def exchange(i: int, peer: str) -> tuple[torch.Tensor, int, int]:
             if not sizes[i]:  # it reduces nothing: no stream (a dial-only member is dialed by nobody)
@@ -227,9 +228,9 @@ class ButterflyAllReduce(PartPlanner, ReducerSide, Service):
     ) -> tuple[torch.Tensor, int, int]:
         """Send our slice of ``peer``'s part, chunk by chunk, while its aggregate streams back into ``out`` (fp32,
         the part's length; allocated if None). Returns ``(out, bytes sent, bytes received)``; appends the stream
-        up (each chunk's seconds since ``start`` once handed to the transport, and bytes: a :data:`parts.Stream`) to
-        ``uploaded`` once our last chunk was handed over, and the stream down to ``downloaded`` once the last chunk
-        of the aggregate arrived."""
+        up (a :data:`parts.TimedStream`: each chunk's seconds since ``start`` once handed to the transport, and its
+        bytes) to ``uploaded`` once our last chunk was handed over, and the stream down to ``downloaded`` once the
+        last chunk of the aggregate arrived."""
         loop = asyncio.get_running_loop()
         timeout = start + self.config.reducer_timeout_s - loop.time()
         header = {"group_id": group.group_id, "numel": part.numel(), "weight": weight, "codec": self.codec.name}

@@ -52,10 +52,10 @@ def announced_rates(members: Sequence[str], infos: Any) -> Optional[list[float]]
 
 #: One stream of a run as :meth:`PartPlanner._measure` takes it: ``(seconds since the run's start, bytes)`` of each of
 #: its chunks, in order (a chunk counts once handed to the transport going up, once arrived going down).
-Stream = Sequence[tuple[float, int]]
+TimedStream = Sequence[tuple[float, int]]
 
 
-def link_rate(streams: Sequence[Stream]) -> tuple[float, int]:
+def link_rate(streams: Sequence[TimedStream]) -> tuple[float, int]:
     """``(rate in bytes/s, bytes counted)`` of one direction of this peer's link, from the streams one run moved that
     way; (0.0, 0) if none counts. Streams under :data:`RATE_MIN_STREAM_BYTES` do not count.
 
@@ -127,7 +127,7 @@ class PartPlanner:
                 return proportional_sizes(numel, rates, MIN_SHARE)
         return partition_sizes(numel, len(members))
 
-    def _measure(self, uploads: Sequence[Stream], downloads: Sequence[Stream]) -> None:
+    def _measure(self, uploads: Sequence[TimedStream], downloads: Sequence[TimedStream]) -> None:
         """Fold one run's streams each way into :attr:`rates` (bytes/s): see there."""
         up, up_bytes = link_rate(uploads)
         down, down_bytes = link_rate(downloads)

@@ -180,7 +180,7 @@ class ReducerSide:
         opened = loop.time()
         started = session.deadline - self.config.sender_timeout_s  # our run's start
         dropped = 0
-        arrived: list[tuple[float, int]] = []  # parts.Stream: each chunk's seconds since our start, bytes
+        arrived: list[tuple[float, int]] = []  # parts.TimedStream: each chunk's seconds since our start, bytes
 
         def on_frame(index: int, payload) -> None:
             nonlocal k, dropped

@@ -36,8 +36,8 @@ class _ReduceSession:
     """Members whose request arrived after the sender deadline (read and answered, never added), or who kept sending
     at their pace after it (their chunks sealed without them read and dropped): never banned."""
     downloads: list = field(default_factory=list)
-    """Every member's part that arrived whole, as a :data:`protocols.allreduce.parts.Stream` (each chunk's seconds
-    from our start, and bytes)."""
+    """Every member's part that arrived whole, as a :data:`protocols.allreduce.parts.TimedStream` (each chunk's
+    seconds from our start, and bytes)."""
     gone: set = field(default_factory=set)
     """Members whose reducer our call could not get an answer from: not waited for (neither excluded nor banned; a
     part they still send is taken for the chunks not sealed yet)."""
