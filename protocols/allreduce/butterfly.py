@@ -224,18 +224,17 @@ class ButterflyAllReduce(PartPlanner, ReducerSide, Service):
 
     async def _exchange(
         self, peer: str, group: Group, part: torch.Tensor, weight: float, start: float,
-        out: Optional[torch.Tensor] = None, uploaded: Optional[list] = None, downloaded: Optional[list] = None,
+        out: torch.Tensor, uploaded: list[TimedStream], downloaded: list[TimedStream],
     ) -> tuple[torch.Tensor, int, int]:
         """Send our slice of ``peer``'s part, chunk by chunk, while its aggregate streams back into ``out`` (fp32,
-        the part's length; allocated if None). Returns ``(out, bytes sent, bytes received)``; appends the stream
-        up (a :data:`parts.TimedStream`: each chunk's seconds since ``start`` once handed to the transport, and its
-        bytes) to ``uploaded`` once our last chunk was handed over, and the stream down to ``downloaded`` once the
-        last chunk of the aggregate arrived."""
+        the part's length). Returns ``(out, bytes sent, bytes received)``; appends the stream up (a
+        :data:`parts.TimedStream`: each chunk's seconds since ``start`` once handed to the transport, and its bytes)
+        to ``uploaded`` once our last chunk was handed over, and the stream down to ``downloaded`` once the last
+        chunk of the aggregate arrived."""
         loop = asyncio.get_running_loop()
         timeout = start + self.config.reducer_timeout_s - loop.time()
         header = {"group_id": group.group_id, "numel": part.numel(), "weight": weight, "codec": self.codec.name}
         bounds = chunk_bounds(part.numel(), self.config.chunk_numel)
-        out = torch.empty(part.numel(), dtype=torch.float32) if out is None else out
 
         sizes = [self.codec.encoded_size(b - a) for a, b in bounds]
         reply_sizes = [self.result_codec.encoded_size(b - a) for a, b in bounds]
@@ -247,8 +246,7 @@ class ButterflyAllReduce(PartPlanner, ReducerSide, Service):
             for k, (a, b) in enumerate(bounds):
                 yield self._encode_part(part[a:b])
                 handed.append((loop.time() - start, sizes[k]))  # asked for the next one: chunk k was handed over
-            if uploaded is not None:
-                uploaded.append(handed)
+            uploaded.append(handed)
 
         def on_frame(k: int, payload) -> None:
             arrived.append((loop.time() - start, reply_sizes[k]))
@@ -267,8 +265,7 @@ class ButterflyAllReduce(PartPlanner, ReducerSide, Service):
         except _InvalidMean as e:  # wrong size or non-finite values: a faulty or hostile reducer
             self.bans.ban(peer, f"sent an invalid mean: {e}")
             raise AllReduceFailed(f"reducer {peer} failed: sent an invalid mean: {e}") from None
-        if downloaded is not None:
-            downloaded.append(arrived)
+        downloaded.append(arrived)
         return out, sent, received
 
     def _encode_part(self, part: torch.Tensor) -> Union[bytes, memoryview]:

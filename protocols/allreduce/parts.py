@@ -3,7 +3,9 @@ dial-only member) and the link rates a peer measures from its own runs and annou
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import deque
+from itertools import accumulate
 from statistics import median
 from typing import Any, Optional, Sequence
 
@@ -66,13 +68,12 @@ def link_rate(streams: Sequence[TimedStream]) -> tuple[float, int]:
     duration instead (the estimate before) over-reads a link whose streams end at different times: each counts at
     its average pace, as if the others had not sped up once the first ended (a 20 Mbit/s link, 2.5 MB/s, read
     2.0-3.4 MB/s that way)."""
-    counted = [s for s in streams if s and sum(b for _, b in s) >= RATE_MIN_STREAM_BYTES]
+    counted = [s for s in streams if sum(b for _, b in s) >= RATE_MIN_STREAM_BYTES]
     chunks = sorted((t, b) for s in counted for t, b in s)
-    rate = 0.0
-    for end in sorted({s[-1][0] for s in counted}):
-        if end > 0:
-            rate = max(rate, sum(b for t, b in chunks if t <= end) / end)
-    return rate, sum(b for _, b in chunks)
+    times = [t for t, _ in chunks]
+    moved = list(accumulate(b for _, b in chunks))  # bytes moved by each chunk's time
+    rate = max((moved[bisect_right(times, s[-1][0]) - 1] / s[-1][0] for s in counted if s[-1][0] > 0), default=0.0)
+    return rate, moved[-1] if moved else 0
 
 
 class PartPlanner:
