@@ -72,12 +72,16 @@ CODECS = ("none", "fp16", "int8")
 #: peerd-ring = peerd-mux with ``exchange = "ring"`` (protocols/allreduce/ring.py): its first RATE_MIN_RUNS runs are
 #: butterflies that measure the links (warm-ups here), the ring runs once every member announced alike rates;
 #: peerd-libp2p = peerd on the py-libp2p transport (peerd/transport/libp2p_backend.py) instead of p2pd.
+#: peerd-mux-plain = peerd-mux with the TLS step of the handshake left out (:func:`_plaintext_handshakes`): what
+#: encryption costs, measured here only; peerd itself has no plaintext mode.
 #: tcp and tcp-ring are ceilings, not all-reduces (see the module docstring and worker_tcp).
-IMPLS = ("peerd", "peerd-direct", "peerd-mux", "peerd-ring", "peerd-libp2p", "hivemind", "gloo", "tcp", "tcp-ring",
-         "tcp-prop")
+IMPLS = ("peerd", "peerd-direct", "peerd-mux", "peerd-mux-plain", "peerd-ring", "peerd-libp2p", "hivemind", "gloo",
+         "tcp", "tcp-ring", "tcp-prop")
 #: The data-plane implementations of peerd (direct TLS streams), with the ceiling of the pattern each uses.
 DIRECT = ("peerd-direct", "peerd-mux", "peerd-ring")
-PEERD = ("peerd", *DIRECT, "peerd-libp2p")
+#: Implementations on the direct data plane's multiplexed connections.
+MULTIPLEXED = ("peerd-mux", "peerd-mux-plain", "peerd-ring")
+PEERD = ("peerd", *DIRECT, "peerd-mux-plain", "peerd-libp2p")
 #: Codecs each implementation can run (gloo sums in the tensor's dtype: no int8; the ring re-encodes float values).
 IMPL_CODECS = {"gloo": ("none", "fp16"), "tcp": ("none", "fp16"), "tcp-ring": ("none", "fp16"),
                "tcp-prop": ("none", "fp16"), "peerd-ring": ("none", "fp16")}
@@ -184,6 +188,38 @@ def _my_maddr(maddrs: list[str], host: str) -> str:
     return mine[0]
 
 
+def _plaintext_handshakes() -> None:
+    """Make this worker's direct data plane run its handshake without the TLS step (``peerd-mux-plain``): the same
+    hello, name and answer frames, the client's PeerID taken from its hello's certificate, no proof of its key and
+    no encryption after. For measuring what encryption costs on the same path; peerd has no such mode (a peer
+    refuses a hello that does not go on to TLS), so both ends of every connection must be patched workers."""
+    from peerd.transport import direct
+    from peerd.transport.handshake import VERSION, HandshakeRefused
+    from peerd.transport.tls import peer_id_of_certificate
+    from protocols.wire import read_frame, require, write_frame
+
+    async def client(conn, tls, server_peer_id: str, name: str) -> None:
+        for frame in ({"v": VERSION, "to": server_peer_id, "cert": tls.certificate}, {"name": name}):
+            await write_frame(conn, frame)
+            reply, _, _ = await read_frame(conn, max_payload_bytes=0)
+            if "error" in reply:
+                raise HandshakeRefused(str(reply["error"]), str(reply.get("code")))
+
+    async def server(conn, tls, served):
+        hello, _, _ = await read_frame(conn, max_payload_bytes=0)
+        client_id = peer_id_of_certificate(require(hello, "cert", bytes))
+        await write_frame(conn, {"v": VERSION})
+        request, _, _ = await read_frame(conn, max_payload_bytes=0)
+        name = require(request, "name", str)
+        if not served(name):
+            await write_frame(conn, {"error": f"{name!r} is not served", "code": "not_served"})
+            raise HandshakeRefused(f"{name!r} is not served", "not_served")
+        await write_frame(conn, {})
+        return client_id, name
+
+    direct.client_handshake, direct.server_handshake = client, server
+
+
 async def worker_peerd(a: argparse.Namespace) -> None:
     """peerd's averaging; with ``--worker peerd-direct`` its streams go over the direct TCP data plane
     (:class:`peerd.transport.direct.DirectStreams`, bound to the same host as p2pd), p2pd only as fallback."""
@@ -198,7 +234,9 @@ async def worker_peerd(a: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     identity_path = direct = None
-    if a.impl in DIRECT:
+    if a.impl == "peerd-mux-plain":
+        _plaintext_handshakes()
+    if a.impl in (*DIRECT, *MULTIPLEXED):
         from peerd.identity.key import load_or_create_identity
 
         identity_path = os.path.join(tempfile.mkdtemp(prefix="bench_identity_"), "peer.key")
@@ -214,7 +252,7 @@ async def worker_peerd(a: argparse.Namespace) -> None:
         from peerd.transport.direct import DirectStreams
 
         direct = DirectStreams(network.streams, network.discovery, Signer.from_identity_file(identity_path), a.host,
-                               multiplex=a.impl in ("peerd-mux", "peerd-ring"))
+                               multiplex=a.impl in MULTIPLEXED)
         await direct.start()
         transport = types.SimpleNamespace(discovery=network.discovery, streams=direct)
     profiler = None
@@ -726,15 +764,17 @@ def render(rows: list[Row], scenarios: dict[str, Scenario], args, meta: dict) ->
            "utilization = bound / time. CPU s = CPU seconds of all peers together inside their all-reduce windows "
            "(median over repetitions): the peer's own process (main), its p2pd daemon, and its other processes "
            "(helpers: hivemind's DHT and averager processes). All peers share the machine's 2 cores, so a 2-core "
-           "second holds at most 2 CPU seconds.",
+           "second holds at most 2 CPU seconds. CPU ms per MB = those CPU seconds per MB of fp32 vector averaged "
+           "(N peers x S), whatever the codec. peerd-mux-plain = peerd-mux with the TLS step of its handshake "
+           "left out in the benchmark's workers (no encryption; peerd has no such mode): what encryption costs.",
            ""]
     for sc in scenarios.values():
         out.append(f"### {sc.title}")
         out.append("")
         shaped = not sc.loopback
         head = "| codec | impl | all-reduce s |" + (" bound s | link util |" if shaped else " vs gloo (same codec) |")
-        head += (" matchmaking s | CPU s: main + p2pd + helpers | all peers bit-identical, max err | reps (s) |"
-                 " failed reps |")
+        head += (" matchmaking s | CPU s: main + p2pd + helpers | CPU ms per MB | all peers bit-identical, max err |"
+                 " reps (s) | failed reps |")
         out.append(head)
         out.append("|" + "---|" * (head.count("|") - 1))
         notes: list[str] = []
@@ -756,6 +796,7 @@ def render(rows: list[Row], scenarios: dict[str, Scenario], args, meta: dict) ->
                 c = r.cpu_median()
                 parts = " + ".join(f"{c.get(k, 0.0):.2f}" for k in ("main", "p2pd", "helpers"))
                 cells += [f"{sum(c.values()):.2f} = {parts}" if c else "-"]
+                cells += [f"{sum(c.values()) * 1e3 / (sc.world * args.numel * 4 / 1e6):.1f}" if c else "-"]
                 cells += [f"{'yes' if r.identical else 'NO'}, {r.max_err:.1e}" if r.identical is not None
                           else (f"-, {r.max_err:.1e}" if r.max_err is not None else "-")]
                 cells += [" ".join(f"{x:.2f}" for x in r.times) or "-"]
