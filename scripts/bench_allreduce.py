@@ -25,8 +25,11 @@ Ceilings (``--impls tcp tcp-ring tcp-prop``): plain sockets moving exactly the b
 every other at once) or of a ring (every peer to its right neighbour), no computation, no waiting between peers: what
 TCP itself gets out of the same links, in the same run. ``tcp-prop`` moves a butterfly's bytes with the parts peerd
 gives peers of these link rates once they are announced (bandwidth-proportional, :class:`PartPlanner`'s rule): the
-slow links' measured TCP bound that the heterogeneous and asymmetric scenarios are held to. No implementation can beat them by much: a 1,514-byte frame
-carries 1,448 bytes of payload (0.956), and the ACKs of the download share the upload.
+slow links' measured TCP bound that the heterogeneous and asymmetric scenarios are held to. ``tcp-paced`` moves
+``tcp-prop``'s bytes with each connection paced by the kernel (``SO_MAX_PACING_RATE``) at its share of the sender's
+link rate (its bytes over all the sender's bytes): what TCP gets out of the butterfly's pattern when its connections
+do not compete. No implementation can beat them by much: a 1,514-byte frame carries 1,448 bytes of payload (0.956),
+and the ACKs of the download share the upload.
 
 Results replace what the last run wrote into the section ``SECTION`` of docs/benchmarks.md (up to
 ``benchlib.GENERATED_END``; the notes and dated subsections written by hand after it, and other sections, are kept;
@@ -74,18 +77,23 @@ CODECS = ("none", "fp16", "int8")
 #: peerd-libp2p = peerd on the py-libp2p transport (peerd/transport/libp2p_backend.py) instead of p2pd.
 #: peerd-mux-plain = peerd-mux with the TLS step of the handshake left out (:func:`_plaintext_handshakes`): what
 #: encryption costs, measured here only; peerd itself has no plaintext mode.
+#: peerd-mux-paced = peerd-mux whose workers pace each multiplexed connection (``SO_MAX_PACING_RATE``) at its share
+#: of the sender's known link rate before each run (:func:`_pace_connections`): what per-connection pacing would buy;
+#: peerd does not pace by itself.
 #: tcp and tcp-ring are ceilings, not all-reduces (see the module docstring and worker_tcp).
-IMPLS = ("peerd", "peerd-direct", "peerd-mux", "peerd-mux-plain", "peerd-ring", "peerd-libp2p", "hivemind", "gloo",
-         "tcp", "tcp-ring", "tcp-prop")
+IMPLS = ("peerd", "peerd-direct", "peerd-mux", "peerd-mux-plain", "peerd-mux-paced", "peerd-ring", "peerd-libp2p",
+         "hivemind", "gloo", "tcp", "tcp-ring", "tcp-prop", "tcp-paced")
 #: The data-plane implementations of peerd (direct TLS streams), with the ceiling of the pattern each uses.
 DIRECT = ("peerd-direct", "peerd-mux", "peerd-ring")
 #: Implementations on the direct data plane's multiplexed connections.
-MULTIPLEXED = ("peerd-mux", "peerd-mux-plain", "peerd-ring")
-PEERD = ("peerd", *DIRECT, "peerd-mux-plain", "peerd-libp2p")
+MULTIPLEXED = ("peerd-mux", "peerd-mux-plain", "peerd-mux-paced", "peerd-ring")
+PEERD = ("peerd", *DIRECT, "peerd-mux-plain", "peerd-mux-paced", "peerd-libp2p")
+#: Workers told every peer's link rate (``--rates-mbit``): the ceilings, and peerd paced by it.
+KNOW_RATES = ("tcp", "tcp-ring", "tcp-prop", "tcp-paced", "peerd-mux-paced")
 #: Codecs each implementation can run (gloo sums in the tensor's dtype: no int8; the ring re-encodes float values).
 IMPL_CODECS = {"gloo": ("none", "fp16"), "tcp": ("none", "fp16"), "tcp-ring": ("none", "fp16"),
-               "tcp-prop": ("none", "fp16"), "peerd-ring": ("none", "fp16")}
-CEILINGS = ("tcp", "tcp-ring", "tcp-prop")
+               "tcp-prop": ("none", "fp16"), "tcp-paced": ("none", "fp16"), "peerd-ring": ("none", "fp16")}
+CEILINGS = ("tcp", "tcp-ring", "tcp-prop", "tcp-paced")
 #: Workers without a DHT: no bootstrap peer, no matchmaking, fp32 and fp16 only.
 STANDALONE = ("gloo", *CEILINGS)
 WIRE_BYTES_PER_VALUE = {"none": 4.0, "fp16": 2.0, "int8": 1.0 + 4.0 / 256}
@@ -220,6 +228,34 @@ def _plaintext_handshakes() -> None:
     direct.client_handshake, direct.server_handshake = client, server
 
 
+SO_MAX_PACING_RATE = 47  # Linux's value; the socket module names it only on some builds
+
+
+def connection_shares(sizes: list[int], me: int) -> list[float]:
+    """Each connection's share of member ``me``'s upload in a butterfly with parts ``sizes`` (in member order): to
+    member j go our slice of j's part and our part's answer, ``sizes[j] + sizes[me]`` values; 0 for ourselves."""
+    load = [0 if j == me else size + sizes[me] for j, size in enumerate(sizes)]
+    total = sum(load)
+    return [x / total if total else 0.0 for x in load]
+
+
+def _pace_connections(direct, members: list[str], sizes: list[int], me: int, rate_bps: float) -> int:
+    """``peerd-mux-paced``: pace the multiplexed connection to each member at its share of ``rate_bps`` (bytes/s)
+    (:func:`connection_shares`); returns how many connections were paced."""
+    import socket
+
+    if rate_bps <= 0:  # loopback: no link rate to pace at
+        return 0
+    paced = 0
+    for member, share in zip(members, connection_shares(sizes, me)):
+        session = direct._mux.get(member)
+        sock = session.conn.get_extra_info("socket") if session is not None else None
+        if share and sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, max(1, int(share * rate_bps)))
+            paced += 1
+    return paced
+
+
 async def worker_peerd(a: argparse.Namespace) -> None:
     """peerd's averaging; with ``--worker peerd-direct`` its streams go over the direct TCP data plane
     (:class:`peerd.transport.direct.DirectStreams`, bound to the same host as p2pd), p2pd only as fallback."""
@@ -287,6 +323,11 @@ async def worker_peerd(a: argparse.Namespace) -> None:
             try:
                 # the rates measured in earlier repetitions (the warm-up's included) size the parts
                 group = await mm.form_group(f"{codec}-rep{rep}", ar.announce(), expected_size=a.world)
+                if a.impl == "peerd-mux-paced":  # the connections exist from the warm-up on
+                    me = group.members.index(transport.streams.peer_id)
+                    paced = _pace_connections(direct, group.members, ar.part_sizes(group, a.numel), me,
+                                              a.rates_mbit[a.rank] * 1e6 / 8)
+                    print(f"rep {rep}: paced {paced} connections", file=sys.stderr, flush=True)
                 cpu0 = cpu_tree()
                 t_start = time.time()
                 rings = getattr(ar, "rings_run", 0)
@@ -460,10 +501,15 @@ def worker_tcp(a: argparse.Namespace) -> None:
         if a.impl == "tcp":
             sends = {r: int(2 * wire / a.world) for r in peers}
             recvs = dict(sends)
-        elif a.impl == "tcp-prop":  # to r: our slice of r's part and our part's answer; the same back
+        elif a.impl in ("tcp-prop", "tcp-paced"):  # to r: our slice of r's part and our part's answer; the same back
             sizes = proportional_parts(a.numel, a.rates_mbit)
             sends = {r: int((sizes[r] + sizes[a.rank]) * WIRE_BYTES_PER_VALUE[codec]) for r in peers}
             recvs = dict(sends)
+            if a.impl == "tcp-paced" and a.rates_mbit[a.rank] > 0:
+                shares = connection_shares(sizes, a.rank)
+                for r in peers:
+                    out[r].setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE,
+                                      max(1, int(shares[r] * a.rates_mbit[a.rank] * 1e6 / 8)))
         else:
             sends = {right: int(2 * (a.world - 1) / a.world * wire)}
             recvs = {(a.rank - 1) % a.world: sends[right]}
@@ -634,13 +680,14 @@ def run_impl(tb, sc: Scenario, impl: str, args, workdir: str) -> list[Row]:
                     master = "127.0.0.1" if sc.loopback else tb.addr(0)
                     argv += ["--master", master, "--port", str(port), "--ifname", "lo" if sc.loopback else "eth0"]
                 elif impl in CEILINGS:
-                    argv += ["--port", str(port + 1000), "--rates-mbit",
-                             *(str(min((x for x in sc.link_mbit(r) if x), default=0.0)) if not sc.loopback else "0"
-                               for r in range(sc.world)),
+                    argv += ["--port", str(port + 1000),
                              "--peer-hosts", *(["127.0.0.1"] * sc.world if sc.loopback else
                                                [tb.addr(r) for r in range(sc.world)])]
                 elif rank > 0:
                     argv += ["--initial-peers", first_maddr]
+                if impl in KNOW_RATES:
+                    argv += ["--rates-mbit", *(str(min((x for x in sc.link_mbit(r) if x), default=0.0))
+                                               if not sc.loopback else "0" for r in range(sc.world))]
                 log = os.path.join(workdir, f"{sc.key}-{impl}-g{generation}-{rank}.log")
                 started.append(Worker(tb.wrap(0 if sc.loopback else rank, argv), log))
                 if impl not in STANDALONE and rank == 0:
@@ -766,7 +813,10 @@ def render(rows: list[Row], scenarios: dict[str, Scenario], args, meta: dict) ->
            "(helpers: hivemind's DHT and averager processes). All peers share the machine's 2 cores, so a 2-core "
            "second holds at most 2 CPU seconds. CPU ms per MB = those CPU seconds per MB of fp32 vector averaged "
            "(N peers x S), whatever the codec. peerd-mux-plain = peerd-mux with the TLS step of its handshake "
-           "left out in the benchmark's workers (no encryption; peerd has no such mode): what encryption costs.",
+           "left out in the benchmark's workers (no encryption; peerd has no such mode): what encryption costs. "
+           "peerd-mux-paced = peerd-mux whose workers pace each multiplexed connection (`SO_MAX_PACING_RATE`) at its "
+           "share of the sender's link rate, known to the benchmark, before each run (peerd does not pace by "
+           "itself); tcp-paced = tcp-prop's bytes with each connection paced the same way.",
            ""]
     for sc in scenarios.values():
         out.append(f"### {sc.title}")
@@ -842,7 +892,8 @@ def verdicts(rows: list[Row], scenarios: dict[str, Scenario], args) -> list[str]
     lines = ["Targets:", ""]
     for sc in scenarios.values():
         for codec in sc.codecs:
-            ceilings = {c: time_of(sc, c, codec) for c in CEILINGS if c != "tcp-prop"}
+            ceilings = {c: time_of(sc, c, codec) for c in CEILINGS if c not in ("tcp-prop", "tcp-paced")}
+            paced = time_of(sc, "tcp-paced", codec)
             tcp_bound = time_of(sc, "tcp-prop", codec)
             for impl in ("peerd", *DIRECT):
                 t = time_of(sc, impl, codec)
@@ -851,6 +902,8 @@ def verdicts(rows: list[Row], scenarios: dict[str, Scenario], args) -> list[str]
                 b = bound_s(sc, codec, args.numel)
                 tcp = ("; the same bytes over plain TCP (equal parts): " + ", ".join(
                     f"{c} {b / ct:.2f}" for c, ct in ceilings.items() if ct)) if b and any(ceilings.values()) else ""
+                if b and paced:
+                    tcp += f"; tcp-prop's bytes, each connection paced at its share (tcp-paced): {b / paced:.2f}"
                 if sc.key.startswith("wan"):
                     pattern = "tcp-ring" if impl == "peerd-ring" else "tcp"
                     ceiling = ceilings.get(pattern)
