@@ -228,7 +228,9 @@ def _plaintext_handshakes() -> None:
     direct.client_handshake, direct.server_handshake = client, server
 
 
-SO_MAX_PACING_RATE = 47  # Linux's value; the socket module names it only on some builds
+SO_MAX_PACING_RATE = 47  # Linux's value; Python's socket module does not name it
+#: A pacing rate that no link reaches (bytes/s): what a connection whose share dropped to 0 is set back to.
+UNPACED_BPS = 2**31 - 1
 
 
 def connection_shares(sizes: list[int], me: int) -> list[float]:
@@ -241,7 +243,8 @@ def connection_shares(sizes: list[int], me: int) -> list[float]:
 
 def _pace_connections(direct, members: list[str], sizes: list[int], me: int, rate_bps: float) -> int:
     """``peerd-mux-paced``: pace the multiplexed connection to each member at its share of ``rate_bps`` (bytes/s)
-    (:func:`connection_shares`); returns how many connections were paced."""
+    (:func:`connection_shares`; a connection whose share is 0 is unpaced); returns how many connections were paced.
+    Reads ``DirectStreams``'s connections from outside: peerd itself has no pacing call yet."""
     import socket
 
     if rate_bps <= 0:  # loopback: no link rate to pace at
@@ -250,9 +253,10 @@ def _pace_connections(direct, members: list[str], sizes: list[int], me: int, rat
     for member, share in zip(members, connection_shares(sizes, me)):
         session = direct._mux.get(member)
         sock = session.conn.get_extra_info("socket") if session is not None else None
-        if share and sock is not None:
-            sock.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, max(1, int(share * rate_bps)))
-            paced += 1
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE,
+                            max(1, int(share * rate_bps)) if share else UNPACED_BPS)
+            paced += bool(share)
     return paced
 
 
@@ -450,7 +454,7 @@ def worker_gloo(a: argparse.Namespace) -> None:
 
 
 def worker_tcp(a: argparse.Namespace) -> None:
-    """The ``tcp`` / ``tcp-ring`` ceilings (see :data:`CEILINGS`): listen on ``--port`` + rank, dial every other
+    """The ceilings (:data:`CEILINGS`): listen on ``--port`` + rank, dial every other
     peer once (warm connections, one per direction), then per repetition: a barrier (one byte to and from every
     peer), then send and receive the pattern's bytes, every connection in its own thread."""
     import socket
