@@ -77,9 +77,9 @@ CODECS = ("none", "fp16", "int8")
 #: peerd-libp2p = peerd on the py-libp2p transport (peerd/transport/libp2p_backend.py) instead of p2pd.
 #: peerd-mux-plain = peerd-mux with the TLS step of the handshake left out (:func:`_plaintext_handshakes`): what
 #: encryption costs, measured here only; peerd itself has no plaintext mode.
-#: peerd-mux-paced = peerd-mux whose workers pace each multiplexed connection (``SO_MAX_PACING_RATE``) at its share
-#: of the sender's known link rate before each run (:func:`_pace_connections`): what per-connection pacing would buy;
-#: peerd does not pace by itself.
+#: peerd-mux-paced = peerd-mux whose workers pace each multiplexed connection (``DirectStreams.pace``) at its share
+#: of the sender's known link rate before each run (:func:`_pace_connections`): what per-connection pacing buys;
+#: the daemon does not pace by itself.
 #: tcp and tcp-ring are ceilings, not all-reduces (see the module docstring and worker_tcp).
 IMPLS = ("peerd", "peerd-direct", "peerd-mux", "peerd-mux-plain", "peerd-mux-paced", "peerd-ring", "peerd-libp2p",
          "hivemind", "gloo", "tcp", "tcp-ring", "tcp-prop", "tcp-paced")
@@ -228,11 +228,6 @@ def _plaintext_handshakes() -> None:
     direct.client_handshake, direct.server_handshake = client, server
 
 
-SO_MAX_PACING_RATE = 47  # Linux's value; Python's socket module does not name it
-#: A pacing rate that no link reaches (bytes/s): what a connection whose share dropped to 0 is set back to.
-UNPACED_BPS = 2**31 - 1
-
-
 def connection_shares(sizes: list[int], me: int) -> list[float]:
     """Each connection's share of member ``me``'s upload in a butterfly with parts ``sizes`` (in member order): to
     member j go our slice of j's part and our part's answer, ``sizes[j] + sizes[me]`` values; 0 for ourselves."""
@@ -243,20 +238,14 @@ def connection_shares(sizes: list[int], me: int) -> list[float]:
 
 def _pace_connections(direct, members: list[str], sizes: list[int], me: int, rate_bps: float) -> int:
     """``peerd-mux-paced``: pace the multiplexed connection to each member at its share of ``rate_bps`` (bytes/s)
-    (:func:`connection_shares`; a connection whose share is 0 is unpaced); returns how many connections were paced.
-    Reads ``DirectStreams``'s connections from outside: peerd itself has no pacing call yet."""
-    import socket
-
+    with ``DirectStreams.pace`` (:func:`connection_shares`; a connection whose share is 0 is unpaced); returns how
+    many connections were paced. The daemon does not call ``pace`` yet: it does not know its link's rate."""
     if rate_bps <= 0:  # loopback: no link rate to pace at
         return 0
     paced = 0
-    for member, share in zip(members, connection_shares(sizes, me)):
-        session = direct._mux.get(member)
-        sock = session.conn.get_extra_info("socket") if session is not None else None
-        if sock is not None:
-            sock.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE,
-                            max(1, int(share * rate_bps)) if share else UNPACED_BPS)
-            paced += bool(share)
+    for j, (member, share) in enumerate(zip(members, connection_shares(sizes, me))):
+        if j != me and direct.pace(member, share * rate_bps if share else None) and share:
+            paced += 1
     return paced
 
 
@@ -510,10 +499,11 @@ def worker_tcp(a: argparse.Namespace) -> None:
             sends = {r: int((sizes[r] + sizes[a.rank]) * WIRE_BYTES_PER_VALUE[codec]) for r in peers}
             recvs = dict(sends)
             if a.impl == "tcp-paced" and a.rates_mbit[a.rank] > 0:
+                from peerd.transport.connection import set_pacing
+
                 shares = connection_shares(sizes, a.rank)
                 for r in peers:
-                    out[r].setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE,
-                                      max(1, int(shares[r] * a.rates_mbit[a.rank] * 1e6 / 8)))
+                    set_pacing(out[r], shares[r] * a.rates_mbit[a.rank] * 1e6 / 8)
         else:
             sends = {right: int(2 * (a.world - 1) / a.world * wire)}
             recvs = {(a.rank - 1) % a.world: sends[right]}
@@ -818,7 +808,7 @@ def render(rows: list[Row], scenarios: dict[str, Scenario], args, meta: dict) ->
            "second holds at most 2 CPU seconds. CPU ms per MB = those CPU seconds per MB of fp32 vector averaged "
            "(N peers x S), whatever the codec. peerd-mux-plain = peerd-mux with the TLS step of its handshake "
            "left out in the benchmark's workers (no encryption; peerd has no such mode): what encryption costs. "
-           "peerd-mux-paced = peerd-mux whose workers pace each multiplexed connection (`SO_MAX_PACING_RATE`) at its "
+           "peerd-mux-paced = peerd-mux whose workers pace each multiplexed connection (`DirectStreams.pace`) at its "
            "share of the sender's link rate, known to the benchmark, before each run (peerd does not pace by "
            "itself); tcp-paced = tcp-prop's bytes with each connection paced the same way.",
            ""]

@@ -41,7 +41,7 @@ from typing import Any, Optional
 
 from peerd.identity.namespace import network_key
 from peerd.identity.signing import Signer
-from peerd.transport.connection import SOCKET_BUFFER_BYTES, Connection, open_connection, tune
+from peerd.transport.connection import SOCKET_BUFFER_BYTES, Connection, open_connection, set_pacing, tune
 from peerd.transport.handshake import (HandshakeFailed, HandshakeRefused, client_handshake,  # noqa: F401 - re-exported
                                        server_handshake)
 from peerd.transport.linger import serve_stream
@@ -322,6 +322,17 @@ class DirectStreams:
 
         asyncio.ensure_future(session.closed_event.wait()).add_done_callback(ended)
         return session
+
+    def pace(self, peer_id: str, bytes_per_s: Optional[float]) -> bool:
+        """Pace what we send on the multiplexed connection our streams to ``peer_id`` use at ``bytes_per_s`` (None:
+        unpaced again), as :func:`peerd.transport.connection.set_pacing` does. Returns False, changing nothing, where
+        there is no such connection open (not multiplexed, not dialled yet, or closed) or the system does not pace.
+        The pace holds for that connection only: one dialled later starts unpaced."""
+        session = self._mux.get(peer_id)
+        if session is None or session.closed:
+            return False
+        sock = session.conn.get_extra_info("socket")
+        return sock is not None and set_pacing(sock, bytes_per_s)
 
     def _serve_mux_stream(self, peer: str, name: str, stream: MuxStream) -> None:
         handler = self._handlers.get(name)

@@ -89,6 +89,39 @@ def test_five_rounds_between_three_peers_use_one_connection_per_pair_and_a_dropp
     asyncio.run(main())
 
 
+def test_a_peers_connection_is_paced_at_the_rate_asked_and_unpaced_again():
+    import socket
+    import sys
+
+    from peerd.transport.connection import SO_MAX_PACING_RATE, UNPACED_BYTES_PER_S
+
+    async def main():
+        hub = Hub()
+        peers = await _peers(hub, 2)
+        a, b = peers[0][0], peers[1][0]
+        echo = _Echo()
+        await echo.start(b)
+        try:
+            assert not a.pace(b.peer_id, 1_000_000)  # no connection yet: nothing to pace
+            reply = await call(a, b.peer_id, "echo", "echo", {}, b"abc", timeout_s=10.0, max_reply_bytes=3)
+            assert bytes(reply.payload) == b"cba"
+            sock = a._mux[b.peer_id].conn.get_extra_info("socket")
+            linux = sys.platform.startswith("linux")
+            assert a.pace(b.peer_id, 1_250_000.7) is linux
+            if linux:
+                assert sock.getsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE) == 1_250_000
+                assert a.pace(b.peer_id, None)
+                assert sock.getsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE) == UNPACED_BYTES_PER_S
+            assert not a.pace("12D3KooWNobody", 1_000_000)
+            reply = await call(a, b.peer_id, "echo", "echo", {}, b"xyz", timeout_s=10.0, max_reply_bytes=3)
+            assert bytes(reply.payload) == b"zyx"  # the paced and unpaced connection still carries streams
+        finally:
+            for streams, _, _ in peers:
+                await streams.stop()
+
+    asyncio.run(main())
+
+
 def test_streams_over_one_connection_are_independent_and_flow_controlled():
     async def main():
         hub = Hub()
