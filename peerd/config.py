@@ -185,6 +185,12 @@ class NodeConfig:
     second); 0 = unlimited. The DHT's own small messages are not paced."""
     download_limit_mb_s: float = 0.0
     """Cap on what this peer reads from other peers' streams in MB/s; 0 = unlimited."""
+    uplink_mb_s: float = 0.0
+    """This peer's upload link rate in MB/s (10^6 bytes per second: 12.5 for 100 Mbit/s), as a speed test gives it,
+    or a little below; 0 = unknown. When known (or an upload cap is set, which counts where it is lower), each
+    all-reduce paces its connections at their shares of it (``SO_MAX_PACING_RATE``, Linux, direct data plane):
+    unpaced they overfill the link's queue in turns, 0.75-0.78 of a 100 Mbit/s link against 0.92 paced
+    (docs/benchmarks.md). Too high a rate (10% above the link) loses that gain; too low caps the upload at it."""
     active_hours: Optional[str] = None
     """Local-time windows in which this peer trains, e.g. "22:00-07:00" or "09:00-12:00,18:00-23:30". Outside them
     it leaves rounds cleanly and pauses, then rejoins. None = always."""
@@ -324,10 +330,11 @@ class NodeConfig:
             )
         if not 0.0 <= self.gpu_memory_fraction <= 1.0:
             raise ConfigError(f"gpu_memory_fraction must be in [0, 1] (0 = no limit), got {self.gpu_memory_fraction}")
-        for name in ("upload_limit_mb_s", "download_limit_mb_s"):
+        for name in ("upload_limit_mb_s", "download_limit_mb_s", "uplink_mb_s"):
             value = getattr(self, name)
             if not (0.0 <= value < float("inf")):
-                raise ConfigError(f"{name} must be a number of MB/s >= 0 (0 = unlimited), got {value}")
+                meaning = "unknown" if name == "uplink_mb_s" else "unlimited"
+                raise ConfigError(f"{name} must be a number of MB/s >= 0 (0 = {meaning}), got {value}")
         if self.active_hours is not None:
             try:
                 ActiveHours.parse(self.active_hours)

@@ -7,7 +7,7 @@ simulations of many peers). Protocol runners receive an implementation; they nev
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Protocol, runtime_checkable
+from typing import Any, Awaitable, Callable, Mapping, Optional, Protocol, runtime_checkable
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,16 @@ class PeerStreams(Protocol):
 
     async def open(self, peer_id: str, name: str) -> tuple[StreamReader, StreamWriter]:
         """Open a stream to ``peer_id``'s handler ``name``. Raises ``ConnectionError`` if that is impossible."""
+
+
+class UplinkPacing(Protocol):
+    """What :class:`PeerStreams` may offer besides (duck-typed: look it up with ``getattr``): pacing this peer's
+    connections at shares of its uplink, where the uplink's rate is known."""
+
+    def pace_uplink(self, shares: Mapping[str, float]) -> Optional[Callable[[], None]]:
+        """Pace what we send to each PeerID of ``shares`` at that fraction ([0, 1]) of our uplink, streams opened
+        later included, until the returned function is called; None where the rate is unknown or the connections
+        cannot be paced (nothing changed)."""
 
 
 @runtime_checkable

@@ -67,6 +67,7 @@ if REPO not in sys.path:
 from benchlib import load_wan_testbed, machine_line, replace_section, result_args  # noqa: E402
 from peerd.testing.localswarm import ProcessSet, kill_tree  # noqa: E402
 from protocols.allreduce import RATE_MIN_RUNS  # noqa: E402
+from protocols.allreduce.parts import connection_shares  # noqa: E402
 
 SECTION = "## All-reduce on a virtual WAN: peerd vs hivemind vs gloo (scripts/bench_allreduce.py)"
 CODECS = ("none", "fp16", "int8")
@@ -77,9 +78,8 @@ CODECS = ("none", "fp16", "int8")
 #: peerd-libp2p = peerd on the py-libp2p transport (peerd/transport/libp2p_backend.py) instead of p2pd.
 #: peerd-mux-plain = peerd-mux with the TLS step of the handshake left out (:func:`_plaintext_handshakes`): what
 #: encryption costs, measured here only; peerd itself has no plaintext mode.
-#: peerd-mux-paced = peerd-mux whose workers pace each multiplexed connection (``DirectStreams.pace``) at its share
-#: of the sender's known link rate before each run (:func:`_pace_connections`): what per-connection pacing buys;
-#: the daemon does not pace by itself.
+#: peerd-mux-paced = peerd-mux with each worker's uplink rate declared (the daemon's ``uplink_mb_s``: its streams
+#: wrapped by ``peerd.transport.pacing.pace``), so that every butterfly paces its connections at their shares of it.
 #: tcp and tcp-ring are ceilings, not all-reduces (see the module docstring and worker_tcp).
 IMPLS = ("peerd", "peerd-direct", "peerd-mux", "peerd-mux-plain", "peerd-mux-paced", "peerd-ring", "peerd-libp2p",
          "hivemind", "gloo", "tcp", "tcp-ring", "tcp-prop", "tcp-paced")
@@ -228,27 +228,6 @@ def _plaintext_handshakes() -> None:
     direct.client_handshake, direct.server_handshake = client, server
 
 
-def connection_shares(sizes: list[int], me: int) -> list[float]:
-    """Each connection's share of member ``me``'s upload in a butterfly with parts ``sizes`` (in member order): to
-    member j go our slice of j's part and our part's answer, ``sizes[j] + sizes[me]`` values; 0 for ourselves."""
-    load = [0 if j == me else size + sizes[me] for j, size in enumerate(sizes)]
-    total = sum(load)
-    return [x / total if total else 0.0 for x in load]
-
-
-def _pace_connections(direct, members: list[str], sizes: list[int], me: int, rate_bps: float) -> int:
-    """``peerd-mux-paced``: pace the multiplexed connection to each member at its share of ``rate_bps`` (bytes/s)
-    with ``DirectStreams.pace`` (:func:`connection_shares`; a connection whose share is 0 is unpaced); returns how
-    many connections were paced. The daemon does not call ``pace`` yet: it does not know its link's rate."""
-    if rate_bps <= 0:  # loopback: no link rate to pace at
-        return 0
-    paced = 0
-    for j, (member, share) in enumerate(zip(members, connection_shares(sizes, me))):
-        if j != me and direct.pace(member, share * rate_bps if share else None) and share:
-            paced += 1
-    return paced
-
-
 async def worker_peerd(a: argparse.Namespace) -> None:
     """peerd's averaging; with ``--worker peerd-direct`` its streams go over the direct TCP data plane
     (:class:`peerd.transport.direct.DirectStreams`, bound to the same host as p2pd), p2pd only as fallback."""
@@ -283,7 +262,12 @@ async def worker_peerd(a: argparse.Namespace) -> None:
         direct = DirectStreams(network.streams, network.discovery, Signer.from_identity_file(identity_path), a.host,
                                multiplex=a.impl in MULTIPLEXED)
         await direct.start()
-        transport = types.SimpleNamespace(discovery=network.discovery, streams=direct)
+        streams = direct
+        if a.impl == "peerd-mux-paced":  # the node's uplink declared, as `uplink_mb_s` does in the daemon
+            from peerd.transport.pacing import pace
+
+            streams = pace(direct, uplink_bytes_per_s=a.rates_mbit[a.rank] * 1e6 / 8)
+        transport = types.SimpleNamespace(discovery=network.discovery, streams=streams)
     profiler = None
     if a.profile_to:
         import cProfile
@@ -316,11 +300,6 @@ async def worker_peerd(a: argparse.Namespace) -> None:
             try:
                 # the rates measured in earlier repetitions (the warm-up's included) size the parts
                 group = await mm.form_group(f"{codec}-rep{rep}", ar.announce(), expected_size=a.world)
-                if a.impl == "peerd-mux-paced":  # the connections exist from the warm-up on
-                    me = group.members.index(transport.streams.peer_id)
-                    paced = _pace_connections(direct, group.members, ar.part_sizes(group, a.numel), me,
-                                              a.rates_mbit[a.rank] * 1e6 / 8)
-                    print(f"rep {rep}: paced {paced} connections", file=sys.stderr, flush=True)
                 cpu0 = cpu_tree()
                 t_start = time.time()
                 rings = getattr(ar, "rings_run", 0)
@@ -448,6 +427,8 @@ def worker_tcp(a: argparse.Namespace) -> None:
     peer), then send and receive the pattern's bytes, every connection in its own thread."""
     import socket
 
+    from peerd.transport.connection import TCP_CONGESTION_NAME, set_congestion
+
     listener = socket.socket()
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind((a.host, a.port + a.rank))
@@ -461,6 +442,7 @@ def worker_tcp(a: argparse.Namespace) -> None:
         while True:
             try:
                 out[r] = socket.create_connection((host, a.port + r), timeout=60)
+                set_congestion(out[r], TCP_CONGESTION_NAME)
                 out[r].sendall(bytes([a.rank]))
                 break
             except OSError:
@@ -808,9 +790,11 @@ def render(rows: list[Row], scenarios: dict[str, Scenario], args, meta: dict) ->
            "second holds at most 2 CPU seconds. CPU ms per MB = those CPU seconds per MB of fp32 vector averaged "
            "(N peers x S), whatever the codec. peerd-mux-plain = peerd-mux with the TLS step of its handshake "
            "left out in the benchmark's workers (no encryption; peerd has no such mode): what encryption costs. "
-           "peerd-mux-paced = peerd-mux whose workers pace each multiplexed connection (`DirectStreams.pace`) at its "
-           "share of the sender's link rate, known to the benchmark, before each run (peerd does not pace by "
-           "itself); tcp-paced = tcp-prop's bytes with each connection paced the same way.",
+           "peerd-mux-paced = peerd-mux with each peer's uplink rate declared (the node setting `uplink_mb_s`, "
+           "here the link's shaped rate): every butterfly paces its connections at their shares of it "
+           "(`SO_MAX_PACING_RATE`); tcp-paced = tcp-prop's bytes with each connection paced the same way."
+           + (f" TCP congestion control of the peers' data sockets: {args.congestion} (`--congestion`)."
+              if args.congestion else ""),
            ""]
     for sc in scenarios.values():
         out.append(f"### {sc.title}")
@@ -956,6 +940,9 @@ def main() -> int:
     p.add_argument("--scenarios", nargs="+", default=["wan", "loopback", "hetero"],
                    choices=("wan", "loopback", "hetero", "asym"))
     p.add_argument("--impls", nargs="+", default=["peerd", "hivemind", "gloo"], choices=IMPLS)
+    p.add_argument("--congestion", metavar="NAME",
+                   help="TCP congestion control of the peers' data sockets (PEERD_TCP_CONGESTION, e.g. cubic, bbr; "
+                        "default: the host's, /proc/sys/net/ipv4/tcp_congestion_control)")
     p.add_argument("--profile", metavar="DIR",
                    help="profile (cProfile, CPU time) each peerd worker's measured all-reduces, with the rest of its "
                         "event loop's work while they run, into DIR/SCENARIO-IMPL-rankR.prof (python -m pstats)")
@@ -970,6 +957,8 @@ def main() -> int:
         print("bench_allreduce: needs root (network namespaces)", file=sys.stderr)
         return 2
 
+    if args.congestion:  # the workers inherit it
+        os.environ["PEERD_TCP_CONGESTION"] = args.congestion
     wt = load_wan_testbed()
     codecs = tuple(c for c in CODECS if c in args.codecs)
     scenarios: dict[str, Scenario] = {}

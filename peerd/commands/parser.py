@@ -105,6 +105,9 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
                    help="cap what this peer sends to other peers, in MB/s (default unlimited)")
     g.add_argument("--download-limit", type=float, metavar="MB_S", dest="download_limit_mb_s",
                    help="cap what this peer reads from other peers, in MB/s (default unlimited)")
+    g.add_argument("--uplink", type=float, metavar="MB_S", dest="uplink_mb_s",
+                   help="this peer's upload link rate in MB/s (12.5 = 100 Mbit/s), from a speed test or a little "
+                   "below: all-reduces pace their connections at shares of it (default unknown: unpaced)")
     g.add_argument("--active-hours", metavar="HH:MM-HH:MM[,...]",
                    help="train only in these local-time windows, e.g. 22:00-07:00; pause outside them")
     g.add_argument("--metrics-port", type=int, metavar="PORT",

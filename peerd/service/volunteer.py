@@ -153,7 +153,7 @@ class VolunteerServices:
     def pace(self, transport: Any) -> PacedTransport:
         """The transport the role gets: same discovery, streams paced at the node's caps and metered."""
         up, down = self.node.upload_limit_mb_s, self.node.download_limit_mb_s
-        self.streams = pace(transport.streams, up * 1e6, down * 1e6)
+        self.streams = pace(transport.streams, up * 1e6, down * 1e6, self.node.uplink_mb_s * 1e6)
         if up or down:
             self.events.publish(BandwidthCaps(up, down))
         return PacedTransport(transport.discovery, self.streams)
@@ -202,6 +202,7 @@ class VolunteerServices:
             "machine": {"others_cpu_percent": self.rules.others_cpu_percent, "on_battery": self.rules.on_battery},
             "limits": {"device": node.device, "threads": node.threads, "gpu_memory_fraction": node.gpu_memory_fraction,
                        "upload_limit_mb_s": node.upload_limit_mb_s, "download_limit_mb_s": node.download_limit_mb_s,
+                       "uplink_mb_s": node.uplink_mb_s,
                        "active_hours": node.active_hours},
         }
 

@@ -48,6 +48,10 @@ SOCKET_BUFFER_BYTES = 0
 #: measurement, :mod:`protocols.allreduce.parts`) read a 20 Mbit/s uplink as 8.7-43 MB/s; 0 (``PEERD_NOTSENT_LOWAT=0``
 #: in the environment): never set.
 NOTSENT_LOWAT_BYTES = 0 if os.environ.get("PEERD_NOTSENT_LOWAT") == "0" else 128 * 1024
+#: TCP congestion control of the data plane's sockets (``TCP_CONGESTION``, e.g. ``cubic``, ``bbr``), from
+#: ``PEERD_TCP_CONGESTION`` in the environment; empty (the default): the system's
+#: (``/proc/sys/net/ipv4/tcp_congestion_control``). One the system does not offer is left out.
+TCP_CONGESTION_NAME = os.environ.get("PEERD_TCP_CONGESTION", "")
 #: Longest TLS handshake (seconds); the callers bound the whole handshake more tightly.
 TLS_HANDSHAKE_TIMEOUT_S = 10.0
 
@@ -77,6 +81,19 @@ def tune(sock: socket.socket, buffer_bytes: int) -> None:
     if NOTSENT_LOWAT_BYTES and hasattr(socket, "TCP_NOTSENT_LOWAT"):  # Linux, macOS
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, NOTSENT_LOWAT_BYTES)
+    set_congestion(sock, TCP_CONGESTION_NAME)
+
+
+def set_congestion(sock: Any, name: str) -> bool:
+    """Use TCP congestion control ``name`` (e.g. ``cubic``) on ``sock``; False, changing nothing, where ``name`` is
+    empty or the system refuses it (not Linux, not available, or not allowed to this process)."""
+    if not name or not hasattr(socket, "TCP_CONGESTION"):
+        return False
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, name.encode())
+    except OSError:
+        return False
+    return True
 
 
 #: ``SO_MAX_PACING_RATE`` (Linux; Python's socket module does not name it): the most bytes per second the kernel

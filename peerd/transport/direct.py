@@ -35,6 +35,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import sys
 import time
 from collections import Counter
 from typing import Any, Optional
@@ -140,6 +141,7 @@ class DirectStreams:
         self._mux_all: set[MuxSession] = set()
         self._dialing: dict[str, asyncio.Task] = {}
         self._mux_arrived: dict[str, asyncio.Event] = {}
+        self._paces: dict[str, float] = {}  # PeerID -> bytes/s its connections are paced at (pace())
         self.tls: Optional[PeerTLS] = None  # our certificate and TLS contexts, from start() to stop()
 
     @property
@@ -308,6 +310,8 @@ class DirectStreams:
         session = MuxSession(conn, peer, dialer, self._handlers.__contains__,
                              lambda name, stream: self._serve_mux_stream(peer, name, stream))
         self._mux_all.add(session)
+        if peer in self._paces:
+            self._set_pace(session, self._paces[peer])
         current = self._mux.get(peer)
         if current is None or current.closed:
             self._mux[peer] = session
@@ -324,15 +328,26 @@ class DirectStreams:
         return session
 
     def pace(self, peer_id: str, bytes_per_s: Optional[float]) -> bool:
-        """Pace what we send on the multiplexed connection our streams to ``peer_id`` use at ``bytes_per_s`` (None:
-        unpaced again), as :func:`peerd.transport.connection.set_pacing` does. Returns False, changing nothing, where
-        there is no such connection open (not multiplexed, not dialled yet, or closed) or the system does not pace.
-        The pace holds for that connection only: one dialled later starts unpaced."""
-        session = self._mux.get(peer_id)
-        if session is None or session.closed:
+        """Pace what we send on the multiplexed connections to ``peer_id`` at ``bytes_per_s`` (None: unpaced again),
+        as :func:`peerd.transport.connection.set_pacing` does: the connections open now and any opened to it later
+        (dialled again after a drop, or dialled by the peer), until paced otherwise. Returns False where the system
+        does not pace (not Linux) or this instance does not multiplex (streams on connections of their own are
+        not paced), True otherwise. Streams that go through the inner (p2pd) streams are not paced."""
+        if not self.multiplex or not sys.platform.startswith("linux"):
             return False
+        if bytes_per_s is None:
+            self._paces.pop(peer_id, None)
+        else:
+            self._paces[peer_id] = bytes_per_s
+        for session in [s for s in self._mux_all if s.peer == peer_id and not s.closed]:
+            self._set_pace(session, bytes_per_s)
+        return True
+
+    @staticmethod
+    def _set_pace(session: MuxSession, bytes_per_s: Optional[float]) -> None:
         sock = session.conn.get_extra_info("socket")
-        return sock is not None and set_pacing(sock, bytes_per_s)
+        if sock is not None:
+            set_pacing(sock, bytes_per_s)
 
     def _serve_mux_stream(self, peer: str, name: str, stream: MuxStream) -> None:
         handler = self._handlers.get(name)

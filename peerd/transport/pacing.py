@@ -16,8 +16,9 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
+from peerd.transport.uplink import UplinkShares
 from protocols.interfaces import PeerStreams, StreamHandler
 
 #: Bytes paid for and moved at a time: small enough for smooth pacing, large enough to keep syscalls cheap.
@@ -204,12 +205,16 @@ class PacedReader:
 
 
 class PacedStreams:
-    """:class:`PeerStreams` whose every stream is paced by shared upload/download buckets and metered."""
+    """:class:`PeerStreams` whose every stream is paced by shared upload/download buckets and metered; with
+    ``uplink``, also :class:`protocols.interfaces.UplinkPacing` (each connection paced by the kernel at its share of
+    the uplink)."""
 
-    def __init__(self, inner: PeerStreams, upload: Direction, download: Direction):
+    def __init__(self, inner: PeerStreams, upload: Direction, download: Direction,
+                 uplink: Optional[UplinkShares] = None):
         self._inner = inner
         self.upload = upload
         self.download = download
+        self.uplink = uplink
 
     @property
     def peer_id(self) -> str:
@@ -231,6 +236,11 @@ class PacedStreams:
     def report(self) -> dict[str, dict[str, Any]]:
         return {"upload": self.upload.report(), "download": self.download.report()}
 
+    def pace_uplink(self, shares: Mapping[str, float]) -> Optional[Callable[[], None]]:
+        """:meth:`protocols.interfaces.UplinkPacing.pace_uplink`: None where the uplink's rate is not known (neither
+        ``uplink_mb_s`` nor an upload cap set) or the streams cannot pace their connections."""
+        return self.uplink.share(shares) if self.uplink is not None else None
+
 
 @dataclass
 class PacedTransport:
@@ -240,9 +250,16 @@ class PacedTransport:
     streams: PacedStreams
 
 
-def pace(streams: PeerStreams, upload_bytes_per_s: float = 0.0, download_bytes_per_s: float = 0.0) -> PacedStreams:
-    """Wrap ``streams``; a rate of 0 leaves that direction unlimited (still metered)."""
+def pace(streams: PeerStreams, upload_bytes_per_s: float = 0.0, download_bytes_per_s: float = 0.0,
+         uplink_bytes_per_s: float = 0.0) -> PacedStreams:
+    """Wrap ``streams``; a rate of 0 leaves that direction unlimited (still metered). The uplink's rate (bytes/s;
+    0: unknown) paces each connection at its share of it where ``streams`` can pace its connections (a ``pace``
+    method: :meth:`peerd.transport.direct.DirectStreams.pace`); the upload cap counts as the uplink where it is
+    lower."""
     def direction(rate: float) -> Direction:
         return Direction(TokenBucket(rate) if rate > 0 else None, RateMeter())
 
-    return PacedStreams(streams, direction(upload_bytes_per_s), direction(download_bytes_per_s))
+    link = min((r for r in (uplink_bytes_per_s, upload_bytes_per_s) if r > 0), default=0.0)
+    pace_fn = getattr(streams, "pace", None)
+    uplink = UplinkShares(link, pace_fn) if link > 0 and callable(pace_fn) else None
+    return PacedStreams(streams, direction(upload_bytes_per_s), direction(download_bytes_per_s), uplink)

@@ -76,6 +76,15 @@ def link_rate(streams: Sequence[TimedStream]) -> tuple[float, int]:
     return rate, moved[-1] if moved else 0
 
 
+def connection_shares(sizes: Sequence[int], me: int) -> list[float]:
+    """Each connection's share of member ``me``'s upload in a butterfly with parts ``sizes`` (values, in member
+    order): to member j go our slice of j's part and our part's answer, ``sizes[j] + sizes[me]`` values; 0 for
+    ourselves (and for everyone where nothing is sent)."""
+    load = [0 if j == me else size + sizes[me] for j, size in enumerate(sizes)]
+    total = sum(load)
+    return [x / total if total else 0.0 for x in load]
+
+
 class PartPlanner:
     """The part-scheduling side of :class:`protocols.allreduce.ButterflyAllReduce` (a mixin): what this peer announces
     in the group info, the part sizes every member computes alike from the group, and the rate measurement."""

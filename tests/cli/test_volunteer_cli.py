@@ -100,7 +100,7 @@ def test_install_service_writes_the_unit_and_prints_the_commands(tmp_path, peerd
 
 def test_config_show_says_where_each_value_came_from(peerd):
     result = peerd("config", "show", "--config", str(LOCAL), "--threads", "2", "--upload-limit", "3",
-                   "--micro-batch-size", "4", "--precision", "bf16", "--activation-checkpointing",
+                   "--uplink", "12.5", "--micro-batch-size", "4", "--precision", "bf16", "--activation-checkpointing",
                    env={"PEERD_METRICS_PORT": "9400", "PEERD_THREADS": "7"})
     assert result.returncode == 0, result.stderr
     shown = json.loads(result.stdout)
@@ -108,6 +108,7 @@ def test_config_show_says_where_each_value_came_from(peerd):
     assert set(sources) == set(node)
     assert (node["threads"], sources["threads"]) == (2, "flag --threads")  # flag > env > file
     assert (node["upload_limit_mb_s"], sources["upload_limit_mb_s"]) == (3.0, "flag --upload-limit")
+    assert (node["uplink_mb_s"], sources["uplink_mb_s"]) == (12.5, "flag --uplink")
     assert (node["metrics_port"], sources["metrics_port"]) == (9400, "env PEERD_METRICS_PORT")
     assert (node["status_interval_s"], sources["status_interval_s"]) == (1.0, f"file {LOCAL}")
     assert (node["micro_batch_size"], sources["micro_batch_size"]) == (4, "flag --micro-batch-size")

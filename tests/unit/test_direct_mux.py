@@ -89,7 +89,7 @@ def test_five_rounds_between_three_peers_use_one_connection_per_pair_and_a_dropp
     asyncio.run(main())
 
 
-def test_a_peers_connection_is_paced_at_the_rate_asked_and_unpaced_again():
+def test_a_peers_connections_are_paced_at_the_rate_asked_also_when_dialled_later_and_unpaced_again():
     import socket
     import sys
 
@@ -102,17 +102,30 @@ def test_a_peers_connection_is_paced_at_the_rate_asked_and_unpaced_again():
         echo = _Echo()
         await echo.start(b)
         try:
-            assert not a.pace(b.peer_id, 1_000_000)  # no connection yet: nothing to pace
+            linux = sys.platform.startswith("linux")
+            # no connection yet: the pace is kept for the one opened next
+            assert a.pace(b.peer_id, 1_250_000.7) is linux
             reply = await call(a, b.peer_id, "echo", "echo", {}, b"abc", timeout_s=10.0, max_reply_bytes=3)
             assert bytes(reply.payload) == b"cba"
             sock = a._mux[b.peer_id].conn.get_extra_info("socket")
-            linux = sys.platform.startswith("linux")
-            assert a.pace(b.peer_id, 1_250_000.7) is linux
             if linux:
                 assert sock.getsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE) == 1_250_000
+                assert a.pace(b.peer_id, 2_500_000)  # the open connection is paced anew
+                assert sock.getsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE) == 2_500_000
                 assert a.pace(b.peer_id, None)
                 assert sock.getsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE) == UNPACED_BYTES_PER_S
-            assert not a.pace("12D3KooWNobody", 1_000_000)
+                # dropped and dialled again while paced: the new connection is paced too
+                assert a.pace(b.peer_id, 1_000_000)
+                first = a._mux[b.peer_id]
+                first.close()
+                await first.closed_event.wait()
+                reply = await call(a, b.peer_id, "echo", "echo", {}, b"def", timeout_s=10.0, max_reply_bytes=3)
+                assert bytes(reply.payload) == b"fed"
+                assert a._mux[b.peer_id] is not first
+                again = a._mux[b.peer_id].conn.get_extra_info("socket")
+                assert again.getsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE) == 1_000_000
+                assert a.pace(b.peer_id, None)
+                assert again.getsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE) == UNPACED_BYTES_PER_S
             reply = await call(a, b.peer_id, "echo", "echo", {}, b"xyz", timeout_s=10.0, max_reply_bytes=3)
             assert bytes(reply.payload) == b"zyx"  # the paced and unpaced connection still carries streams
         finally:

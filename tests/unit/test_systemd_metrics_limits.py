@@ -230,6 +230,7 @@ def test_cpu_threads():
     ({"gpu_memory_fraction": -0.1}, "gpu_memory_fraction"),
     ({"upload_limit_mb_s": -1.0}, "upload_limit_mb_s"),
     ({"download_limit_mb_s": float("inf")}, "download_limit_mb_s"),
+    ({"uplink_mb_s": -12.5}, "uplink_mb_s"),
     ({"active_hours": "25:00-07:00"}, "active_hours"),
     ({"metrics_port": 70000}, "metrics_port"),
     ({"health_max_age_s": 0.0}, "health_max_age_s"),

@@ -1,0 +1,130 @@
+"""Each all-reduce paces its connections at their shares of the peer's uplink (peerd/transport/uplink.py, the
+butterfly's ``_pace_uplink``), and lifts the pace when the run ends, failed or not."""
+
+import asyncio
+from typing import Any, Optional
+
+import pytest
+import torch
+
+from peerd.transport.inprocess import Hub
+from peerd.transport.pacing import pace
+from peerd.transport.uplink import UplinkShares
+from protocols.allreduce import AllReduceFailed
+from protocols.allreduce.parts import connection_shares
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class _Recorder:
+    """Streams that can pace: every ``pace`` call recorded, and the pace each stream was opened under."""
+
+    def __init__(self, inner: Any):
+        self._inner = inner
+        self.calls: list[tuple[str, Optional[float]]] = []
+        self.now: dict[str, Optional[float]] = {}
+        self.opened_under: list[tuple[str, str, Optional[float]]] = []
+
+    def pace(self, peer: str, rate: Optional[float]) -> bool:
+        self.calls.append((peer, rate))
+        self.now[peer] = rate
+        return True
+
+    async def open(self, peer: str, name: str):
+        self.opened_under.append((peer, name, self.now.get(peer)))
+        return await self._inner.open(peer, name)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+class _Transport:
+    def __init__(self, inner: Any, streams: Any):
+        self._inner, self.streams = inner, streams
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def test_shares_are_paced_at_their_part_of_the_rate_add_up_across_runs_and_are_given_back():
+    calls = []
+    uplink = UplinkShares(1000.0, lambda peer, rate: calls.append((peer, rate)) or True)
+    first = uplink.share({"a": 0.25, "b": 0.75, "c": 0.0})
+    assert calls == [("a", 250.0), ("b", 750.0)]  # a share of 0 holds nothing
+    second = uplink.share({"b": 0.5})
+    assert calls[-1] == ("b", 1000.0) and uplink.held("b") == 1.0  # 1.25 of the link capped at the whole link
+    first()
+    assert calls[-2:] == [("a", None), ("b", 500.0)]  # a unpaced again, b still held by the second run
+    first()  # given back already: nothing changes
+    assert len(calls) == 5
+    second()
+    assert calls[-1] == ("b", None) and uplink.held("b") == 0.0
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        uplink.share({"a": 1.5})
+    with pytest.raises(ValueError, match="> 0"):
+        UplinkShares(0.0, lambda peer, rate: True)
+
+
+def test_the_uplink_is_the_declared_rate_or_the_upload_cap_where_lower_and_needs_streams_that_pace():
+    recorder = _Recorder(object())
+    assert pace(recorder, uplink_bytes_per_s=2e6).uplink.rate == 2e6
+    assert pace(recorder, upload_bytes_per_s=1e6, uplink_bytes_per_s=2e6).uplink.rate == 1e6  # the cap is lower
+    assert pace(recorder, upload_bytes_per_s=3e6, uplink_bytes_per_s=2e6).uplink.rate == 2e6
+    assert pace(recorder, upload_bytes_per_s=1e6).uplink.rate == 1e6  # a cap alone counts as the uplink
+    assert pace(recorder).pace_uplink({"a": 1.0}) is None  # no rate known: nothing paced
+    assert pace(object(), uplink_bytes_per_s=2e6).pace_uplink({"a": 1.0}) is None  # streams that cannot pace
+    assert recorder.calls == []
+
+
+def test_connection_shares_follow_the_bytes_each_connection_carries():
+    assert connection_shares([10, 30, 60], 0) == [0.0, 40 / 110, 70 / 110]
+    assert connection_shares([25, 25, 25, 25], 2) == [1 / 3, 1 / 3, 0.0, 1 / 3]
+    assert connection_shares([0, 0], 0) == [0.0, 0.0]
+
+
+def _paced(recorders: list, rate: float):
+    def wrap(i: int, transport: Any) -> Any:
+        recorders.append(_Recorder(transport.streams))
+        return _Transport(transport, pace(recorders[-1], uplink_bytes_per_s=rate))
+    return wrap
+
+
+def test_a_butterfly_paces_each_connection_at_its_share_while_it_runs_and_unpaces_it_after(averaging_peers):
+    async def main():
+        hub = Hub()
+        recorders: list[_Recorder] = []
+        peers = await averaging_peers(hub, 3, wrap=_paced(recorders, 1e6))
+        results = await asyncio.gather(*[p.round("r0", torch.full((3000,), float(i)), 1.0, expected=3)
+                                         for i, p in enumerate(peers)])
+        assert all(torch.equal(r.averaged, torch.ones(3000)) for r in results)
+        names = [p.transport.streams.peer_id for p in peers]
+        for me, recorder in zip(names, recorders):
+            others = [n for n in names if n != me]
+            # equal parts of 3: each connection carries half of what we send
+            assert sorted(set(rate for peer, rate in recorder.calls if rate is not None)) == [5e5]
+            assert {peer for peer, _ in recorder.calls} == set(others)
+            # our slices went up on streams opened while their connections were paced
+            reduce_streams = [(peer, rate) for peer, name, rate in recorder.opened_under if name.endswith("reduce")]
+            assert sorted(reduce_streams) == sorted((peer, 5e5) for peer in others)
+            assert all(recorder.now[peer] is None for peer in others)  # lifted once the run ended
+
+    asyncio.run(main())
+
+
+def test_a_failed_run_unpaces_its_connections_too(averaging_peers):
+    async def main():
+        hub = Hub()
+        recorders: list[_Recorder] = []
+        peers = await averaging_peers(hub, 3, wrap=_paced(recorders, 1e6))
+        groups = await asyncio.gather(*[p.matchmaker.form_group("r1", {}, expected_size=3) for p in peers])
+        gone = groups[0].members[2]
+        hub.disconnect(gone)
+        survivors = [(p, r) for p, r in zip(peers, recorders) if p.transport.streams.peer_id != gone]
+        results = await asyncio.gather(*[p.allreduce.run(groups[0], torch.ones(30), 1.0) for p, _ in survivors],
+                                       return_exceptions=True)
+        assert all(isinstance(r, AllReduceFailed) for r in results)
+        for _, recorder in survivors:
+            assert any(rate == 5e5 for _, rate in recorder.calls)  # it was paced...
+            assert recorder.now and all(rate is None for rate in recorder.now.values())  # ...and is not any more
+
+    asyncio.run(main())
