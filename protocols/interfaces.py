@@ -79,14 +79,24 @@ class PeerStreams(Protocol):
         """Open a stream to ``peer_id``'s handler ``name``. Raises ``ConnectionError`` if that is impossible."""
 
 
+class UplinkLease(Protocol):
+    """One run's shares of the uplink, from :meth:`UplinkPacing.pace_uplink`."""
+
+    def release(self, peer_id: str) -> None:
+        """All we send to ``peer_id`` this run was handed over: its share goes to the peers still being sent to."""
+
+    def close(self) -> None:
+        """The run is over: its connections are unpaced again (idempotent)."""
+
+
 class UplinkPacing(Protocol):
     """What :class:`PeerStreams` may offer besides (duck-typed: look it up with ``getattr``): pacing this peer's
     connections at shares of its uplink, where the uplink's rate is known."""
 
-    def pace_uplink(self, shares: Mapping[str, float]) -> Optional[Callable[[], None]]:
+    def pace_uplink(self, shares: Mapping[str, float]) -> Optional[UplinkLease]:
         """Pace what we send to each PeerID of ``shares`` at that fraction ([0, 1]) of our uplink, streams opened
-        later included, until the returned function is called; None where the rate is unknown or the connections
-        cannot be paced (nothing changed)."""
+        later included, until the lease is closed; None where the rate is unknown or the connections cannot be
+        paced (nothing changed)."""
 
 
 @runtime_checkable

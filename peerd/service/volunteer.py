@@ -153,9 +153,14 @@ class VolunteerServices:
     def pace(self, transport: Any) -> PacedTransport:
         """The transport the role gets: same discovery, streams paced at the node's caps and metered."""
         up, down = self.node.upload_limit_mb_s, self.node.download_limit_mb_s
-        self.streams = pace(transport.streams, up * 1e6, down * 1e6, self.node.uplink_mb_s * 1e6)
-        if up or down:
-            self.events.publish(BandwidthCaps(up, down))
+        uplink = self.node.uplink_mb_s
+        self.streams = pace(transport.streams, up * 1e6, down * 1e6, uplink * 1e6)
+        paced = self.streams.uplink.rate / 1e6 if self.streams.uplink is not None else 0.0
+        if up or down or paced:
+            self.events.publish(BandwidthCaps(up, down, paced))
+        if uplink and not paced:
+            logger.warning("uplink_mb_s = %g: not paced, the streams cannot pace their connections (data_plane = "
+                           "\"p2p\", or not Linux)", uplink)
         return PacedTransport(transport.discovery, self.streams)
 
     def set_role(self, name: str) -> None:

@@ -327,13 +327,18 @@ class DirectStreams:
         asyncio.ensure_future(session.closed_event.wait()).add_done_callback(ended)
         return session
 
+    @property
+    def can_pace(self) -> bool:
+        """Whether :meth:`pace` paces anything here: multiplexed connections on Linux."""
+        return self.multiplex and sys.platform.startswith("linux")
+
     def pace(self, peer_id: str, bytes_per_s: Optional[float]) -> bool:
         """Pace what we send on the multiplexed connections to ``peer_id`` at ``bytes_per_s`` (None: unpaced again),
         as :func:`peerd.transport.connection.set_pacing` does: the connections open now and any opened to it later
         (dialled again after a drop, or dialled by the peer), until paced otherwise. Returns False where the system
         does not pace (not Linux) or this instance does not multiplex (streams on connections of their own are
         not paced), True otherwise. Streams that go through the inner (p2pd) streams are not paced."""
-        if not self.multiplex or not sys.platform.startswith("linux"):
+        if not self.can_pace:
             return False
         if bytes_per_s is None:
             self._paces.pop(peer_id, None)

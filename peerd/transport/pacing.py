@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
-from peerd.transport.uplink import UplinkShares
+from peerd.transport.uplink import UplinkLease, UplinkShares
 from protocols.interfaces import PeerStreams, StreamHandler
 
 #: Bytes paid for and moved at a time: small enough for smooth pacing, large enough to keep syscalls cheap.
@@ -236,7 +236,7 @@ class PacedStreams:
     def report(self) -> dict[str, dict[str, Any]]:
         return {"upload": self.upload.report(), "download": self.download.report()}
 
-    def pace_uplink(self, shares: Mapping[str, float]) -> Optional[Callable[[], None]]:
+    def pace_uplink(self, shares: Mapping[str, float]) -> Optional[UplinkLease]:
         """:meth:`protocols.interfaces.UplinkPacing.pace_uplink`: None where the uplink's rate is not known (neither
         ``uplink_mb_s`` nor an upload cap set) or the streams cannot pace their connections."""
         return self.uplink.share(shares) if self.uplink is not None else None
@@ -254,12 +254,13 @@ def pace(streams: PeerStreams, upload_bytes_per_s: float = 0.0, download_bytes_p
          uplink_bytes_per_s: float = 0.0) -> PacedStreams:
     """Wrap ``streams``; a rate of 0 leaves that direction unlimited (still metered). The uplink's rate (bytes/s;
     0: unknown) paces each connection at its share of it where ``streams`` can pace its connections (a ``pace``
-    method: :meth:`peerd.transport.direct.DirectStreams.pace`); the upload cap counts as the uplink where it is
+    method: :meth:`peerd.transport.direct.DirectStreams.pace`, and ``can_pace`` not False); the upload cap counts as the uplink where it is
     lower."""
     def direction(rate: float) -> Direction:
         return Direction(TokenBucket(rate) if rate > 0 else None, RateMeter())
 
     link = min((r for r in (uplink_bytes_per_s, upload_bytes_per_s) if r > 0), default=0.0)
     pace_fn = getattr(streams, "pace", None)
-    uplink = UplinkShares(link, pace_fn) if link > 0 and callable(pace_fn) else None
+    can_pace = callable(pace_fn) and getattr(streams, "can_pace", True)
+    uplink = UplinkShares(link, pace_fn) if link > 0 and can_pace else None
     return PacedStreams(streams, direction(upload_bytes_per_s), direction(download_bytes_per_s), uplink)

@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Callable, Optional, Union
+from typing import Optional, Union
 
 import torch
 
@@ -20,7 +20,7 @@ from protocols.allreduce.reducer import ReducerSide
 from protocols.allreduce.session import _ReduceSession
 from protocols.bans import BanList
 from protocols.codecs import get_codec
-from protocols.interfaces import Transport
+from protocols.interfaces import Transport, UplinkLease
 from protocols.matchmaking import Group
 from protocols.partition import chunk_bounds
 from protocols.rpc import Refused, RpcError, RpcTimeout, Service, call_framed
@@ -119,18 +119,19 @@ class ButterflyAllReduce(PartPlanner, ReducerSide, Service):
         # answers down
         uploaded: list[TimedStream] = []
         downloaded: list[TimedStream] = []
+        uplink = self._pace_uplink(group, sizes, my_index)
 
         async def exchange(i: int, peer: str) -> tuple[torch.Tensor, int, int]:
             if not sizes[i]:  # it reduces nothing: no stream (a dial-only member is dialed by nobody)
                 return averaged[offsets[i]:offsets[i]], 0, 0
             try:
                 return await self._exchange(peer, group, tensor[offsets[i] : offsets[i] + sizes[i]], weight, start,
-                                            averaged[offsets[i] : offsets[i] + sizes[i]], uploaded, downloaded)
+                                            averaged[offsets[i] : offsets[i] + sizes[i]], uploaded, downloaded,
+                                            uplink)
             except AllReduceFailed:
                 self._give_up_on(session, peer)
                 raise
 
-        give_back_uplink = self._pace_uplink(group, sizes, my_index)
         try:
             calls = [exchange(i, peer) for i, peer in enumerate(group.members) if peer != me]
             results = await asyncio.gather(sealer, *calls, return_exceptions=True)
@@ -178,8 +179,8 @@ class ButterflyAllReduce(PartPlanner, ReducerSide, Service):
             )
         finally:
             sealer.cancel()
-            if give_back_uplink is not None:
-                give_back_uplink()
+            if uplink is not None:
+                uplink.close()
             if not session.finished.is_set():  # we failed before our part was sealed: answer what we have
                 try:
                     while len(session.sealed) < len(session.bounds):
@@ -191,10 +192,11 @@ class ButterflyAllReduce(PartPlanner, ReducerSide, Service):
                 self.config.reducer_timeout_s, self._forget, group.group_id
             )
 
-    def _pace_uplink(self, group: Group, sizes: list[int], my_index: int) -> Optional[Callable[[], None]]:
+    def _pace_uplink(self, group: Group, sizes: list[int], my_index: int) -> Optional[UplinkLease]:
         """For this run, pace our connection to each member at its share of our uplink
         (:func:`protocols.allreduce.parts.connection_shares`), where the transport can
-        (:class:`protocols.interfaces.UplinkPacing`); returns what lifts it, or None. Unpaced, the connections of
+        (:class:`protocols.interfaces.UplinkPacing`); returns the lease (released per member once our slice of its
+        part is handed over, closed when the run ends), or None. Unpaced, the connections of
         the all-to-all take turns overfilling the queue at the sender's bottleneck and back off; paced at their
         shares, 4 peers at 100 Mbit/s moved 0.92 of the link, against 0.75-0.78 (docs/benchmarks.md)."""
         pace = getattr(self.transport.streams, "pace_uplink", None)
@@ -240,12 +242,14 @@ class ButterflyAllReduce(PartPlanner, ReducerSide, Service):
     async def _exchange(
         self, peer: str, group: Group, part: torch.Tensor, weight: float, start: float,
         out: torch.Tensor, uploaded: list[TimedStream], downloaded: list[TimedStream],
+        uplink: Optional[UplinkLease] = None,
     ) -> tuple[torch.Tensor, int, int]:
         """Send our slice of ``peer``'s part, chunk by chunk, while its aggregate streams back into ``out`` (fp32,
         the part's length). Returns ``(out, bytes sent, bytes received)``; appends the stream up (a
         :data:`parts.TimedStream`: each chunk's seconds since ``start`` once handed to the transport, and its bytes)
         to ``uploaded`` once our last chunk was handed over, and the stream down to ``downloaded`` once the last
-        chunk of the aggregate arrived."""
+        chunk of the aggregate arrived. ``uplink``: the run's pacing lease, whose share for ``peer`` is released
+        once our last chunk was handed over."""
         loop = asyncio.get_running_loop()
         timeout = start + self.config.reducer_timeout_s - loop.time()
         header = {"group_id": group.group_id, "numel": part.numel(), "weight": weight, "codec": self.codec.name}
@@ -262,6 +266,8 @@ class ButterflyAllReduce(PartPlanner, ReducerSide, Service):
                 yield self._encode_part(part[a:b])
                 handed.append((loop.time() - start, sizes[k]))  # asked for the next one: chunk k was handed over
             uploaded.append(handed)
+            if uplink is not None:
+                uplink.release(peer)
 
         def on_frame(k: int, payload) -> None:
             arrived.append((loop.time() - start, reply_sizes[k]))
