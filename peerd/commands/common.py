@@ -31,15 +31,16 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
 
 #: Node config keys that commands may take as flags (besides the addresses and identity of every DHT command).
 NODE_FLAGS = ("device", "threads", "checkpoint_dir", "data", "gpu_memory_fraction", "upload_limit_mb_s",
-              "download_limit_mb_s", "uplink_mb_s", "active_hours", "metrics_port", "control_socket", "stage", "swarm_role",
+              "download_limit_mb_s", "uplink_mb_s", "active_hours", "metrics_port", "control_socket", "stage",
+              "swarm_role",
               "micro_batch_size", "precision", "compile", "activation_checkpointing", "optimizer_8bit",
               "local_devices", "host_memory_check",
               "dashboard_port", "dashboard_host", "dashboard_token")
 
 
 #: Flags spelled differently from their node config key.
-FLAG_NAMES = {"upload_limit_mb_s": "--upload-limit", "download_limit_mb_s": "--download-limit", "uplink_mb_s": "--uplink",
-              "swarm_role": "--role"}
+FLAG_NAMES = {"upload_limit_mb_s": "--upload-limit", "download_limit_mb_s": "--download-limit",
+              "uplink_mb_s": "--uplink", "swarm_role": "--role"}
 
 
 def node_overrides(args: argparse.Namespace) -> dict[str, Any]:

@@ -254,8 +254,8 @@ def pace(streams: PeerStreams, upload_bytes_per_s: float = 0.0, download_bytes_p
          uplink_bytes_per_s: float = 0.0) -> PacedStreams:
     """Wrap ``streams``; a rate of 0 leaves that direction unlimited (still metered). The uplink's rate (bytes/s;
     0: unknown) paces each connection at its share of it where ``streams`` can pace its connections (a ``pace``
-    method: :meth:`peerd.transport.direct.DirectStreams.pace`, and ``can_pace`` not False); the upload cap counts as the uplink where it is
-    lower."""
+    method, :meth:`peerd.transport.direct.DirectStreams.pace`, and ``can_pace`` not False); the upload cap counts
+    as the uplink where it is lower."""
     def direction(rate: float) -> Direction:
         return Direction(TokenBucket(rate) if rate > 0 else None, RateMeter())
 
