@@ -196,9 +196,10 @@ class ButterflyAllReduce(PartPlanner, ReducerSide, Service):
         """For this run, pace our connection to each member at its share of our uplink
         (:func:`protocols.allreduce.parts.connection_shares`), where the transport can
         (:class:`protocols.interfaces.UplinkPacing`); returns the lease (released per member once our slice of its
-        part is handed over, closed when the run ends), or None. Unpaced, the connections of
-        the all-to-all take turns overfilling the queue at the sender's bottleneck and back off; paced at their
-        shares, 4 peers at 100 Mbit/s moved 0.92 of the link, against 0.75-0.78 (docs/benchmarks.md)."""
+        part is handed over, closed when the run ends), or None. ``sizes``: values each member reduces, in member
+        order. Unpaced, the connections of the all-to-all take turns overfilling the queue at the sender's
+        bottleneck and back off; paced at their shares, 4 peers at 100 Mbit/s moved 0.89-0.92 of the link, against
+        0.76-0.79 (docs/benchmarks.md, ``scripts/bench_allreduce.py --impls peerd-mux peerd-mux-paced``)."""
         pace = getattr(self.transport.streams, "pace_uplink", None)
         if pace is None:
             return None
