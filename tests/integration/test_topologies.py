@@ -28,8 +28,12 @@ def _start(swarm, n, topology, rounds, tmp_path, weights=None, **flags):
 
 
 def _records(tmp_path, i):
+    """Peer ``i``'s complete records: a line the peer is still writing (no newline yet) is left for the next read."""
     path = tmp_path / f"a{i}.jsonl"
-    return [json.loads(l) for l in path.read_text().splitlines()] if path.exists() else []
+    if not path.exists():
+        return []
+    text = path.read_text()
+    return [json.loads(l) for l in text[:text.rfind("\n") + 1].splitlines()]
 
 
 def _final(tmp_path, i):
