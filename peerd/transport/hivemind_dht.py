@@ -41,6 +41,8 @@ ORPHAN_GRACE_S = 1.0
 DHT_EXIT_GRACE_S = 2.0
 #: How long a p2pd this process started gets to exit on SIGTERM, before SIGKILL.
 P2PD_EXIT_GRACE_S = 5.0
+#: How long the error of a DHT node that failed to start may still take to arrive after its process ended.
+DIED_ERROR_GRACE_S = 5.0
 
 
 def _children_of(pid: int) -> list[int]:
@@ -143,6 +145,10 @@ async def start_dht_process(**kwargs: Any) -> _TiedDHT:
     waiting = asyncio.ensure_future(ready())
     try:
         await asyncio.wait({waiting, died}, return_when=asyncio.FIRST_COMPLETED)
+        if not waiting.done():
+            # a node that failed to start sends its error, then its process ends (code 0): the error can still be
+            # on its way through the pipe when the process is gone, and it says more (and whether to try again)
+            await asyncio.wait({waiting}, timeout=DIED_ERROR_GRACE_S)
         if not waiting.done():
             raise ConnectionError(f"the DHT process exited with code {dht.exitcode} before its node was ready")
         waiting.result()
