@@ -186,11 +186,12 @@ class NodeConfig:
     download_limit_mb_s: float = 0.0
     """Cap on what this peer reads from other peers' streams in MB/s; 0 = unlimited."""
     uplink_mb_s: float = 0.0
-    """This peer's upload link rate in MB/s (10^6 bytes per second: 12.5 for 100 Mbit/s), as a speed test gives it,
-    or a little below; 0 = unknown. When known (or an upload cap is set, which counts where it is lower), each
-    all-reduce paces its connections at their shares of it (``SO_MAX_PACING_RATE``, Linux, direct data plane):
-    unpaced they overfill the link's queue in turns, 0.75-0.78 of a 100 Mbit/s link against 0.92 paced
-    (docs/benchmarks.md). Too high a rate (10% above the link) loses that gain; too low caps the upload at it."""
+    """This peer's upload link rate in MB/s (10^6 bytes per second: 12.5 for 100 Mbit/s), as a speed test gives it;
+    0 = unknown: measured from the bytes peers acknowledged during earlier all-reduces
+    (:class:`peerd.transport.uplink.UplinkMeter`). Each all-reduce paces its connections at their shares of it
+    (``SO_MAX_PACING_RATE``, Linux, direct data plane; an upload cap counts where it is lower): unpaced they
+    overfill the link's queue in turns, 0.75-0.78 of a 100 Mbit/s link against 0.92 paced (docs/benchmarks.md). A
+    rate 30% above the link keeps less than half of that gain; too low a rate caps the upload at it."""
     active_hours: Optional[str] = None
     """Local-time windows in which this peer trains, e.g. "22:00-07:00" or "09:00-12:00,18:00-23:30". Outside them
     it leaves rounds cleanly and pauses, then rejoins. None = always."""

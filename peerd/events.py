@@ -325,20 +325,27 @@ class Bandwidth(Event):
 @dataclass(frozen=True)
 class BandwidthCaps(Event):
     """The node's bandwidth caps on the role's streams, MB/s (0: unlimited), and the uplink rate its all-reduces
-    pace their connections at shares of (``uplink_mb_s``, or the upload cap where lower; 0: not paced)."""
+    pace their connections at shares of (``uplink_mb_s``, or the upload cap where lower; 0: none declared), or
+    ``measured_uplink``: none declared, the rate measured during earlier all-reduces
+    (:class:`peerd.transport.uplink.UplinkMeter`)."""
 
     name: ClassVar[str] = "bandwidth_caps"
     upload_mb_s: float
     download_mb_s: float
     paced_uplink_mb_s: float = 0.0
+    measured_uplink: bool = False
 
     def message(self) -> str:
         def cap(mb_s: float) -> str:
             return f"{mb_s:g} MB/s" if mb_s else "unlimited"
 
-        pacing = (f"; all-reduce connections paced at their shares of a {self.paced_uplink_mb_s:g} MB/s uplink"
-                  if self.paced_uplink_mb_s else "")
-        return f"bandwidth caps: upload {cap(self.upload_mb_s)}, download {cap(self.download_mb_s)}{pacing}"
+        caps = f"bandwidth caps: upload {cap(self.upload_mb_s)}, download {cap(self.download_mb_s)}"
+        if self.paced_uplink_mb_s:
+            return f"{caps}; all-reduce connections paced at their shares of a {self.paced_uplink_mb_s:g} MB/s uplink"
+        if self.measured_uplink:
+            return (f"{caps}; all-reduce connections paced at their shares of the uplink as measured during earlier "
+                    "all-reduces (uplink_mb_s declares it)")
+        return caps
 
 
 @dataclass(frozen=True)

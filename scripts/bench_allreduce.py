@@ -72,14 +72,16 @@ from protocols.allreduce.parts import connection_shares  # noqa: E402
 SECTION = "## All-reduce on a virtual WAN: peerd vs hivemind vs gloo (scripts/bench_allreduce.py)"
 CODECS = ("none", "fp16", "int8")
 #: peerd-direct = peerd with its streams on the direct data plane (TLS 1.3 over TCP, peerd/transport/direct.py), one connection per
-#: stream; peerd-mux = the same with one warm multiplexed connection per peer pair (peerd/transport/mux.py);
+#: stream; peerd-mux = the same with one warm multiplexed connection per peer pair (peerd/transport/mux.py), its
+#: streams wrapped as the daemon wraps them (``peerd.transport.pacing.pace``: the uplink measured by ``UplinkMeter``
+#: from the warm-up on, and each butterfly paced at shares of it);
 #: peerd-ring = peerd-mux with ``exchange = "ring"`` (protocols/allreduce/ring.py): its first RATE_MIN_RUNS runs are
 #: butterflies that measure the links (warm-ups here), the ring runs once every member announced alike rates;
 #: peerd-libp2p = peerd on the py-libp2p transport (peerd/transport/libp2p_backend.py) instead of p2pd.
 #: peerd-mux-plain = peerd-mux with the TLS step of the handshake left out (:func:`_plaintext_handshakes`): what
 #: encryption costs, measured here only; peerd itself has no plaintext mode.
-#: peerd-mux-paced = peerd-mux with each worker's uplink rate declared (the daemon's ``uplink_mb_s``: its streams
-#: wrapped by ``peerd.transport.pacing.pace``), so that every butterfly paces its connections at their shares of it.
+#: peerd-mux-paced = peerd-mux with each worker's uplink rate declared (the daemon's ``uplink_mb_s``) instead of
+#: measured, so that every butterfly paces its connections at their shares of it.
 #: tcp and tcp-ring are ceilings, not all-reduces (see the module docstring and worker_tcp).
 IMPLS = ("peerd", "peerd-direct", "peerd-mux", "peerd-mux-plain", "peerd-mux-paced", "peerd-ring", "peerd-libp2p",
          "hivemind", "gloo", "tcp", "tcp-ring", "tcp-prop", "tcp-paced")
@@ -263,10 +265,11 @@ async def worker_peerd(a: argparse.Namespace) -> None:
                                multiplex=a.impl in MULTIPLEXED)
         await direct.start()
         streams = direct
-        if a.impl == "peerd-mux-paced":  # the node's uplink declared, as `uplink_mb_s` does in the daemon
-            from peerd.transport.pacing import pace
+        if a.impl in ("peerd-mux", "peerd-mux-plain", "peerd-mux-paced"):  # as the daemon wraps them: the uplink
+            from peerd.transport.pacing import pace  # measured (UplinkMeter), or declared (`uplink_mb_s`)
 
-            streams = pace(direct, uplink_bytes_per_s=a.rates_mbit[a.rank] * 1e6 / 8)
+            declared = a.rates_mbit[a.rank] * 1e6 / 8 if a.impl == "peerd-mux-paced" else 0.0
+            streams = pace(direct, uplink_bytes_per_s=declared)
         transport = types.SimpleNamespace(discovery=network.discovery, streams=streams)
     profiler = None
     if a.profile_to:
@@ -323,7 +326,10 @@ async def worker_peerd(a: argparse.Namespace) -> None:
                   "digest": digest, "cpu": cpu_delta(cpu0, cpu1),
                   "pattern": "ring" if getattr(ar, "rings_run", 0) > rings else "butterfly"})
             if direct is not None:  # which path the streams took, in the worker's log
-                print(f"direct data plane, rep {rep}: {dict(direct.stats)}; announced {ar.announce()}", file=sys.stderr, flush=True)
+                uplink = getattr(streams, "uplink", None)
+                measured = [round(p / 1e6, 2) for p in uplink.meter.peaks] if uplink and uplink.meter else None
+                print(f"direct data plane, rep {rep}: {dict(direct.stats)}; announced {ar.announce()}; uplink "
+                      f"peaks measured (MB/s) {measured}", file=sys.stderr, flush=True)
     finally:
         if profiler is not None:  # every measured run of this worker, all codecs together
             profiler.dump_stats(f"{a.profile_to}-rank{a.rank}.prof")
@@ -769,7 +775,9 @@ def render(rows: list[Row], scenarios: dict[str, Scenario], args, meta: dict) ->
            "namespace on 127.0.0.1, unshaped. peerd = `Matchmaker` + `ButterflyAllReduce` on `HivemindTransport` "
            "(uvloop); peerd-direct = the same with its streams on the direct data plane (TLS 1.3 over TCP, `DirectStreams`, "
            "p2pd only as fallback), one TCP connection per stream; peerd-mux = the same with one warm multiplexed "
-           "connection per peer pair (`DirectStreams(multiplex=True)`); peerd-ring = peerd-mux with `exchange = "
+           "connection per peer pair (`DirectStreams(multiplex=True)`), each butterfly paced at its connections' "
+           "shares of the uplink measured during the earlier runs (the daemon's default: `UplinkMeter`, from the "
+           "bytes acknowledged; the warm-up runs unpaced); peerd-ring = peerd-mux with `exchange = "
            "\"ring\"` (`RingAllReduce`: its first runs are butterflies that measure the links, untimed warm-ups "
            f"here, {RATE_MIN_RUNS} in all; it rings once every member announced alike rates); peerd-libp2p = peerd on "
            "the py-libp2p "

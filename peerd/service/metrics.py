@@ -41,6 +41,10 @@ class _StreamCollector:
             limit.add_metric([direction], side.get("limit_bytes_per_s") or 0.0)
         yield rate
         yield limit
+        uplink = report.get("uplink") or {}
+        yield GaugeMetricFamily("peerd_uplink_bytes_per_second", "Uplink rate all-reduces pace their connections at "
+                                "shares of, declared or measured (0 = none known: unpaced)",
+                                value=uplink.get("bytes_per_s") or 0.0)
 
 
 class Metrics:

@@ -155,9 +155,11 @@ class VolunteerServices:
         up, down = self.node.upload_limit_mb_s, self.node.download_limit_mb_s
         uplink = self.node.uplink_mb_s
         self.streams = pace(transport.streams, up * 1e6, down * 1e6, uplink * 1e6)
-        paced = self.streams.uplink.rate / 1e6 if self.streams.uplink is not None else 0.0
-        if up or down or paced:
-            self.events.publish(BandwidthCaps(up, down, paced))
+        shares = self.streams.uplink
+        paced = shares.declared / 1e6 if shares is not None and shares.declared else 0.0
+        measured = shares is not None and shares.declared is None
+        if up or down or paced or measured:
+            self.events.publish(BandwidthCaps(up, down, paced, measured))
         if uplink and not paced:
             logger.warning("uplink_mb_s = %g: not paced, the streams cannot pace their connections (data_plane = "
                            "\"p2p\", or not Linux)", uplink)

@@ -14,6 +14,7 @@ import ipaddress
 import os
 import socket
 import ssl
+import struct
 import sys
 from typing import Any, Optional
 
@@ -119,6 +120,27 @@ def set_pacing(sock: Any, bytes_per_s: Optional[float]) -> bool:
     except OSError:
         return False
     return True
+
+
+#: Where ``tcpi_bytes_acked`` (u64, bytes the peer acknowledged) sits in Linux's ``struct tcp_info`` (since 4.1).
+_TCPI_BYTES_ACKED = struct.Struct("=Q"), 120
+
+
+def bytes_acked(sock: Any) -> Optional[int]:
+    """Bytes of ``sock``'s sending that its peer has acknowledged so far (Linux's ``TCP_INFO``, ``tcpi_bytes_acked``;
+    the SYN counts as one byte). None where the system does not say (not Linux, an older kernel, a closed socket).
+    Acknowledged bytes are those that made it through the path's bottleneck, so their rate is the rate the path
+    carried, not the rate they were handed to the kernel at."""
+    if not hasattr(socket, "TCP_INFO"):
+        return None
+    layout, offset = _TCPI_BYTES_ACKED
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+    except OSError:
+        return None
+    if len(info) < offset + layout.size:
+        return None
+    return layout.unpack_from(info, offset)[0]
 
 
 async def resolve(host: str, port: int) -> tuple[int, tuple]:

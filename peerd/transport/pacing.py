@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
-from peerd.transport.uplink import UplinkLease, UplinkShares
+from peerd.transport.uplink import UplinkLease, UplinkMeter, UplinkShares
 from protocols.interfaces import PeerStreams, StreamHandler
 
 #: Bytes paid for and moved at a time: small enough for smooth pacing, large enough to keep syscalls cheap.
@@ -234,11 +234,20 @@ class PacedStreams:
         return PacedReader(reader, self.download), PacedWriter(writer, self.upload)
 
     def report(self) -> dict[str, dict[str, Any]]:
-        return {"upload": self.upload.report(), "download": self.download.report()}
+        """``upload`` and ``download``: each direction's cap and meter (:meth:`Direction.report`); ``uplink``, where
+        the connections can be paced: the rate all-reduces pace at shares of (bytes/s; None: not yet measured),
+        whether it is ``measured`` rather than declared, and the ``peaks_bytes_per_s`` measured (oldest first)."""
+        report = {"upload": self.upload.report(), "download": self.download.report()}
+        if self.uplink is not None:
+            meter = self.uplink.meter
+            rate = self.uplink.declared or (meter.rate() if meter is not None else None)
+            report["uplink"] = {"bytes_per_s": rate, "measured": meter is not None,
+                                "peaks_bytes_per_s": [round(p) for p in meter.peaks] if meter is not None else []}
+        return report
 
     def pace_uplink(self, shares: Mapping[str, float]) -> Optional[UplinkLease]:
-        """:meth:`protocols.interfaces.UplinkPacing.pace_uplink`: None where the uplink's rate is not known (neither
-        ``uplink_mb_s`` nor an upload cap set) or the streams cannot pace their connections."""
+        """:meth:`protocols.interfaces.UplinkPacing.pace_uplink`: None where the streams cannot pace their
+        connections, or the uplink's rate is neither declared (``uplink_mb_s``, an upload cap) nor measured."""
         return self.uplink.share(shares) if self.uplink is not None else None
 
 
@@ -255,12 +264,18 @@ def pace(streams: PeerStreams, upload_bytes_per_s: float = 0.0, download_bytes_p
     """Wrap ``streams``; a rate of 0 leaves that direction unlimited (still metered). The uplink's rate (bytes/s;
     0: unknown) paces each connection at its share of it where ``streams`` can pace its connections (a ``pace``
     method, :meth:`peerd.transport.direct.DirectStreams.pace`, and ``can_pace`` not False); the upload cap counts
-    as the uplink where it is lower."""
+    as the uplink where it is lower. Where neither is known and ``streams`` can tell the bytes acknowledged on its
+    connections (``acked_bytes``), the uplink is measured (:class:`peerd.transport.uplink.UplinkMeter`)."""
     def direction(rate: float) -> Direction:
         return Direction(TokenBucket(rate) if rate > 0 else None, RateMeter())
 
     link = min((r for r in (uplink_bytes_per_s, upload_bytes_per_s) if r > 0), default=0.0)
     pace_fn = getattr(streams, "pace", None)
-    can_pace = callable(pace_fn) and getattr(streams, "can_pace", True)
-    uplink = UplinkShares(link, pace_fn) if link > 0 and can_pace else None
+    acked_fn = getattr(streams, "acked_bytes", None)
+    uplink = None
+    if callable(pace_fn) and getattr(streams, "can_pace", True):
+        if link > 0:
+            uplink = UplinkShares(link, pace_fn)
+        elif callable(acked_fn):
+            uplink = UplinkShares(None, pace_fn, UplinkMeter(acked_fn))
     return PacedStreams(streams, direction(upload_bytes_per_s), direction(download_bytes_per_s), uplink)

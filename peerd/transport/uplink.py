@@ -2,43 +2,134 @@
 
 The butterfly all-reduce sends to every member of its group at once. Unpaced, those connections take turns
 overfilling the bottleneck's queue, lose packets and back off; paced at their shares of the uplink they do not
-(``scripts/bench_allreduce.py``, 4 peers at 100 Mbit/s: 0.92 of the link against 0.75-0.78 unpaced;
-docs/benchmarks.md). The pace needs the link's rate from below: a rate 10% above the link keeps almost none of the
-gain, so it comes from the operator (``uplink_mb_s``, or the upload cap ``upload_limit_mb_s``), never from a
-measurement timed at hand-over to the kernel.
+(``scripts/bench_allreduce.py``, 4 peers at 100 Mbit/s: 0.89-0.92 of the link against 0.76-0.79 unpaced;
+docs/benchmarks.md). The rate comes from the operator (``uplink_mb_s``, or the upload cap ``upload_limit_mb_s``)
+where declared; otherwise :class:`UplinkMeter` measures it from the bytes the receivers acknowledged during the
+previous all-reduces, the rate that got through the path's bottleneck (not the rate bytes were handed to the kernel
+at, which a socket buffer inflates). Paced at 0.9 of the link, 4 peers moved 0.87 of it; at 1.1, 0.87; at 1.3, 0.83;
+at 1.6, 0.82: the pace wants the link's rate within ~10%, and is worth something even well above it.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Mapping, Optional
+import asyncio
+import collections
+import contextlib
+import time
+from typing import Callable, Hashable, Iterable, Mapping, Optional
 
 #: ``pace(peer_id, bytes_per_s or None) -> bool``: :meth:`peerd.transport.direct.DirectStreams.pace`.
 PaceFn = Callable[[str, Optional[float]], bool]
+#: ``acked(peer_id) -> {connection key: bytes acknowledged}``: :meth:`peerd.transport.direct.DirectStreams.acked_bytes`.
+AckedFn = Callable[[str], Mapping[Hashable, int]]
+
+
+class UplinkMeter:
+    """The uplink's rate (bytes/s), measured from what the receivers acknowledged while all-reduces were sending.
+
+    Between :meth:`begin` and :meth:`end` (one or more all-reduces at once), :meth:`sample` is called every
+    ``sample_s``: it sums the bytes acknowledged on the connections to the peers sent to, and the highest rate over
+    any ``window_s`` is that stretch's peak. :meth:`rate` is the highest peak of the last ``history`` stretches
+    times ``gain``: a stretch that sent paced at the rate measured before can show at most that rate (more only
+    where the link carries more), so the gain lets the measurement climb 5% a round towards the link when it
+    started low (a round whose receivers were the slower side), and costs ~2% of the link where it did not
+    (``uplink`` module docstring). None while nothing is measured, or where the measurement is above
+    ``max_rate`` (1 Gbit/s by default: there the processors, not the link, bound an all-reduce, and pacing buys
+    nothing): then nothing is paced. A longer stretch than ``window_s`` is needed to measure anything.
+    """
+
+    def __init__(self, acked: AckedFn, window_s: float = 0.5, sample_s: float = 0.05, history: int = 3,
+                 gain: float = 1.05, max_rate: float = 125e6, clock: Callable[[], float] = time.monotonic):
+        if not (window_s > 0 and sample_s > 0 and history >= 1 and gain >= 1 and max_rate > 0):
+            raise ValueError("UplinkMeter needs window_s > 0, sample_s > 0, history >= 1, gain >= 1, max_rate > 0")
+        self.window_s, self.sample_s, self.gain, self.max_rate = window_s, sample_s, gain, max_rate
+        self._acked = acked
+        self._clock = clock
+        self.peaks: collections.deque[float] = collections.deque(maxlen=history)
+        """The peaks (bytes/s) of the last stretches that measured one, oldest first."""
+        self._counts: dict[Hashable, int] = {}
+        self._acked_total = 0
+        self._window: collections.deque[tuple[float, int]] = collections.deque()
+        self._peak = 0.0
+
+    def begin(self) -> None:
+        """A stretch of sending starts: counting starts afresh."""
+        self._counts, self._acked_total, self._window, self._peak = {}, 0, collections.deque(), 0.0
+
+    def sample(self, peers: Iterable[str]) -> None:
+        """Read the acknowledged bytes of the connections to ``peers``; a connection first seen now (or whose count
+        went back: a new connection under a key reused) only sets its starting point."""
+        for peer in peers:
+            for key, count in self._acked(peer).items():
+                before = self._counts.get(key)
+                if before is not None and count > before:
+                    self._acked_total += count - before
+                self._counts[key] = count
+        now = self._clock()
+        self._window.append((now, self._acked_total))
+        while len(self._window) > 2 and now - self._window[1][0] >= self.window_s:
+            self._window.popleft()
+        start, acked = self._window[0]
+        if now - start >= self.window_s:
+            self._peak = max(self._peak, (self._acked_total - acked) / (now - start))
+
+    def end(self) -> None:
+        """The stretch is over: its peak, if it measured one, joins the history."""
+        if self._peak > 0:
+            self.peaks.append(self._peak)
+        self.begin()
+
+    def rate(self) -> Optional[float]:
+        """The rate to pace the uplink at (bytes/s), or None (see the class docstring)."""
+        if not self.peaks:
+            return None
+        rate = max(self.peaks) * self.gain
+        return rate if rate <= self.max_rate else None
 
 
 class UplinkShares:
-    """Paces this peer's connections at their shares of an uplink of ``rate`` bytes/s through ``pace``.
+    """Paces this peer's connections at their shares of its uplink through ``pace``: an uplink of ``rate`` bytes/s
+    where declared, else of the rate ``meter`` measured during earlier runs (nothing paced until it has; it is
+    measured while runs hold leases, every ``meter.sample_s``, on the connections to the peers they send to).
 
     :meth:`share` takes one run's shares (PeerID -> fraction of the uplink, each in [0, 1]) and returns its
     :class:`UplinkLease`. Runs at once to the same peer add up their shares (a connection carries every run's
     streams to that peer), capped at the whole link; a peer no run holds a share of any more is unpaced again.
     """
 
-    def __init__(self, rate: float, pace: PaceFn):
-        if not rate > 0:
+    def __init__(self, rate: Optional[float], pace: PaceFn, meter: Optional[UplinkMeter] = None):
+        if rate is None and meter is None:
+            raise ValueError("an uplink needs a declared rate or a meter")
+        if rate is not None and not rate > 0:
             raise ValueError(f"the uplink's rate must be > 0 bytes/s, got {rate}")
-        self.rate = float(rate)
+        self.declared = float(rate) if rate is not None else None
+        """The declared rate (bytes/s), or None: measured by ``meter``."""
+        self.meter = meter
         self._pace = pace
         self._leases: set[UplinkLease] = set()
+        self._rate: Optional[float] = self.declared
+        self._sampler: Optional[asyncio.Task] = None
+
+    @property
+    def rate(self) -> Optional[float]:
+        """The rate (bytes/s) the runs now open are paced at shares of; None: not paced (nothing measured yet)."""
+        return self._rate
 
     def share(self, shares: Mapping[str, float]) -> "UplinkLease":
         """Pace each peer of ``shares`` at its share of the uplink (more where other runs hold shares of it too)
-        until the lease is closed. Raises ValueError on a share outside [0, 1]; a share of 0 holds nothing."""
+        until the lease is closed. Raises ValueError on a share outside [0, 1]; a share of 0 holds nothing. Called
+        from the event loop when measuring (the first lease starts the measurement)."""
         bad = {p: s for p, s in shares.items() if not 0 <= s <= 1}
         if bad:
             raise ValueError(f"shares of the uplink must be in [0, 1], got {bad}")
         lease = UplinkLease(self, {p: float(s) for p, s in shares.items() if s > 0})
+        if not self._leases and self.meter is not None:  # a stretch of sending starts: the rate measured so far
+            self._rate = self.declared or self.meter.rate()
+            self.meter.begin()
+            self._sampler = asyncio.ensure_future(self._sample())
         self._leases.add(lease)
+        if self.meter is not None:  # where this run's connections start from
+            self._measure()
         self._apply(lease.shares)
         return lease
 
@@ -49,7 +140,30 @@ class UplinkShares:
     def _apply(self, peers: Iterable[str]) -> None:
         for peer in list(peers):
             share = self.held(peer)
-            self._pace(peer, share * self.rate if share > 0 else None)
+            if self._rate is not None:
+                self._pace(peer, share * self._rate if share > 0 else None)
+
+    def _closed(self, lease: "UplinkLease") -> None:
+        sampler = self._sampler if self._leases == {lease} else None
+        if sampler is not None:  # the stretch of sending ends: its last reading, then its peak
+            sampler.cancel()
+            self._sampler = None
+            self._measure()
+        self._leases.discard(lease)
+        self._apply(lease.shares)
+        if sampler is not None and self.meter is not None:
+            self.meter.end()
+
+    def _measure(self) -> None:
+        assert self.meter is not None
+        self.meter.sample({p for lease in self._leases for p in lease.members})
+
+    async def _sample(self) -> None:
+        assert self.meter is not None
+        with contextlib.suppress(asyncio.CancelledError):
+            while True:
+                self._measure()
+                await asyncio.sleep(self.meter.sample_s)
 
 
 class UplinkLease:
@@ -59,6 +173,8 @@ class UplinkLease:
         self._owner = owner
         self.shares = shares
         """PeerID -> share this run holds now."""
+        self.members = frozenset(shares)
+        """Every peer this run was given a share for (released or not)."""
 
     def release(self, peer: str) -> None:
         """Everything this run sends to ``peer`` has been handed over: its share goes to the peers this run still
@@ -78,5 +194,4 @@ class UplinkLease:
         """The run is over: every peer it paced is unpaced again (unless another run holds it). Closing twice does
         nothing."""
         if self in self._owner._leases:
-            self._owner._leases.discard(self)
-            self._owner._apply(self.shares)
+            self._owner._closed(self)

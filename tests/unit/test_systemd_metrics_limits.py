@@ -148,10 +148,13 @@ def _scrape(metrics: Metrics) -> dict[str, float]:
 
 def test_metrics_follow_events():
     report = {"upload": {"bytes": 1234, "achieved_bytes_per_s": 2e6, "limit_bytes_per_s": 2e6},
-              "download": {"bytes": 99, "achieved_bytes_per_s": None, "limit_bytes_per_s": None}}
+              "download": {"bytes": 99, "achieved_bytes_per_s": None, "limit_bytes_per_s": None},
+              "uplink": {"bytes_per_s": None, "measured": True, "peaks_bytes_per_s": []}}
     metrics = Metrics(lambda: report)
     before = _scrape(metrics)
     assert before["peerd_bans_total"] == 0 and before["peerd_failed_rounds_total"] == 0
+    assert before["peerd_uplink_bytes_per_second"] == 0  # not measured yet
+    report["uplink"] = {"bytes_per_s": 12.6e6, "measured": True, "peaks_bytes_per_s": [12_000_000]}
     for event in (
         {"event": "eval", "outer_round": 0, "eval_nats_per_byte": 5.5},
         {"event": "inner", "outer_round": 0, "loss": 4.25, "tokens_per_s": 1800.0},
@@ -170,6 +173,7 @@ def test_metrics_follow_events():
     assert m["peerd_bytes_sent_total"] == 1234 and m["peerd_bytes_received_total"] == 99
     assert m['peerd_achieved_bytes_per_second{direction="upload"}'] == 2e6
     assert m['peerd_bandwidth_limit_bytes_per_second{direction="download"}'] == 0
+    assert m["peerd_uplink_bytes_per_second"] == 12.6e6
 
 
 def test_metrics_endpoint_on_loopback():
