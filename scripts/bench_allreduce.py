@@ -327,9 +327,11 @@ async def worker_peerd(a: argparse.Namespace) -> None:
                   "pattern": "ring" if getattr(ar, "rings_run", 0) > rings else "butterfly"})
             if direct is not None:  # which path the streams took, in the worker's log
                 uplink = getattr(streams, "uplink", None)
-                measured = [round(p / 1e6, 2) for p in uplink.meter.peaks] if uplink and uplink.meter else None
-                print(f"direct data plane, rep {rep}: {dict(direct.stats)}; announced {ar.announce()}; uplink "
-                      f"peaks measured (MB/s) {measured}", file=sys.stderr, flush=True)
+                meter = uplink.meter if uplink is not None else None
+                measured = (f"; uplink peaks measured (MB/s) {[round(p / 1e6, 2) for p in meter.peaks]}, path-bound "
+                            f"{meter.path_limited:.2f} of a window at most" if meter is not None else "")
+                print(f"direct data plane, rep {rep}: {dict(direct.stats)}; announced {ar.announce()}{measured}",
+                      file=sys.stderr, flush=True)
     finally:
         if profiler is not None:  # every measured run of this worker, all codecs together
             profiler.dump_stats(f"{a.profile_to}-rank{a.rank}.prof")

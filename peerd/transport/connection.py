@@ -16,7 +16,7 @@ import socket
 import ssl
 import struct
 import sys
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from protocols.wire import ProtocolViolation, StreamCorrupted
 
@@ -122,25 +122,38 @@ def set_pacing(sock: Any, bytes_per_s: Optional[float]) -> bool:
     return True
 
 
-#: Where ``tcpi_bytes_acked`` (u64, bytes the peer acknowledged) sits in Linux's ``struct tcp_info`` (since 4.1).
+class SendCounters(NamedTuple):
+    """What the kernel counted of one connection's sending (:func:`send_counters`), since it opened."""
+
+    bytes_acked: int
+    """Bytes the peer acknowledged (the SYN counts as one): what made it through the path's bottleneck, so their
+    rate is the rate the path carried, not the rate they were handed to the kernel at."""
+    path_limited_s: float
+    """Seconds the connection had bytes to send and was held back by neither the receiver's window nor its own send
+    buffer: by the path (its congestion window) or its pace. Near the wall time while the path is the bottleneck;
+    far below it while the sender itself is (its bytes leave as fast as it writes them)."""
+
+
+#: ``struct tcp_info`` (Linux >= 4.10): ``tcpi_bytes_acked`` (u64) at byte 120; ``tcpi_busy_time``,
+#: ``tcpi_rwnd_limited``, ``tcpi_sndbuf_limited`` (u64 microseconds; busy counts the other two too) at byte 168.
 _TCPI_BYTES_ACKED = struct.Struct("=Q"), 120
+_TCPI_CHRONO = struct.Struct("=QQQ"), 168
 
 
-def bytes_acked(sock: Any) -> Optional[int]:
-    """Bytes of ``sock``'s sending that its peer has acknowledged so far (Linux's ``TCP_INFO``, ``tcpi_bytes_acked``;
-    the SYN counts as one byte). None where the system does not say (not Linux, an older kernel, a closed socket).
-    Acknowledged bytes are those that made it through the path's bottleneck, so their rate is the rate the path
-    carried, not the rate they were handed to the kernel at."""
+def send_counters(sock: Any) -> Optional[SendCounters]:
+    """``sock``'s :class:`SendCounters` (Linux's ``TCP_INFO``); None where the system does not say (not Linux, a
+    kernel older than 4.10, a closed socket)."""
     if not hasattr(socket, "TCP_INFO"):
         return None
-    layout, offset = _TCPI_BYTES_ACKED
     try:
         info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
     except OSError:
         return None
-    if len(info) < offset + layout.size:
+    (acked_layout, acked_at), (chrono_layout, chrono_at) = _TCPI_BYTES_ACKED, _TCPI_CHRONO
+    if len(info) < chrono_at + chrono_layout.size:
         return None
-    return layout.unpack_from(info, offset)[0]
+    busy_us, rwnd_us, sndbuf_us = chrono_layout.unpack_from(info, chrono_at)
+    return SendCounters(acked_layout.unpack_from(info, acked_at)[0], (busy_us - rwnd_us - sndbuf_us) / 1e6)
 
 
 async def resolve(host: str, port: int) -> tuple[int, tuple]:

@@ -42,8 +42,8 @@ from typing import Any, Optional
 
 from peerd.identity.namespace import network_key
 from peerd.identity.signing import Signer
-from peerd.transport.connection import (SOCKET_BUFFER_BYTES, Connection, bytes_acked, open_connection, set_pacing,
-                                        tune)
+from peerd.transport.connection import (SOCKET_BUFFER_BYTES, Connection, SendCounters, open_connection,
+                                        send_counters, set_pacing, tune)
 from peerd.transport.handshake import (HandshakeFailed, HandshakeRefused, client_handshake,  # noqa: F401 - re-exported
                                        server_handshake)
 from peerd.transport.linger import serve_stream
@@ -349,17 +349,17 @@ class DirectStreams:
             self._set_pace(session, bytes_per_s)
         return True
 
-    def acked_bytes(self, peer_id: str) -> dict[int, int]:
-        """Bytes ``peer_id`` has acknowledged on each of our multiplexed connections to it that is open now
-        (:func:`peerd.transport.connection.bytes_acked`), keyed by an id that stays the connection's for its life
-        (a connection dialled again is a new key, counting from its own start); {} where the system does not say.
-        What :class:`peerd.transport.uplink.UplinkMeter` measures the uplink by."""
+    def send_counters(self, peer_id: str) -> dict[int, SendCounters]:
+        """The kernel's counters of our sending (:func:`peerd.transport.connection.send_counters`) on each of our
+        multiplexed connections to ``peer_id`` that is open now, keyed by an id that stays the connection's for its
+        life (a connection dialled again is a new key, counting from its own start); {} where the system does not
+        say. What :class:`peerd.transport.uplink.UplinkMeter` measures the uplink by."""
         counts = {}
         for session in [s for s in self._mux_all if s.peer == peer_id and not s.closed]:
             sock = session.conn.get_extra_info("socket")
-            acked = bytes_acked(sock) if sock is not None else None
-            if acked is not None:
-                counts[id(session)] = acked
+            counters = send_counters(sock) if sock is not None else None
+            if counters is not None:
+                counts[id(session)] = counters
         return counts
 
     @staticmethod

@@ -264,18 +264,18 @@ def pace(streams: PeerStreams, upload_bytes_per_s: float = 0.0, download_bytes_p
     """Wrap ``streams``; a rate of 0 leaves that direction unlimited (still metered). The uplink's rate (bytes/s;
     0: unknown) paces each connection at its share of it where ``streams`` can pace its connections (a ``pace``
     method, :meth:`peerd.transport.direct.DirectStreams.pace`, and ``can_pace`` not False); the upload cap counts
-    as the uplink where it is lower. Where neither is known and ``streams`` can tell the bytes acknowledged on its
-    connections (``acked_bytes``), the uplink is measured (:class:`peerd.transport.uplink.UplinkMeter`)."""
+    as the uplink where it is lower. Where neither is known and ``streams`` can tell the kernel's counters of its
+    connections (``send_counters``), the uplink is measured (:class:`peerd.transport.uplink.UplinkMeter`)."""
     def direction(rate: float) -> Direction:
         return Direction(TokenBucket(rate) if rate > 0 else None, RateMeter())
 
     link = min((r for r in (uplink_bytes_per_s, upload_bytes_per_s) if r > 0), default=0.0)
     pace_fn = getattr(streams, "pace", None)
-    acked_fn = getattr(streams, "acked_bytes", None)
+    counters_fn = getattr(streams, "send_counters", None)
     uplink = None
     if callable(pace_fn) and getattr(streams, "can_pace", True):
         if link > 0:
             uplink = UplinkShares(link, pace_fn)
-        elif callable(acked_fn):
-            uplink = UplinkShares(None, pace_fn, UplinkMeter(acked_fn))
+        elif callable(counters_fn):
+            uplink = UplinkShares(None, pace_fn, UplinkMeter(counters_fn))
     return PacedStreams(streams, direction(upload_bytes_per_s), direction(download_bytes_per_s), uplink)

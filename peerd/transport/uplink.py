@@ -5,8 +5,9 @@ overfilling the bottleneck's queue, lose packets and back off; paced at their sh
 (``scripts/bench_allreduce.py``, 4 peers at 100 Mbit/s: 0.89-0.92 of the link against 0.76-0.79 unpaced;
 docs/benchmarks.md). The rate comes from the operator (``uplink_mb_s``, or the upload cap ``upload_limit_mb_s``)
 where declared; otherwise :class:`UplinkMeter` measures it from the bytes the receivers acknowledged during the
-previous all-reduces, the rate that got through the path's bottleneck (not the rate bytes were handed to the kernel
-at, which a socket buffer inflates). Paced at 0.9 of the link, 4 peers moved 0.87 of it; at 1.1, 0.87; at 1.3, 0.83;
+previous all-reduces while the path held the sending back: the rate that got through the path's bottleneck (not
+the rate bytes were handed to the kernel at, which a socket buffer inflates, nor that of a sender slower than its
+link). Paced at 0.9 of the link, 4 peers moved 0.87 of it; at 1.1, 0.87; at 1.3, 0.83;
 at 1.6, 0.82: the pace wants the link's rate within ~10%, and is worth something even well above it.
 """
 
@@ -16,67 +17,84 @@ import asyncio
 import collections
 import contextlib
 import time
-from typing import Callable, Hashable, Iterable, Mapping, Optional
+from typing import Any, Callable, Hashable, Iterable, Mapping, Optional
 
 #: ``pace(peer_id, bytes_per_s or None) -> bool``: :meth:`peerd.transport.direct.DirectStreams.pace`.
 PaceFn = Callable[[str, Optional[float]], bool]
-#: ``acked(peer_id) -> {connection key: bytes acknowledged}``: :meth:`peerd.transport.direct.DirectStreams.acked_bytes`.
-AckedFn = Callable[[str], Mapping[Hashable, int]]
+#: ``counters(peer_id) -> {connection key: counters}``, each with ``bytes_acked`` and ``path_limited_s``:
+#: :meth:`peerd.transport.direct.DirectStreams.send_counters` (:class:`peerd.transport.connection.SendCounters`).
+CountersFn = Callable[[str], Mapping[Hashable, Any]]
 
 
 class UplinkMeter:
     """The uplink's rate (bytes/s), measured from what the receivers acknowledged while all-reduces were sending.
 
     Between :meth:`begin` and :meth:`end` (one or more all-reduces at once), :meth:`sample` is called every
-    ``sample_s``: it sums the bytes acknowledged on the connections to the peers sent to, and the highest rate over
-    any ``window_s`` is that stretch's peak. :meth:`rate` is the highest peak of the last ``history`` stretches
-    times ``gain``: a stretch that sent paced at the rate measured before can show at most that rate (more only
-    where the link carries more), so the gain lets the measurement climb 5% a round towards the link when it
-    started low (a round whose receivers were the slower side), and costs ~2% of the link where it did not
-    (``uplink`` module docstring). None while nothing is measured, or where the measurement is above
-    ``max_rate`` (1 Gbit/s by default: there the processors, not the link, bound an all-reduce, and pacing buys
-    nothing): then nothing is paced. A longer stretch than ``window_s`` is needed to measure anything.
+    ``sample_s``: it sums the bytes acknowledged on the connections to the peers sent to. A ``window_s`` counts
+    only where the path held the sending back for at least ``path_bound`` of it (on some connection: bytes waiting
+    for the congestion window or the pace, not for the receiver's window, and not a sender whose bytes leave as fast
+    as it writes them, as on loopback or any link faster than the processors); the highest rate over such a window
+    is the stretch's peak. :meth:`rate` is the highest peak of the last ``history`` stretches times ``gain``: a
+    stretch that sent paced at the rate measured before can show at most that rate (more only where the link
+    carries more), so the gain lets the measurement climb 5% a round towards the link when it started low (a round
+    whose receivers were the slower side), and costs ~2% of the link where it did not (``uplink`` module
+    docstring). None while nothing is measured, or where the measurement is above ``max_rate`` (1 Gbit/s by
+    default: there the processors bound an all-reduce, and pacing buys nothing): then nothing is paced.
     """
 
-    def __init__(self, acked: AckedFn, window_s: float = 0.5, sample_s: float = 0.05, history: int = 3,
-                 gain: float = 1.05, max_rate: float = 125e6, clock: Callable[[], float] = time.monotonic):
-        if not (window_s > 0 and sample_s > 0 and history >= 1 and gain >= 1 and max_rate > 0):
-            raise ValueError("UplinkMeter needs window_s > 0, sample_s > 0, history >= 1, gain >= 1, max_rate > 0")
+    def __init__(self, counters: CountersFn, window_s: float = 0.5, sample_s: float = 0.05, history: int = 3,
+                 gain: float = 1.05, path_bound: float = 0.8, max_rate: float = 125e6,
+                 clock: Callable[[], float] = time.monotonic):
+        if not (window_s > 0 and sample_s > 0 and history >= 1 and gain >= 1 and 0 <= path_bound <= 1
+                and max_rate > 0):
+            raise ValueError("UplinkMeter needs window_s > 0, sample_s > 0, history >= 1, gain >= 1, "
+                             "0 <= path_bound <= 1, max_rate > 0")
         self.window_s, self.sample_s, self.gain, self.max_rate = window_s, sample_s, gain, max_rate
-        self._acked = acked
+        self.path_bound = path_bound
+        self._counters = counters
         self._clock = clock
         self.peaks: collections.deque[float] = collections.deque(maxlen=history)
         """The peaks (bytes/s) of the last stretches that measured one, oldest first."""
-        self._counts: dict[Hashable, int] = {}
-        self._acked_total = 0
-        self._window: collections.deque[tuple[float, int]] = collections.deque()
-        self._peak = 0.0
+        self.path_limited = 0.0
+        """The highest share of a window the path held the sending back for, in the last stretch (0-1)."""
+        self.begin()
 
     def begin(self) -> None:
         """A stretch of sending starts: counting starts afresh."""
-        self._counts, self._acked_total, self._window, self._peak = {}, 0, collections.deque(), 0.0
+        self._last: dict[Hashable, Any] = {}  # key -> counters read last
+        self._acked_total = 0
+        self._path_s: dict[Hashable, float] = {}  # key -> path-limited seconds since first seen
+        self._window: collections.deque[tuple[float, int, dict[Hashable, float]]] = collections.deque()
+        self._peak = 0.0
+        self._path_limited = 0.0
 
     def sample(self, peers: Iterable[str]) -> None:
-        """Read the acknowledged bytes of the connections to ``peers``; a connection first seen now (or whose count
-        went back: a new connection under a key reused) only sets its starting point."""
+        """Read the counters of the connections to ``peers``; a connection first seen now (or whose count went
+        back: a new connection under a key reused) only sets its starting point."""
         for peer in peers:
-            for key, count in self._acked(peer).items():
-                before = self._counts.get(key)
-                if before is not None and count > before:
-                    self._acked_total += count - before
-                self._counts[key] = count
+            for key, now_counters in self._counters(peer).items():
+                before = self._last.get(key)
+                if before is not None and now_counters.bytes_acked >= before.bytes_acked:
+                    self._acked_total += now_counters.bytes_acked - before.bytes_acked
+                    self._path_s[key] = self._path_s.get(key, 0.0) + max(
+                        0.0, now_counters.path_limited_s - before.path_limited_s)
+                self._last[key] = now_counters
         now = self._clock()
-        self._window.append((now, self._acked_total))
+        self._window.append((now, self._acked_total, dict(self._path_s)))
         while len(self._window) > 2 and now - self._window[1][0] >= self.window_s:
             self._window.popleft()
-        start, acked = self._window[0]
+        start, acked, path_s = self._window[0]
         if now - start >= self.window_s:
-            self._peak = max(self._peak, (self._acked_total - acked) / (now - start))
+            held = max((s - path_s.get(k, 0.0) for k, s in self._path_s.items()), default=0.0) / (now - start)
+            self._path_limited = max(self._path_limited, min(1.0, held))
+            if held >= self.path_bound:
+                self._peak = max(self._peak, (self._acked_total - acked) / (now - start))
 
     def end(self) -> None:
         """The stretch is over: its peak, if it measured one, joins the history."""
         if self._peak > 0:
             self.peaks.append(self._peak)
+        self.path_limited = self._path_limited
         self.begin()
 
     def rate(self) -> Optional[float]:

@@ -111,8 +111,9 @@ def test_a_peers_connections_are_paced_at_the_rate_asked_also_when_dialled_later
             if linux:
                 assert sock.getsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE) == 1_250_000
                 # what b acknowledged on the one connection to it (the handshake and the call at least)
-                (key, acked), = a.acked_bytes(b.peer_id).items()
-                assert acked > 3 and key == id(a._mux[b.peer_id]) and a.acked_bytes("nobody") == {}
+                (key, counters), = a.send_counters(b.peer_id).items()
+                assert counters.bytes_acked > 3 and counters.path_limited_s >= 0
+                assert key == id(a._mux[b.peer_id]) and a.send_counters("nobody") == {}
                 assert a.pace(b.peer_id, 2_500_000)  # the open connection is paced anew
                 assert sock.getsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE) == 2_500_000
                 assert a.pace(b.peer_id, None)
@@ -125,7 +126,7 @@ def test_a_peers_connections_are_paced_at_the_rate_asked_also_when_dialled_later
                 reply = await call(a, b.peer_id, "echo", "echo", {}, b"def", timeout_s=10.0, max_reply_bytes=3)
                 assert bytes(reply.payload) == b"fed"
                 assert a._mux[b.peer_id] is not first
-                assert list(a.acked_bytes(b.peer_id)) == [id(a._mux[b.peer_id])]  # the closed one is not counted
+                assert list(a.send_counters(b.peer_id)) == [id(a._mux[b.peer_id])]  # the closed one is not counted
                 again = a._mux[b.peer_id].conn.get_extra_info("socket")
                 assert again.getsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE) == 1_000_000
                 assert a.pace(b.peer_id, None)

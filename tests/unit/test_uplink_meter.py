@@ -1,5 +1,5 @@
-"""The uplink measured from what receivers acknowledged (peerd/transport/uplink.py ``UplinkMeter``), and paced at
-from the next all-reduce on where no rate is declared."""
+"""The uplink measured from what receivers acknowledged while the path held the sending back
+(peerd/transport/uplink.py ``UplinkMeter``), and paced at from the next all-reduce on where no rate is declared."""
 
 import asyncio
 import socket
@@ -10,7 +10,7 @@ import types
 import pytest
 
 from peerd.events import BandwidthCaps
-from peerd.transport.connection import bytes_acked
+from peerd.transport.connection import SendCounters, send_counters
 from peerd.transport.pacing import pace
 from peerd.transport.uplink import UplinkMeter, UplinkShares
 
@@ -25,69 +25,104 @@ class _Clock:
         return self.now
 
 
-def test_the_peak_is_the_highest_rate_acknowledged_over_a_window_and_the_rate_the_best_recent_peak_with_gain():
-    clock, acked = _Clock(), {"a": {1: 0}, "b": {7: 0}}
-    meter = UplinkMeter(lambda peer: acked[peer], window_s=0.5, history=2, gain=1.05, max_rate=1e9, clock=clock)
+class _Links:
+    """Connections whose counters the test moves: bytes acknowledged, and seconds the path held them back."""
+
+    def __init__(self, clock: _Clock):
+        self.clock = clock
+        self.of: dict[str, dict[int, SendCounters]] = {}
+
+    def __call__(self, peer: str) -> dict[int, SendCounters]:
+        return dict(self.of.get(peer, {}))
+
+    def add(self, peer: str, key: int, acked: int = 0, path_s: float = 0.0) -> None:
+        self.of.setdefault(peer, {})[key] = SendCounters(acked, path_s)
+
+    def move(self, peer: str, key: int, nbytes: int, path_s: float) -> None:
+        c = self.of[peer][key]
+        self.of[peer][key] = SendCounters(c.bytes_acked + nbytes, c.path_limited_s + path_s)
+
+
+def _stretch(meter: UplinkMeter, links: _Links, steps: list[dict[tuple[str, int], tuple[float, float]]]) -> None:
+    """One stretch of sending, 0.1 s a step: (peer, key) -> (bytes/s acknowledged, share of the step path-bound)."""
+    peers = list(links.of)
+    meter.begin()
+    meter.sample(peers)
+    for step in steps:
+        links.clock.now += 0.1
+        for (peer, key), (rate, bound) in step.items():
+            links.move(peer, key, int(rate * 0.1), bound * 0.1)
+        meter.sample(peers)
+    meter.end()
+
+
+def test_the_peak_is_the_best_path_bound_window_and_the_rate_the_best_recent_peak_with_gain():
+    clock = _Clock()
+    links = _Links(clock)
+    links.add("a", 1)
+    links.add("b", 7)
+    meter = UplinkMeter(links, window_s=0.5, history=2, gain=1.05, max_rate=1e9, clock=clock)
     assert meter.rate() is None  # nothing measured: not paced
-
-    def run(rates_by_step: list[tuple[float, float]]) -> None:  # (bytes/s to a, bytes/s to b) per 0.1 s
-        meter.begin()
-        meter.sample(["a", "b"])
-        for to_a, to_b in rates_by_step:
-            clock.now += 0.1
-            acked["a"][1] += int(to_a * 0.1)
-            acked["b"][7] += int(to_b * 0.1)
-            meter.sample(["a", "b"])
-        meter.end()
-
-    run([(1e6, 1e6)] * 10 + [(3e6, 1e6)] * 6 + [(0.5e6, 0)] * 5)  # 2 MB/s, then 4 MB/s for 0.6 s, then a tail
-    assert meter.peaks[-1] == pytest.approx(4e6)
+    both = lambda ra, rb: {("a", 1): (ra, 1.0), ("b", 7): (rb, 1.0)}  # noqa: E731
+    _stretch(meter, links, [both(1e6, 1e6)] * 10 + [both(3e6, 1e6)] * 6 + [both(0.5e6, 0)] * 5)
+    assert meter.peaks[-1] == pytest.approx(4e6) and meter.path_limited == 1.0  # 4 MB/s for 0.6 s
     assert meter.rate() == pytest.approx(4.2e6)
-    run([(1e6, 1e6)] * 10)  # a slower stretch (its receivers were the slower side): the best recent peak counts
+    _stretch(meter, links, [both(1e6, 1e6)] * 10)  # a slower stretch (receivers the slower side): the best counts
     assert list(meter.peaks) == pytest.approx([4e6, 2e6]) and meter.rate() == pytest.approx(4.2e6)
-    run([(1e6, 1e6)] * 10)  # history=2: the 4 MB/s stretch is forgotten
+    _stretch(meter, links, [both(1e6, 1e6)] * 10)  # history=2: the 4 MB/s stretch is forgotten
     assert meter.rate() == pytest.approx(2.1e6)
-    run([(5e6, 5e6)] * 3)  # shorter than a window: measures nothing
+    _stretch(meter, links, [both(5e6, 5e6)] * 3)  # shorter than a window: measures nothing
     assert meter.rate() == pytest.approx(2.1e6) and len(meter.peaks) == 2
 
 
+def test_a_sender_slower_than_its_path_measures_nothing():
+    """As on loopback: the bytes leave as fast as the sender writes them, so the path holds nothing back."""
+    clock = _Clock()
+    links = _Links(clock)
+    links.add("a", 1)
+    links.add("b", 2)
+    meter = UplinkMeter(links, window_s=0.5, path_bound=0.8, clock=clock)
+    _stretch(meter, links, [{("a", 1): (50e6, 0.4), ("b", 2): (50e6, 0.45)}] * 20)
+    assert not meter.peaks and meter.rate() is None and meter.path_limited == pytest.approx(0.45)
+    # path-bound on one connection for 0.85 of every window: the path is the limit there
+    _stretch(meter, links, [{("a", 1): (6e6, 0.85), ("b", 2): (6e6, 0.1)}] * 20)
+    assert meter.peaks[-1] == pytest.approx(12e6) and meter.rate() == pytest.approx(12.6e6)
+
+
 def test_a_new_connection_counts_from_where_it_is_first_seen_and_a_fast_link_is_not_paced():
-    clock, acked = _Clock(), {}
-    meter = UplinkMeter(lambda peer: acked, window_s=0.5, gain=1.0, max_rate=3e6, clock=clock)
+    clock = _Clock()
+    links = _Links(clock)
+    meter = UplinkMeter(links, window_s=0.5, gain=1.0, max_rate=3e6, clock=clock)
+    links.add("a", 1, acked=10**9, path_s=50.0)  # counted before this stretch: not counted
     meter.begin()
-    acked[1] = 10**9  # bytes acknowledged before this stretch: not counted
     meter.sample(["a"])
     for step in range(10):
         clock.now += 0.1
         if step == 5:  # dialled again: a new key counting from its own start, the old one gone
-            del acked[1]
-            acked[2] = 1
+            links.of["a"] = {}
+            links.add("a", 2, acked=1, path_s=0.0)
         else:
-            acked[2 if 2 in acked else 1] += 100_000
+            links.move("a", 2 if 2 in links.of["a"] else 1, 100_000, 0.1)
         meter.sample(["a"])
     meter.end()
     assert 0.7e6 < meter.peaks[-1] <= 1e6 and meter.rate() == meter.peaks[-1]
-    meter.begin()
-    meter.sample(["a"])
-    for _ in range(10):
-        clock.now += 0.1
-        acked[2] += 500_000  # 5 MB/s: above max_rate, the processors bound it, not the link
-        meter.sample(["a"])
-    meter.end()
+    _stretch(meter, links, [{("a", 2): (5e6, 1.0)}] * 10)  # 5 MB/s: above max_rate, where processors bound it
     assert meter.peaks[-1] == pytest.approx(5e6) and meter.rate() is None
-    with pytest.raises(ValueError):
-        UplinkMeter(lambda peer: {}, gain=0.9)
+    for bad in ({"gain": 0.9}, {"path_bound": 1.5}, {"window_s": 0}):
+        with pytest.raises(ValueError):
+            UplinkMeter(links, **bad)
 
 
 def test_without_a_declared_rate_the_first_run_measures_and_the_next_runs_are_paced_at_shares_of_it():
     paced: list[tuple[str, object]] = []
     start = time.monotonic()
 
-    def acked(peer: str) -> dict[int, int]:  # each receiver acknowledges 1 MB/s
-        return {hash(peer): int(1e6 * (time.monotonic() - start))}
+    def counters(peer: str) -> dict[int, SendCounters]:  # each receiver acknowledges 1 MB/s, the path the limit
+        elapsed = time.monotonic() - start
+        return {hash(peer): SendCounters(int(1e6 * elapsed), elapsed)}
 
     async def main():
-        meter = UplinkMeter(acked, window_s=0.05, sample_s=0.01, gain=1.0)
+        meter = UplinkMeter(counters, window_s=0.05, sample_s=0.01, gain=1.0)
         uplink = UplinkShares(None, lambda peer, rate: paced.append((peer, rate)) or True, meter)
         assert uplink.rate is None and uplink.declared is None
         lease = uplink.share({"a": 0.5, "b": 0.5})
@@ -101,7 +136,7 @@ def test_without_a_declared_rate_the_first_run_measures_and_the_next_runs_are_pa
         lease.close()
         assert paced[-2:] in ([("a", None), ("b", None)], [("b", None), ("a", None)])
         assert len(meter.peaks) == 2 and uplink._sampler is None  # the sampler ends with the last lease
-        paced_streams = pace(types.SimpleNamespace(pace=lambda peer, rate: True, acked_bytes=acked))
+        paced_streams = pace(types.SimpleNamespace(pace=lambda peer, rate: True, send_counters=counters))
         paced_streams.uplink.meter.peaks.extend(meter.peaks)
         report = paced_streams.report()["uplink"]
         assert report["measured"] and report["bytes_per_s"] == pytest.approx(max(meter.peaks) * 1.05)
@@ -113,11 +148,11 @@ def test_without_a_declared_rate_the_first_run_measures_and_the_next_runs_are_pa
         UplinkShares(None, lambda peer, rate: True)
 
 
-def test_streams_that_tell_acknowledged_bytes_get_a_measured_uplink_and_the_daemon_says_so(tmp_path):
+def test_streams_that_tell_their_counters_get_a_measured_uplink_and_the_daemon_says_so(tmp_path):
     from peerd.config import NodeConfig
     from peerd.service.volunteer import VolunteerServices
 
-    streams = types.SimpleNamespace(pace=lambda peer, rate: True, acked_bytes=lambda peer: {}, can_pace=True)
+    streams = types.SimpleNamespace(pace=lambda peer, rate: True, send_counters=lambda peer: {}, can_pace=True)
     assert pace(streams).uplink.meter is not None and pace(streams).uplink.declared is None
     assert pace(streams, uplink_bytes_per_s=2e6).uplink.meter is None  # a declared rate is not measured
     assert pace(types.SimpleNamespace(pace=streams.pace)).uplink is None  # cannot tell: neither
@@ -137,7 +172,7 @@ def test_streams_that_tell_acknowledged_bytes_get_a_measured_uplink_and_the_daem
         "uplink as measured during earlier all-reduces (uplink_mb_s declares it)")
 
 
-def test_bytes_acked_counts_what_the_receiver_acknowledged():
+def test_send_counters_count_what_the_receiver_acknowledged_and_the_seconds_the_path_held_the_sending_back():
     server = socket.create_server(("127.0.0.1", 0))
     client = socket.create_connection(server.getsockname())
     conn, _ = server.accept()
@@ -151,17 +186,18 @@ def test_bytes_acked_counts_what_the_receiver_acknowledged():
 
     threading.Thread(target=read, daemon=True).start()
     try:
-        start = bytes_acked(client)
-        if start is None:  # not Linux: nothing to count
-            assert not hasattr(socket, "TCP_INFO")
+        start = send_counters(client)
+        if start is None:  # not Linux (or a kernel older than 4.10): nothing to count
             return
         client.sendall(b"x" * 3_000_000)
         assert received.wait(20)
         deadline = time.monotonic() + 20
-        while bytes_acked(client) - start < 3_000_000 and time.monotonic() < deadline:
+        while send_counters(client).bytes_acked - start.bytes_acked < 3_000_000 and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert bytes_acked(client) - start == 3_000_000
+        end = send_counters(client)
+        assert end.bytes_acked - start.bytes_acked == 3_000_000
+        assert 0 <= end.path_limited_s - start.path_limited_s < 20  # loopback: the receiver's window, if anything
     finally:
         for s in (client, conn, server):
             s.close()
-    assert bytes_acked(client) is None  # closed: nothing to say
+    assert send_counters(client) is None  # closed: nothing to say
