@@ -70,7 +70,8 @@ def buffer_caps() -> tuple[int, int]:
 
 def tune(sock: socket.socket, buffer_bytes: int) -> None:
     """Fixed kernel buffers if asked for and the system allows them; at most :data:`NOTSENT_LOWAT_BYTES` unsent; no
-    Nagle delay on handshake frames. A listener's settings pass to the sockets it accepts."""
+    Nagle delay on handshake frames; the congestion control :data:`TCP_CONGESTION_NAME` where one is named
+    (:func:`set_congestion`). A listener's settings pass to the sockets it accepts."""
     rmem_max, wmem_max = buffer_caps()
     with contextlib.suppress(OSError):
         if buffer_bytes and rmem_max >= buffer_bytes:

@@ -1,5 +1,6 @@
 """The uplink measured from what receivers acknowledged while the path held the sending back
-(peerd/transport/uplink.py ``UplinkMeter``), and paced at from the next all-reduce on where no rate is declared."""
+(peerd/transport/uplink.py ``UplinkMeter``), and paced at from the next all-reduce on where no rate is declared; the
+kernel's counters and settings of a connection it relies on (``send_counters``, ``set_congestion``)."""
 
 import asyncio
 import socket
@@ -201,3 +202,20 @@ def test_send_counters_count_what_the_receiver_acknowledged_and_the_seconds_the_
         for s in (client, conn, server):
             s.close()
     assert send_counters(client) is None  # closed: nothing to say
+
+
+def test_set_congestion_uses_the_named_control_and_changes_nothing_for_one_the_system_lacks():
+    from peerd.transport.connection import set_congestion
+
+    sock = socket.socket()
+    try:
+        if not hasattr(socket, "TCP_CONGESTION"):  # not Linux: nothing can be set
+            assert not set_congestion(sock, "reno")
+            return
+        before = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\0")
+        assert not set_congestion(sock, "") and not set_congestion(sock, "no-such-control")
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\0") == before
+        assert set_congestion(sock, "reno")  # built into every Linux kernel
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\0") == b"reno"
+    finally:
+        sock.close()
