@@ -16,8 +16,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import logging
 import time
 from typing import Any, Callable, Hashable, Iterable, Mapping, Optional
+
+logger = logging.getLogger(__name__)
 
 #: ``pace(peer_id, bytes_per_s or None) -> bool``: :meth:`peerd.transport.direct.DirectStreams.pace`.
 PaceFn = Callable[[str, Optional[float]], bool]
@@ -127,6 +130,7 @@ class UplinkShares:
         self._leases: set[UplinkLease] = set()
         self._rate: Optional[float] = self.declared
         self._sampler: Optional[asyncio.Task] = None
+        self._logged_rate: Optional[float] = None
 
     @property
     def rate(self) -> Optional[float]:
@@ -143,6 +147,7 @@ class UplinkShares:
         lease = UplinkLease(self, {p: float(s) for p, s in shares.items() if s > 0})
         if not self._leases and self.meter is not None:  # a stretch of sending starts: the rate measured so far
             self._rate = self.declared or self.meter.rate()
+            self._log_measured()
             self.meter.begin()
             self._sampler = asyncio.ensure_future(self._sample())
         self._leases.add(lease)
@@ -150,6 +155,15 @@ class UplinkShares:
             self._measure()
         self._apply(lease.shares)
         return lease
+
+    def _log_measured(self) -> None:
+        """One line when the measured rate is first known, and when it moved by more than 10% since the last."""
+        rate, last = self._rate, self._logged_rate
+        if rate is None or (last is not None and abs(rate - last) <= 0.1 * last):
+            return
+        self._logged_rate = rate
+        logger.info("uplink measured at %.1f MB/s (%.0f Mbit/s; uplink_mb_s declares it): all-reduces pace their "
+                    "connections at shares of it", rate / 1e6, rate * 8 / 1e6)
 
     def held(self, peer: str) -> float:
         """The share of the uplink ``peer``'s connections are paced at now (0: unpaced)."""

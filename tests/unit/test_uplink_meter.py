@@ -114,7 +114,7 @@ def test_a_new_connection_counts_from_where_it_is_first_seen_and_a_fast_link_is_
             UplinkMeter(links, **bad)
 
 
-def test_without_a_declared_rate_the_first_run_measures_and_the_next_runs_are_paced_at_shares_of_it():
+def test_without_a_declared_rate_the_first_run_measures_and_the_next_runs_are_paced_at_shares_of_it(caplog):
     paced: list[tuple[str, object]] = []
     start = time.monotonic()
 
@@ -130,8 +130,11 @@ def test_without_a_declared_rate_the_first_run_measures_and_the_next_runs_are_pa
         await asyncio.sleep(0.2)
         lease.close()
         assert paced == [] and meter.peaks[-1] == pytest.approx(2e6, rel=0.2)  # a and b: 2 MB/s together
-        lease = uplink.share({"a": 0.25, "b": 0.75})
+        with caplog.at_level("INFO", logger="peerd.transport.uplink"):
+            lease = uplink.share({"a": 0.25, "b": 0.75})
         assert uplink.rate == pytest.approx(2e6, rel=0.2)
+        assert [r.getMessage().split(" MB/s")[0] for r in caplog.records] == [  # said when first known
+            f"uplink measured at {uplink.rate / 1e6:.1f}"]
         assert dict(paced) == {"a": pytest.approx(0.25 * uplink.rate), "b": pytest.approx(0.75 * uplink.rate)}
         await asyncio.sleep(0.2)
         lease.close()
