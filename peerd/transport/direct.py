@@ -345,7 +345,7 @@ class DirectStreams:
             self._paces.pop(peer_id, None)
         else:
             self._paces[peer_id] = bytes_per_s
-        for session in [s for s in self._mux_all if s.peer == peer_id and not s.closed]:
+        for session in self._open_sessions(peer_id):
             self._set_pace(session, bytes_per_s)
         return True
 
@@ -355,12 +355,16 @@ class DirectStreams:
         life (a connection dialled again is a new key, counting from its own start); {} where the system does not
         say. What :class:`peerd.transport.uplink.UplinkMeter` measures the uplink by."""
         counts = {}
-        for session in [s for s in self._mux_all if s.peer == peer_id and not s.closed]:
+        for session in self._open_sessions(peer_id):
             sock = session.conn.get_extra_info("socket")
             counters = send_counters(sock) if sock is not None else None
             if counters is not None:
                 counts[id(session)] = counters
         return counts
+
+    def _open_sessions(self, peer_id: str) -> list[MuxSession]:
+        """Our multiplexed connections to ``peer_id`` that are open now (a list: pacing may not change the set)."""
+        return [s for s in self._mux_all if s.peer == peer_id and not s.closed]
 
     @staticmethod
     def _set_pace(session: MuxSession, bytes_per_s: Optional[float]) -> None:

@@ -240,8 +240,7 @@ class PacedStreams:
         report = {"upload": self.upload.report(), "download": self.download.report()}
         if self.uplink is not None:
             meter = self.uplink.meter
-            rate = self.uplink.declared or (meter.rate() if meter is not None else None)
-            report["uplink"] = {"bytes_per_s": rate, "measured": meter is not None,
+            report["uplink"] = {"bytes_per_s": self.uplink.next_rate(), "measured": meter is not None,
                                 "peaks_bytes_per_s": [round(p) for p in meter.peaks] if meter is not None else []}
         return report
 

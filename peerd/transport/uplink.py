@@ -116,6 +116,7 @@ class UplinkShares:
     :meth:`share` takes one run's shares (PeerID -> fraction of the uplink, each in [0, 1]) and returns its
     :class:`UplinkLease`. Runs at once to the same peer add up their shares (a connection carries every run's
     streams to that peer), capped at the whole link; a peer no run holds a share of any more is unpaced again.
+    Raises ValueError with neither a rate nor a meter, or a rate <= 0.
     """
 
     def __init__(self, rate: Optional[float], pace: PaceFn, meter: Optional[UplinkMeter] = None):
@@ -137,6 +138,13 @@ class UplinkShares:
         """The rate (bytes/s) the runs now open are paced at shares of; None: not paced (nothing measured yet)."""
         return self._rate
 
+    def next_rate(self) -> Optional[float]:
+        """The rate (bytes/s) the next stretch of runs will be paced at shares of: the declared one, or what
+        ``meter`` measured so far (None: nothing yet, or not worth pacing; :meth:`UplinkMeter.rate`)."""
+        if self.declared is not None or self.meter is None:
+            return self.declared
+        return self.meter.rate()
+
     def share(self, shares: Mapping[str, float]) -> "UplinkLease":
         """Pace each peer of ``shares`` at its share of the uplink (more where other runs hold shares of it too)
         until the lease is closed. Raises ValueError on a share outside [0, 1]; a share of 0 holds nothing. Called
@@ -146,7 +154,7 @@ class UplinkShares:
             raise ValueError(f"shares of the uplink must be in [0, 1], got {bad}")
         lease = UplinkLease(self, {p: float(s) for p, s in shares.items() if s > 0})
         if not self._leases and self.meter is not None:  # a stretch of sending starts: the rate measured so far
-            self._rate = self.declared or self.meter.rate()
+            self._rate = self.next_rate()
             self._log_measured()
             self.meter.begin()
             self._sampler = asyncio.ensure_future(self._sample())
@@ -183,7 +191,8 @@ class UplinkShares:
             self._measure()
         self._leases.discard(lease)
         self._apply(lease.shares)
-        if sampler is not None and self.meter is not None:
+        if sampler is not None:
+            assert self.meter is not None  # a sampler runs only with a meter
             self.meter.end()
 
     def _measure(self) -> None:
