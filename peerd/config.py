@@ -187,7 +187,7 @@ class NodeConfig:
     """Cap on what this peer reads from other peers' streams in MB/s; 0 = unlimited."""
     uplink_mb_s: float = 0.0
     """This peer's upload link rate in MB/s (10^6 bytes per second: 12.5 for 100 Mbit/s), as a speed test gives it;
-    0 = unknown: measured from the bytes peers acknowledged during earlier all-reduces
+    0 = unknown: measured from the bytes that reached peers during earlier all-reduces
     (:class:`peerd.transport.uplink.UplinkMeter`). Each all-reduce paces its connections at their shares of it
     (``SO_MAX_PACING_RATE``, Linux, direct data plane; an upload cap counts where it is lower): unpaced they
     overfill the link's queue in turns, 0.75-0.78 of a 100 Mbit/s link against 0.92 paced (docs/benchmarks.md). A

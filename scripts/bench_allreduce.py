@@ -779,7 +779,7 @@ def render(rows: list[Row], scenarios: dict[str, Scenario], args, meta: dict) ->
            "p2pd only as fallback), one TCP connection per stream; peerd-mux = the same with one warm multiplexed "
            "connection per peer pair (`DirectStreams(multiplex=True)`), each butterfly paced at its connections' "
            "shares of the uplink measured during the earlier runs (the daemon's default: `UplinkMeter`, from the "
-           "bytes acknowledged; the warm-up runs unpaced); peerd-ring = peerd-mux with `exchange = "
+           "bytes delivered; the warm-up runs unpaced); peerd-ring = peerd-mux with `exchange = "
            "\"ring\"` (`RingAllReduce`: its first runs are butterflies that measure the links, untimed warm-ups "
            f"here, {RATE_MIN_RUNS} in all; it rings once every member announced alike rates); peerd-libp2p = peerd on "
            "the py-libp2p "

@@ -126,35 +126,43 @@ def set_pacing(sock: Any, bytes_per_s: Optional[float]) -> bool:
 class SendCounters(NamedTuple):
     """What the kernel counted of one connection's sending (:func:`send_counters`), since it opened."""
 
-    bytes_acked: int
-    """Bytes the peer acknowledged (the SYN counts as one): what made it through the path's bottleneck, so their
-    rate is the rate the path carried, not the rate they were handed to the kernel at."""
+    segments_delivered: int
+    """Segments that reached the peer (``tcpi_delivered``): counted as the peer acknowledges or selectively
+    acknowledges them, so their rate is the rate the path's bottleneck carried, without the jump of the cumulative
+    acknowledgement (``tcpi_bytes_acked``) when a loss is repaired: that read 13.2-13.9 MB/s over 0.5 s on a link
+    that carries 12.5."""
+    segment_bytes: int
+    """The connection's segment size now (``tcpi_snd_mss``, bytes): a bulk sender's segments are full."""
     path_limited_s: float
     """Seconds the connection had bytes to send and was held back by neither the receiver's window nor its own send
     buffer: by the path (its congestion window) or its pace. Near the wall time while the path is the bottleneck;
     far below it while the sender itself is (its bytes leave as fast as it writes them)."""
 
 
-#: ``struct tcp_info`` (Linux >= 4.10): ``tcpi_bytes_acked`` (u64) at byte 120; ``tcpi_busy_time``,
-#: ``tcpi_rwnd_limited``, ``tcpi_sndbuf_limited`` (u64 microseconds; busy counts the other two too) at byte 168.
-_TCPI_BYTES_ACKED = struct.Struct("=Q"), 120
+#: ``struct tcp_info`` (Linux >= 4.18): ``tcpi_snd_mss`` (u32) at byte 16; ``tcpi_busy_time``,
+#: ``tcpi_rwnd_limited``, ``tcpi_sndbuf_limited`` (u64 microseconds; busy counts the other two too) at byte 168;
+#: ``tcpi_delivered`` (u32) at byte 192.
+_TCPI_SND_MSS = struct.Struct("=I"), 16
 _TCPI_CHRONO = struct.Struct("=QQQ"), 168
+_TCPI_DELIVERED = struct.Struct("=I"), 192
 
 
 def send_counters(sock: Any) -> Optional[SendCounters]:
     """``sock``'s :class:`SendCounters` (Linux's ``TCP_INFO``); None where the system does not say (not Linux, a
-    kernel older than 4.10, a closed socket)."""
+    kernel older than 4.18, a closed socket)."""
     if not hasattr(socket, "TCP_INFO"):
         return None
     try:
         info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
     except OSError:
         return None
-    (acked_layout, acked_at), (chrono_layout, chrono_at) = _TCPI_BYTES_ACKED, _TCPI_CHRONO
-    if len(info) < chrono_at + chrono_layout.size:
+    (mss_layout, mss_at), (chrono_layout, chrono_at), (delivered_layout, delivered_at) = (
+        _TCPI_SND_MSS, _TCPI_CHRONO, _TCPI_DELIVERED)
+    if len(info) < delivered_at + delivered_layout.size:
         return None
     busy_us, rwnd_us, sndbuf_us = chrono_layout.unpack_from(info, chrono_at)
-    return SendCounters(acked_layout.unpack_from(info, acked_at)[0], (busy_us - rwnd_us - sndbuf_us) / 1e6)
+    return SendCounters(delivered_layout.unpack_from(info, delivered_at)[0], mss_layout.unpack_from(info, mss_at)[0],
+                        (busy_us - rwnd_us - sndbuf_us) / 1e6)
 
 
 async def resolve(host: str, port: int) -> tuple[int, tuple]:

@@ -4,7 +4,7 @@ The butterfly all-reduce sends to every member of its group at once. Unpaced, th
 overfilling the bottleneck's queue, lose packets and back off; paced at their shares of the uplink they do not
 (``scripts/bench_allreduce.py``, 4 peers at 100 Mbit/s: 0.89-0.92 of the link against 0.76-0.79 unpaced;
 docs/benchmarks.md). The rate comes from the operator (``uplink_mb_s``, or the upload cap ``upload_limit_mb_s``)
-where declared; otherwise :class:`UplinkMeter` measures it from the bytes the receivers acknowledged during the
+where declared; otherwise :class:`UplinkMeter` measures it from the bytes that reached the receivers during the
 previous all-reduces while the path held the sending back: the rate that got through the path's bottleneck (not
 the rate bytes were handed to the kernel at, which a socket buffer inflates, nor that of a sender slower than its
 link). Paced at 0.9 of the link, 4 peers moved 0.87 of it; at 1.1, 0.87; at 1.3, 0.83;
@@ -24,35 +24,40 @@ logger = logging.getLogger(__name__)
 
 #: ``pace(peer_id, bytes_per_s or None) -> bool``: :meth:`peerd.transport.direct.DirectStreams.pace`.
 PaceFn = Callable[[str, Optional[float]], bool]
-#: ``counters(peer_id) -> {connection key: counters}``, each with ``bytes_acked`` and ``path_limited_s``:
+#: ``counters(peer_id) -> {connection key: counters}``, each with ``segments_delivered``, ``segment_bytes`` and
+#: ``path_limited_s``:
 #: :meth:`peerd.transport.direct.DirectStreams.send_counters` (:class:`peerd.transport.connection.SendCounters`).
 CountersFn = Callable[[str], Mapping[Hashable, Any]]
 
 
 class UplinkMeter:
-    """The uplink's rate (bytes/s), measured from what the receivers acknowledged while all-reduces were sending.
+    """The uplink's rate (bytes/s), measured from what reached the receivers while all-reduces were sending.
 
     Between :meth:`begin` and :meth:`end` (one or more all-reduces at once), :meth:`sample` is called every
-    ``sample_s``: it sums the bytes acknowledged on the connections to the peers sent to. A ``window_s`` counts
+    ``sample_s``: it sums the bytes delivered on the connections to the peers sent to (segments the receivers
+    acknowledged or selectively acknowledged, :class:`peerd.transport.connection.SendCounters`). A ``window_s`` counts
     only where the path held the sending back for at least ``path_bound`` of it (on some connection: bytes waiting
     for the congestion window or the pace, not for the receiver's window, and not a sender whose bytes leave as fast
     as it writes them, as on loopback or any link faster than the processors); the highest rate over such a window
-    is the stretch's peak. :meth:`rate` is the highest peak of the last ``history`` stretches times ``gain``: a
-    stretch that sent paced at the rate measured before can show at most that rate (more only where the link
-    carries more), so the gain lets the measurement climb 5% a round towards the link when it started low (a round
-    whose receivers were the slower side), and costs ~2% of the link where it did not (``uplink`` module
-    docstring). None while nothing is measured, or where the measurement is above ``max_rate`` (1 Gbit/s by
-    default: there the processors bound an all-reduce, and pacing buys nothing): then nothing is paced.
+    is the stretch's peak. :meth:`rate` is the median of the last ``history`` peaks (the lower one of two), so one
+    stretch that read high or low is not paced at (on a 12.5 MB/s link, 4 peers' stretches read 11.8-12.7 MB/s, 8
+    peers' 11.5-13.7: acknowledgements queued behind the receivers' own uploads arrive together). A stretch paced at ``P`` can show at most ``P``: where its
+    peak reached ``reach`` of ``P`` (the pace bound it, not the path), the rate is at least ``gain`` x ``P``, so a
+    measurement that started low (a round whose receivers were the slower side) climbs 5% a round until the path
+    holds it back; on a steady link the pace then alternates between the link's rate and 5% above it. None while
+    nothing is measured, or where the rate is above ``max_rate`` (1 Gbit/s by default: there the processors bound
+    an all-reduce, and pacing buys nothing): then nothing is paced. The kernel paces TCP payload, which is also what
+    is counted: the rate is in payload bytes, 2-4% under the link's rate in packets.
     """
 
     def __init__(self, counters: CountersFn, window_s: float = 0.5, sample_s: float = 0.05, history: int = 3,
-                 gain: float = 1.05, path_bound: float = 0.8, max_rate: float = 125e6,
+                 gain: float = 1.05, reach: float = 0.97, path_bound: float = 0.8, max_rate: float = 125e6,
                  clock: Callable[[], float] = time.monotonic):
-        if not (window_s > 0 and sample_s > 0 and history >= 1 and gain >= 1 and 0 <= path_bound <= 1
-                and max_rate > 0):
+        if not (window_s > 0 and sample_s > 0 and history >= 1 and gain >= 1 and 0 < reach <= 1
+                and 0 <= path_bound <= 1 and max_rate > 0):
             raise ValueError("UplinkMeter needs window_s > 0, sample_s > 0, history >= 1, gain >= 1, "
-                             "0 <= path_bound <= 1, max_rate > 0")
-        self.window_s, self.sample_s, self.gain, self.max_rate = window_s, sample_s, gain, max_rate
+                             "0 < reach <= 1, 0 <= path_bound <= 1, max_rate > 0")
+        self.window_s, self.sample_s, self.gain, self.reach, self.max_rate = window_s, sample_s, gain, reach, max_rate
         self.path_bound = path_bound
         self._counters = counters
         self._clock = clock
@@ -60,12 +65,15 @@ class UplinkMeter:
         """The peaks (bytes/s) of the last stretches that measured one, oldest first."""
         self.path_limited = 0.0
         """The highest share of a window the path held the sending back for, in the last stretch (0-1)."""
+        self._climb: Optional[float] = None  # gain x the pace of the last stretch, where that pace bound it
         self.begin()
 
-    def begin(self) -> None:
-        """A stretch of sending starts: counting starts afresh."""
+    def begin(self, paced_at: Optional[float] = None) -> None:
+        """A stretch of sending starts, its connections paced at shares of ``paced_at`` bytes/s (None: unpaced):
+        counting starts afresh."""
+        self._paced_at = paced_at
         self._last: dict[Hashable, Any] = {}  # key -> counters read last
-        self._acked_total = 0
+        self._delivered = 0
         self._path_s: dict[Hashable, float] = {}  # key -> path-limited seconds since first seen
         self._window: collections.deque[tuple[float, int, dict[Hashable, float]]] = collections.deque()
         self._peak = 0.0
@@ -77,26 +85,29 @@ class UplinkMeter:
         for peer in peers:
             for key, now_counters in self._counters(peer).items():
                 before = self._last.get(key)
-                if before is not None and now_counters.bytes_acked >= before.bytes_acked:
-                    self._acked_total += now_counters.bytes_acked - before.bytes_acked
+                if before is not None and now_counters.segments_delivered >= before.segments_delivered:
+                    self._delivered += (now_counters.segments_delivered - before.segments_delivered
+                                          ) * now_counters.segment_bytes
                     self._path_s[key] = self._path_s.get(key, 0.0) + max(
                         0.0, now_counters.path_limited_s - before.path_limited_s)
                 self._last[key] = now_counters
         now = self._clock()
-        self._window.append((now, self._acked_total, dict(self._path_s)))
+        self._window.append((now, self._delivered, dict(self._path_s)))
         while len(self._window) > 2 and now - self._window[1][0] >= self.window_s:
             self._window.popleft()
-        start, acked, path_s = self._window[0]
+        start, delivered, path_s = self._window[0]
         if now - start >= self.window_s:
             held = max((s - path_s.get(k, 0.0) for k, s in self._path_s.items()), default=0.0) / (now - start)
             self._path_limited = max(self._path_limited, min(1.0, held))
             if held >= self.path_bound:
-                self._peak = max(self._peak, (self._acked_total - acked) / (now - start))
+                self._peak = max(self._peak, (self._delivered - delivered) / (now - start))
 
     def end(self) -> None:
         """The stretch is over: its peak, if it measured one, joins the history."""
         if self._peak > 0:
             self.peaks.append(self._peak)
+            pace_bound = self._paced_at is not None and self._peak >= self.reach * self._paced_at
+            self._climb = self.gain * self._paced_at if pace_bound else None
         self.path_limited = self._path_limited
         self.begin()
 
@@ -104,7 +115,9 @@ class UplinkMeter:
         """The rate to pace the uplink at (bytes/s), or None (see the class docstring)."""
         if not self.peaks:
             return None
-        rate = max(self.peaks) * self.gain
+        rate = sorted(self.peaks)[(len(self.peaks) - 1) // 2]
+        if self._climb is not None:
+            rate = max(rate, self._climb)
         return rate if rate <= self.max_rate else None
 
 
@@ -156,7 +169,7 @@ class UplinkShares:
         if not self._leases and self.meter is not None:  # a stretch of sending starts: the rate measured so far
             self._rate = self.next_rate()
             self._log_measured()
-            self.meter.begin()
+            self.meter.begin(self._rate)
             self._sampler = asyncio.ensure_future(self._sample())
         self._leases.add(lease)
         if self.meter is not None:  # where this run's connections start from
