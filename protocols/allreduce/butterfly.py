@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -120,6 +120,20 @@ class ButterflyAllReduce(PartPlanner, ReducerSide, Service):
         uploaded: list[TimedStream] = []
         downloaded: list[TimedStream] = []
         uplink = self._pace_uplink(group, sizes, my_index)
+        # what we still send each member this run: our slice of its part, and our part's answer to it (the same
+        # connection carries both); once both were handed over, its share of the uplink goes to the members still
+        # being sent to. Released after the slice alone, the connection sent the answers unpaced, overfilling the
+        # link's queue at the end of every run: 8 peers at 100 Mbit/s moved 0.86 / 0.76 of the link (fp32 / fp16)
+        # against 0.90 / 0.85 held to the answers' end (docs/benchmarks.md, 2026-11-28)
+        unsent = {peer: (sizes[i] > 0) + (sizes[my_index] > 0) for i, peer in enumerate(group.members) if peer != me}
+
+        def handed_over(peer: str) -> None:
+            if unsent.get(peer, 0) > 0:
+                unsent[peer] -= 1
+                if not unsent[peer] and uplink is not None:
+                    uplink.release(peer)
+
+        session.answer_written = handed_over
 
         async def exchange(i: int, peer: str) -> tuple[torch.Tensor, int, int]:
             if not sizes[i]:  # it reduces nothing: no stream (a dial-only member is dialed by nobody)
@@ -127,7 +141,7 @@ class ButterflyAllReduce(PartPlanner, ReducerSide, Service):
             try:
                 return await self._exchange(peer, group, tensor[offsets[i] : offsets[i] + sizes[i]], weight, start,
                                             averaged[offsets[i] : offsets[i] + sizes[i]], uploaded, downloaded,
-                                            uplink)
+                                            handed_over)
             except AllReduceFailed:
                 self._give_up_on(session, peer)
                 raise
@@ -196,7 +210,7 @@ class ButterflyAllReduce(PartPlanner, ReducerSide, Service):
         """For this run, pace our connection to each member at its share of our uplink
         (:func:`protocols.allreduce.parts.connection_shares`), where the transport can
         (:class:`protocols.interfaces.UplinkPacing`); returns the lease (released per member once our slice of its
-        part is handed over, closed when the run ends), or None. ``sizes``: values each member reduces, in member
+        part and our part's answer to it are handed over, closed when the run ends), or None. ``sizes``: values each member reduces, in member
         order. Unpaced, the connections of the all-to-all take turns overfilling the queue at the sender's
         bottleneck and back off; paced at their shares, 4 peers at 100 Mbit/s moved 0.89-0.92 of the link, against
         0.76-0.79 (docs/benchmarks.md, ``scripts/bench_allreduce.py --impls peerd-mux peerd-mux-paced``)."""
@@ -243,14 +257,13 @@ class ButterflyAllReduce(PartPlanner, ReducerSide, Service):
     async def _exchange(
         self, peer: str, group: Group, part: torch.Tensor, weight: float, start: float,
         out: torch.Tensor, uploaded: list[TimedStream], downloaded: list[TimedStream],
-        uplink: Optional[UplinkLease] = None,
+        handed_over: Optional[Callable[[str], None]] = None,
     ) -> tuple[torch.Tensor, int, int]:
         """Send our slice of ``peer``'s part, chunk by chunk, while its aggregate streams back into ``out`` (fp32,
         the part's length). Returns ``(out, bytes sent, bytes received)``; appends the stream up (a
         :data:`parts.TimedStream`: each chunk's seconds since ``start`` once handed to the transport, and its bytes)
         to ``uploaded`` once our last chunk was handed over, and the stream down to ``downloaded`` once the last
-        chunk of the aggregate arrived. ``uplink``: the run's pacing lease, whose share for ``peer`` is released
-        once our last chunk was handed over."""
+        chunk of the aggregate arrived. ``handed_over(peer)`` is called once our last chunk was handed over."""
         loop = asyncio.get_running_loop()
         timeout = start + self.config.reducer_timeout_s - loop.time()
         header = {"group_id": group.group_id, "numel": part.numel(), "weight": weight, "codec": self.codec.name}
@@ -267,8 +280,8 @@ class ButterflyAllReduce(PartPlanner, ReducerSide, Service):
                 yield self._encode_part(part[a:b])
                 handed.append((loop.time() - start, sizes[k]))  # asked for the next one: chunk k was handed over
             uploaded.append(handed)
-            if uplink is not None:
-                uplink.release(peer)
+            if handed_over is not None:
+                handed_over(peer)
 
         def on_frame(k: int, payload) -> None:
             arrived.append((loop.time() - start, reply_sizes[k]))

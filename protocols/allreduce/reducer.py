@@ -250,6 +250,8 @@ class ReducerSide:
         except (asyncio.TimeoutError, RpcError) as e:
             logger.info("could not answer %s for group %s: %r", request.peer, session.group.group_id, e)
             return
+        finally:
+            session.answer_written(request.peer)
         session.bytes_sent += written
         session.answers += 1
         session.answered.set()

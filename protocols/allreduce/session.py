@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Callable
 
 from protocols.allreduce.aggregate import ChunkedPartReducer
 from protocols.codecs import Codec
@@ -38,6 +39,8 @@ class _ReduceSession:
     downloads: list = field(default_factory=list)
     """Every member's part that arrived whole, as a :data:`protocols.allreduce.parts.TimedStream` (each chunk's
     seconds from our start, and bytes)."""
+    answer_written: Callable[[str], None] = lambda peer: None
+    """Called with a member once our answer to it was handed over, or will not be (it failed, or was abandoned)."""
     gone: set = field(default_factory=set)
     """Members whose reducer our call could not get an answer from: not waited for (neither excluded nor banned; a
     part they still send is taken for the chunks not sealed yet)."""

@@ -12,7 +12,7 @@ from peerd.events import BandwidthCaps
 from peerd.transport.inprocess import Hub
 from peerd.transport.pacing import pace
 from peerd.transport.uplink import UplinkShares
-from protocols.allreduce import AllReduceFailed
+from protocols.allreduce import AllReduceConfig, AllReduceFailed
 from protocols.allreduce.parts import connection_shares
 
 pytestmark = pytest.mark.timeout(60)
@@ -26,8 +26,11 @@ class _Recorder:
         self.calls: list[tuple[str, Optional[float]]] = []
         self.now: dict[str, Optional[float]] = {}
         self.opened_under: list[tuple[str, str, Optional[float]]] = []
+        self.on_pace: Any = None  # on_pace(peer, rate), called on each pace
 
     def pace(self, peer: str, rate: Optional[float]) -> bool:
+        if self.on_pace is not None:
+            self.on_pace(peer, rate)
         self.calls.append((peer, rate))
         self.now[peer] = rate
         return True
@@ -144,6 +147,49 @@ def test_a_butterfly_paces_each_connection_at_its_share_while_it_runs_and_unpace
             assert sorted(peer for peer, _ in reduce_streams) == sorted(others)
             assert all(rate in (5e5, 1e6) for _, rate in reduce_streams)
             assert all(recorder.now[peer] is None for peer in others)  # lifted once the run ended
+
+    asyncio.run(main())
+
+
+def test_a_member_s_connection_stays_paced_until_our_answer_to_it_was_handed_over_too(averaging_peers):
+    """The connection to a member carries our slice of its part and our part's answer to it: its share is given to
+    the others only once both were handed over (released after the slice alone, the answers went out unpaced)."""
+    async def main():
+        hub = Hub()
+        recorders: list[_Recorder] = []
+        config = AllReduceConfig(compression="none", sender_timeout_s=5.0, reducer_timeout_s=10.0, chunk_numel=4096)
+        peers = await averaging_peers(hub, 3, allreduce=config, wrap=_paced(recorders, 1e6))
+        names = [p.transport.streams.peer_id for p in peers]
+        answered: dict[tuple[str, str], int] = {}  # (us, member) -> chunks of our answer handed over
+        unpaced_after: list[tuple[str, str, int]] = []  # (us, member, chunks answered when it was unpaced)
+        for me, peer, recorder in zip(names, peers, recorders):
+            answer = peer.allreduce._answer
+
+            async def counted_answer(request, session, reply_sizes, me=me, answer=answer):
+                reply_frame = request.reply_frame
+
+                async def counted(k, sizes, payload, **kwargs):
+                    written = await reply_frame(k, sizes, payload, **kwargs)
+                    answered[(me, request.peer)] = k + 1
+                    return written
+
+                request.reply_frame = counted
+                return await answer(request, session, reply_sizes)
+
+            peer.allreduce._answer = counted_answer
+
+            def on_pace(member, rate, me=me):
+                if rate is None:
+                    unpaced_after.append((me, member, answered.get((me, member), 0)))
+
+            recorder.on_pace = on_pace
+        chunks = 4  # parts of 16,384 values in chunks of 4,096
+        results = await asyncio.gather(*[p.round("r0", torch.full((3 * chunks * 4096,), float(i)), 1.0, expected=3)
+                                         for i, p in enumerate(peers)])
+        assert all(torch.equal(r.averaged, torch.ones(3 * chunks * 4096)) for r in results)
+        assert sorted((me, member) for me, member, _ in unpaced_after) == sorted(
+            (me, member) for me in names for member in names if member != me)  # each connection unpaced once...
+        assert all(n == chunks for _, _, n in unpaced_after), unpaced_after  # ...after its whole answer
 
     asyncio.run(main())
 
