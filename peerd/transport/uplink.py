@@ -41,10 +41,14 @@ class UplinkMeter:
     as it writes them, as on loopback or any link faster than the processors); the highest rate over such a window
     is the stretch's peak. :meth:`rate` is the median of the last ``history`` peaks (the lower one of two), so one
     stretch that read high or low is not paced at (on a 12.5 MB/s link, 4 peers' stretches read 11.8-12.7 MB/s, 8
-    peers' 11.5-13.7: acknowledgements queued behind the receivers' own uploads arrive together). A stretch paced at ``P`` can show at most ``P``: where its
-    peak reached ``reach`` of ``P`` (the pace bound it, not the path), the rate is at least ``gain`` x ``P``, so a
+    peers' 11.5-13.7: acknowledgements queued behind the receivers' own uploads arrive together). Two floors keep
+    it from following a stretch its own pace held down. Where some connection moved at ``reach`` of its pace over a
+    path-bound window (its pace bound it, not our uplink: what the others moved is what their receivers allowed),
+    the rate is at least that stretch's pace: a 100 Mbit/s peer grouped with two behind 20 Mbit/s
+    downloads read 10.7 MB/s unpaced, then 4-6 paced at shares of that, and fell every round without this floor.
+    Where the whole stretch reached ``reach`` of its pace, the rate is at least ``gain`` x that pace, so a
     measurement that started low (a round whose receivers were the slower side) climbs 5% a round until the path
-    holds it back; on a steady link the pace then alternates between the link's rate and 5% above it. None while
+    holds it back; on a steady link the pace then stays within 5% above the link's rate. None while
     nothing is measured, or where the rate is above ``max_rate`` (1 Gbit/s by default: there the processors bound
     an all-reduce, and pacing buys nothing): then nothing is paced. The kernel paces TCP payload, which is also what
     is counted: the rate is in payload bytes, 2-4% under the link's rate in packets.
@@ -66,6 +70,7 @@ class UplinkMeter:
         self.path_limited = 0.0
         """The highest share of a window the path held the sending back for, in the last stretch (0-1)."""
         self._climb: Optional[float] = None  # gain x the pace of the last stretch, where that pace bound it
+        self._hold: Optional[float] = None  # the pace of the last stretch, where it bound some connection
         self.begin()
 
     def begin(self, paced_at: Optional[float] = None) -> None:
@@ -73,41 +78,49 @@ class UplinkMeter:
         counting starts afresh."""
         self._paced_at = paced_at
         self._last: dict[Hashable, Any] = {}  # key -> counters read last
-        self._delivered = 0
+        self._delivered: dict[str, int] = {}  # peer -> bytes delivered since its connections were first seen
         self._path_s: dict[Hashable, float] = {}  # key -> path-limited seconds since first seen
-        self._window: collections.deque[tuple[float, int, dict[Hashable, float]]] = collections.deque()
+        self._window: collections.deque[tuple[float, dict[str, int], dict[Hashable, float]]] = collections.deque()
         self._peak = 0.0
         self._path_limited = 0.0
+        self._pace_bound = False  # some connection moved at its pace over a path-bound window
 
-    def sample(self, peers: Iterable[str]) -> None:
+    def sample(self, peers: Iterable[str], paces: Optional[Mapping[str, Optional[float]]] = None) -> None:
         """Read the counters of the connections to ``peers``; a connection first seen now (or whose count went
-        back: a new connection under a key reused) only sets its starting point."""
+        back: a new connection under a key reused) only sets its starting point. ``paces``: the rate (bytes/s) each
+        peer's connections are paced at now (missing or None: unpaced)."""
         for peer in peers:
             for key, now_counters in self._counters(peer).items():
                 before = self._last.get(key)
                 if before is not None and now_counters.segments_delivered >= before.segments_delivered:
-                    self._delivered += (now_counters.segments_delivered - before.segments_delivered
-                                          ) * now_counters.segment_bytes
+                    self._delivered[peer] = self._delivered.get(peer, 0) + (
+                        now_counters.segments_delivered - before.segments_delivered) * now_counters.segment_bytes
                     self._path_s[key] = self._path_s.get(key, 0.0) + max(
                         0.0, now_counters.path_limited_s - before.path_limited_s)
                 self._last[key] = now_counters
         now = self._clock()
-        self._window.append((now, self._delivered, dict(self._path_s)))
+        self._window.append((now, dict(self._delivered), dict(self._path_s)))
         while len(self._window) > 2 and now - self._window[1][0] >= self.window_s:
             self._window.popleft()
         start, delivered, path_s = self._window[0]
-        if now - start >= self.window_s:
-            held = max((s - path_s.get(k, 0.0) for k, s in self._path_s.items()), default=0.0) / (now - start)
+        seconds = now - start
+        if seconds >= self.window_s:
+            held = max((s - path_s.get(k, 0.0) for k, s in self._path_s.items()), default=0.0) / seconds
             self._path_limited = max(self._path_limited, min(1.0, held))
             if held >= self.path_bound:
-                self._peak = max(self._peak, (self._delivered - delivered) / (now - start))
+                moved = {peer: (n - delivered.get(peer, 0)) / seconds for peer, n in self._delivered.items()}
+                self._peak = max(self._peak, sum(moved.values()))
+                self._pace_bound = self._pace_bound or any(
+                    pace and moved.get(peer, 0.0) >= self.reach * pace for peer, pace in (paces or {}).items())
 
     def end(self) -> None:
         """The stretch is over: its peak, if it measured one, joins the history."""
+        paced_at = self._paced_at
         if self._peak > 0:
             self.peaks.append(self._peak)
-            pace_bound = self._paced_at is not None and self._peak >= self.reach * self._paced_at
-            self._climb = self.gain * self._paced_at if pace_bound else None
+            reached = paced_at is not None and self._peak >= self.reach * paced_at
+            self._climb = self.gain * paced_at if reached else None
+            self._hold = paced_at if paced_at is not None and self._pace_bound else None
         self.path_limited = self._path_limited
         self.begin()
 
@@ -116,8 +129,9 @@ class UplinkMeter:
         if not self.peaks:
             return None
         rate = sorted(self.peaks)[(len(self.peaks) - 1) // 2]
-        if self._climb is not None:
-            rate = max(rate, self._climb)
+        for floor in (self._hold, self._climb):
+            if floor is not None:
+                rate = max(rate, floor)
         return rate if rate <= self.max_rate else None
 
 
@@ -210,7 +224,9 @@ class UplinkShares:
 
     def _measure(self) -> None:
         assert self.meter is not None
-        self.meter.sample({p for lease in self._leases for p in lease.members})
+        peers = {p for lease in self._leases for p in lease.members}
+        rate = self._rate
+        self.meter.sample(peers, {p: self.held(p) * rate for p in peers} if rate is not None else None)
 
     async def _sample(self) -> None:
         assert self.meter is not None

@@ -123,8 +123,8 @@ class ButterflyAllReduce(PartPlanner, ReducerSide, Service):
         # what we still send each member this run: our slice of its part, and our part's answer to it (the same
         # connection carries both); once both were handed over, its share of the uplink goes to the members still
         # being sent to. Released after the slice alone, the connection sent the answers unpaced, overfilling the
-        # link's queue at the end of every run: 8 peers at 100 Mbit/s moved 0.86 / 0.76 of the link (fp32 / fp16)
-        # against 0.90 / 0.85 held to the answers' end (docs/benchmarks.md, 2026-11-28)
+        # link's queue at the end of every run: 8 peers at 100 Mbit/s moved 0.85 / 0.75 of the link (fp32 / fp16)
+        # against 0.89 / 0.87 held to the answers' end (docs/benchmarks.md, 2026-11-28)
         unsent = {peer: (sizes[i] > 0) + (sizes[my_index] > 0) for i, peer in enumerate(group.members) if peer != me}
 
         def handed_over(peer: str) -> None:

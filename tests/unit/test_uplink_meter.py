@@ -45,16 +45,17 @@ class _Links:
 
 
 def _stretch(meter: UplinkMeter, links: _Links, steps: list[dict[tuple[str, int], tuple[float, float]]],
-             paced_at: float | None = None) -> None:
-    """One stretch of sending, 0.1 s a step: (peer, key) -> (bytes/s acknowledged, share of the step path-bound)."""
+             paced_at: float | None = None, paces: dict[str, float] | None = None) -> None:
+    """One stretch of sending, 0.1 s a step: (peer, key) -> (bytes/s delivered, share of the step path-bound);
+    ``paced_at`` the uplink's rate it is paced at shares of, ``paces`` each peer's pace."""
     peers = list(links.of)
     meter.begin(paced_at)
-    meter.sample(peers)
+    meter.sample(peers, paces)
     for step in steps:
         links.clock.now += 0.1
         for (peer, key), (rate, bound) in step.items():
             links.move(peer, key, int(rate * 0.1), bound * 0.1)
-        meter.sample(peers)
+        meter.sample(peers, paces)
     meter.end()
 
 
@@ -79,6 +80,27 @@ def test_the_peak_is_the_best_path_bound_window_the_rate_the_median_peak_and_a_p
     assert list(meter.peaks) == pytest.approx([2e6, 2.1e6, 2.1e6]) and meter.rate() == pytest.approx(2.1e6)
     _stretch(meter, links, [both(5e6, 5e6)] * 3, paced_at=2.1e6)  # shorter than a window: measures nothing
     assert meter.rate() == pytest.approx(2.1e6) and len(meter.peaks) == 3
+
+
+def test_a_pace_that_bound_a_connection_holds_while_slower_receivers_keep_the_total_below_it():
+    """Two peers behind slow downloads take 1 MB/s each of their 2 MB/s paces; a third moves at its own pace: the
+    uplink was not shown full, and the rate holds (dropping to what the receivers allowed, then pacing the fast
+    connection at a share of that, measured less and less every round)."""
+    clock = _Clock()
+    links = _Links(clock)
+    for key, peer in enumerate("abc"):  # a connection's key is unique across peers (DirectStreams: its id)
+        links.add(peer, key)
+    meter = UplinkMeter(links, window_s=0.5, history=3, gain=1.05, reach=0.97, max_rate=1e9, clock=clock)
+    step = {("a", 0): (2e6, 1.0), ("b", 1): (1e6, 1.0), ("c", 2): (1e6, 1.0)}
+    _stretch(meter, links, [{k: (v[0] * 2, 1.0) for k, v in step.items()}] * 10)  # unpaced: 8 MB/s
+    assert meter.rate() == pytest.approx(8e6)
+    paces = {"a": 2.67e6, "b": 2.67e6, "c": 2.67e6}  # shares of a third each
+    for _ in range(3):
+        _stretch(meter, links, [{**step, ("a", 0): (2.67e6, 1.0)}] * 10, paced_at=8e6, paces=paces)
+        assert meter.peaks[-1] == pytest.approx(4.67e6) and meter.rate() == pytest.approx(8e6)  # held
+    # no connection at its pace (they all share a bottleneck below it): the rate is what got through
+    _stretch(meter, links, [step] * 10, paced_at=8e6, paces=paces)
+    assert meter.rate() == pytest.approx(4e6, rel=0.2)
 
 
 def test_a_sender_slower_than_its_path_measures_nothing():
