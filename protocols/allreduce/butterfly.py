@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -120,19 +120,7 @@ class ButterflyAllReduce(PartPlanner, ReducerSide, Service):
         uploaded: list[TimedStream] = []
         downloaded: list[TimedStream] = []
         uplink = self._pace_uplink(group, sizes, my_index)
-        # what we still send each member this run: our slice of its part, and our part's answer to it (the same
-        # connection carries both); once both were handed over, its share of the uplink goes to the members still
-        # being sent to. Released after the slice alone, the connection sent the answers unpaced, overfilling the
-        # link's queue at the end of every run: 8 peers at 100 Mbit/s moved 0.85 / 0.75 of the link (fp32 / fp16)
-        # against 0.89 / 0.87 held to the answers' end (docs/benchmarks.md, 2026-11-28)
-        unsent = {peer: (sizes[i] > 0) + (sizes[my_index] > 0) for i, peer in enumerate(group.members) if peer != me}
-
-        def handed_over(peer: str) -> None:
-            if unsent.get(peer, 0) > 0:
-                unsent[peer] -= 1
-                if not unsent[peer] and uplink is not None:
-                    uplink.release(peer)
-
+        handed_over = _release_once_sent(group.members, my_index, sizes, uplink)
         session.answer_written = handed_over
 
         async def exchange(i: int, peer: str) -> tuple[torch.Tensor, int, int]:
@@ -209,9 +197,9 @@ class ButterflyAllReduce(PartPlanner, ReducerSide, Service):
     def _pace_uplink(self, group: Group, sizes: list[int], my_index: int) -> Optional[UplinkLease]:
         """For this run, pace our connection to each member at its share of our uplink
         (:func:`protocols.allreduce.parts.connection_shares`), where the transport can
-        (:class:`protocols.interfaces.UplinkPacing`); returns the lease (released per member once our slice of its
-        part and our part's answer to it are handed over, closed when the run ends), or None. ``sizes``: values each member reduces, in member
-        order. Unpaced, the connections of the all-to-all take turns overfilling the queue at the sender's
+        (:class:`protocols.interfaces.UplinkPacing`); returns the lease (released per member by
+        :func:`_release_once_sent`, closed when the run ends), or None. ``sizes``: values each member reduces, in
+        member order. Unpaced, the connections of the all-to-all take turns overfilling the queue at the sender's
         bottleneck and back off; paced at their shares, 4 peers at 100 Mbit/s moved 0.89-0.92 of the link, against
         0.76-0.79 (docs/benchmarks.md, ``scripts/bench_allreduce.py --impls peerd-mux peerd-mux-paced``)."""
         pace = getattr(self.transport.streams, "pace_uplink", None)
@@ -307,3 +295,23 @@ class ButterflyAllReduce(PartPlanner, ReducerSide, Service):
         """Encode one chunk of our slice of another member's part (a seam for fault-injection tests); run() checked
         the whole vector finite."""
         return encode_chunk(self.codec, part, checked=True)
+
+
+def _release_once_sent(members: Sequence[str], me: int, sizes: Sequence[int],
+                       uplink: Optional[UplinkLease]) -> Callable[[str], None]:
+    """``handed_over(member)``, to be called once our slice of ``member``'s part was handed over and once our part's
+    answer to it was (each where there is one: ``sizes`` are the values each member reduces, ``me`` our index);
+    after both, the member's share of ``uplink`` goes to the members still being sent to
+    (:meth:`protocols.interfaces.UplinkLease.release`). The same connection carries both: released after the slice
+    alone, it sent the answers unpaced, overfilling the link's queue at the end of every run (8 peers at 100 Mbit/s:
+    0.85 / 0.75 of the link, fp32 / fp16, against 0.89 / 0.87 held to the answers' end; docs/benchmarks.md,
+    2026-11-28). Calls for strangers, or beyond the two, change nothing."""
+    unsent = {m: (sizes[i] > 0) + (sizes[me] > 0) for i, m in enumerate(members) if i != me}
+
+    def handed_over(member: str) -> None:
+        if unsent.get(member, 0) > 0:
+            unsent[member] -= 1
+            if not unsent[member] and uplink is not None:
+                uplink.release(member)
+
+    return handed_over
