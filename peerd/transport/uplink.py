@@ -85,11 +85,11 @@ class UplinkMeter:
         self._path_limited = 0.0
         self._pace_bound = False  # some connection moved at its pace over a path-bound window
 
-    def sample(self, peers: Iterable[str], paces: Optional[Mapping[str, Optional[float]]] = None) -> None:
-        """Read the counters of the connections to ``peers``; a connection first seen now (or whose count went
-        back: a new connection under a key reused) only sets its starting point. ``paces``: the rate (bytes/s) each
-        peer's connections are paced at now (missing or None: unpaced)."""
-        for peer in peers:
+    def sample(self, paces: Mapping[str, Optional[float]]) -> None:
+        """Read the counters of the connections to the peers of ``paces`` (PeerID -> the rate in bytes/s its
+        connections are paced at now; None: unpaced); a connection first seen now (or whose count went back: a new
+        connection under a key reused) only sets its starting point."""
+        for peer in paces:
             for key, now_counters in self._counters(peer).items():
                 before = self._last.get(key)
                 if before is not None and now_counters.segments_delivered >= before.segments_delivered:
@@ -111,7 +111,7 @@ class UplinkMeter:
                 moved = {peer: (n - delivered.get(peer, 0)) / seconds for peer, n in self._delivered.items()}
                 self._peak = max(self._peak, sum(moved.values()))
                 self._pace_bound = self._pace_bound or any(
-                    pace and moved.get(peer, 0.0) >= self.reach * pace for peer, pace in (paces or {}).items())
+                    pace and moved.get(peer, 0.0) >= self.reach * pace for peer, pace in paces.items())
 
     def end(self) -> None:
         """The stretch is over: its peak, if it measured one, joins the history."""
@@ -224,9 +224,9 @@ class UplinkShares:
 
     def _measure(self) -> None:
         assert self.meter is not None
-        peers = {p for lease in self._leases for p in lease.members}
         rate = self._rate
-        self.meter.sample(peers, {p: self.held(p) * rate for p in peers} if rate is not None else None)
+        self.meter.sample({p: self.held(p) * rate if rate is not None else None
+                           for lease in self._leases for p in lease.members})
 
     async def _sample(self) -> None:
         assert self.meter is not None
