@@ -339,7 +339,8 @@ class BandwidthCaps(Event):
         def cap(mb_s: float) -> str:
             return f"{mb_s:g} MB/s" if mb_s else "unlimited"
 
-        caps = f"bandwidth caps: upload {cap(self.upload_mb_s)}, download {cap(self.download_mb_s)}"
+        caps = (f"bandwidth caps: upload {cap(self.upload_mb_s)}, download {cap(self.download_mb_s)}"
+                if self.upload_mb_s or self.download_mb_s else "no bandwidth caps")
         if self.paced_uplink_mb_s:
             return f"{caps}; all-reduce connections paced at their shares of a {self.paced_uplink_mb_s:g} MB/s uplink"
         if self.measured_uplink:

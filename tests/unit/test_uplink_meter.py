@@ -199,9 +199,9 @@ def test_streams_that_tell_their_counters_get_a_measured_uplink_and_the_daemon_s
 
     asyncio.run(main())
     assert published == [BandwidthCaps(0.0, 0.0, 0.0, True)]
-    assert published[0].message() == (
-        "bandwidth caps: upload unlimited, download unlimited; all-reduce connections paced at their shares of the "
-        "uplink as measured during earlier all-reduces (uplink_mb_s declares it)")
+    assert published[0].message() == (  # no caps: not a list of "unlimited"s
+        "no bandwidth caps; all-reduce connections paced at their shares of the uplink as measured during earlier "
+        "all-reduces (uplink_mb_s declares it)")
 
 
 def test_send_counters_count_the_segments_that_reached_the_receiver_and_the_seconds_the_path_held_the_sending_back():
