@@ -701,10 +701,10 @@ def run_impl(tb, sc: Scenario, impl: str, args, workdir: str) -> list[Row]:
                 if rep < warmups:
                     continue
                 record(row, results, sc.world)
-                starts, ends = sorted(r["start"] for r in results), sorted(r["end"] for r in results)
+                spread = {k: max(r[k] for r in results) - min(r[k] for r in results) for k in ("start", "end")}
                 print(f"  {sc.key} {impl} {codec} rep {rep}: {row.times[-1]:.3f} s "
                       f"(matchmaking {row.matchmaking[-1]:.2f} s; the members started within "
-                      f"{starts[-1] - starts[0]:.3f} s and ended within {ends[-1] - ends[0]:.3f} s)", flush=True)
+                      f"{spread['start']:.3f} s and ended within {spread['end']:.3f} s)", flush=True)
         except Exception as e:  # noqa: BLE001 - a crashed or silent worker: report, restart for the next codec
             row.error = summarize(e)
             print(f"  {sc.key} {impl} {codec} ABORTED: {row.error}", flush=True)
