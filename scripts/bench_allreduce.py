@@ -28,7 +28,10 @@ gives peers of these link rates once they are announced (bandwidth-proportional,
 slow links' measured TCP bound that the heterogeneous and asymmetric scenarios are held to. ``tcp-paced`` moves
 ``tcp-prop``'s bytes with each connection paced by the kernel (``SO_MAX_PACING_RATE``) at its share of the sender's
 link rate (its bytes over all the sender's bytes): what TCP gets out of the butterfly's pattern when its connections
-do not compete. No implementation can beat them by much: a 1,514-byte frame carries 1,448 bytes of payload (0.956),
+do not compete. ``tcp-tls`` moves ``tcp``'s bytes over TLS 1.3 (peerd's certificates and contexts,
+:class:`peerd.transport.tls.PeerTLS`) through blocking ``ssl`` sockets, one thread per connection (OpenSSL runs
+without the GIL): what encryption through Python's ``ssl`` costs at the least, with no event loop and no framing.
+No implementation can beat them by much: a 1,514-byte frame carries 1,448 bytes of payload (0.956),
 and the ACKs of the download share the upload.
 
 Results replace what the last run wrote into the section ``SECTION`` of docs/benchmarks.md (up to
@@ -82,9 +85,10 @@ CODECS = ("none", "fp16", "int8")
 #: encryption costs, measured here only; peerd itself has no plaintext mode.
 #: peerd-mux-paced = peerd-mux with each worker's uplink rate declared (the daemon's ``uplink_mb_s``) instead of
 #: measured, so that every butterfly paces its connections at their shares of it.
-#: tcp and tcp-ring are ceilings, not all-reduces (see the module docstring and worker_tcp).
+#: tcp, tcp-ring, tcp-prop, tcp-paced and tcp-tls are ceilings, not all-reduces (see the module docstring and
+#: worker_tcp).
 IMPLS = ("peerd", "peerd-direct", "peerd-mux", "peerd-mux-plain", "peerd-mux-paced", "peerd-ring", "peerd-libp2p",
-         "hivemind", "gloo", "tcp", "tcp-ring", "tcp-prop", "tcp-paced")
+         "hivemind", "gloo", "tcp", "tcp-ring", "tcp-prop", "tcp-paced", "tcp-tls")
 #: The data-plane implementations of peerd (direct TLS streams), with the ceiling of the pattern each uses.
 DIRECT = ("peerd-direct", "peerd-mux", "peerd-ring")
 #: Implementations on the direct data plane's multiplexed connections.
@@ -94,8 +98,9 @@ PEERD = ("peerd", *DIRECT, "peerd-mux-plain", "peerd-mux-paced", "peerd-libp2p")
 KNOW_RATES = ("tcp", "tcp-ring", "tcp-prop", "tcp-paced", "peerd-mux-paced")
 #: Codecs each implementation can run (gloo sums in the tensor's dtype: no int8; the ring re-encodes float values).
 IMPL_CODECS = {"gloo": ("none", "fp16"), "tcp": ("none", "fp16"), "tcp-ring": ("none", "fp16"),
-               "tcp-prop": ("none", "fp16"), "tcp-paced": ("none", "fp16"), "peerd-ring": ("none", "fp16")}
-CEILINGS = ("tcp", "tcp-ring", "tcp-prop", "tcp-paced")
+               "tcp-prop": ("none", "fp16"), "tcp-paced": ("none", "fp16"), "tcp-tls": ("none", "fp16"),
+               "peerd-ring": ("none", "fp16")}
+CEILINGS = ("tcp", "tcp-ring", "tcp-prop", "tcp-paced", "tcp-tls")
 #: Workers without a DHT: no bootstrap peer, no matchmaking, fp32 and fp16 only.
 STANDALONE = ("gloo", *CEILINGS)
 WIRE_BYTES_PER_VALUE = {"none": 4.0, "fp16": 2.0, "int8": 1.0 + 4.0 / 256}
@@ -431,8 +436,9 @@ def worker_gloo(a: argparse.Namespace) -> None:
 
 def worker_tcp(a: argparse.Namespace) -> None:
     """The ceilings (:data:`CEILINGS`): listen on ``--port`` + rank, dial every other
-    peer once (warm connections, one per direction), then per repetition: a barrier (one byte to and from every
-    peer), then send and receive the pattern's bytes, every connection in its own thread."""
+    peer once (warm connections, one per direction; tcp-tls: each then upgraded to TLS 1.3, the dialer's certificate
+    pinned as the data plane's hello does), then per repetition: a barrier (one byte to and from every peer), then
+    send and receive the pattern's bytes, every connection in its own thread."""
     import socket
 
     from peerd.transport.connection import TCP_CONGESTION_NAME, set_congestion
@@ -464,6 +470,8 @@ def worker_tcp(a: argparse.Namespace) -> None:
         inc[conn.recv(1)[0]] = conn
     for sock in out.values():
         sock.settimeout(None)
+    if a.impl == "tcp-tls":
+        out, inc = _upgrade_to_tls(out, inc)
     right = (a.rank + 1) % a.world
     view = memoryview(bytearray(int(2 * WIRE_BYTES_PER_VALUE["none"] * a.numel)))  # the largest send: 2 S
 
@@ -481,7 +489,7 @@ def worker_tcp(a: argparse.Namespace) -> None:
             break
         codec = cmd[1]
         wire = WIRE_BYTES_PER_VALUE[codec] * a.numel
-        if a.impl == "tcp":
+        if a.impl in ("tcp", "tcp-tls"):
             sends = {r: int(2 * wire / a.world) for r in peers}
             recvs = dict(sends)
         elif a.impl in ("tcp-prop", "tcp-paced"):  # to r: our slice of r's part and our part's answer; the same back
@@ -515,6 +523,42 @@ def worker_tcp(a: argparse.Namespace) -> None:
         emit({"go": t_go, "start": t_start, "end": t_end, "group_size": a.world, "cpu": cpu_delta(cpu0, cpu1)})
     for sock in [*out.values(), *inc.values(), listener]:
         sock.close()
+
+
+def _upgrade_to_tls(out: dict, inc: dict) -> tuple[dict, dict]:
+    """TLS 1.3 on every warm connection of :func:`worker_tcp`, all handshakes at once (each peer dials and accepts):
+    the dialer sends its certificate (4-byte length, DER) and the acceptor pins it, as
+    :mod:`peerd.transport.handshake`'s hello does; the dialer does not check the acceptor's PeerID (the handshake is
+    not what the ceiling measures)."""
+    import socket
+    import struct
+
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from peerd.identity.signing import Signer
+    from peerd.transport.tls import PeerTLS
+
+    tls = PeerTLS(Signer(Ed25519PrivateKey.generate()))
+    upgraded: dict[tuple[str, int], object] = {}
+
+    def dial(r: int) -> None:
+        out[r].sendall(struct.pack(">I", len(tls.certificate)) + tls.certificate)
+        upgraded["out", r] = tls.client_context.wrap_socket(out[r])
+
+    def accept(r: int) -> None:
+        (n,) = struct.unpack(">I", inc[r].recv(4, socket.MSG_WAITALL))
+        upgraded["in", r] = tls.server_context(inc[r].recv(n, socket.MSG_WAITALL)).wrap_socket(inc[r], server_side=True)
+
+    threads = [threading.Thread(target=dial, args=(r,)) for r in out]
+    threads += [threading.Thread(target=accept, args=(r,)) for r in inc]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    tls.close()
+    if len(upgraded) != len(out) + len(inc):
+        raise ConnectionError(f"{len(out) + len(inc) - len(upgraded)} TLS handshake(s) failed")
+    return {r: upgraded["out", r] for r in out}, {r: upgraded["in", r] for r in inc}
 
 
 def worker_main(a: argparse.Namespace) -> None:
@@ -804,7 +848,9 @@ def render(rows: list[Row], scenarios: dict[str, Scenario], args, meta: dict) ->
            "left out in the benchmark's workers (no encryption; peerd has no such mode): what encryption costs. "
            "peerd-mux-paced = peerd-mux with each peer's uplink rate declared (the node setting `uplink_mb_s`, "
            "here the link's shaped rate): every butterfly paces its connections at their shares of it "
-           "(`SO_MAX_PACING_RATE`); tcp-paced = tcp-prop's bytes with each connection paced the same way."
+           "(`SO_MAX_PACING_RATE`); tcp-paced = tcp-prop's bytes with each connection paced the same way; tcp-tls = "
+           "tcp's bytes over TLS 1.3 (peerd's certificates) through blocking `ssl` sockets, a thread per connection: "
+           "what encryption through Python's `ssl` costs at the least."
            + (f" TCP congestion control of the peers' data sockets: {args.congestion} (`--congestion`)."
               if args.congestion else ""),
            ""]
@@ -882,7 +928,7 @@ def verdicts(rows: list[Row], scenarios: dict[str, Scenario], args) -> list[str]
     lines = ["Targets:", ""]
     for sc in scenarios.values():
         for codec in sc.codecs:
-            ceilings = {c: time_of(sc, c, codec) for c in CEILINGS if c not in ("tcp-prop", "tcp-paced")}
+            ceilings = {c: time_of(sc, c, codec) for c in CEILINGS if c not in ("tcp-prop", "tcp-paced", "tcp-tls")}
             paced = time_of(sc, "tcp-paced", codec)
             tcp_bound = time_of(sc, "tcp-prop", codec)
             for impl in ("peerd", *DIRECT):
@@ -903,9 +949,12 @@ def verdicts(rows: list[Row], scenarios: dict[str, Scenario], args) -> list[str]
                                  f"{of_tcp}: **{'met' if met else 'MISSED'}**{tcp}")
                 elif sc.loopback:
                     gt = time_of(sc, "gloo", codec)
+                    floor = time_of(sc, "tcp-tls", codec)
                     if gt:
                         lines.append(f"- {sc.title}, {codec}: {impl} {t / gt:.1f}x gloo (target <= 2.0x): "
-                                     f"**{'met' if t / gt <= 2.0 else 'MISSED'}**")
+                                     f"**{'met' if t / gt <= 2.0 else 'MISSED'}**"
+                                     + (f"; the butterfly's bytes over TLS in blocking threads (tcp-tls), no "
+                                        f"computation: {floor / gt:.1f}x gloo" if floor else ""))
                 elif sc.key.startswith(("het", "asy")):
                     # parts follow measured rates only from the RATE_MIN_RUNS-th run on (the warm-up is run 1)
                     rated = by[(sc.key, impl, codec, sc.world)].times[
