@@ -31,6 +31,10 @@ link rate (its bytes over all the sender's bytes): what TCP gets out of the butt
 do not compete. ``tcp-tls`` moves ``tcp``'s bytes over TLS 1.3 (peerd's certificates and contexts,
 :class:`peerd.transport.tls.PeerTLS`) through blocking ``ssl`` sockets, one thread per connection (OpenSSL runs
 without the GIL): what encryption through Python's ``ssl`` costs at the least, with no event loop and no framing.
+``tcp-deps`` moves ``tcp``'s bytes in the order and with the dependency of a butterfly all-reduce, each connection
+paced as ``tcp-paced``'s: every peer sends its slices of the others' parts chunk by chunk (chunks of
+``protocols.partition.CHUNK_NUMEL`` values), and answers chunk k of its own part only once every other peer's slice of
+chunk k arrived; no computation: what TCP allows the butterfly's pattern itself on these links.
 No implementation can beat them by much: a 1,514-byte frame carries 1,448 bytes of payload (0.956),
 and the ACKs of the download share the upload.
 
@@ -71,6 +75,7 @@ from benchlib import load_wan_testbed, machine_line, replace_section, result_arg
 from peerd.testing.localswarm import ProcessSet, kill_tree  # noqa: E402
 from protocols.allreduce import RATE_MIN_RUNS  # noqa: E402
 from protocols.allreduce.parts import connection_shares  # noqa: E402
+from protocols.partition import CHUNK_NUMEL  # noqa: E402
 
 SECTION = "## All-reduce on a virtual WAN: peerd vs hivemind vs gloo (scripts/bench_allreduce.py)"
 CODECS = ("none", "fp16", "int8")
@@ -85,22 +90,22 @@ CODECS = ("none", "fp16", "int8")
 #: encryption costs, measured here only; peerd itself has no plaintext mode.
 #: peerd-mux-paced = peerd-mux with each worker's uplink rate declared (the daemon's ``uplink_mb_s``) instead of
 #: measured, so that every butterfly paces its connections at their shares of it.
-#: tcp, tcp-ring, tcp-prop, tcp-paced and tcp-tls are ceilings, not all-reduces (see the module docstring and
+#: tcp, tcp-ring, tcp-prop, tcp-paced, tcp-tls and tcp-deps are ceilings, not all-reduces (see the module docstring and
 #: worker_tcp).
 IMPLS = ("peerd", "peerd-direct", "peerd-mux", "peerd-mux-plain", "peerd-mux-paced", "peerd-ring", "peerd-libp2p",
-         "hivemind", "gloo", "tcp", "tcp-ring", "tcp-prop", "tcp-paced", "tcp-tls")
+         "hivemind", "gloo", "tcp", "tcp-ring", "tcp-prop", "tcp-paced", "tcp-tls", "tcp-deps")
 #: The data-plane implementations of peerd (direct TLS streams), with the ceiling of the pattern each uses.
 DIRECT = ("peerd-direct", "peerd-mux", "peerd-ring")
 #: Implementations on the direct data plane's multiplexed connections.
 MULTIPLEXED = ("peerd-mux", "peerd-mux-plain", "peerd-mux-paced", "peerd-ring")
 PEERD = ("peerd", *DIRECT, "peerd-mux-plain", "peerd-mux-paced", "peerd-libp2p")
 #: Workers told every peer's link rate (``--rates-mbit``): the ceilings, and peerd paced by it.
-KNOW_RATES = ("tcp", "tcp-ring", "tcp-prop", "tcp-paced", "peerd-mux-paced")
+KNOW_RATES = ("tcp", "tcp-ring", "tcp-prop", "tcp-paced", "tcp-deps", "peerd-mux-paced")
 #: Codecs each implementation can run (gloo sums in the tensor's dtype: no int8; the ring re-encodes float values).
 IMPL_CODECS = {"gloo": ("none", "fp16"), "tcp": ("none", "fp16"), "tcp-ring": ("none", "fp16"),
                "tcp-prop": ("none", "fp16"), "tcp-paced": ("none", "fp16"), "tcp-tls": ("none", "fp16"),
-               "peerd-ring": ("none", "fp16")}
-CEILINGS = ("tcp", "tcp-ring", "tcp-prop", "tcp-paced", "tcp-tls")
+               "tcp-deps": ("none", "fp16"), "peerd-ring": ("none", "fp16")}
+CEILINGS = ("tcp", "tcp-ring", "tcp-prop", "tcp-paced", "tcp-tls", "tcp-deps")
 #: Workers without a DHT: no bootstrap peer, no matchmaking, fp32 and fp16 only.
 STANDALONE = ("gloo", *CEILINGS)
 WIRE_BYTES_PER_VALUE = {"none": 4.0, "fp16": 2.0, "int8": 1.0 + 4.0 / 256}
@@ -489,9 +494,14 @@ def worker_tcp(a: argparse.Namespace) -> None:
             break
         codec = cmd[1]
         wire = WIRE_BYTES_PER_VALUE[codec] * a.numel
-        if a.impl in ("tcp", "tcp-tls"):
+        if a.impl in ("tcp", "tcp-tls", "tcp-deps"):
             sends = {r: int(2 * wire / a.world) for r in peers}
             recvs = dict(sends)
+            if a.impl == "tcp-deps" and a.rates_mbit[a.rank] > 0:
+                from peerd.transport.connection import set_pacing
+
+                for r in peers:
+                    set_pacing(out[r], a.rates_mbit[a.rank] * 1e6 / 8 / len(peers))
         elif a.impl in ("tcp-prop", "tcp-paced"):  # to r: our slice of r's part and our part's answer; the same back
             sizes = proportional_parts(a.numel, a.rates_mbit)
             sends = {r: int((sizes[r] + sizes[a.rank]) * WIRE_BYTES_PER_VALUE[codec]) for r in peers}
@@ -512,8 +522,12 @@ def worker_tcp(a: argparse.Namespace) -> None:
             recv_exactly(sock, 1)
         cpu0 = cpu_tree()
         t_start = time.time()
-        threads = [threading.Thread(target=out[r].sendall, args=(view[:n],)) for r, n in sends.items()]
-        threads += [threading.Thread(target=recv_exactly, args=(inc[r], n)) for r, n in recvs.items()]
+        if a.impl == "tcp-deps":
+            threads = _butterfly_threads(out, inc, int(wire / a.world),
+                                         int(CHUNK_NUMEL * WIRE_BYTES_PER_VALUE[codec]), view, recv_exactly)
+        else:
+            threads = [threading.Thread(target=out[r].sendall, args=(view[:n],)) for r, n in sends.items()]
+            threads += [threading.Thread(target=recv_exactly, args=(inc[r], n)) for r, n in recvs.items()]
         for t in threads:
             t.start()
         for t in threads:
@@ -523,6 +537,35 @@ def worker_tcp(a: argparse.Namespace) -> None:
         emit({"go": t_go, "start": t_start, "end": t_end, "group_size": a.world, "cpu": cpu_delta(cpu0, cpu1)})
     for sock in [*out.values(), *inc.values(), listener]:
         sock.close()
+
+
+def _butterfly_threads(out: dict, inc: dict, part_bytes: int, chunk_bytes: int, view: memoryview,
+                       recv_exactly) -> list[threading.Thread]:
+    """tcp-deps: per peer r, a thread that sends our slices of r's part chunk by chunk on ``out[r]``, then our answers
+    of our part, chunk k once every peer's slice of chunk k arrived; and a thread that receives r's slices of our part
+    on ``inc[r]`` (counting each chunk's arrivals), then r's answers of its part."""
+    chunks = [min(chunk_bytes, part_bytes - start) for start in range(0, part_bytes, chunk_bytes)]
+    arrived = [0] * len(chunks)
+    changed = threading.Condition()
+
+    def send(r: int) -> None:
+        for n in chunks:
+            out[r].sendall(view[:n])
+        for k, n in enumerate(chunks):
+            with changed:
+                changed.wait_for(lambda: arrived[k] == len(inc))
+            out[r].sendall(view[:n])
+
+    def receive(r: int) -> None:
+        for k, n in enumerate(chunks):
+            recv_exactly(inc[r], n)
+            with changed:
+                arrived[k] += 1
+                changed.notify_all()
+        for n in chunks:
+            recv_exactly(inc[r], n)
+
+    return [threading.Thread(target=f, args=(r,)) for r in out for f in (send, receive)]
 
 
 def _upgrade_to_tls(out: dict, inc: dict) -> tuple[dict, dict]:
@@ -850,7 +893,9 @@ def render(rows: list[Row], scenarios: dict[str, Scenario], args, meta: dict) ->
            "here the link's shaped rate): every butterfly paces its connections at their shares of it "
            "(`SO_MAX_PACING_RATE`); tcp-paced = tcp-prop's bytes with each connection paced the same way; tcp-tls = "
            "tcp's bytes over TLS 1.3 (peerd's certificates) through blocking `ssl` sockets, a thread per connection: "
-           "what encryption through Python's `ssl` costs at the least."
+           "what encryption through Python's `ssl` costs at the least; tcp-deps = tcp's bytes in a butterfly's order with "
+           "its dependency (a peer answers chunk k of its part once every other peer's slice of chunk k arrived), each "
+           "connection paced as tcp-paced's."
            + (f" TCP congestion control of the peers' data sockets: {args.congestion} (`--congestion`)."
               if args.congestion else ""),
            ""]
@@ -928,7 +973,8 @@ def verdicts(rows: list[Row], scenarios: dict[str, Scenario], args) -> list[str]
     lines = ["Targets:", ""]
     for sc in scenarios.values():
         for codec in sc.codecs:
-            ceilings = {c: time_of(sc, c, codec) for c in CEILINGS if c not in ("tcp-prop", "tcp-paced", "tcp-tls")}
+            ceilings = {c: time_of(sc, c, codec) for c in CEILINGS
+                        if c not in ("tcp-prop", "tcp-paced", "tcp-tls", "tcp-deps")}
             paced = time_of(sc, "tcp-paced", codec)
             tcp_bound = time_of(sc, "tcp-prop", codec)
             for impl in ("peerd", *DIRECT):
@@ -940,6 +986,9 @@ def verdicts(rows: list[Row], scenarios: dict[str, Scenario], args) -> list[str]
                     f"{c} {b / ct:.2f}" for c, ct in ceilings.items() if ct)) if b and any(ceilings.values()) else ""
                 if b and paced:
                     tcp += f"; tcp-prop's bytes, each connection paced at its share (tcp-paced): {b / paced:.2f}"
+                deps = time_of(sc, "tcp-deps", codec)
+                if b and deps:
+                    tcp += f"; a butterfly's order and dependency over paced TCP (tcp-deps): {b / deps:.2f}"
                 if sc.key.startswith("wan"):
                     pattern = "tcp-ring" if impl == "peerd-ring" else "tcp"
                     ceiling = ceilings.get(pattern)
