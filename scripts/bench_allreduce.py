@@ -31,10 +31,10 @@ link rate (its bytes over all the sender's bytes): what TCP gets out of the butt
 do not compete. ``tcp-tls`` moves ``tcp``'s bytes over TLS 1.3 (peerd's certificates and contexts,
 :class:`peerd.transport.tls.PeerTLS`) through blocking ``ssl`` sockets, one thread per connection (OpenSSL runs
 without the GIL): what encryption through Python's ``ssl`` costs at the least, with no event loop and no framing.
-``tcp-deps`` moves ``tcp``'s bytes in the order and with the dependency of a butterfly all-reduce, each connection
-paced as ``tcp-paced``'s: every peer sends its slices of the others' parts chunk by chunk (chunks of
-``protocols.partition.CHUNK_NUMEL`` values), and answers chunk k of its own part only once every other peer's slice of
-chunk k arrived; no computation: what TCP allows the butterfly's pattern itself on these links.
+``tcp-deps`` moves ``tcp``'s bytes (equal parts) in the order and with the dependency of a butterfly all-reduce,
+each connection paced at an equal share of the sender's link rate: every peer sends its slices of the others' parts
+chunk by chunk (chunks of ``protocols.partition.CHUNK_NUMEL`` values), and answers chunk k of its own part only once
+every other peer's slice of chunk k arrived; no computation: what TCP allows the butterfly's pattern itself.
 No implementation can beat them by much: a 1,514-byte frame carries 1,448 bytes of payload (0.956),
 and the ACKs of the download share the upload.
 
@@ -90,8 +90,8 @@ CODECS = ("none", "fp16", "int8")
 #: encryption costs, measured here only; peerd itself has no plaintext mode.
 #: peerd-mux-paced = peerd-mux with each worker's uplink rate declared (the daemon's ``uplink_mb_s``) instead of
 #: measured, so that every butterfly paces its connections at their shares of it.
-#: tcp, tcp-ring, tcp-prop, tcp-paced, tcp-tls and tcp-deps are ceilings, not all-reduces (see the module docstring and
-#: worker_tcp).
+#: tcp, tcp-ring, tcp-prop, tcp-paced, tcp-tls and tcp-deps are ceilings, not all-reduces (see the module
+#: docstring and worker_tcp).
 IMPLS = ("peerd", "peerd-direct", "peerd-mux", "peerd-mux-plain", "peerd-mux-paced", "peerd-ring", "peerd-libp2p",
          "hivemind", "gloo", "tcp", "tcp-ring", "tcp-prop", "tcp-paced", "tcp-tls", "tcp-deps")
 #: The data-plane implementations of peerd (direct TLS streams), with the ceiling of the pattern each uses.
@@ -893,9 +893,9 @@ def render(rows: list[Row], scenarios: dict[str, Scenario], args, meta: dict) ->
            "here the link's shaped rate): every butterfly paces its connections at their shares of it "
            "(`SO_MAX_PACING_RATE`); tcp-paced = tcp-prop's bytes with each connection paced the same way; tcp-tls = "
            "tcp's bytes over TLS 1.3 (peerd's certificates) through blocking `ssl` sockets, a thread per connection: "
-           "what encryption through Python's `ssl` costs at the least; tcp-deps = tcp's bytes in a butterfly's order with "
-           "its dependency (a peer answers chunk k of its part once every other peer's slice of chunk k arrived), each "
-           "connection paced as tcp-paced's."
+           "what encryption through Python's `ssl` costs at the least; tcp-deps = tcp's bytes in a butterfly's order "
+           "with its dependency (a peer answers chunk k of its part once every other peer's slice of chunk k "
+           "arrived), each connection paced at an equal share of the sender's link."
            + (f" TCP congestion control of the peers' data sockets: {args.congestion} (`--congestion`)."
               if args.congestion else ""),
            ""]
