@@ -31,9 +31,9 @@ link rate (its bytes over all the sender's bytes): what TCP gets out of the butt
 do not compete. ``tcp-tls`` moves ``tcp``'s bytes over TLS 1.3 (peerd's certificates and contexts,
 :class:`peerd.transport.tls.PeerTLS`) through blocking ``ssl`` sockets, one thread per connection (OpenSSL runs
 without the GIL): what encryption through Python's ``ssl`` costs at the least, with no event loop and no framing.
-``tcp-deps`` moves ``tcp``'s bytes (equal parts) in the order and with the dependency of a butterfly all-reduce,
-each connection paced at an equal share of the sender's link rate: every peer sends its slices of the others' parts
-chunk by chunk (chunks of ``protocols.partition.CHUNK_NUMEL`` values), and answers chunk k of its own part only once
+``tcp-deps`` moves ``tcp-paced``'s bytes, paced the same way, in the order and with the dependency of a butterfly
+all-reduce: every peer sends its slices of the others' parts chunk by chunk (the butterfly's chunks,
+:func:`protocols.partition.chunk_bounds` of ``CHUNK_NUMEL`` values), and answers chunk k of its own part only once
 every other peer's slice of chunk k arrived; no computation: what TCP allows the butterfly's pattern itself.
 No implementation can beat them by much: a 1,514-byte frame carries 1,448 bytes of payload (0.956),
 and the ACKs of the download share the upload.
@@ -75,7 +75,7 @@ from benchlib import load_wan_testbed, machine_line, replace_section, result_arg
 from peerd.testing.localswarm import ProcessSet, kill_tree  # noqa: E402
 from protocols.allreduce import RATE_MIN_RUNS  # noqa: E402
 from protocols.allreduce.parts import connection_shares  # noqa: E402
-from protocols.partition import CHUNK_NUMEL  # noqa: E402
+from protocols.partition import CHUNK_NUMEL, chunk_bounds  # noqa: E402
 
 SECTION = "## All-reduce on a virtual WAN: peerd vs hivemind vs gloo (scripts/bench_allreduce.py)"
 CODECS = ("none", "fp16", "int8")
@@ -443,7 +443,8 @@ def worker_tcp(a: argparse.Namespace) -> None:
     """The ceilings (:data:`CEILINGS`): listen on ``--port`` + rank, dial every other
     peer once (warm connections, one per direction; tcp-tls: each then upgraded to TLS 1.3, the dialer's certificate
     pinned as the data plane's hello does), then per repetition: a barrier (one byte to and from every peer), then
-    send and receive the pattern's bytes, every connection in its own thread."""
+    send and receive the pattern's bytes, every connection in its own thread (tcp-deps: two per connection, in the
+    butterfly's order, :func:`_butterfly_threads`)."""
     import socket
 
     from peerd.transport.connection import TCP_CONGESTION_NAME, set_congestion
@@ -479,9 +480,9 @@ def worker_tcp(a: argparse.Namespace) -> None:
         out, inc = _upgrade_to_tls(out, inc)
     right = (a.rank + 1) % a.world
     view = memoryview(bytearray(int(2 * WIRE_BYTES_PER_VALUE["none"] * a.numel)))  # the largest send: 2 S
+    scratch = memoryview(bytearray(1 << 20))  # what every receiving thread reads into: the bytes are not kept
 
     def recv_exactly(sock: socket.socket, n: int) -> None:
-        scratch = memoryview(bytearray(min(n, 1 << 20) or 1))
         while n:
             got = sock.recv_into(scratch, min(n, len(scratch)))
             if not got:
@@ -494,19 +495,15 @@ def worker_tcp(a: argparse.Namespace) -> None:
             break
         codec = cmd[1]
         wire = WIRE_BYTES_PER_VALUE[codec] * a.numel
-        if a.impl in ("tcp", "tcp-tls", "tcp-deps"):
+        if a.impl in ("tcp", "tcp-tls"):
             sends = {r: int(2 * wire / a.world) for r in peers}
             recvs = dict(sends)
-            if a.impl == "tcp-deps" and a.rates_mbit[a.rank] > 0:
-                from peerd.transport.connection import set_pacing
-
-                for r in peers:
-                    set_pacing(out[r], a.rates_mbit[a.rank] * 1e6 / 8 / len(peers))
-        elif a.impl in ("tcp-prop", "tcp-paced"):  # to r: our slice of r's part and our part's answer; the same back
+        elif a.impl in ("tcp-prop", "tcp-paced", "tcp-deps"):
+            # to r: our slice of r's part and our part's answer; the same back
             sizes = proportional_parts(a.numel, a.rates_mbit)
             sends = {r: int((sizes[r] + sizes[a.rank]) * WIRE_BYTES_PER_VALUE[codec]) for r in peers}
             recvs = dict(sends)
-            if a.impl == "tcp-paced" and a.rates_mbit[a.rank] > 0:
+            if a.impl in ("tcp-paced", "tcp-deps") and a.rates_mbit[a.rank] > 0:
                 from peerd.transport.connection import set_pacing
 
                 shares = connection_shares(sizes, a.rank)
@@ -523,8 +520,7 @@ def worker_tcp(a: argparse.Namespace) -> None:
         cpu0 = cpu_tree()
         t_start = time.time()
         if a.impl == "tcp-deps":
-            threads = _butterfly_threads(out, inc, int(wire / a.world),
-                                         int(CHUNK_NUMEL * WIRE_BYTES_PER_VALUE[codec]), view, recv_exactly)
+            threads = _butterfly_threads(out, inc, sizes, a.rank, WIRE_BYTES_PER_VALUE[codec], view, recv_exactly)
         else:
             threads = [threading.Thread(target=out[r].sendall, args=(view[:n],)) for r, n in sends.items()]
             threads += [threading.Thread(target=recv_exactly, args=(inc[r], n)) for r, n in recvs.items()]
@@ -539,30 +535,35 @@ def worker_tcp(a: argparse.Namespace) -> None:
         sock.close()
 
 
-def _butterfly_threads(out: dict, inc: dict, part_bytes: int, chunk_bytes: int, view: memoryview,
+def _butterfly_threads(out: dict, inc: dict, sizes: list[int], me: int, bytes_per_value: float, view: memoryview,
                        recv_exactly) -> list[threading.Thread]:
-    """tcp-deps: per peer r, a thread that sends our slices of r's part chunk by chunk on ``out[r]``, then our answers
-    of our part, chunk k once every peer's slice of chunk k arrived; and a thread that receives r's slices of our part
-    on ``inc[r]`` (counting each chunk's arrivals), then r's answers of its part."""
-    chunks = [min(chunk_bytes, part_bytes - start) for start in range(0, part_bytes, chunk_bytes)]
-    arrived = [0] * len(chunks)
+    """tcp-deps: per peer r, a thread that sends our slices of r's part (``sizes[r]`` values) chunk by chunk on
+    ``out[r]``, then our answers of our part, chunk k once every peer's slice of chunk k arrived; and a thread that
+    receives r's slices of our part on ``inc[r]`` (counting each chunk's arrivals), then r's answers of its part.
+    Chunks are the butterfly's (:func:`protocols.partition.chunk_bounds` of :data:`CHUNK_NUMEL` values)."""
+
+    def chunk_bytes(part: int) -> list[int]:
+        return [int((b - a) * bytes_per_value) for a, b in chunk_bounds(sizes[part], CHUNK_NUMEL)]
+
+    ours = chunk_bytes(me)
+    arrived = [0] * len(ours)
     changed = threading.Condition()
 
     def send(r: int) -> None:
-        for n in chunks:
+        for n in chunk_bytes(r):
             out[r].sendall(view[:n])
-        for k, n in enumerate(chunks):
+        for k, n in enumerate(ours):
             with changed:
                 changed.wait_for(lambda: arrived[k] == len(inc))
             out[r].sendall(view[:n])
 
     def receive(r: int) -> None:
-        for k, n in enumerate(chunks):
+        for k, n in enumerate(ours):
             recv_exactly(inc[r], n)
             with changed:
                 arrived[k] += 1
                 changed.notify_all()
-        for n in chunks:
+        for n in chunk_bytes(r):
             recv_exactly(inc[r], n)
 
     return [threading.Thread(target=f, args=(r,)) for r in out for f in (send, receive)]
@@ -582,15 +583,16 @@ def _upgrade_to_tls(out: dict, inc: dict) -> tuple[dict, dict]:
     from peerd.transport.tls import PeerTLS
 
     tls = PeerTLS(Signer(Ed25519PrivateKey.generate()))
-    upgraded: dict[tuple[str, int], object] = {}
+    tls_out: dict[int, socket.socket] = {}
+    tls_in: dict[int, socket.socket] = {}
 
     def dial(r: int) -> None:
         out[r].sendall(struct.pack(">I", len(tls.certificate)) + tls.certificate)
-        upgraded["out", r] = tls.client_context.wrap_socket(out[r])
+        tls_out[r] = tls.client_context.wrap_socket(out[r])
 
     def accept(r: int) -> None:
         (n,) = struct.unpack(">I", inc[r].recv(4, socket.MSG_WAITALL))
-        upgraded["in", r] = tls.server_context(inc[r].recv(n, socket.MSG_WAITALL)).wrap_socket(inc[r], server_side=True)
+        tls_in[r] = tls.server_context(inc[r].recv(n, socket.MSG_WAITALL)).wrap_socket(inc[r], server_side=True)
 
     threads = [threading.Thread(target=dial, args=(r,)) for r in out]
     threads += [threading.Thread(target=accept, args=(r,)) for r in inc]
@@ -599,9 +601,10 @@ def _upgrade_to_tls(out: dict, inc: dict) -> tuple[dict, dict]:
     for t in threads:
         t.join()
     tls.close()
-    if len(upgraded) != len(out) + len(inc):
-        raise ConnectionError(f"{len(out) + len(inc) - len(upgraded)} TLS handshake(s) failed")
-    return {r: upgraded["out", r] for r in out}, {r: upgraded["in", r] for r in inc}
+    failed = len(out) - len(tls_out) + len(inc) - len(tls_in)
+    if failed:
+        raise ConnectionError(f"{failed} TLS handshake(s) failed")
+    return tls_out, tls_in
 
 
 def worker_main(a: argparse.Namespace) -> None:
@@ -893,9 +896,9 @@ def render(rows: list[Row], scenarios: dict[str, Scenario], args, meta: dict) ->
            "here the link's shaped rate): every butterfly paces its connections at their shares of it "
            "(`SO_MAX_PACING_RATE`); tcp-paced = tcp-prop's bytes with each connection paced the same way; tcp-tls = "
            "tcp's bytes over TLS 1.3 (peerd's certificates) through blocking `ssl` sockets, a thread per connection: "
-           "what encryption through Python's `ssl` costs at the least; tcp-deps = tcp's bytes in a butterfly's order "
-           "with its dependency (a peer answers chunk k of its part once every other peer's slice of chunk k "
-           "arrived), each connection paced at an equal share of the sender's link."
+           "what encryption through Python's `ssl` costs at the least; tcp-deps = tcp-paced's bytes, paced the same "
+           "way, in a butterfly's order with its dependency (a peer answers chunk k of its part once every other "
+           "peer's slice of chunk k arrived)."
            + (f" TCP congestion control of the peers' data sockets: {args.congestion} (`--congestion`)."
               if args.congestion else ""),
            ""]
@@ -976,7 +979,9 @@ def verdicts(rows: list[Row], scenarios: dict[str, Scenario], args) -> list[str]
             ceilings = {c: time_of(sc, c, codec) for c in CEILINGS
                         if c not in ("tcp-prop", "tcp-paced", "tcp-tls", "tcp-deps")}
             paced = time_of(sc, "tcp-paced", codec)
+            deps = time_of(sc, "tcp-deps", codec)
             tcp_bound = time_of(sc, "tcp-prop", codec)
+            floor = time_of(sc, "tcp-tls", codec)
             for impl in ("peerd", *DIRECT):
                 t = time_of(sc, impl, codec)
                 if t is None:
@@ -986,7 +991,6 @@ def verdicts(rows: list[Row], scenarios: dict[str, Scenario], args) -> list[str]
                     f"{c} {b / ct:.2f}" for c, ct in ceilings.items() if ct)) if b and any(ceilings.values()) else ""
                 if b and paced:
                     tcp += f"; tcp-prop's bytes, each connection paced at its share (tcp-paced): {b / paced:.2f}"
-                deps = time_of(sc, "tcp-deps", codec)
                 if b and deps:
                     tcp += f"; a butterfly's order and dependency over paced TCP (tcp-deps): {b / deps:.2f}"
                 if sc.key.startswith("wan"):
@@ -998,7 +1002,6 @@ def verdicts(rows: list[Row], scenarios: dict[str, Scenario], args) -> list[str]
                                  f"{of_tcp}: **{'met' if met else 'MISSED'}**{tcp}")
                 elif sc.loopback:
                     gt = time_of(sc, "gloo", codec)
-                    floor = time_of(sc, "tcp-tls", codec)
                     if gt:
                         lines.append(f"- {sc.title}, {codec}: {impl} {t / gt:.1f}x gloo (target <= 2.0x): "
                                      f"**{'met' if t / gt <= 2.0 else 'MISSED'}**"
