@@ -72,13 +72,16 @@ def test_the_peak_is_the_best_path_bound_window_the_rate_the_median_peak_and_a_p
     assert meter.rate() == pytest.approx(4e6)  # unpaced: no climb
     _stretch(meter, links, [both(1e6, 1e6)] * 10)  # one high reading is not paced at: the lower of two
     assert list(meter.peaks) == pytest.approx([4e6, 2e6]) and meter.rate() == pytest.approx(2e6)
-    _stretch(meter, links, [both(1e6, 1e6)] * 10, paced_at=2e6)  # the pace bound it: 5% more next time
+    halves = lambda rate: {"a": rate / 2, "b": rate / 2}  # noqa: E731 (each connection's pace)
+    _stretch(meter, links, [both(1e6, 1e6)] * 10, paced_at=2e6, paces=halves(2e6))  # the pace bound it: 5% more
     assert meter.rate() == pytest.approx(2.1e6)
-    _stretch(meter, links, [both(1.05e6, 1.05e6)] * 10, paced_at=2.1e6)  # and again
+    _stretch(meter, links, [both(1.05e6, 1.05e6)] * 10, paced_at=2.1e6, paces=halves(2.1e6))  # and again
     assert list(meter.peaks) == pytest.approx([2e6, 2e6, 2.1e6]) and meter.rate() == pytest.approx(2.205e6)
-    _stretch(meter, links, [both(1.05e6, 1.05e6)] * 10, paced_at=2.205e6)  # the path held it at 2.1: the median
+    # the path held it at 2.1: the median
+    _stretch(meter, links, [both(1.05e6, 1.05e6)] * 10, paced_at=2.205e6, paces=halves(2.205e6))
     assert list(meter.peaks) == pytest.approx([2e6, 2.1e6, 2.1e6]) and meter.rate() == pytest.approx(2.1e6)
-    _stretch(meter, links, [both(5e6, 5e6)] * 3, paced_at=2.1e6)  # shorter than a window: measures nothing
+    # shorter than a window: measures nothing
+    _stretch(meter, links, [both(5e6, 5e6)] * 3, paced_at=2.1e6, paces=halves(2.1e6))
     assert meter.rate() == pytest.approx(2.1e6) and len(meter.peaks) == 3
 
 
@@ -101,6 +104,31 @@ def test_a_pace_that_bound_a_connection_holds_while_slower_receivers_keep_the_to
     # no connection at its pace (they all share a bottleneck below it): the rate is what got through
     _stretch(meter, links, [step] * 10, paced_at=8e6, paces=paces)
     assert meter.rate() == pytest.approx(4e6, rel=0.2)
+
+
+def test_connections_paced_above_their_path_neither_hold_nor_climb_though_bunched_acknowledgements_read_at_pace():
+    """8 peers on equal links: 7 connections, each paced at 1/7 of 14 MB/s where the path carries 12; their
+    acknowledgements arrive in bunches, so over half a second a connection reads 0.7 to 1.3 times its average, above
+    its pace. Over the stretch none moved at its pace: the rate falls back to the peaks measured instead of holding
+    (or climbing from) the pace above the link."""
+    clock = _Clock()
+    links = _Links(clock)
+    peers = [f"p{i}" for i in range(7)]
+    for key, peer in enumerate(peers):
+        links.add(peer, key)
+    meter = UplinkMeter(links, window_s=0.5, history=3, gain=1.05, reach=0.98, max_rate=1e9, clock=clock)
+    bunched = [1.3] * 5 + [0.7] * 5  # each connection's rate per 0.1 s step, as a factor of its average
+    steps = [{(peer, key): (12e6 / 7 * bunched[(step + key) % 10], 1.0) for key, peer in enumerate(peers)}
+             for step in range(30)]
+    _stretch(meter, links, steps)  # unpaced: the peaks measured, bunched a little above the path's rate
+    measured = meter.rate()
+    assert 12e6 < measured < 13e6
+    paces = {peer: 14e6 / 7 for peer in peers}
+    first = [s[("p0", 0)][0] for s in steps]
+    assert max(sum(first[i:i + 5]) / 5 for i in range(26)) > 0.98 * paces["p0"]  # a window of one reads at its pace
+    for _ in range(3):
+        _stretch(meter, links, steps, paced_at=14e6, paces=paces)
+        assert meter.rate() == pytest.approx(measured)  # the median peak, not 14 (held) or 14.7 (climbed)
 
 
 def test_a_sender_slower_than_its_path_measures_nothing():
