@@ -54,10 +54,9 @@ class UplinkMeter:
     without this floor. Where the connections together moved at ``reach`` of their paces, the rate is at least
     ``gain`` x that stretch's pace, so a measurement that started low (a round whose receivers were the slower side)
     climbs 5% a round until the path holds it back; on a steady link the pace then stays within ``1 / reach`` of
-    the link's rate. None while
-    nothing is measured, or where the rate is above ``max_rate`` (1 Gbit/s by default: there the processors bound
-    an all-reduce, and pacing buys nothing): then nothing is paced. The kernel paces TCP payload, which is also what
-    is counted: the rate is in payload bytes, 2-4% under the link's rate in packets.
+    the link's rate. None while nothing is measured, or where the rate is above ``max_rate`` (1 Gbit/s by default:
+    there the processors bound an all-reduce, and pacing buys nothing): then nothing is paced. The kernel paces TCP
+    payload, which is also what is counted: the rate is in payload bytes, 2-4% under the link's rate in packets.
     """
 
     def __init__(self, counters: CountersFn, window_s: float = 0.5, sample_s: float = 0.05, history: int = 3,
