@@ -18,6 +18,7 @@ import collections
 import contextlib
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterable, Mapping, Optional
 
 logger = logging.getLogger(__name__)
@@ -28,6 +29,22 @@ PaceFn = Callable[[str, Optional[float]], bool]
 #: ``path_limited_s``:
 #: :meth:`peerd.transport.direct.DirectStreams.send_counters` (:class:`peerd.transport.connection.SendCounters`).
 CountersFn = Callable[[str], Mapping[Hashable, Any]]
+
+
+@dataclass
+class _PathBound:
+    """One connection's samples in which the path held its sending back, summed over a stretch."""
+
+    seconds: float = 0.0
+    delivered: float = 0.0
+    """Bytes that reached the receiver in those samples."""
+    paced: float = 0.0
+    """Bytes its pace allowed in those samples (pace x seconds)."""
+
+    def add(self, seconds: float, delivered: float, pace: float) -> None:
+        self.seconds += seconds
+        self.delivered += delivered
+        self.paced += pace * seconds
 
 
 class UplinkMeter:
@@ -89,10 +106,7 @@ class UplinkMeter:
         self._peak = 0.0
         self._path_limited = 0.0
         self._sampled_at: Optional[float] = None
-        # per peer, over the samples its connections were path-bound: seconds, bytes delivered, pace x seconds
-        self._held_s: dict[str, float] = {}
-        self._held_bytes: dict[str, float] = {}
-        self._held_pace: dict[str, float] = {}
+        self._bound: dict[str, _PathBound] = {}  # peer -> its samples that were path-bound, summed
 
     def sample(self, paces: Mapping[str, Optional[float]]) -> None:
         """Read the counters of the connections to the peers of ``paces`` (PeerID -> the rate in bytes/s its
@@ -102,7 +116,7 @@ class UplinkMeter:
         dt = now - self._sampled_at if self._sampled_at is not None else 0.0
         self._sampled_at = now
         for peer, pace in paces.items():
-            moved = held = 0.0  # this sample's bytes delivered, and path-bound seconds on its most held connection
+            moved = bound_s = 0.0  # this sample's bytes delivered; path-bound seconds of its most held connection
             for key, now_counters in self._counters(peer).items():
                 before = self._last.get(key)
                 if before is not None and now_counters.segments_delivered >= before.segments_delivered:
@@ -111,12 +125,10 @@ class UplinkMeter:
                     path_s = max(0.0, now_counters.path_limited_s - before.path_limited_s)
                     self._delivered[peer] = self._delivered.get(peer, 0) + delivered
                     self._path_s[key] = self._path_s.get(key, 0.0) + path_s
-                    moved, held = moved + delivered, max(held, path_s)
+                    moved, bound_s = moved + delivered, max(bound_s, path_s)
                 self._last[key] = now_counters
-            if pace and dt > 0 and held >= self.path_bound * dt:
-                self._held_s[peer] = self._held_s.get(peer, 0.0) + dt
-                self._held_bytes[peer] = self._held_bytes.get(peer, 0.0) + moved
-                self._held_pace[peer] = self._held_pace.get(peer, 0.0) + pace * dt
+            if pace and dt > 0 and bound_s >= self.path_bound * dt:
+                self._bound.setdefault(peer, _PathBound()).add(dt, moved, pace)
         self._window.append((now, dict(self._delivered), dict(self._path_s)))
         while len(self._window) > 2 and now - self._window[1][0] >= self.window_s:
             self._window.popleft()
@@ -129,22 +141,23 @@ class UplinkMeter:
                 self._peak = max(self._peak, sum((n - delivered.get(peer, 0)) / seconds
                                                  for peer, n in self._delivered.items()))
 
-    def _at_pace(self, peers: Iterable[str]) -> bool:
-        """Whether ``peers``' connections together moved at ``reach`` of their paces over the samples they were
-        path-bound, for at least ``window_s`` of this stretch."""
-        peers = list(peers)
-        if max((self._held_s[p] for p in peers), default=0.0) < self.window_s:
+    def _at_pace(self, bound: Iterable[_PathBound]) -> bool:
+        """Whether these connections together moved at ``reach`` of their paces over the samples they were
+        path-bound, one of them for at least ``window_s`` of this stretch."""
+        bound = list(bound)
+        if max((b.seconds for b in bound), default=0.0) < self.window_s:
             return False
-        return sum(self._held_bytes[p] for p in peers) >= self.reach * sum(self._held_pace[p] for p in peers)
+        return sum(b.delivered for b in bound) >= self.reach * sum(b.paced for b in bound)
 
     def end(self) -> None:
         """The stretch is over: its peak, if it measured one, joins the history."""
         paced_at = self._paced_at
         if self._peak > 0:
             self.peaks.append(self._peak)
-            reached = paced_at is not None and self._at_pace(self._held_s)
+            reached = paced_at is not None and self._at_pace(self._bound.values())
             self._climb = self.gain * paced_at if reached else None
-            self._hold = paced_at if paced_at is not None and any(self._at_pace([p]) for p in self._held_s) else None
+            held = paced_at is not None and any(self._at_pace([b]) for b in self._bound.values())
+            self._hold = paced_at if held else None
         self.path_limited = self._path_limited
         self.begin()
 
