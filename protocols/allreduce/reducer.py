@@ -173,8 +173,11 @@ class ReducerSide:
         gives it :data:`SLOW_SENDER_PACES` times its average time per chunk (at least :data:`SLOW_SENDER_GRACE_S`)
         for the next one, up to ``reducer_timeout_s`` (and never less than 1 s past the sender deadline); its chunks
         sealed without it are only read, and it is reported in ``late``, not banned. One that sends nothing for
-        longer is stalled: excluded and banned. A stream whose bytes the transport found altered on the path
-        (:class:`protocols.wire.StreamCorrupted`) excludes the member from this round without a ban (Refused)."""
+        longer is stalled: excluded and banned. A stream that breaks (Unreachable: its connection was reset or
+        lost, or the transport found its bytes altered on the path, :class:`protocols.wire.StreamCorrupted`)
+        excludes the member from this round without a ban (Refused): a crash, a pause, a dropped home link and an
+        attack on the path look alike, and none is the member's lie. A stream the member itself ends mid-part
+        (a ProtocolViolation) is, and is banned."""
         peer, k = request.peer, 0
         loop = asyncio.get_running_loop()
         opened = loop.time()
@@ -211,12 +214,11 @@ class ReducerSide:
         except (RpcTimeout, Unreachable) as e:
             if late:  # its part no longer counts here: a late stream that breaks off is no offence
                 raise Refused(f"late part not read: {e}", "timeout") from None
-            if isinstance(e, Unreachable) and isinstance(e.__cause__, StreamCorrupted):
-                reason = f"chunk {k} of {len(sizes)}: altered on the path: {e}"  # not the sender's doing: no ban
+            if isinstance(e, Unreachable):  # a broken stream is not a lie: excluded from this round, no ban
+                altered = isinstance(e.__cause__, StreamCorrupted)
+                reason = f"chunk {k} of {len(sizes)}: {'altered on the path' if altered else 'connection broken'}: {e}"
                 self._exclude(session, peer, reason, ban=False)
                 raise Refused(reason) from None
-            if isinstance(e, Unreachable):
-                return f"chunk {k} of {len(sizes)}: {type(e).__name__}: {e}"
             return (f"stalled: chunk {k} of {len(sizes)} not delivered within "
                     f"sender_timeout_s={self.config.sender_timeout_s}")
         except (ValueError, RpcError) as e:

@@ -4,6 +4,7 @@ parts, and the framed calls of the RPC layer underneath."""
 
 import asyncio
 import math
+import types
 
 import pytest
 import torch
@@ -259,6 +260,83 @@ def test_a_sender_stalling_or_dying_mid_chunk_does_not_hold_the_round(mode, aver
             for m in honest:
                 assert "stalled: chunk 2 of 4" in sessions[m].excluded[bad]
                 assert by_id[m].bans.is_banned(bad)
+
+    asyncio.run(main())
+
+
+class _BrokenReader:
+    """A reducer's reader of one member's part stream whose connection is lost once ``budget`` bytes were read:
+    ConnectionResetError, as a multiplexed connection's streams raise when it drops. Counts each break in
+    ``fired``."""
+
+    def __init__(self, inner, budget: int, fired: list):
+        self.inner, self.budget, self.fired = inner, budget, fired
+        self.read = 0
+
+    async def readexactly(self, n):
+        if self.read + n > self.budget:
+            self.fired.append(n)
+            raise ConnectionResetError("connection lost")
+        data = await self.inner.readexactly(n)
+        self.read += len(data)
+        return data
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+class _BreakingReduce(StreamsWrapper):
+    """Serves ``.reduce`` streams from ``victim`` through a :class:`_BrokenReader`."""
+
+    def __init__(self, inner, victim: str, budget: int, fired: list):
+        super().__init__(inner)
+        self.victim, self.budget, self.fired = victim, budget, fired
+
+    async def add_handler(self, name, handler):
+        if not name.endswith(".reduce"):
+            return await self.inner.add_handler(name, handler)
+
+        async def breaking(peer, reader, writer):
+            if peer == self.victim:
+                reader = _BrokenReader(reader, self.budget, self.fired)
+            return await handler(peer, reader, writer)
+
+        await self.inner.add_handler(name, breaking)
+
+
+def test_a_member_whose_connection_breaks_mid_part_is_excluded_from_the_round_not_banned(averaging_peers):
+    # every honest reducer loses its connection to peer03 in the middle of peer03's third chunk (a crash, a dropped
+    # home link, or a record altered on the path that the other end found): peer03 is excluded from this round at
+    # once, its first two chunks kept, and not banned (the next round may have it back); a stall is banned
+    async def main():
+        hub = Hub()
+        victim, fired = "peer03", []
+        budget = int(2.5 * CHUNK * 4)  # two whole chunks and half of the third, header and prefixes aside
+        wrap = lambda i, t: (types.SimpleNamespace(discovery=t.discovery,
+                                                   streams=_BreakingReduce(t.streams, victim, budget, fired))
+                             if i != 3 else t)
+        peers = await averaging_peers(hub, 4, "run", MM, _cfg(sender_timeout_s=5.0, reducer_timeout_s=10.0),
+                                      ban_s=60.0, wrap=wrap)
+        group, by_id = await _group(peers)
+        honest = [m for m in group.members if m != victim]
+        xs = {m: _vector(i, 4) for i, m in enumerate(group.members)}
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        out = await _run_all(group, by_id, xs)
+        elapsed = loop.time() - started
+        assert len(fired) == 3  # each honest reducer's stream from the victim broke once
+        assert elapsed < 5.0  # not held until the sender timeout
+        assert isinstance(out[victim], AllReduceFailed)  # its part was refused by every other reducer
+        with_victim, without = sum(xs.values()) / 4, sum(xs[m] for m in honest) / 3
+        part, cut_at = CHUNKS * CHUNK, 2 * CHUNK
+        for m in honest:
+            session = next(iter(by_id[m].allreduce._sessions.values()))
+            assert not by_id[m].bans.is_banned(victim)
+            assert "connection broken" in session.excluded[victim], session.excluded
+            i = group.members.index(m)
+            mine = torch.frombuffer(bytearray(b"".join(bytes(s) for s in session.sealed)), dtype=torch.float32)
+            assert torch.equal(mine[:cut_at], with_victim[i * part:i * part + cut_at])
+            assert torch.equal(mine[cut_at:], without[i * part + cut_at:(i + 1) * part])
 
     asyncio.run(main())
 
