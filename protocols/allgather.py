@@ -27,7 +27,8 @@ by everyone who heard every answer, and the sums stay identical. A member left o
 
 Failure semantics:
 - a vector that is malformed or oversized, or a header that is, excludes its sender (reported in
-  :attr:`AllReduceResult.excluded`, banned in the ban list, refused);
+  :attr:`AllReduceResult.excluded`, banned in the ban list, refused); a vector whose stream breaks (the connection
+  reset or lost: a crash, a dropped link, the path) excludes its sender from this round without a ban;
 - a member that refuses our vector fails our round (:class:`AllReduceFailed`: we cannot know its view), as a
   reducer's refusal fails a butterfly round;
 - a member that never answers (dead), or had not started this gather within ``sender_timeout_s`` of our call
@@ -273,11 +274,12 @@ class SparseAllGather(Service):
         self._sessions.pop(group_id, None)
         self._session_ready.pop(group_id, None)
 
-    def _exclude(self, session: _GatherSession, peer: str, reason: str) -> None:
+    def _exclude(self, session: _GatherSession, peer: str, reason: str, ban: bool = True) -> None:
         session.excluded[peer] = reason
         if not session.collected.is_set():  # a final view was already answered to others: it stays as it was
             session.contributions.pop(peer, None)
-        self.bans.ban(peer, reason)
+        if ban:
+            self.bans.ban(peer, reason)
         session.changed.set()
         logger.warning("excluded %s from group %s: %s", peer, session.group.group_id, reason,
                        extra={"event": "exclude", "peer": peer, "reason": reason})
@@ -319,6 +321,10 @@ class SparseAllGather(Service):
             positions, values = self.codec.decode_sparse(payload, numel)
         except RpcTimeout:
             reason = f"stalled: vector not delivered within sender_timeout_s={self.config.sender_timeout_s}"
+        except Unreachable as e:  # a broken stream is not a lie (a crash, a dropped link, the path): no ban
+            reason = f"connection broken: {e}"
+            self._exclude(session, peer, reason, ban=False)
+            raise Refused(reason) from None
         except (ValueError, RpcError) as e:
             reason = f"invalid vector: {type(e).__name__}: {e}"
         if reason is not None:

@@ -39,3 +39,42 @@ class StreamsWrapper:
 
     async def open(self, peer_id, name):
         return await self.inner.open(peer_id, name)
+
+
+class BrokenReader:
+    """A handler's reader of one stream whose connection is lost once ``budget`` bytes were read: ConnectionResetError,
+    as a multiplexed connection's streams raise when it drops. Counts each break in ``fired``."""
+
+    def __init__(self, inner, budget: int, fired: list):
+        self.inner, self.budget, self.fired = inner, budget, fired
+        self.read = 0
+
+    async def readexactly(self, n):
+        if self.read + n > self.budget:
+            self.fired.append(n)
+            raise ConnectionResetError("connection lost")
+        data = await self.inner.readexactly(n)
+        self.read += len(data)
+        return data
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+class BreakingHandler(StreamsWrapper):
+    """Serves the streams that ``victim`` opens to handlers named ``*suffix`` through a :class:`BrokenReader`."""
+
+    def __init__(self, inner, suffix: str, victim: str, budget: int, fired: list):
+        super().__init__(inner)
+        self.suffix, self.victim, self.budget, self.fired = suffix, victim, budget, fired
+
+    async def add_handler(self, name, handler):
+        if not name.endswith(self.suffix):
+            return await self.inner.add_handler(name, handler)
+
+        async def breaking(peer, reader, writer):
+            if peer == self.victim:
+                reader = BrokenReader(reader, self.budget, self.fired)
+            return await handler(peer, reader, writer)
+
+        await self.inner.add_handler(name, breaking)

@@ -13,7 +13,7 @@ from peerd.transport.inprocess import Hub
 from protocols.allreduce import AllReduceConfig, AllReduceFailed, ButterflyAllReduce, ChunkedPartReducer, MIN_SHARE
 from protocols.matchmaking import MatchmakingConfig
 from protocols.rpc import ProtocolViolation, Refused, RpcError, RpcTimeout, Service, call_framed
-from tests.streams import StreamsWrapper
+from tests.streams import BreakingHandler, StreamsWrapper
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -264,46 +264,6 @@ def test_a_sender_stalling_or_dying_mid_chunk_does_not_hold_the_round(mode, aver
     asyncio.run(main())
 
 
-class _BrokenReader:
-    """A reducer's reader of one member's part stream whose connection is lost once ``budget`` bytes were read:
-    ConnectionResetError, as a multiplexed connection's streams raise when it drops. Counts each break in
-    ``fired``."""
-
-    def __init__(self, inner, budget: int, fired: list):
-        self.inner, self.budget, self.fired = inner, budget, fired
-        self.read = 0
-
-    async def readexactly(self, n):
-        if self.read + n > self.budget:
-            self.fired.append(n)
-            raise ConnectionResetError("connection lost")
-        data = await self.inner.readexactly(n)
-        self.read += len(data)
-        return data
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-
-class _BreakingReduce(StreamsWrapper):
-    """Serves ``.reduce`` streams from ``victim`` through a :class:`_BrokenReader`."""
-
-    def __init__(self, inner, victim: str, budget: int, fired: list):
-        super().__init__(inner)
-        self.victim, self.budget, self.fired = victim, budget, fired
-
-    async def add_handler(self, name, handler):
-        if not name.endswith(".reduce"):
-            return await self.inner.add_handler(name, handler)
-
-        async def breaking(peer, reader, writer):
-            if peer == self.victim:
-                reader = _BrokenReader(reader, self.budget, self.fired)
-            return await handler(peer, reader, writer)
-
-        await self.inner.add_handler(name, breaking)
-
-
 def test_a_member_whose_connection_breaks_mid_part_is_excluded_from_the_round_not_banned(averaging_peers):
     # every honest reducer loses its connection to peer03 in the middle of peer03's third chunk (a crash, a dropped
     # home link, or a record altered on the path that the other end found): peer03 is excluded from this round at
@@ -313,7 +273,7 @@ def test_a_member_whose_connection_breaks_mid_part_is_excluded_from_the_round_no
         victim, fired = "peer03", []
         budget = int(2.5 * CHUNK * 4)  # two whole chunks and half of the third, header and prefixes aside
         wrap = lambda i, t: (types.SimpleNamespace(discovery=t.discovery,
-                                                   streams=_BreakingReduce(t.streams, victim, budget, fired))
+                                                   streams=BreakingHandler(t.streams, ".reduce", victim, budget, fired))
                              if i != 3 else t)
         peers = await averaging_peers(hub, 4, "run", MM, _cfg(sender_timeout_s=5.0, reducer_timeout_s=10.0),
                                       ban_s=60.0, wrap=wrap)

@@ -3,6 +3,7 @@ computed sum, exact sizes, garbage and dead members."""
 
 import asyncio
 import contextlib
+import types
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from protocols.allgather import SparseAllGather, vector_digest
 from protocols.allreduce import AllReduceConfig, AllReduceFailed
 from protocols.codecs import get_codec
 from protocols.rpc import RpcError, call
+from tests.streams import BreakingHandler
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -182,6 +184,41 @@ def test_a_member_dead_before_it_sent_holds_nobodys_collection_until_the_sender_
             session = next(iter(p.allreduce._sessions.values()))
             assert session.gone == {dead} and dead not in session.excluded and not p.bans.is_banned(dead)
         _assert_close(honest[0].averaged, _hand_mean(xs[:3], [1.0] * 3))
+
+    asyncio.run(main())
+
+
+def test_a_member_whose_connection_breaks_mid_vector_is_excluded_not_banned(averaging_peers):
+    # every other member loses its connection to the victim halfway through the victim's vector (a crash, a dropped
+    # link, a record altered on the path): the victim is left out of their views at once, and not banned
+    async def main():
+        n = 4
+        config = AllReduceConfig(compression="topk", exchange="gather", sender_timeout_s=5.0, reducer_timeout_s=10.0)
+        hub = Hub()
+        victim, fired = "peer03", []
+        wrap = lambda i, t: (types.SimpleNamespace(discovery=t.discovery,
+                                                   streams=BreakingHandler(t.streams, ".gather", victim, 1200, fired))
+                             if i != 3 else t)
+        peers = await averaging_peers(hub, [f"peer{i:02d}" for i in range(n)], allreduce=config,
+                                      allreduce_class=SparseAllGather, ban_s=60.0, wrap=wrap)
+        g = torch.Generator().manual_seed(7)
+        xs = [torch.randn(50_000, generator=g) for _ in range(n)]  # a 2,357-byte vector: broken after 1,200 bytes
+        group = (await asyncio.gather(*[p.matchmaker.form_group("g7", {}, expected_size=n) for p in peers]))[0]
+        by_id = {p.transport.streams.peer_id: (p, x) for p, x in zip(peers, xs)}
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        out = await asyncio.gather(*[by_id[m][0].allreduce.run(group, by_id[m][1], 1.0) for m in group.members],
+                                   return_exceptions=True)
+        elapsed = loop.time() - started
+        assert len(fired) == 3 and elapsed < 5.0, (fired, elapsed)
+        assert isinstance(out[group.members.index(victim)], AllReduceFailed)  # its vector refused by every other member
+        for m in group.members:
+            if m == victim:
+                continue
+            p = by_id[m][0]
+            assert not p.bans.is_banned(victim)
+            session = next(iter(p.allreduce._sessions.values()))
+            assert "connection broken" in session.excluded[victim], session.excluded
 
     asyncio.run(main())
 
