@@ -243,7 +243,7 @@ class GossipAverager(Service):
             payload = await request.payload(request.size, self.config.exchange_timeout_s)
             x_i = self.codec.decode(payload, numel)
         except (ProtocolViolation, ValueError, RpcTimeout, Unreachable) as e:
-            if not isinstance(e, RpcTimeout):
+            if not isinstance(e, (RpcTimeout, Unreachable)):  # a broken stream is not a lie: no ban
                 self.bans.ban(peer, f"invalid gossip exchange: {e}")
             raise Refused(str(e)) from None
         mine = self.codec.encode(x)
