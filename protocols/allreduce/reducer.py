@@ -177,7 +177,7 @@ class ReducerSide:
         lost, or the transport found its bytes altered on the path, :class:`protocols.wire.StreamCorrupted`)
         excludes the member from this round without a ban (Refused): a crash, a pause, a dropped home link and an
         attack on the path look alike, and none is the member's lie. A stream the member itself ends mid-part
-        (a ProtocolViolation) is, and is banned."""
+        breaks the protocol (ProtocolViolation): excluded and banned."""
         peer, k = request.peer, 0
         loop = asyncio.get_running_loop()
         opened = loop.time()

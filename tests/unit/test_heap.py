@@ -54,7 +54,8 @@ def test_freeze_heap_collects_the_garbage_there_is_then_freezes_what_lives(monke
         monkeypatch.delenv(heap.FREEZE_ENV)
         frozen = heap.freeze_heap()
         assert gone() is None
-        assert frozen == gc.get_freeze_count() > 0
+        # frozen objects that die leave the permanent generation: another thread (of an earlier test) may free some
+        assert frozen > 0 and 0 < gc.get_freeze_count() <= frozen
         assert not any(o is live for o in gc.get_objects())  # tracked objects outside the permanent generation
     finally:
         gc.unfreeze()
