@@ -2,6 +2,7 @@
 
 import asyncio
 import random
+import types
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from protocols.diloco import weighted_average
 from protocols.gossip import GossipAverager, GossipConfig, choose_partners, consensus_distance, pair_average
 from protocols.matchmaking import MatchmakingConfig, MatchmakingFailed
 from protocols.moshpit import Grid, MoshpitAverager, assign, group_mates, round_to_join
+from tests.streams import BreakingHandler
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -240,6 +242,32 @@ def test_gossip_8_peers_reaches_the_weighted_average():
             torch.testing.assert_close(s[0], reference, rtol=2e-3, atol=2e-3)
         # push-sum keeps the total weight
         assert abs(sum(s[1] for s in states) - sum(ws)) < 1e-6
+
+    asyncio.run(main())
+
+
+def test_a_gossip_exchange_whose_stream_breaks_is_refused_without_a_ban():
+    # the answering peer loses its connection halfway through the initiator's vector (a crash, a dropped link, a
+    # record altered on the path): the exchange fails, the answerer bans nobody, and neither state changed
+    async def main():
+        hub = Hub()
+        xs = [torch.full((2000,), float(i)) for i in range(2)]
+        fired = []
+        states = [[x.clone(), 1.0] for x in xs]
+        peers = []
+        for i, st in enumerate(states):
+            t = hub.transport(f"g{i:02d}")
+            if i == 1:
+                t = types.SimpleNamespace(discovery=t.discovery,
+                                          streams=BreakingHandler(t.streams, ".gossip", "g00", 4000, fired))
+            g = GossipAverager(t, "g", GossipConfig(1, "none", 2.0), lambda st=st: (st[0], st[1]),
+                               lambda x, w, st=st: st.__setitem__(slice(0, 2), [x, w]), seed=i)
+            await g.start()
+            peers.append(g)
+        result = await peers[0].gossip_round(["g00", "g01"])
+        assert len(fired) == 1 and result.failed == 1, (fired, result)
+        assert peers[1].bans.active() == {}  # (only the answerer's side broke here: the initiator read a refusal)
+        assert all(torch.equal(st[0], x) and st[1] == 1.0 for st, x in zip(states, xs))
 
     asyncio.run(main())
 
