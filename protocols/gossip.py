@@ -104,7 +104,9 @@ class GossipAverager(Service):
 
     An RPC service (:mod:`protocols.rpc`) named ``prefix`` with one method, ``gossip`` (stream handler
     ``<prefix>.gossip``): the request carries the initiator's ``(numel, weight, codec)`` and encoded x, the reply
-    the responder's weight and encoded x; a responder in another exchange refuses with code ``busy``.
+    the responder's weight and encoded x; a responder in another exchange refuses with code ``busy``. A malformed
+    request or answer (or a non-finite or wrongly sized vector) bans its sender; a refusal, a timeout or a stream
+    that breaks fails the exchange and bans nobody (a slow or dropped link is no lie).
 
     ``get_state() -> (x (P,) fp32, w)`` and ``set_state(x, w)`` give access to the averaged state; they are called
     only from the event loop, inside this averager's lock, so the state never changes mid-exchange.
@@ -166,7 +168,10 @@ class GossipAverager(Service):
             except (asyncio.TimeoutError, RpcTimeout):
                 logger.info("gossip exchange with %s timed out", peer)
                 return "failed"
-            except (ProtocolViolation, Refused, ValueError) as e:
+            except Refused as e:  # the partner said no (our request broke or came late at its end): no lie
+                logger.info("gossip exchange with %s refused: %s", peer, e.reason)
+                return "failed"
+            except (ProtocolViolation, ValueError) as e:
                 self.bans.ban(peer, f"invalid gossip answer: {e}")
                 return "failed"
             except Unreachable as e:
