@@ -284,6 +284,9 @@ def test_a_member_whose_connection_breaks_mid_part_is_excluded_from_the_round_no
         started = loop.time()
         out = await _run_all(group, by_id, xs)
         elapsed = loop.time() - started
+        print(f"FIGURE connection lost in chunk 3 of {CHUNKS}: fired {len(fired)}x; round ended after {elapsed:.2f} s "
+              f"(sender_timeout_s 5.0); banned by "
+              f"{sum(by_id[m].bans.is_banned(victim) for m in group.members if m != victim)}/3")
         assert len(fired) == 3  # each honest reducer's stream from the victim broke once
         assert elapsed < 5.0  # not held until the sender timeout
         assert isinstance(out[victim], AllReduceFailed)  # its part was refused by every other reducer
