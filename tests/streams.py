@@ -1,6 +1,7 @@
 """Stream helpers shared by tests."""
 
 import asyncio
+import types
 
 
 class CountingReader:
@@ -78,3 +79,10 @@ class BreakingHandler(StreamsWrapper):
             return await handler(peer, reader, writer)
 
         await self.inner.add_handler(name, breaking)
+
+
+def breaking_transport(transport, suffix: str, victim: str, budget: int, fired: list):
+    """``transport`` (discovery + streams) whose handlers named ``*suffix`` read ``victim``'s streams through a
+    :class:`BrokenReader` (see :class:`BreakingHandler`)."""
+    return types.SimpleNamespace(discovery=transport.discovery,
+                                 streams=BreakingHandler(transport.streams, suffix, victim, budget, fired))

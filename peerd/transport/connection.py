@@ -22,8 +22,9 @@ from protocols.wire import ProtocolViolation, StreamCorrupted
 
 #: Read-ahead a direct connection buffers before it stops reading from its socket (bytes).
 STREAM_LIMIT_BYTES = 1 << 20
-#: Receive buffer for small reads and read-ahead, per connection (bytes); grown while more is unread.
-_SCRATCH_BYTES = 256 * 1024
+#: A connection's read-ahead (:class:`ReadAhead`) at first, for small reads and bytes ahead of a read (bytes); grown
+#: while more is unread.
+_READ_AHEAD_BYTES = 256 * 1024
 #: A receive is offered at least this much space (bytes), else the read-ahead is compacted or grown.
 _MIN_SPACE_BYTES = 64 * 1024
 #: A read still missing at least this many bytes receives straight into its result (bytes).
@@ -187,7 +188,7 @@ class ReadAhead:
     (``bytearray`` copies a slice with ``memcpy``, so the two must not overlap), else to a larger array.
     """
 
-    def __init__(self, capacity: int = _SCRATCH_BYTES):
+    def __init__(self, capacity: int = _READ_AHEAD_BYTES):
         self.data = bytearray(capacity)
         self.start = 0
         self.end = 0
@@ -202,7 +203,7 @@ class ReadAhead:
             if unread <= self.start:  # compact: move the unread to the front (the two ranges do not overlap)
                 self.data[:unread] = memoryview(self.data)[self.start:self.end]
             else:  # a new array, not a resize: the transport may still hold a view of this one
-                grown = bytearray(max(2 * len(self.data), unread + _SCRATCH_BYTES))
+                grown = bytearray(max(2 * len(self.data), unread + _READ_AHEAD_BYTES))
                 grown[:unread] = memoryview(self.data)[self.start:self.end]
                 self.data = grown
             self.start, self.end = 0, unread
@@ -230,7 +231,7 @@ class ReadAhead:
     def put_back(self, received: memoryview) -> None:
         """Put ``received`` in front of the unread bytes (a cancelled large read's bytes)."""
         unread = memoryview(self.data)[self.start:self.end]
-        merged = bytearray(max(_SCRATCH_BYTES, len(received) + len(unread) + _MIN_SPACE_BYTES))
+        merged = bytearray(max(_READ_AHEAD_BYTES, len(received) + len(unread) + _MIN_SPACE_BYTES))
         merged[:len(received)] = received
         merged[len(received):len(received) + len(unread)] = unread
         self.data, self.start, self.end = merged, 0, len(received) + len(unread)

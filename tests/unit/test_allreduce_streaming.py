@@ -4,7 +4,6 @@ parts, and the framed calls of the RPC layer underneath."""
 
 import asyncio
 import math
-import types
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ from peerd.transport.inprocess import Hub
 from protocols.allreduce import AllReduceConfig, AllReduceFailed, ButterflyAllReduce, ChunkedPartReducer, MIN_SHARE
 from protocols.matchmaking import MatchmakingConfig
 from protocols.rpc import ProtocolViolation, Refused, RpcError, RpcTimeout, Service, call_framed
-from tests.streams import BreakingHandler, StreamsWrapper
+from tests.streams import StreamsWrapper, breaking_transport
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -272,9 +271,7 @@ def test_a_member_whose_connection_breaks_mid_part_is_excluded_from_the_round_no
         hub = Hub()
         victim, fired = "peer03", []
         budget = int(2.5 * CHUNK * 4)  # two whole chunks and half of the third, header and prefixes aside
-        wrap = lambda i, t: (types.SimpleNamespace(discovery=t.discovery,
-                                                   streams=BreakingHandler(t.streams, ".reduce", victim, budget, fired))
-                             if i != 3 else t)
+        wrap = lambda i, t: breaking_transport(t, ".reduce", victim, budget, fired) if i != 3 else t
         peers = await averaging_peers(hub, 4, "run", MM, _cfg(sender_timeout_s=5.0, reducer_timeout_s=10.0),
                                       ban_s=60.0, wrap=wrap)
         group, by_id = await _group(peers)

@@ -3,7 +3,6 @@ computed sum, exact sizes, garbage and dead members."""
 
 import asyncio
 import contextlib
-import types
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ from protocols.allgather import SparseAllGather, vector_digest
 from protocols.allreduce import AllReduceConfig, AllReduceFailed
 from protocols.codecs import get_codec
 from protocols.rpc import RpcError, call
-from tests.streams import BreakingHandler
+from tests.streams import breaking_transport
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -196,9 +195,7 @@ def test_a_member_whose_connection_breaks_mid_vector_is_excluded_not_banned(aver
         config = AllReduceConfig(compression="topk", exchange="gather", sender_timeout_s=5.0, reducer_timeout_s=10.0)
         hub = Hub()
         victim, fired = "peer03", []
-        wrap = lambda i, t: (types.SimpleNamespace(discovery=t.discovery,
-                                                   streams=BreakingHandler(t.streams, ".gather", victim, 1200, fired))
-                             if i != 3 else t)
+        wrap = lambda i, t: breaking_transport(t, ".gather", victim, 1200, fired) if i != 3 else t
         peers = await averaging_peers(hub, [f"peer{i:02d}" for i in range(n)], allreduce=config,
                                       allreduce_class=SparseAllGather, ban_s=60.0, wrap=wrap)
         g = torch.Generator().manual_seed(7)

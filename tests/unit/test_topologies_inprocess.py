@@ -2,7 +2,6 @@
 
 import asyncio
 import random
-import types
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ from protocols.diloco import weighted_average
 from protocols.gossip import GossipAverager, GossipConfig, choose_partners, consensus_distance, pair_average
 from protocols.matchmaking import MatchmakingConfig, MatchmakingFailed
 from protocols.moshpit import Grid, MoshpitAverager, assign, group_mates, round_to_join
-from tests.streams import BreakingHandler
+from tests.streams import breaking_transport
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -203,11 +202,15 @@ def _group_weights(names, r, weights):
     return out
 
 
-async def _gossip_peers(hub, xs, ws, k=2, compression="none"):
+async def _gossip_peers(hub, xs, ws, k=2, compression="none", wrap=None):
+    """Gossip averagers ``g00``... on ``hub``, each over a state ``[x, w]`` (returned too); ``wrap(index,
+    transport)``: e.g. a fault-injecting wrapper for one peer."""
     states = [[x.clone(), w] for x, w in zip(xs, ws)]
     peers = []
     for i, st in enumerate(states):
         t = hub.transport(f"g{i:02d}")
+        if wrap is not None:
+            t = wrap(i, t)
 
         def getter(st=st):
             return st[0], st[1]
@@ -254,17 +257,9 @@ def test_a_gossip_exchange_whose_stream_breaks_is_refused_without_a_ban():
         hub = Hub()
         xs = [torch.full((2000,), float(i)) for i in range(2)]
         fired = []
-        states = [[x.clone(), 1.0] for x in xs]
-        peers = []
-        for i, st in enumerate(states):
-            t = hub.transport(f"g{i:02d}")
-            if i == 1:
-                t = types.SimpleNamespace(discovery=t.discovery,
-                                          streams=BreakingHandler(t.streams, ".gossip", "g00", 4000, fired))
-            g = GossipAverager(t, "g", GossipConfig(1, "none", 2.0), lambda st=st: (st[0], st[1]),
-                               lambda x, w, st=st: st.__setitem__(slice(0, 2), [x, w]), seed=i)
-            await g.start()
-            peers.append(g)
+        peers, states = await _gossip_peers(
+            hub, xs, [1.0, 1.0], k=1,
+            wrap=lambda i, t: breaking_transport(t, ".gossip", "g00", 4000, fired) if i == 1 else t)
         result = await peers[0].gossip_round(["g00", "g01"])
         assert len(fired) == 1 and result.failed == 1, (fired, result)
         assert peers[1].bans.active() == {}
